@@ -1,0 +1,60 @@
+"""The critic (value model): the reward model's backbone and head applied at every position.
+
+Same on-disk layout as :mod:`openaligner.models.reward` (a one-label
+``*ForSequenceClassification`` directory), so a critic is initialised from a reward-model
+checkpoint simply by loading that directory, as NeMo-Aligner does. Must not know about the
+value loss, GAE or serving: those live in ``algorithms`` and ``servers``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openaligner.models.reward import ScalarHeadModel, check_scalar_inputs
+
+
+class CriticModel(ScalarHeadModel):
+    """Backbone + scalar head at every position: values [B, S]."""
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Differentiable values.
+
+        Args:
+            tokens: [B, S] int64, right-padded.
+            lengths: [B] valid tokens per row (default: all S); padding is masked out of attention.
+
+        Returns:
+            [B, S] float32 values (no standardization); positions ≥ length hold garbage.
+        """
+        return self.apply_head(self.hidden_states(tokens, lengths))
+
+    @torch.no_grad()
+    def infer(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int | None = None
+    ) -> torch.Tensor:
+        """Values for serving: eval mode, no grad, padding beyond ``max(lengths)`` skipped.
+
+        Args:
+            tokens: [B, S] int64, right-padded (any pad id).
+            lengths: [B] int64.
+            micro_batch_size: rows per forward pass (default: all at once).
+
+        Returns:
+            [B, S] float32 on the model's device, standardized when configured; positions
+            ≥ length are 0.
+        """
+        tokens, lengths = check_scalar_inputs(tokens, lengths, self.device)
+        out = torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
+        if tokens.shape[0] == 0:
+            return out
+        width = int(lengths.max())
+        step = micro_batch_size or tokens.shape[0]
+        was_training = self.training
+        self.eval()
+        try:
+            for i in range(0, tokens.shape[0], step):
+                out[i : i + step, :width] = self.forward(tokens[i : i + step, :width], lengths[i : i + step])
+        finally:
+            self.train(was_training)
+        valid = torch.arange(tokens.shape[1], device=self.device) < lengths.unsqueeze(-1)
+        return torch.where(valid, self.standardize(out), torch.zeros_like(out))
