@@ -1,0 +1,32 @@
+# Set-up and entry points. `make demo` and `make test` each do the whole set-up on a fresh machine.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+# torch is installed first, pinned, so that pip takes the local CPU wheel where one is provided
+# instead of resolving a range to the newest release with several GB of CUDA packages.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint setup clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+setup: $(BIN)/.installed
+
+demo: setup
+	$(BIN)/openaligner demo
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+
+# pytest exits 5 when it collects no test; make treats that as a failure like any other.
+test: lint
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

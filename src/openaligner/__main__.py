@@ -1,0 +1,6 @@
+"""``python -m openaligner`` is the ``openaligner`` command (also under torchrun)."""
+
+from openaligner.cli.main import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""PPO math for RLHF: masked statistics, KL estimators and controllers, reward shaping, GAE, losses.
+
+Pure tensor functions over the next-token-aligned layout (B batch, S-1 positions, mask 1 = valid).
+This package imports only torch and the standard library: no models, configs, servers or
+torch.distributed calls (cross-rank statistics take a ``reduce`` callable).
+"""
+
+from openaligner.algorithms.advantages import gae, gae_reference, td_errors
+from openaligner.algorithms.kl import KL_KINDS, AdaptiveKLController, FixedKLController, kl_penalty
+from openaligner.algorithms.logprobs import entropy_from_logits, logprobs_from_logits, next_token_logprobs
+from openaligner.algorithms.losses import (
+    LOSS_AGGREGATIONS,
+    PolicyLossStats,
+    ValueLossStats,
+    aggregate,
+    explained_variance,
+    ppo_policy_loss,
+    value_loss,
+)
+from openaligner.algorithms.masked import masked_mean, masked_mean_var, masked_sum, masked_var, masked_whiten
+from openaligner.algorithms.rewards import response_mask, shape_rewards
+
+__all__ = [
+    "KL_KINDS",
+    "LOSS_AGGREGATIONS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "PolicyLossStats",
+    "ValueLossStats",
+    "aggregate",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "gae_reference",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_mean_var",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "next_token_logprobs",
+    "ppo_policy_loss",
+    "response_mask",
+    "shape_rewards",
+    "td_errors",
+    "value_loss",
+]

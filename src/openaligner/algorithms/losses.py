@@ -1,0 +1,184 @@
+"""The clipped PPO policy loss, the clipped value loss and their diagnostics.
+
+Pure: tensors in, a scalar loss plus a frozen dataclass of detached scalar tensors out (no
+``.item()``, so no device sync inside the training step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from openaligner.algorithms.masked import masked_mean, masked_var
+
+LossAggregation = Literal["token_mean", "seq_mean_token_mean"]
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean")
+
+
+@dataclass(frozen=True)
+class PolicyLossStats:
+    """Detached scalar diagnostics of one policy-loss call (over the response mask)."""
+
+    clip_fraction: torch.Tensor  # share of tokens whose ratio left [1-ε, 1+ε_high]
+    dual_clip_fraction: torch.Tensor  # share of negative-advantage tokens capped by the dual clip
+    approx_kl: torch.Tensor  # k3 estimate of KL(old ‖ new): mean of (ratio − 1) − log ratio
+    ratio_mean: torch.Tensor  # NeMo-Aligner's ppo_ratio
+    ratio_clamped_mean: torch.Tensor  # NeMo-Aligner's ppo_ratio_clamped
+    entropy: torch.Tensor  # mean per-token entropy (0 when none was given)
+    pg_loss: torch.Tensor  # the policy-gradient part, before the entropy bonus
+
+
+@dataclass(frozen=True)
+class ValueLossStats:
+    """Detached scalar diagnostics of one value-loss call."""
+
+    clip_fraction: torch.Tensor  # share of tokens whose value moved more than the clip
+    explained_variance: torch.Tensor  # 1 − Var(R − V) / Var(R), of the given values
+    values_mean: torch.Tensor
+    returns_mean: torch.Tensor
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Reduce a per-token loss [B, S-1] to a scalar.
+
+    ``token_mean``: every valid token weighs the same (NeMo-Aligner, PPO2).
+    ``seq_mean_token_mean``: mean per sample, then mean over samples that have a valid token
+    (each sample weighs the same regardless of length).
+    """
+    if aggregation == "token_mean":
+        return masked_mean(loss, mask)
+    if aggregation == "seq_mean_token_mean":
+        per_sample = masked_mean(loss, mask, dim=-1)
+        has_tokens = (mask.sum(dim=-1) > 0).to(loss.dtype)
+        return masked_mean(per_sample, has_tokens)
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {LOSS_AGGREGATIONS}")
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    *,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    aggregation: str = "token_mean",
+    is_end: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """Clipped surrogate objective of PPO (Schulman et al. 2017, eq. 7), as a loss to minimise.
+
+    ``ratio = exp(logprobs − old_logprobs)``; per token
+    ``pg = max(−A·ratio, −A·clip(ratio, 1−ε, 1+ε_high))``; with ``dual_clip = c > 1`` the loss of
+    negative-advantage tokens is further capped at ``−c·A`` (Ye et al. 2020). Inside the clip
+    range the loss is exactly ``−A·ratio``.
+
+    Args:
+        logprobs: [B, S-1] log-probs of the sampled tokens under the current policy (with grad).
+        old_logprobs: [B, S-1] the same under the rollout policy.
+        advantages: [B, S-1].
+        mask: [B, S-1], 1 on response tokens.
+        clip_eps: ε (NeMo-Aligner's ``ratio_eps``, default there 0.2).
+        clip_eps_high: upper ε ("clip-higher"); defaults to ``clip_eps``.
+        dual_clip: the dual-clip constant c (> 1) or ``None``.
+        aggregation: see :func:`aggregate`.
+        is_end: [B] bool; when given, samples that never ended get no policy gradient
+            (NeMo-Aligner's default gating).
+        entropy: [B, S-1] per-token entropy of the current policy (with grad) for the bonus.
+        entropy_coef: weight of the entropy bonus (subtracted from the loss).
+
+    Returns:
+        ``(loss, stats)``. With no valid token the loss is 0 with zero gradient.
+    """
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    m = mask.to(logprobs.dtype)
+    loss_mask = m * is_end.to(m.dtype).unsqueeze(-1) if is_end is not None else m
+
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    ratio_clamped = ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
+    pg = torch.maximum(-advantages * ratio, -advantages * ratio_clamped)
+    dual_capped = torch.zeros_like(pg, dtype=torch.bool)
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        dual_capped = (advantages < 0) & (pg > cap)
+        pg = torch.where(advantages < 0, torch.minimum(pg, cap), pg)
+
+    pg_loss = aggregate(pg, loss_mask, aggregation)
+    loss = pg_loss
+    entropy_mean = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    if entropy is not None:
+        entropy_mean = aggregate(entropy, loss_mask, aggregation)
+        loss = loss - entropy_coef * entropy_mean
+
+    with torch.no_grad():
+        clipped = (ratio < 1.0 - clip_eps) | (ratio > 1.0 + eps_high)
+        negative = (advantages < 0).to(m.dtype) * m
+        stats = PolicyLossStats(
+            clip_fraction=masked_mean(clipped.to(m.dtype), m),
+            dual_clip_fraction=masked_mean(dual_capped.to(m.dtype), negative),
+            approx_kl=masked_mean(torch.expm1(log_ratio) - log_ratio, m),
+            ratio_mean=masked_mean(ratio, m),
+            ratio_clamped_mean=masked_mean(ratio_clamped, m),
+            entropy=entropy_mean.detach(),
+            pg_loss=pg_loss.detach(),
+        )
+    return loss, stats
+
+
+def explained_variance(predictions: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``1 − Var(targets − predictions) / Var(targets)`` over valid positions (a scalar).
+
+    1 is a perfect critic, 0 predicts no better than the mean, negative is worse. Returns NaN
+    when the targets have zero variance, as the quantity is undefined there.
+    """
+    var_t = masked_var(targets, mask)
+    var_r = masked_var(targets - predictions, mask)
+    return torch.where(var_t > 0, 1.0 - var_r / var_t, torch.full_like(var_t, float("nan")))
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None,
+) -> tuple[torch.Tensor, ValueLossStats]:
+    """Clipped value loss of PPO2: ``0.5·masked_mean(max((V_clip − R)², (V − R)²))``.
+
+    ``V_clip = old + clip(V − old, −clip, clip)``; ``clip`` of ``None`` or ≤ 0 disables clipping
+    (plain ``0.5·masked_mean((V − R)²)``). Token mean over the mask (NeMo-Aligner's critic).
+
+    Args:
+        values: [B, S-1] current critic values (with grad).
+        old_values: [B, S-1] values at rollout time.
+        returns: [B, S-1] GAE returns (targets).
+        mask: [B, S-1].
+
+    Returns:
+        ``(loss, stats)``.
+    """
+    unclipped = (values - returns).square()
+    if clip is not None and clip > 0:
+        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+        per_token = torch.maximum((clipped_values - returns).square(), unclipped)
+    else:
+        per_token = unclipped
+    loss = 0.5 * masked_mean(per_token, mask)
+    with torch.no_grad():
+        moved = (
+            (values - old_values).abs() > clip if clip is not None and clip > 0 else torch.zeros_like(mask)
+        )
+        stats = ValueLossStats(
+            clip_fraction=masked_mean(moved.to(values.dtype), mask),
+            explained_variance=explained_variance(values, returns, mask),
+            values_mean=masked_mean(values, mask),
+            returns_mean=masked_mean(returns, mask),
+        )
+    return loss, stats

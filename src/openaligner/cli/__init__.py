@@ -1,0 +1,1 @@
+"""The ``openaligner`` command line: one thin module per subcommand, registered in ``main``."""

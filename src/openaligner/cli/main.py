@@ -1,0 +1,67 @@
+"""``openaligner <command> [CONFIG.yaml] [key=value ...]``: dispatch to one module per command.
+
+Each command module exposes ``SCHEMA`` (its config dataclass) and ``run(cfg) -> int``. Modules are
+imported lazily so that ``openaligner --help`` stays fast and a command only loads what it uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from openaligner.config import ConfigError, config_to_yaml, load_config
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("openaligner.cli.demo", "run the built-in end-to-end example and report what it shows"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="openaligner",
+        description="RLHF with PPO on Hugging Face models; reward model and critic served over HTTP.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp.add_argument(
+            "args",
+            nargs="*",
+            metavar="[CONFIG.yaml] [key=value ...]",
+            help="optional YAML config file, then dotted overrides",
+        )
+        sp.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return p
+
+
+def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Split ``[CONFIG.yaml] [key=value ...]`` into the config path and the overrides."""
+    if args and "=" not in args[0]:
+        return args[0], list(args[1:])
+    return None, list(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    if ns.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[ns.command][0])
+    path, overrides = split_config_args(ns.args)
+    try:
+        cfg = load_config(module.SCHEMA, path, overrides)
+    except ConfigError as e:
+        print(f"openaligner {ns.command}: {e}", file=sys.stderr)
+        return 2
+    if ns.print_config:
+        print(config_to_yaml(cfg), end="")
+        return 0
+    return int(module.run(cfg) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,9 @@
+"""Typed configuration: dataclass schemas loaded from YAML with dotted ``key=value`` overrides.
+
+Owns loading, merging, validation errors and saving resolved configs. Schemas for each component
+live next to the code that consumes them; constructors receive plain values, never this module.
+"""
+
+from openaligner.config.loading import ConfigError, config_to_yaml, load_config, save_config
+
+__all__ = ["ConfigError", "config_to_yaml", "load_config", "save_config"]

@@ -1,0 +1,140 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openaligner.algorithms import aggregate, explained_variance, ppo_policy_loss, value_loss
+
+
+def test_policy_loss_worked_example():
+    # ratios e^{0.1}≈1.105 (inside 0.2), e^{0.5}≈1.649 (above), e^{−0.5}≈0.607 (below)
+    old = torch.zeros(1, 3)
+    new = torch.tensor([[0.1, 0.5, -0.5]])
+    adv = torch.tensor([[1.0, 2.0, -1.0]])
+    mask = torch.ones(1, 3)
+    loss, stats = ppo_policy_loss(new, old, adv, mask, clip_eps=0.2)
+    # t0: max(−1·1.105, −1·1.105) = −1.105
+    # t1: A>0, ratio clipped to 1.2: max(−2·1.649, −2·1.2) = −2.4
+    # t2: A<0, ratio clipped to 0.8: max(0.607, 0.8) = 0.8
+    expected = (-math.exp(0.1) - 2.4 + 0.8) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert stats.clip_fraction.item() == pytest.approx(2 / 3)
+    assert stats.ratio_mean.item() == pytest.approx((math.exp(0.1) + math.exp(0.5) + math.exp(-0.5)) / 3)
+    assert stats.ratio_clamped_mean.item() == pytest.approx((math.exp(0.1) + 1.2 + 0.8) / 3)
+    # approx KL (k3 of old‖new): mean of (r − 1) − log r
+    k3 = [math.exp(x) - 1 - x for x in (0.1, 0.5, -0.5)]
+    assert stats.approx_kl.item() == pytest.approx(sum(k3) / 3, rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.floats(0.05, 0.5))
+def test_inside_clip_range_loss_is_minus_advantage_times_ratio(seed, eps):
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    # log-ratios well inside (log(1−ε), log(1+ε))
+    log_ratio = (torch.rand(3, 5, generator=g, dtype=torch.float64) * 2 - 1) * 0.9 * math.log1p(eps) * 0.9
+    new = (old + log_ratio).requires_grad_()
+    adv = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    mask = (torch.rand(3, 5, generator=g) > 0.3).double()
+    mask[0, 0] = 1.0
+    loss, stats = ppo_policy_loss(new, old, adv, mask, clip_eps=eps)
+    ratio = torch.exp(new - old)
+    expected = ((-adv * ratio) * mask).sum() / mask.sum()
+    assert torch.allclose(loss, expected)
+    assert stats.clip_fraction.item() == 0.0
+    # and so is the gradient
+    (g1,) = torch.autograd.grad(loss, new)
+    (g2,) = torch.autograd.grad(expected, new)
+    assert torch.allclose(g1, g2)
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    old = torch.zeros(1, 2)
+    new = torch.tensor([[2.0, 2.0]])  # ratio e² ≈ 7.39
+    adv = torch.tensor([[-1.0, 1.0]])
+    mask = torch.ones(1, 2)
+    plain, _ = ppo_policy_loss(new, old, adv, mask, clip_eps=0.2)
+    capped, stats = ppo_policy_loss(new, old, adv, mask, clip_eps=0.2, dual_clip=3.0)
+    # t0 plain: max(7.39, 1.2) = 7.39; dual-clipped: min(7.39, 3) = 3. t1: −1.2 either way.
+    assert plain.item() == pytest.approx((math.exp(2) - 1.2) / 2, rel=1e-6)
+    assert capped.item() == pytest.approx((3.0 - 1.2) / 2, rel=1e-6)
+    assert stats.dual_clip_fraction.item() == 1.0
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo_policy_loss(new, old, adv, mask, clip_eps=0.2, dual_clip=0.5)
+
+
+def test_is_end_gating_removes_gradient_of_unfinished_samples():
+    old = torch.zeros(2, 3)
+    new = torch.zeros(2, 3, requires_grad=True)
+    adv = torch.ones(2, 3)
+    mask = torch.ones(2, 3)
+    loss, _ = ppo_policy_loss(new, old, adv, mask, clip_eps=0.2, is_end=torch.tensor([True, False]))
+    loss.backward()
+    assert new.grad is not None
+    assert new.grad[1].abs().sum().item() == 0.0
+    assert new.grad[0].abs().sum().item() > 0.0
+    # nobody ended → zero loss and zero gradient, but still differentiable
+    new2 = torch.zeros(2, 3, requires_grad=True)
+    loss2, _ = ppo_policy_loss(new2, old, adv, mask, clip_eps=0.2, is_end=torch.tensor([False, False]))
+    loss2.backward()
+    assert loss2.item() == 0.0 and new2.grad is not None and new2.grad.abs().sum().item() == 0.0
+
+
+def test_entropy_bonus_and_aggregation():
+    old = torch.zeros(2, 3)
+    new = torch.zeros(2, 3)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    ent = torch.tensor([[1.0, 1.0, 1.0], [3.0, 0.0, 0.0]])
+    tok, st_tok = ppo_policy_loss(new, old, adv, mask, 0.2, entropy=ent, entropy_coef=0.1)
+    # token mean: pg = −(1+1+1+4)/4 = −1.75; entropy mean (1+1+1+3)/4 = 1.5 → −1.75 − 0.15
+    assert tok.item() == pytest.approx(-1.9)
+    assert st_tok.entropy.item() == pytest.approx(1.5)
+    seq, _ = ppo_policy_loss(new, old, adv, mask, 0.2, aggregation="seq_mean_token_mean")
+    # per sample: −1 and −4 → −2.5
+    assert seq.item() == pytest.approx(-2.5)
+    with pytest.raises(ValueError, match="aggregation"):
+        aggregate(adv, mask, "sum")
+
+
+def test_value_loss_worked_example():
+    values = torch.tensor([[1.0, 0.5, 3.0]])
+    old = torch.tensor([[0.0, 0.4, 3.0]])
+    returns = torch.tensor([[2.0, 0.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, stats = value_loss(values, old, returns, mask, clip=0.2)
+    # t0: V moved 1.0 > 0.2 → V_clip = 0.2; max((0.2−2)², (1−2)²) = max(3.24, 1) = 3.24
+    # t1: moved 0.1 → V_clip = V = 0.5; (0.5)² = 0.25. t2 masked.
+    assert loss.item() == pytest.approx(0.5 * (3.24 + 0.25) / 2)
+    assert stats.clip_fraction.item() == pytest.approx(0.5)
+    unclipped, _ = value_loss(values, old, returns, mask, clip=None)
+    assert unclipped.item() == pytest.approx(0.5 * (1.0 + 0.25) / 2)
+
+
+def test_explained_variance():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    mask = torch.ones(1, 4)
+    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    mean_pred = torch.full_like(returns, 2.5)
+    assert explained_variance(mean_pred, returns, mask).item() == pytest.approx(0.0)
+    assert math.isnan(explained_variance(returns, torch.ones(1, 4), mask).item())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.floats(-100, 100))
+def test_losses_ignore_padded_positions(seed, junk):
+    g = torch.Generator().manual_seed(seed)
+    shape = (3, 6)
+    new, old, adv = (torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = (torch.rand(*shape, generator=g) > 0.4).double()
+    pad = ~mask.bool()
+    l1, _ = ppo_policy_loss(new, old, adv, mask, 0.2)
+    l2, _ = ppo_policy_loss(
+        new.masked_fill(pad, junk), old.masked_fill(pad, -junk), adv.masked_fill(pad, junk), mask, 0.2
+    )
+    assert torch.allclose(l1, l2)
+    v1, _ = value_loss(new, old, adv, mask, 0.2)
+    v2, _ = value_loss(new.masked_fill(pad, junk), old, adv.masked_fill(pad, junk), mask, 0.2)
+    assert torch.allclose(v1, v2)
