@@ -21,7 +21,7 @@ demo: setup
 	$(BIN)/openaligner demo
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check
 	$(BIN)/mypy
 
 # pytest exits 5 when it collects no test; make treats that as a failure like any other.
