@@ -1,0 +1,1 @@
+"""Durable outputs: atomic checkpoints and metric sinks (JSONL, TensorBoard, W&B)."""

@@ -1,0 +1,212 @@
+"""Atomic, verifiable checkpoint directories with a ``latest`` pointer, retention and best-by-metric.
+
+A checkpoint is a directory ``<root>/step_<N>`` written in a temporary sibling and renamed into
+place only once complete; a ``manifest.json`` written last lists every file with its size and
+SHA-256, so a directory that lost a file or holds a truncated one is detected and skipped with a
+warning. ``<root>/latest`` names the newest complete checkpoint and is replaced atomically.
+Owns file layout and crash safety; knows nothing of what the files contain.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that readers see the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """``None`` if ``path`` is a complete checkpoint, else the reason it is not."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        return "no manifest (the write did not finish)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return f"unreadable manifest: {e}"
+    for rel, entry in manifest.get("files", {}).items():
+        f = path / rel
+        if not f.is_file():
+            return f"missing file {rel}"
+        if f.stat().st_size != entry["size"]:
+            return f"{rel} has {f.stat().st_size} bytes, expected {entry['size']}"
+        if _sha256(f) != entry["sha256"]:
+            return f"{rel} does not match its checksum"
+    return None
+
+
+class CheckpointManager:
+    """Writes and finds checkpoints under ``root``.
+
+    Args:
+        root: directory holding ``step_<N>`` checkpoints and the ``latest`` pointer.
+        keep_last: keep this many newest checkpoints (plus the best one); ``0`` keeps all.
+        best_metric: name of the metric that picks the best checkpoint (e.g. ``val_rewards``);
+            ``None`` disables best tracking.
+        best_mode: ``max`` or ``min``.
+    """
+
+    def __init__(
+        self, root: str | Path, keep_last: int = 0, best_metric: str | None = None, best_mode: str = "max"
+    ) -> None:
+        if best_mode not in ("max", "min"):
+            raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.best_metric = best_metric
+        self.best_mode = best_mode
+
+    def save(self, step: int, write: Callable[[Path], None], metrics: dict[str, float] | None = None) -> Path:
+        """Create ``step_<step>`` by calling ``write(tmp_dir)``, then seal and publish it.
+
+        ``write`` fills a fresh temporary directory; only after it returns are checksums
+        recorded, the directory renamed into place and ``latest`` updated. A crash at any point
+        leaves the previous checkpoint and pointer intact.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / f"step_{step}"
+        tmp = self.root / f".tmp-step_{step}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        write(tmp)
+        files = {
+            str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file()
+        }
+        manifest = {"step": step, "metrics": metrics or {}, "files": files}
+        write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        _fsync_dir(tmp)
+        if final.exists():
+            # Re-saving a step (e.g. after a resume) replaces it; move the old one aside first so
+            # the rename below is atomic.
+            trash = self.root / f".old-step_{step}-{os.getpid()}"
+            os.replace(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        write_text_atomic(self.root / LATEST, final.name + "\n")
+        self._prune()
+        return final
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """All ``step_<N>`` directories, complete or not, sorted by step."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for p in self.root.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m and p.is_dir():
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or ``None``; incomplete ones are skipped with a warning."""
+        pointer = self.root / LATEST
+        candidates = [p for _, p in reversed(self.checkpoints())]
+        if pointer.is_file():
+            named = self.root / pointer.read_text().strip()
+            candidates = [named] + [p for p in candidates if p != named]
+        for path in candidates:
+            problem = verify_checkpoint(path)
+            if problem is None:
+                return path
+            log.warning("skipping checkpoint %s: %s", path, problem)
+        return None
+
+    def metrics_of(self, path: Path) -> dict[str, Any]:
+        return dict(json.loads((path / MANIFEST).read_text()).get("metrics", {}))
+
+    def best(self) -> Path | None:
+        """The complete checkpoint with the best ``best_metric``, or ``None``."""
+        if self.best_metric is None:
+            return None
+        scored = []
+        for _, p in self.checkpoints():
+            if verify_checkpoint(p) is None:
+                value = self.metrics_of(p).get(self.best_metric)
+                if value is not None:
+                    scored.append((float(value), p))
+        if not scored:
+            return None
+        return (max if self.best_mode == "max" else min)(scored, key=lambda t: t[0])[1]
+
+    def _prune(self) -> None:
+        # Leftovers of writers that crashed: never published, safe to delete.
+        for pattern in (".tmp-step_*", ".old-step_*"):
+            for leftover in self.root.glob(pattern):
+                if leftover.is_dir():
+                    shutil.rmtree(leftover, ignore_errors=True)
+        if self.keep_last <= 0:
+            return
+        all_ckpts = self.checkpoints()
+        keep = {p for _, p in all_ckpts[-self.keep_last :]}
+        best = self.best()
+        if best is not None:
+            keep.add(best)
+        for _, p in all_ckpts:
+            if p not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a run draws from: Python, NumPy, torch CPU and (when present) CUDA."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

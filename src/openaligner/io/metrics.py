@@ -1,0 +1,108 @@
+"""Metric sinks: JSONL (always), TensorBoard and Weights & Biases (when enabled and installed).
+
+Metric names are namespaced (``rollout/…``, ``policy/…``, ``value/…``, ``timing/…``); values are
+plain floats. Owns where metrics go; knows nothing of how they are computed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    """Writes scalar metrics and sample tables of one run.
+
+    Args:
+        log_dir: run directory; ``metrics.jsonl`` and ``tables.jsonl`` go there, TensorBoard events
+            under ``tensorboard/``.
+        tensorboard: also write TensorBoard events.
+        wandb_project: if set and ``wandb`` is importable, also log to W&B.
+        enabled: ``False`` on non-zero data-parallel ranks so that only one process writes.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | Path,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        run_name: str | None = None,
+        enabled: bool = True,
+        append: bool = True,
+    ) -> None:
+        self.enabled = enabled
+        self.log_dir = Path(log_dir)
+        self._tb: Any = None
+        self._wandb: Any = None
+        if not enabled:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        mode = "a" if append else "w"
+        self._jsonl = (self.log_dir / "metrics.jsonl").open(mode)
+        self._tables = (self.log_dir / "tables.jsonl").open(mode)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.log_dir / "tensorboard"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                log.warning("wandb_project is set but wandb is not installed; skipping W&B")
+            else:
+                self._wandb = wandb.init(project=wandb_project, name=run_name, dir=str(self.log_dir))
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Record scalars at ``step``. Non-finite values are kept in JSONL as null."""
+        if not self.enabled:
+            return
+        clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
+        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in clean.items():
+                if v is not None:
+                    self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(dict(metrics), step=step)
+
+    def log_table(self, name: str, rows: Sequence[Mapping[str, Any]], step: int) -> None:
+        """Record a table of samples (e.g. prompt, response, reward) at ``step``."""
+        if not self.enabled:
+            return
+        self._tables.write(json.dumps({"step": step, "table": name, "rows": list(rows)}) + "\n")
+        self._tables.flush()
+        if self._tb is not None:
+            text = "\n".join("| " + " | ".join(str(v) for v in r.values()) + " |" for r in rows)
+            if rows:
+                header = "| " + " | ".join(rows[0].keys()) + " |\n|" + "---|" * len(rows[0]) + "\n"
+                self._tb.add_text(name, header + text, step)
+        if self._wandb is not None and rows:
+            import wandb
+
+            cols = list(rows[0].keys())
+            self._wandb.log(
+                {name: wandb.Table(columns=cols, data=[list(r.values()) for r in rows])}, step=step
+            )
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.close()
+        self._tables.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a JSONL metrics file (for reports, plots and tests)."""
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,83 @@
+import logging
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state, verify_checkpoint
+
+
+def _writer(payload: str):
+    def write(d):
+        (d / "weights.bin").write_text(payload)
+        (d / "sub").mkdir()
+        (d / "sub" / "state.json").write_text("{}")
+
+    return write
+
+
+def test_save_publishes_complete_checkpoint_and_latest(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    p1 = mgr.save(1, _writer("a"))
+    p2 = mgr.save(2, _writer("b"))
+    assert verify_checkpoint(p1) is None and verify_checkpoint(p2) is None
+    assert mgr.latest() == p2
+    assert (tmp_path / "latest").read_text().strip() == "step_2"
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_crash_inside_write_leaves_previous_checkpoint(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    good = mgr.save(1, _writer("a"))
+
+    def crashing(d):
+        (d / "weights.bin").write_text("partial")
+        raise KeyboardInterrupt  # the process dies mid-write
+
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(2, crashing)
+    assert mgr.latest() == good
+    assert not (tmp_path / "step_2").exists()
+    # the next successful save cleans the leftover temporary directory
+    mgr.save(3, _writer("c"))
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_corrupt_or_incomplete_checkpoints_are_skipped_with_warning(tmp_path, caplog):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, _writer("a"))
+    p2 = mgr.save(2, _writer("bbbb"))
+    (p2 / "weights.bin").write_text("bxbb")  # same size, different bytes
+    with caplog.at_level(logging.WARNING):
+        assert mgr.latest() == tmp_path / "step_1"
+    assert "checksum" in caplog.text
+    (tmp_path / "step_3").mkdir()  # a directory with no manifest, e.g. copied by hand halfway
+    assert mgr.latest() == tmp_path / "step_1"
+    (tmp_path / "step_1" / "sub" / "state.json").unlink()
+    assert mgr.latest() is None
+    assert "missing file" in caplog.text
+
+
+def test_keep_last_keeps_best(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2, best_metric="val_rewards", best_mode="max")
+    for step, reward in [(1, 0.1), (2, 0.9), (3, 0.2), (4, 0.3), (5, 0.4)]:
+        mgr.save(step, _writer(str(step)), {"val_rewards": reward})
+    assert [s for s, _ in mgr.checkpoints()] == [2, 4, 5]
+    assert mgr.best() == tmp_path / "step_2"
+    assert mgr.latest() == tmp_path / "step_5"
+
+
+def test_resave_same_step_replaces_it(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, _writer("a"))
+    p = mgr.save(1, _writer("zz"))
+    assert (p / "weights.bin").read_text() == "zz" and verify_checkpoint(p) is None
+
+
+def test_rng_state_round_trip():
+    state = rng_state()
+    a = (random.random(), np.random.rand(), torch.rand(2))
+    set_rng_state(state)
+    b = (random.random(), np.random.rand(), torch.rand(2))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
