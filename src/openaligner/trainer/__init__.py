@@ -1,0 +1,1 @@
+"""Training loops: PPO (PPOTrainer), SFT and reward-model training, and their state."""

@@ -1,0 +1,127 @@
+"""Turn one rollout (tokens, log-probs, scores, values) into PPO training data and rollout metrics.
+
+This is the trainer's ``generate_ppo_data`` step as a plain function: KL-shaped rewards, the
+response mask, GAE and global advantage whitening, all from :mod:`openaligner.algorithms`.
+Cross-rank statistics go through a ``reduce`` callable (all-reduce SUM under torch.distributed,
+identity on one process), so this module makes no distributed calls of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from openaligner.algorithms import gae, kl_penalty, masked_mean, masked_mean_var, response_mask, shape_rewards
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class RolloutBatch:
+    """One rollout, local to this rank. ``S`` = padded sequence length."""
+
+    response_tokens: torch.Tensor  # [B, S] int64, prompt + response, padded after the response
+    response_lengths: torch.Tensor  # [B] int64, prompt + response
+    prompt_lengths: torch.Tensor  # [B] int64
+    is_end: torch.Tensor  # [B] bool, ended on a stop token
+    logprobs: torch.Tensor  # [B, S-1] policy log-probs at rollout time
+    rewards: torch.Tensor  # [B] reward-model scores
+    values: torch.Tensor  # [B, S-1] critic values
+    init_logprobs: torch.Tensor | None = None  # [B, S-1] initial-policy log-probs (None: no KL)
+
+    def __len__(self) -> int:
+        return int(self.response_tokens.shape[0])
+
+
+@dataclass
+class PPOData:
+    """What the actor update and the critic update consume; all [B, S-1] except tokens/is_end."""
+
+    response_tokens: torch.Tensor  # [B, S]
+    is_end: torch.Tensor  # [B] bool
+    mask: torch.Tensor  # [B, S-1] float, 1 on response positions
+    prev_logprobs: torch.Tensor  # [B, S-1]
+    advantages: torch.Tensor  # [B, S-1], whitened when requested
+    returns: torch.Tensor  # [B, S-1]
+    values: torch.Tensor  # [B, S-1] rollout values (the critic's prev_values)
+
+    def __len__(self) -> int:
+        return int(self.response_tokens.shape[0])
+
+    def select(self, index: torch.Tensor) -> PPOData:
+        """Rows ``index`` of every field (for minibatches)."""
+        return PPOData(**{k: v[index] for k, v in self.__dict__.items()})
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def compute_ppo_data(
+    batch: RolloutBatch,
+    *,
+    kl_coef: float,
+    kl_kind: str,
+    gamma: float,
+    lam: float,
+    normalize_advantages: bool,
+    missing_eos_penalty: float | None = None,
+    score_clip: float | None = None,
+    reduce: Reduce | None = None,
+) -> tuple[PPOData, dict[str, torch.Tensor]]:
+    """KL-shaped rewards → mask → GAE → (global) whitening, plus NeMo-Aligner's rollout metrics.
+
+    Metrics (global over ranks through ``reduce``; computed before whitening):
+    ``init_policy_kl`` and ``rewards_with_kl`` are means over samples of each sample's token
+    mean under the mask; ``{advantages,returns,values}_{mean,std}`` are the masked mean and
+    uncorrected standard deviation over all valid tokens.
+    """
+    reduce = reduce if reduce is not None else _identity
+    width = batch.logprobs.shape[-1]
+    mask = response_mask(batch.prompt_lengths, batch.response_lengths, width, dtype=batch.logprobs.dtype)
+    if batch.init_logprobs is not None:
+        kl = kl_penalty(batch.logprobs, batch.init_logprobs, kl_kind)
+    else:
+        kl = torch.zeros_like(batch.logprobs)
+    token_rewards = shape_rewards(
+        batch.rewards,
+        kl,
+        batch.response_lengths,
+        kl_coef,
+        is_end=batch.is_end,
+        missing_eos_penalty=missing_eos_penalty,
+        score_clip=score_clip,
+    )
+    advantages, returns = gae(batch.values, token_rewards, mask, gamma, lam)
+
+    per_sample = torch.stack([masked_mean(kl, mask, dim=-1), masked_mean(token_rewards, mask, dim=-1)])
+    sums = reduce(torch.cat([per_sample.sum(dim=-1), torch.tensor([float(len(batch))])]).double())
+    metrics: dict[str, torch.Tensor] = {
+        "init_policy_kl": sums[0] / sums[2],
+        "rewards_with_kl": sums[1] / sums[2],
+    }
+    stats = {
+        name: masked_mean_var(tensor, mask, reduce=reduce)
+        for name, tensor in (("advantages", advantages), ("returns", returns), ("values", batch.values))
+    }
+    for name, (mean, var) in stats.items():
+        metrics[f"{name}_mean"] = mean
+        metrics[f"{name}_std"] = var.clamp_min(0).sqrt()
+
+    if normalize_advantages:
+        # Same as masked_whiten(advantages, mask, reduce=reduce), reusing the statistics above.
+        mean, var = stats["advantages"]
+        advantages = (advantages - mean) * torch.rsqrt(var + 1e-8)
+
+    data = PPOData(
+        response_tokens=batch.response_tokens,
+        is_end=batch.is_end,
+        mask=mask,
+        prev_logprobs=batch.logprobs,
+        advantages=advantages,
+        returns=returns,
+        values=batch.values,
+    )
+    return data, metrics
