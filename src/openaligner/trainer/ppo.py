@@ -1,0 +1,574 @@
+"""PPOTrainer: the actor-side PPO loop that drives the reward model and critic servers.
+
+One step, as a recipe: (1) generate rollouts in micro-batches, sending each micro-batch to the
+reward/critic servers asynchronously; (2) policy and initial-policy log-probs; (3) wait for
+rewards and values; (4) KL-shaped rewards, GAE and global advantage whitening; (5) send the
+critic its training data; (6) update the actor with clipped PPO; (7) log, validate, checkpoint.
+
+Owns the loop, its state (step, consumed samples, optimisation steps) and exact resume. Knows
+the actor model and the server client only through their methods; the math comes from
+:mod:`openaligner.algorithms` via :mod:`openaligner.trainer.ppo_data`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance
+from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
+from openaligner.io.metrics import MetricsLogger
+from openaligner.models.generation import SamplingParams
+from openaligner.trainer import distributed as dp
+from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
+from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
+from openaligner.trainer.rollout import Collate, pad_and_stack
+
+log = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.json"
+
+
+class RMCriticFuture(Protocol):
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class RMCritic(Protocol):
+    """What the trainer needs of the reward/critic client (``RemoteGPTRMCriticClient``)."""
+
+    def infer_rm_critic(self, rollout_batch: dict[str, torch.Tensor]) -> RMCriticFuture: ...
+
+    def train(self, ppo_rollout_data: dict[str, torch.Tensor]) -> Future[Any]: ...
+
+    def save(self) -> Future[Any]: ...
+
+
+class RunTimer:
+    """Wall-clock limit of one run; rank 0 decides and every rank follows."""
+
+    def __init__(self, max_time_s: float | None) -> None:
+        self.max_time_s = max_time_s
+        self.start = time.monotonic()
+
+    def start_time(self) -> None:
+        self.start = time.monotonic()
+
+    def is_finished(self) -> bool:
+        done = self.max_time_s is not None and time.monotonic() - self.start >= self.max_time_s
+        return bool(dp.broadcast_object(done))
+
+
+class _PhaseTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        out = dict(self.seconds)
+        self.seconds.clear()
+        return out
+
+
+class PPOTrainer:
+    """The PPO loop (NeMo-Aligner's ``PPOTrainer`` contract).
+
+    Args:
+        cfg: the ``trainer`` section (:class:`PPOConfig`).
+        model: the actor (``GPTActorModel``).
+        optimizer, scheduler: for the actor's parameters (the scheduler steps once per
+            optimizer step).
+        train_dataloader_builder: ``consumed_samples → iterator`` of this rank's prompt
+            batches (lists of token-id lists), one per PPO step (e.g. ``PromptLoader``); must
+            expose ``steps_per_epoch``.
+        val_dataloader_builder: the same for validation prompts (not shuffled), or ``None``.
+        collate_fn: prompts → ``{"text": [B, P], "length": [B]}``.
+        rm_critic: the reward/critic client (:class:`RMCritic`).
+        batch_iterator_cls: ``(prompts, micro_batch_size, collate_fn)`` → iterable of
+            collated micro-batches (e.g. ``MicroBatchIterator``).
+        logger: metric sinks (only rank 0's writes).
+        ckpt_callback: a :class:`CheckpointManager` for the actor's checkpoints, or ``None``.
+        run_timer: the run's wall-clock limit.
+        decode: token ids → text, for sample tables (optional).
+        config_yaml: the resolved run config, stored in every checkpoint.
+    """
+
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        model: Any,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        train_dataloader_builder: Any,
+        val_dataloader_builder: Any,
+        collate_fn: Collate,
+        rm_critic: RMCritic,
+        batch_iterator_cls: Callable[..., Any],
+        logger: MetricsLogger,
+        ckpt_callback: CheckpointManager | None,
+        run_timer: RunTimer,
+        decode: Callable[[Sequence[int]], str] | None = None,
+        config_yaml: str = "",
+        progress: bool = True,
+    ) -> None:
+        cfg.check_world_size(dp.world_size())
+        self.cfg = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_dataloader_builder = train_dataloader_builder
+        self.val_dataloader_builder = val_dataloader_builder
+        self.collate_fn = collate_fn
+        self.rm_critic = rm_critic
+        self.batch_iterator_cls = batch_iterator_cls
+        self.logger = logger
+        self.ckpt_callback = ckpt_callback
+        self.run_timer = run_timer
+        self.decode = decode
+        self.config_yaml = config_yaml
+        self.progress = progress and dp.rank() == 0
+
+        self.step = 0
+        self.consumed_samples = 0
+        self.ppo_optimization_step = 0
+        self.steps_per_epoch = int(train_dataloader_builder.steps_per_epoch)
+        self.max_steps = self.steps_per_epoch * cfg.max_epochs
+        if cfg.max_steps >= 0:
+            self.max_steps = min(self.max_steps, cfg.max_steps)
+        self.kl_controller: FixedKLController | AdaptiveKLController = (
+            AdaptiveKLController(cfg.initial_policy_kl_penalty, cfg.kl_target, cfg.kl_horizon)
+            if cfg.adaptive_kl
+            else FixedKLController(cfg.initial_policy_kl_penalty)
+        )
+        self.sampling = SamplingParams(
+            greedy=cfg.sampling.use_greedy,
+            temperature=cfg.sampling.temperature,
+            top_k=cfg.sampling.top_k,
+            top_p=cfg.sampling.top_p,
+            max_new_tokens=cfg.length.max_length,
+            min_new_tokens=cfg.length.min_length,
+            stop_token_ids=tuple(cfg.sampling.stop_token_ids)
+            if cfg.sampling.stop_token_ids is not None
+            else None,
+            stop_strings=tuple(cfg.sampling.end_strings),
+        )
+        self._timer = _PhaseTimer()
+        self._pending_critic_train: Future[Any] | None = None
+        self._train_iter: Iterator[list[Sequence[int]]] | None = None
+        self.history: list[dict[str, float]] = []
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def epoch(self) -> int:
+        return self.step // self.steps_per_epoch
+
+    @property
+    def compute_init_policy_kl(self) -> bool:
+        return self.kl_controller.value > 0
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> list[dict[str, float]]:
+        """Run PPO steps until max_steps, max_epochs or the wall-clock limit; returns step metrics."""
+        self.run_timer.start_time()
+        self._train_iter = self.train_dataloader_builder(self.consumed_samples)
+        bar = _progress(self.progress, initial=self.step, total=self.max_steps)
+        try:
+            while self.step < self.max_steps:
+                metrics = self._one_step()
+                self.step += 1
+                time_exceeded = self.run_timer.is_finished()
+                is_last = self.step >= self.max_steps or time_exceeded
+                if self._due(self.cfg.val_check_interval, is_last):
+                    metrics |= self.run_validation()
+                self._log(metrics)
+                bar.update(1)
+                bar.set_postfix_str(_postfix(metrics), refresh=False)
+                if self._due(self.cfg.save_interval, is_last):
+                    self.save(metrics)
+                if time_exceeded:
+                    log.info("max_time_per_run reached at step %d; checkpoint saved, stopping", self.step)
+                    break
+        finally:
+            bar.close()
+            self._wait_critic_train()
+        return self.history
+
+    def _one_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        # (0) critic warm-up: at the very first step the critic trains on extra rollouts first.
+        if self.step == 0:
+            for _ in range(self.cfg.critic_warmup_steps):
+                data, _ = self.generate_rollouts()
+                self._send_critic_train(data)
+        # (1)-(4) rollouts, rewards, values, advantages
+        data, metrics = self.generate_rollouts()
+        # (5) critic training runs on the server while the actor trains
+        self._send_critic_train(data)
+        # (6) actor update
+        with self._timer("train"):
+            metrics |= self.run_training(data)
+        # the critic must finish before the next step's values are requested
+        with self._timer("critic_train_wait"):
+            metrics |= self._wait_critic_train()
+        step_s = time.perf_counter() - t0
+        timings = _max_over_ranks(self._timer.pop())
+        tokens = metrics.pop("_tokens", 0.0)
+        timings["timing/step_s"] = step_s
+        timings["timing/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
+        return metrics | timings
+
+    # ------------------------------------------------------------------ (1)-(4)
+    def generate_rollouts(self) -> tuple[PPOData, dict[str, float]]:
+        """One rollout of ``num_rollout_samples`` prompts → PPO data and rollout metrics."""
+        assert self._train_iter is not None, "generate_rollouts runs inside fit()"
+        prompts = next(self._train_iter)
+        batch, metrics = self._run_inference(prompts, self.cfg.rollout_micro_batch_size, is_validation=False)
+        self.consumed_samples += int(metrics["rollout/rollout_size"])
+        data, ppo_metrics = self.generate_ppo_data(batch)
+        metrics |= ppo_metrics
+        metrics["rollout/consumed_samples"] = float(self.consumed_samples)
+        metrics["rollout/epoch"] = float(self.epoch + 1)
+        return data, metrics
+
+    def generate_ppo_data(self, rollout_batch: RolloutBatch) -> tuple[PPOData, dict[str, float]]:
+        """KL-shaped rewards, GAE and whitening (global over ranks), plus their metrics."""
+        c = self.cfg
+        data, stats = compute_ppo_data(
+            rollout_batch,
+            kl_coef=self.kl_controller.value,
+            kl_kind=c.kl_kind,
+            gamma=c.discount_factor,
+            lam=c.gae_lambda,
+            normalize_advantages=c.normalize_advantages,
+            missing_eos_penalty=c.missing_eos_penalty,
+            score_clip=c.score_clip,
+            reduce=dp.all_reduce_sum,
+        )
+        metrics = {f"rollout/{k}": float(v) for k, v in stats.items()}
+        # Explained variance of the rollout values against the returns they are trained toward.
+        ev = _global_explained_variance(rollout_batch.values, data.returns, data.mask)
+        metrics["value/explained_variance"] = ev
+        metrics["rollout/kl_coef"] = self.kl_controller.value
+        if isinstance(self.kl_controller, AdaptiveKLController):
+            # Ziegler et al. measure the sequence-level KL: token mean × mean response length.
+            seq_kl = stats["init_policy_kl"].item() * float(data.mask.sum(-1).float().mean())
+            self.kl_controller.update(seq_kl, self.cfg.num_rollout_samples)
+        return data, metrics
+
+    def _run_inference(
+        self, prompts: Sequence[Sequence[int]], micro_batch_size: int, is_validation: bool
+    ) -> tuple[RolloutBatch, dict[str, float]]:
+        self._wait_critic_train()  # values must come from the critic after its last update
+        outs: list[dict[str, torch.Tensor]] = []
+        futures: list[RMCriticFuture] = []
+        with self._timer("validation" if is_validation else "generate"):
+            micro_batches = self.batch_iterator_cls(prompts, micro_batch_size, self.collate_fn)
+            for i, mb in enumerate(micro_batches):
+                gen = self._generator(i, is_validation)
+                out = self.model.infer(
+                    {k: v.to(self.model.device) for k, v in mb.items()}, self.sampling, gen
+                )
+                out = {k: v.cpu() for k, v in out.items()}
+                futures.append(self.rm_critic.infer_rm_critic(out))  # overlaps the next generation
+                outs.append(out)
+        eos = int(self.model.pad_id)
+        tokens = pad_and_stack([o["response_tokens"] for o in outs], eos)
+        lengths = torch.cat([o["response_lengths"] for o in outs])
+        prompt_lengths = torch.cat([o["prompt_lengths"] for o in outs])
+        is_end = torch.cat([o["is_end"] for o in outs]).bool()
+        phase = "validation" if is_validation else "logprobs"
+        with self._timer(phase):
+            logprobs = self.model.get_inference_log_probs(
+                tokens, lengths, self.cfg.forward_micro_batch_size
+            ).cpu()
+        init_logprobs = None
+        if not is_validation and self.compute_init_policy_kl:
+            with self._timer("init_logprobs"):
+                init_logprobs = self.model.get_init_policy_logprobs(
+                    tokens, lengths, self.cfg.forward_micro_batch_size
+                ).cpu()
+        with self._timer("validation" if is_validation else "critic_wait"):
+            results = [f.result() for f in futures]
+        rewards = torch.cat([r.float().reshape(-1) for r, _ in results])
+        values = pad_and_stack([v.float() for _, v in results], 0.0)
+        width = tokens.shape[1] - 1
+        values = torch.nn.functional.pad(values, (0, width - values.shape[1]))[:, :width]
+        batch = RolloutBatch(
+            response_tokens=tokens,
+            response_lengths=lengths,
+            prompt_lengths=prompt_lengths,
+            is_end=is_end,
+            logprobs=logprobs,
+            init_logprobs=init_logprobs,
+            rewards=rewards,
+            values=values,
+        )
+        return batch, self._rollout_metrics(batch, "val" if is_validation else "rollout")
+
+    def _rollout_metrics(self, b: RolloutBatch, prefix: str) -> dict[str, float]:
+        gen_len = (b.response_lengths - b.prompt_lengths).double()
+        sums = dp.all_reduce_sum(
+            torch.stack(
+                [
+                    torch.tensor(float(len(b)), dtype=torch.float64),
+                    b.response_lengths.double().sum(),
+                    b.prompt_lengths.double().sum(),
+                    gen_len.sum(),
+                    b.rewards.double().sum(),
+                    b.is_end.double().sum(),
+                    b.response_lengths.double().sum(),  # tokens processed, for tokens/s
+                ]
+            )
+        )
+        n = float(sums[0])
+        metrics = {
+            f"{prefix}/rollout_size": n,
+            f"{prefix}/response_lengths": float(sums[1]) / n,
+            f"{prefix}/prompt_lengths": float(sums[2]) / n,
+            f"{prefix}/generation_length": float(sums[3]) / n,
+            f"{prefix}/rewards": float(sums[4]) / n,
+            f"{prefix}/fraction_of_samples_properly_ended": float(sums[5]) / n,
+        }
+        if prefix == "rollout":
+            metrics["_tokens"] = float(sums[6])
+        interval = self.cfg.sample_table_interval
+        if (
+            self.decode is not None
+            and dp.rank() == 0
+            and (prefix == "val" or (interval and self.step % interval == 0))
+        ):
+            rows = []
+            for i in range(min(4, len(b))):
+                p, L = int(b.prompt_lengths[i]), int(b.response_lengths[i])
+                rows.append(
+                    {
+                        "prompt": self.decode(b.response_tokens[i, :p].tolist()),
+                        "response": self.decode(b.response_tokens[i, p:L].tolist()),
+                        "reward": round(float(b.rewards[i]), 4),
+                    }
+                )
+            self.logger.log_table(f"table/{'val' if prefix == 'val' else 'train'}_rollouts", rows, self.step)
+        return metrics
+
+    def _generator(self, micro_batch: int, is_validation: bool) -> torch.Generator:
+        # A fresh seed per (step, rank, micro-batch) makes sampling independent of history, so a
+        # resumed run draws exactly the tokens an uninterrupted one would.
+        seed = derive_seed(
+            self.cfg.seed, int(is_validation), self.step, self.consumed_samples, dp.rank(), micro_batch
+        )
+        return torch.Generator(device=self.model.device).manual_seed(seed)
+
+    # ------------------------------------------------------------------ (5) critic
+    def _send_critic_train(self, data: PPOData) -> None:
+        self._wait_critic_train()
+        with self._timer("critic_send"):
+            payload = {
+                "response_tokens": dp.all_gather_rows(data.response_tokens, pad_value=int(self.model.pad_id)),
+                "returns": dp.all_gather_rows(data.returns),
+                "values": dp.all_gather_rows(data.values),
+                "mask": dp.all_gather_rows(data.mask),
+            }
+            if dp.rank() == 0:
+                self._pending_critic_train = self.rm_critic.train(payload)
+
+    def _wait_critic_train(self) -> dict[str, float]:
+        pending, self._pending_critic_train = self._pending_critic_train, None
+        if pending is None:
+            return {}
+        result = pending.result()
+        if isinstance(result, dict):
+            return {f"value/{k}": float(v) for k, v in result.items()}
+        return {"value/loss": float(result)}
+
+    # ------------------------------------------------------------------ (6) actor
+    def run_training(self, data: PPOData) -> dict[str, float]:
+        """``ppo_epochs`` passes over shuffled minibatches with gradient accumulation."""
+        c = self.cfg
+        world = dp.world_size()
+        local_gbs = c.global_batch_size // world
+        n_micro = local_gbs // c.micro_batch_size
+        params = self.model.parameters()
+        sums: dict[str, float] = defaultdict(float)
+        count = 0
+        for ppo_epoch in range(c.ppo_epochs):
+            g = torch.Generator().manual_seed(derive_seed(c.seed, 2, self.step, ppo_epoch))
+            order = torch.randperm(len(data), generator=g)
+            for start in range(0, len(data), local_gbs):
+                self.optimizer.zero_grad(set_to_none=True)
+                step_metrics: dict[str, float] = defaultdict(float)
+                for m in range(n_micro):
+                    idx = order[start + m * c.micro_batch_size : start + (m + 1) * c.micro_batch_size]
+                    mb = data.select(idx)
+                    loss, metrics = self.model.get_loss_and_metrics(
+                        {
+                            "response_tokens": mb.response_tokens,
+                            "advantages": mb.advantages,
+                            "mask": mb.mask,
+                            "prev_logprobs": mb.prev_logprobs,
+                            "is_end": mb.is_end if c.gate_unfinished else torch.ones_like(mb.is_end),
+                        }
+                    )
+                    (loss / n_micro).backward()
+                    for k, v in metrics.items():
+                        step_metrics[k] += v / n_micro
+                dp.average_gradients(params)
+                if c.gradient_clip_val > 0:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, c.gradient_clip_val)
+                else:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+                self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                self.ppo_optimization_step += 1
+                step_metrics["grad_norm"] = float(grad_norm)
+                step_metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+                for k, v in step_metrics.items():
+                    sums[k] += v
+                count += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        averaged = (
+            dp.all_reduce_sum(torch.tensor([sums[k] for k in sorted(sums)], dtype=torch.float64)) / world
+        )
+        out = {f"policy/{k}": float(v) / count for k, v in zip(sorted(sums), averaged, strict=True)}
+        out["policy/optim_step"] = float(self.ppo_optimization_step)
+        return out
+
+    # ------------------------------------------------------------------ (7) validation, logs
+    def run_validation(self) -> dict[str, float]:
+        if self.val_dataloader_builder is None:
+            return {}
+        t0 = time.perf_counter()
+        prompts = next(iter(self.val_dataloader_builder(0)))
+        _, metrics = self._run_inference(prompts, self.cfg.val_micro_batch_size, is_validation=True)
+        self._timer.pop()  # validation phases are reported as one figure below
+        metrics["timing/validation_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _due(self, interval: int, is_last: bool) -> bool:
+        return interval > 0 and (self.step % interval == 0 or is_last)
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        metrics = {k: v for k, v in metrics.items() if not k.startswith("_")}
+        metrics["step"] = float(self.step)
+        self.history.append(metrics)
+        self.logger.log(metrics, self.step)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "consumed_samples": self.consumed_samples,
+            "epoch": self.epoch,
+            "ppo_optimization_step": self.ppo_optimization_step,
+            "kl_controller": self.kl_controller.state_dict(),
+        }
+
+    def save(self, metrics: dict[str, float]) -> None:
+        """Checkpoint the actor and, in the same step, the critic (through ``critic_save``)."""
+        self._wait_critic_train()
+        critic_saved = self.rm_critic.save() if dp.rank() == 0 else None
+        rngs = dp.gather_objects(rng_state())
+        if dp.rank() == 0 and self.ckpt_callback is not None:
+
+            def write(d: Path) -> None:
+                self.model.save_pretrained(d / "actor")
+                torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
+                if self.scheduler is not None:
+                    torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
+                torch.save(rngs, d / "rng.pt")
+                (d / TRAINER_STATE).write_text(json.dumps(self.state_dict(), indent=1))
+                (d / "config.yaml").write_text(self.config_yaml)
+
+            monitored = {k: v for k, v in metrics.items() if k.startswith("val/")}
+            self.ckpt_callback.save(self.step, write, {k.replace("/", "_"): v for k, v in monitored.items()})
+        if critic_saved is not None:
+            critic_saved.result()
+        dp.barrier()
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore the actor, optimizer, scheduler, trainer state and RNGs from ``path``."""
+        from safetensors.torch import load_file
+
+        weights = load_file(str(path / "actor" / "model.safetensors"), device=str(self.model.device))
+        missing, unexpected = self.model.model.load_state_dict(weights, strict=False)
+        # Tied weights (e.g. GPT-2's lm_head) are stored once; anything else missing is an error.
+        tied = {k for k in missing if k.endswith("lm_head.weight")}
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(
+                f"{path}: checkpoint does not match the actor: missing {missing}, unexpected {unexpected}"
+            )
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.model.device))
+        if self.scheduler is not None and (path / "scheduler.pt").is_file():
+            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
+        state = json.loads((path / TRAINER_STATE).read_text())
+        self.step = int(state["step"])
+        self.consumed_samples = int(state["consumed_samples"])
+        self.ppo_optimization_step = int(state["ppo_optimization_step"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        rngs = torch.load(path / "rng.pt", weights_only=False)
+        if dp.rank() < len(rngs):
+            set_rng_state(rngs[dp.rank()])
+        log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed_samples)
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed that depends only on ``parts`` (unlike ``hash``, stable across processes)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _global_explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    if dp.world_size() == 1:
+        return float(explained_variance(values, returns, mask))
+    m = mask.double()
+    r, d = returns.double() * m, (returns - values).double() * m
+    s = dp.all_reduce_sum(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()]))
+    n = float(s[0])
+    var_r = float(s[2]) / n - (float(s[1]) / n) ** 2
+    var_d = float(s[4]) / n - (float(s[3]) / n) ** 2
+    return 1.0 - var_d / var_r if var_r > 0 else float("nan")
+
+
+def _max_over_ranks(seconds: dict[str, float]) -> dict[str, float]:
+    """Per-phase seconds, the slowest rank's (what the step waited for)."""
+    merged: dict[str, float] = defaultdict(float)
+    for per_rank in dp.gather_objects(seconds):
+        for k, v in per_rank.items():
+            merged[k] = max(merged[k], v)
+    return {f"timing/{k}_s": v for k, v in sorted(merged.items())}
+
+
+def _postfix(m: dict[str, float]) -> str:
+    parts = [
+        ("reward", m.get("rollout/rewards")),
+        ("kl", m.get("rollout/init_policy_kl")),
+        ("len", m.get("rollout/generation_length")),
+        ("val", m.get("val/rewards")),
+    ]
+    return " ".join(f"{k}={v:.3g}" for k, v in parts if v is not None)
+
+
+def _progress(enabled: bool, initial: int, total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="PPO step", disable=not enabled, dynamic_ncols=True)
+
+
+def max_time_s(cfg: PPOConfig) -> float | None:
+    return parse_duration_s(cfg.max_time_per_run)

@@ -1,0 +1,181 @@
+"""The PPO trainer's typed configuration: NeMo-Aligner's ``trainer.ppo`` keys plus the math switches.
+
+Validation happens here, once, at load time: invalid combinations are refused with a message
+naming the key and the fix. Below the trainer's constructor only plain values are used.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from openaligner.algorithms import KL_KINDS, LOSS_AGGREGATIONS
+
+
+@dataclass
+class SamplingConfig:
+    """Rollout sampling (log-probs use the same temperature)."""
+
+    use_greedy: bool = False  # argmax decoding instead of sampling
+    temperature: float = 1.0  # logits are divided by this when sampling and when scoring
+    top_k: int = 0  # keep the k most likely tokens; 0 disables
+    top_p: float = 1.0  # nucleus sampling threshold; 1 disables
+    stop_token_ids: list[int] | None = None  # ids that end a response; null = the tokenizer's EOS
+    end_strings: list[str] = field(default_factory=list)  # strings that end a response
+
+
+@dataclass
+class LengthConfig:
+    max_length: int = 64  # maximum new tokens per response (stop token included)
+    min_length: int = 1  # minimum new tokens before a stop token may end the response
+
+
+@dataclass
+class PPOConfig:
+    """One PPO run: loop lengths, PPO math, batch sizes, sampling."""
+
+    # ---- loop and schedule
+    max_epochs: int = 1  # passes over the prompt set
+    max_steps: int = -1  # PPO steps cap; -1 = max_epochs whole passes
+    max_time_per_run: str | None = None  # wall-clock limit "DD:HH:MM:SS"; the run saves and stops
+    val_check_interval: int = 10  # validate every N steps (0 disables; also at the last step)
+    save_interval: int = 10  # checkpoint every N steps (0 disables; also at the last step)
+    sample_table_interval: int = 1  # log a prompt/response/reward table every N steps
+    seed: int = 1234  # seeds sampling, shuffling and minibatching (exact resume relies on it)
+    # ---- rewards and KL
+    initial_policy_kl_penalty: float = 0.01  # β of the per-token KL penalty; 0 disables the KL term
+    use_absolute_kl: bool = True  # |logp − logp_ref| (NeMo-Aligner); ignored when kl_estimator is set
+    kl_estimator: str | None = None  # k1 | abs | k2 | k3; null = abs or k1 from use_absolute_kl
+    adaptive_kl: bool = False  # adapt β toward kl_target (Ziegler et al. 2019)
+    kl_target: float = 6.0  # adaptive KL: target mean sequence KL
+    kl_horizon: float = 10000.0  # adaptive KL: horizon in samples
+    missing_eos_penalty: float | None = None  # score given to responses that never ended; null = RM score
+    score_clip: float | None = None  # clip RM scores to [−c, c]; null = no clipping
+    # ---- advantages
+    discount_factor: float = 1.0  # γ
+    gae_lambda: float = 0.95  # λ
+    normalize_advantages: bool = True  # global masked whitening of advantages
+    # ---- policy loss
+    ratio_eps: float = 0.2  # PPO clip ε
+    ratio_eps_high: float | None = None  # upper ε ("clip-higher"); null = ratio_eps
+    dual_clip: float | None = None  # dual-clip constant c > 1; null disables
+    entropy_bonus: float = 0.0  # weight of the entropy bonus
+    loss_aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean
+    gate_unfinished: bool = True  # samples that never ended get no policy gradient (NeMo-Aligner)
+    gradient_clip_val: float = 1.0  # actor gradient-norm clip; 0 disables
+    ppo_epochs: int = 1  # passes over each rollout (NeMo-Aligner: 1)
+    critic_warmup_steps: int = 0  # extra critic-only rollouts before the first actor update
+    # ---- batch sizes (all global, i.e. summed over data-parallel ranks)
+    num_rollout_samples: int = 64  # prompts per PPO step
+    rollout_micro_batch_size: int = 8  # prompts per generation call (per rank)
+    forward_micro_batch_size: int | None = None  # rows per log-prob forward; null = rollout_micro_batch_size
+    num_val_samples: int | None = None  # validation prompts; null = num_rollout_samples
+    val_rollout_micro_batch_size: int | None = None  # null = rollout_micro_batch_size
+    global_batch_size: int = 16  # samples per actor optimizer step
+    micro_batch_size: int = 4  # samples per forward/backward (gradient accumulation)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    length: LengthConfig = field(default_factory=LengthConfig)
+
+    def __post_init__(self) -> None:
+        _check_ppo(self)
+
+    @property
+    def kl_kind(self) -> str:
+        if self.kl_estimator is not None:
+            return self.kl_estimator
+        return "abs" if self.use_absolute_kl else "k1"
+
+    @property
+    def val_samples(self) -> int:
+        return self.num_val_samples if self.num_val_samples is not None else self.num_rollout_samples
+
+    @property
+    def val_micro_batch_size(self) -> int:
+        return self.val_rollout_micro_batch_size or self.rollout_micro_batch_size
+
+    def check_world_size(self, world: int) -> None:
+        """Batch sizes must split evenly over ``world`` ranks so that no rank runs an extra collective."""
+        problems = []
+        if self.num_rollout_samples % (world * self.rollout_micro_batch_size):
+            problems.append(
+                f"num_rollout_samples={self.num_rollout_samples} must be a multiple of "
+                f"ranks × rollout_micro_batch_size = {world} × {self.rollout_micro_batch_size}"
+            )
+        if self.val_check_interval > 0 and self.val_samples % (world * self.val_micro_batch_size):
+            problems.append(
+                f"num_val_samples={self.val_samples} must be a multiple of "
+                f"ranks × val_rollout_micro_batch_size = {world} × {self.val_micro_batch_size}"
+            )
+        if self.global_batch_size % (world * self.micro_batch_size):
+            problems.append(
+                f"global_batch_size={self.global_batch_size} must be a multiple of "
+                f"ranks × micro_batch_size = {world} × {self.micro_batch_size}"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+_DURATION = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
+
+
+def parse_duration_s(text: str | None) -> float | None:
+    """``"DD:HH:MM:SS"`` → seconds; ``None`` → ``None`` (no limit)."""
+    if text is None:
+        return None
+    m = _DURATION.match(text.strip())
+    if not m:
+        raise ValueError(f"max_time_per_run must look like DD:HH:MM:SS (e.g. 00:04:00:00), got {text!r}")
+    d, h, mi, s = (int(x) for x in m.groups())
+    return float(((d * 24 + h) * 60 + mi) * 60 + s)
+
+
+def _check_ppo(c: PPOConfig) -> None:
+    def bad(key: str, why: str) -> None:
+        raise ValueError(f"trainer.{key}: {why}")
+
+    if c.kl_estimator is not None and c.kl_estimator not in KL_KINDS:
+        bad("kl_estimator", f"must be one of {', '.join(KL_KINDS)} or null, got {c.kl_estimator!r}")
+    if c.loss_aggregation not in LOSS_AGGREGATIONS:
+        bad("loss_aggregation", f"must be one of {', '.join(LOSS_AGGREGATIONS)}, got {c.loss_aggregation!r}")
+    if c.dual_clip is not None and c.dual_clip <= 1.0:
+        bad("dual_clip", f"must be > 1 (e.g. 3.0) or null, got {c.dual_clip}")
+    if c.ratio_eps <= 0 or (c.ratio_eps_high is not None and c.ratio_eps_high <= 0):
+        bad("ratio_eps", "clip ranges must be > 0")
+    if not 0.0 <= c.discount_factor <= 1.0 or not 0.0 <= c.gae_lambda <= 1.0:
+        bad("discount_factor", "γ (discount_factor) and λ (gae_lambda) must lie in [0, 1]")
+    if c.adaptive_kl and c.initial_policy_kl_penalty <= 0:
+        bad("adaptive_kl", "needs initial_policy_kl_penalty > 0 as the starting β; set it (e.g. 0.05)")
+    if c.adaptive_kl and (c.kl_target <= 0 or c.kl_horizon <= 0):
+        bad("kl_target", "adaptive KL needs kl_target > 0 and kl_horizon > 0")
+    if c.initial_policy_kl_penalty < 0:
+        bad("initial_policy_kl_penalty", "must be ≥ 0 (0 disables the KL penalty)")
+    if c.max_epochs < 1:
+        bad("max_epochs", "must be ≥ 1")
+    if c.ppo_epochs < 1:
+        bad("ppo_epochs", "must be ≥ 1")
+    if c.critic_warmup_steps < 0:
+        bad("critic_warmup_steps", "must be ≥ 0")
+    for key in ("num_rollout_samples", "rollout_micro_batch_size", "global_batch_size", "micro_batch_size"):
+        if getattr(c, key) < 1:
+            bad(key, "must be ≥ 1")
+    if c.num_rollout_samples % c.global_batch_size:
+        bad(
+            "global_batch_size",
+            f"num_rollout_samples={c.num_rollout_samples} must be a multiple of global_batch_size="
+            f"{c.global_batch_size} so every actor step sees a full batch",
+        )
+    if c.val_check_interval < 0 or c.save_interval < 0:
+        bad("save_interval", "intervals must be ≥ 0 (0 disables)")
+    if c.save_interval > 0 and c.val_check_interval > 0 and c.save_interval % c.val_check_interval:
+        bad(
+            "save_interval",
+            f"must be a multiple of val_check_interval={c.val_check_interval} so that every checkpoint "
+            "has a validation reward (set save_interval to a multiple, or val_check_interval=0)",
+        )
+    if c.sampling.temperature <= 0:
+        bad("sampling.temperature", "must be > 0; use sampling.use_greedy=true for argmax")
+    if not 0 < c.sampling.top_p <= 1 or c.sampling.top_k < 0:
+        bad("sampling.top_p", "top_p must lie in (0, 1] and top_k ≥ 0")
+    if c.length.max_length < 1 or not 0 <= c.length.min_length <= c.length.max_length:
+        bad("length.min_length", "need 0 ≤ min_length ≤ max_length and max_length ≥ 1")
+    parse_duration_s(c.max_time_per_run)

@@ -1,0 +1,83 @@
+"""Prompt batching for rollouts: global prompt batches per step, rank slices, micro-batches, collation.
+
+Knows prompt token lists and tensors; nothing of models, servers or PPO math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from openaligner.data.prompts import EpochSampler
+
+Collate = Callable[[Sequence[Sequence[int]]], dict[str, torch.Tensor]]
+
+
+def make_prompt_collate(pad_id: int) -> Collate:
+    """Collate prompts into ``text`` [B, P] (right-padded with ``pad_id``) and ``length`` [B]."""
+
+    def collate(prompts: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        text = torch.full((len(prompts), int(lengths.max())), pad_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            text[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        return {"text": text, "length": lengths}
+
+    return collate
+
+
+class MicroBatchIterator:
+    """Collated micro-batches of ``micro_batch_size`` prompts (the last one may be smaller)."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], micro_batch_size: int, collate_fn: Collate) -> None:
+        self.prompts = prompts
+        self.micro_batch_size = micro_batch_size
+        self.collate_fn = collate_fn
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for start in range(0, len(self.prompts), self.micro_batch_size):
+            yield self.collate_fn(self.prompts[start : start + self.micro_batch_size])
+
+    def __len__(self) -> int:
+        return -(-len(self.prompts) // self.micro_batch_size)
+
+
+class PromptLoader:
+    """Builds, from a sample position, the stream of this rank's prompt batches.
+
+    Each step draws one global batch of ``batch_size`` prompts from an :class:`EpochSampler`
+    and keeps this rank's contiguous slice, so the union over ranks is the global batch and a run
+    resumed at ``consumed_samples`` continues with the same prompts.
+    """
+
+    def __init__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        batch_size: int,
+        seed: int,
+        shuffle: bool,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if batch_size % world_size:
+            raise ValueError(f"batch size {batch_size} does not split over {world_size} ranks")
+        self.prompts = prompts
+        self.sampler = EpochSampler(len(prompts), batch_size, seed, shuffle)
+        self.rank = rank
+        self.local = batch_size // world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch
+
+    def __call__(self, consumed_samples: int) -> Iterator[list[Sequence[int]]]:
+        for _, indices in self.sampler.batches(consumed_samples):
+            mine = indices[self.rank * self.local : (self.rank + 1) * self.local]
+            yield [self.prompts[i] for i in mine]
+
+
+def pad_and_stack(rows: Sequence[torch.Tensor], pad_value: float) -> torch.Tensor:
+    """Stack 2-D tensors of different widths into one, right-padding with ``pad_value``."""
+    width = max(r.shape[-1] for r in rows)
+    return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[-1]), value=pad_value) for r in rows])

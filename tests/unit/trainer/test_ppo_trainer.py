@@ -1,0 +1,207 @@
+"""PPOTrainer on a tiny actor with an in-memory stand-in for the reward/critic client.
+
+The stand-in scores a response by its share of one target token and returns zero values; the
+real servers are exercised by the integration tests.
+"""
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from openaligner.config import ConfigError, load_config
+from openaligner.io.checkpoint import CheckpointManager
+from openaligner.io.metrics import MetricsLogger
+from openaligner.models.actor import GPTActorModel
+from openaligner.models.builders import TinySize, build_tiny_causal_lm
+from openaligner.trainer.ppo import PPOTrainer, RunTimer
+from openaligner.trainer.ppo_config import PPOConfig
+from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
+
+TARGET = 7
+SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, max_positions=64)
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class TargetTokenScorer:
+    """Reward = share of TARGET among response tokens; values = 0; records critic calls."""
+
+    def __init__(self):
+        self.train_calls = 0
+        self.save_calls = 0
+
+    def infer_rm_critic(self, batch):
+        tokens, lengths, prompts = (
+            batch["response_tokens"],
+            batch["response_lengths"],
+            batch["prompt_lengths"],
+        )
+        pos = torch.arange(tokens.shape[1])
+        resp = (pos >= prompts[:, None]) & (pos < lengths[:, None])
+        rewards = ((tokens == TARGET) & resp).sum(-1) / resp.sum(-1).clamp_min(1)
+        return _Done((rewards.float(), torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
+
+    def train(self, data):
+        assert set(data) == {"response_tokens", "returns", "values", "mask"}
+        self.train_calls += 1
+        f = Future()
+        f.set_result({"loss": float((data["returns"] * data["mask"]).abs().sum())})
+        return f
+
+    def save(self):
+        self.save_calls += 1
+        f = Future()
+        f.set_result(0)
+        return f
+
+
+def _trainer(tmp_path, cfg: PPOConfig, seed=0, client=None):
+    torch.manual_seed(seed)
+    model = build_tiny_causal_lm("gpt2", SIZE, seed=seed)
+    actor = GPTActorModel(model, clip_eps=cfg.ratio_eps)
+    prompts = [[3 + (i % 20), 4 + (i % 7), 5] for i in range(32)]
+    opt = torch.optim.AdamW(actor.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return PPOTrainer(
+        cfg=cfg,
+        model=actor,
+        optimizer=opt,
+        scheduler=sched,
+        train_dataloader_builder=PromptLoader(prompts, cfg.num_rollout_samples, cfg.seed, shuffle=True),
+        val_dataloader_builder=PromptLoader(prompts[:8], cfg.val_samples, cfg.seed, shuffle=False),
+        collate_fn=make_prompt_collate(actor.pad_id),
+        rm_critic=client or TargetTokenScorer(),
+        batch_iterator_cls=MicroBatchIterator,
+        logger=MetricsLogger(tmp_path / "logs", tensorboard=False),
+        ckpt_callback=CheckpointManager(tmp_path / "ckpt"),
+        run_timer=RunTimer(None),
+        decode=lambda ids: " ".join(map(str, ids)),
+        progress=False,
+    )
+
+
+def _cfg(**over) -> PPOConfig:
+    base = [
+        "num_rollout_samples=16",
+        "rollout_micro_batch_size=8",
+        "global_batch_size=8",
+        "micro_batch_size=4",
+        "length.max_length=6",
+        "val_check_interval=2",
+        "save_interval=2",
+        "num_val_samples=8",
+        "initial_policy_kl_penalty=0.01",
+        "sampling.stop_token_ids=[1]",
+    ]
+    return load_config(PPOConfig, None, base + [f"{k}={v}" for k, v in over.items()])
+
+
+def test_fit_logs_reference_metrics_and_trains_critic(tmp_path):
+    client = TargetTokenScorer()
+    t = _trainer(tmp_path, _cfg(max_steps=2, critic_warmup_steps=1), client=client)
+    history = t.fit()
+    assert len(history) == 2
+    m = history[-1]
+    for key in [
+        "rollout/rewards",
+        "rollout/init_policy_kl",
+        "rollout/rewards_with_kl",
+        "rollout/advantages_mean",
+        "rollout/returns_std",
+        "rollout/values_mean",
+        "rollout/fraction_of_samples_properly_ended",
+        "rollout/generation_length",
+        "policy/loss",
+        "policy/ppo_ratio",
+        "policy/clip_fraction",
+        "policy/approx_kl",
+        "policy/entropy",
+        "policy/grad_norm",
+        "policy/lr",
+        "value/loss",
+        "timing/generate_s",
+        "timing/logprobs_s",
+        "timing/init_logprobs_s",
+        "timing/critic_wait_s",
+        "timing/train_s",
+        "timing/tokens_per_s",
+        "val/rewards",
+        "timing/validation_s",
+    ]:
+        assert key in m, key
+    # warm-up: one extra critic-only rollout at step 0, then one per step; warm-up prompts count
+    assert client.train_calls == 3
+    assert m["rollout/consumed_samples"] == 48
+    # 16 samples / global batch 8 = 2 optimizer steps per PPO step
+    assert m["policy/optim_step"] == 4
+    # the first minibatch of a step sees the rollout policy exactly: ratio starts at 1
+    assert abs(history[0]["policy/ppo_ratio"] - 1.0) < 0.05
+    assert client.save_calls == 1 and (tmp_path / "ckpt" / "step_2").is_dir()
+
+
+def test_resume_matches_uninterrupted_run(tmp_path):
+    straight = _trainer(tmp_path / "a", _cfg(max_steps=4, max_epochs=2)).fit()
+    first = _trainer(tmp_path / "b", _cfg(max_steps=2, max_epochs=2))
+    first.fit()
+    resumed = _trainer(tmp_path / "b", _cfg(max_steps=4, max_epochs=2))
+    latest = resumed.ckpt_callback.latest()
+    assert latest is not None and latest.name == "step_2"
+    resumed.load_checkpoint(latest)
+    tail = resumed.fit()
+    assert [m["step"] for m in tail] == [3.0, 4.0]
+    skip = ("timing/",)
+    for a, b in zip(straight[2:], tail, strict=True):
+        for k in a:
+            if not k.startswith(skip):
+                assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), k
+
+
+def test_resume_across_epoch_boundary(tmp_path):
+    # 32 prompts / 16 per step = 2 steps per epoch; stop at the boundary and resume into epoch 2
+    straight = _trainer(tmp_path / "a", _cfg(max_steps=3, max_epochs=2)).fit()
+    _trainer(tmp_path / "b", _cfg(max_steps=2, max_epochs=2)).fit()
+    resumed = _trainer(tmp_path / "b", _cfg(max_steps=3, max_epochs=2))
+    resumed.load_checkpoint(resumed.ckpt_callback.latest())
+    (m,) = resumed.fit()
+    assert m["rollout/epoch"] == 2.0
+    assert m["rollout/rewards"] == pytest.approx(straight[2]["rollout/rewards"])
+    assert m["policy/loss"] == pytest.approx(straight[2]["policy/loss"], rel=1e-6, abs=1e-7)
+
+
+def test_policy_learns_target_token(tmp_path):
+    cfg = _cfg(
+        max_steps=12,
+        max_epochs=6,
+        val_check_interval=0,
+        save_interval=0,
+        initial_policy_kl_penalty=0.0,
+        gate_unfinished="false",
+    )
+    history = _trainer(tmp_path, cfg).fit()
+    early = sum(m["rollout/rewards"] for m in history[:3]) / 3
+    late = sum(m["rollout/rewards"] for m in history[-3:]) / 3
+    assert late > early + 0.1, (early, late)
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("global_batch_size=5", "multiple of global_batch_size"),
+        ("save_interval=3", "multiple of val_check_interval"),
+        ("kl_estimator=k9", "kl_estimator"),
+        ("dual_clip=0.5", "dual_clip"),
+        ("max_time_per_run=4h", "DD:HH:MM:SS"),
+        ("adaptive_kl=true", "initial_policy_kl_penalty > 0"),
+    ],
+)
+def test_invalid_combinations_are_refused(override, needle):
+    extra = ["initial_policy_kl_penalty=0"] if override.startswith("adaptive") else []
+    with pytest.raises(ConfigError, match=needle):
+        load_config(PPOConfig, None, [override, *extra])
