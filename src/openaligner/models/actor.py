@@ -1,0 +1,342 @@
+"""The PPO actor: a Hugging Face causal LM that generates rollouts, scores tokens and computes the
+clipped policy loss; plus its frozen initial policy for the KL penalty.
+
+Owns the actor's model-facing interface (NeMo-Aligner's ``MegatronGPTActorModel`` contract):
+``infer`` (rollouts), ``get_inference_log_probs``, ``get_init_policy_logprobs`` and
+``get_loss_and_metrics``. The math (log-probs, entropy, PPO loss) comes from
+:mod:`openaligner.algorithms`; sampling from :mod:`openaligner.models.generation`. Must not know
+about rewards, critics, servers, optimizers or configs: the trainer owns backward, optimizer
+steps, micro-batching of the loss and gradient accumulation.
+
+Conventions:
+
+* Dropout is off in the policy and the initial policy: the HF modules are kept in eval mode
+  even while training (standard RLHF practice; it keeps the rollout log-probs and the training
+  log-probs of the same weights identical, so the PPO ratio starts at exactly 1). Do not call
+  ``.train()`` on :attr:`GPTActorModel.model`.
+* Sequences are right-padded: ``response_tokens`` [B, S] with ``response_lengths`` [B]; padding
+  after a row's length is masked out of attention and never changes valid positions.
+* Log-probs are next-token aligned, [B, S-1]: position ``t`` scores token ``t+1``, with the
+  logits divided by the sampling temperature.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from openaligner.algorithms import entropy_from_logits, next_token_logprobs, ppo_policy_loss
+from openaligner.models.generation import CacheKind, SamplingParams, generate
+
+
+class GPTActorModel:
+    """A decoder-only causal LM in the actor role.
+
+    Args:
+        model: any ``AutoModelForCausalLM`` (GPT-2, Llama, ...), optionally a PEFT/LoRA model.
+        tokenizer: used only to decode responses for ``stop_strings``.
+        sampling: default sampling parameters for :meth:`infer` (``stop_token_ids=None`` means
+            the model's ``eos_token_id``; ``()`` means no stop id).
+        pad_id: id written after each response in ``response_tokens``; default the EOS id (as
+            NeMo-Aligner does), else 0.
+        forward_micro_batch_size: rows per forward pass in the no-grad log-prob passes
+            (default: the whole batch).
+        clip_eps: PPO ratio clip ε (NeMo-Aligner's ``ratio_eps``).
+        clip_eps_high: upper ε for asymmetric clipping (default ``clip_eps``).
+        dual_clip: dual-clip constant c > 1, or ``None``.
+        entropy_coef: weight of the entropy bonus in the loss (NeMo-Aligner's ``entropy_bonus``).
+        loss_aggregation: ``token_mean`` or ``seq_mean_token_mean``.
+        init_policy: the frozen initial policy for the KL penalty. ``None`` deep-copies ``model``
+            (or, for a PEFT model, uses ``model`` with its adapters disabled); ``False`` keeps no
+            initial policy (KL coefficient 0). Pass the SFT model explicitly when resuming, so the
+            reference stays the original policy.
+        cache: KV cache kind for generation (``static`` or ``dynamic``).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        sampling: SamplingParams | None = None,
+        *,
+        pad_id: int | None = None,
+        forward_micro_batch_size: int | None = None,
+        clip_eps: float = 0.2,
+        clip_eps_high: float | None = None,
+        dual_clip: float | None = None,
+        entropy_coef: float = 0.0,
+        loss_aggregation: str = "token_mean",
+        init_policy: PreTrainedModel | bool | None = None,
+        cache: CacheKind = "static",
+    ) -> None:
+        if forward_micro_batch_size is not None and forward_micro_batch_size < 1:
+            raise ValueError(f"forward_micro_batch_size must be ≥ 1, got {forward_micro_batch_size}")
+        model.eval()
+        self.model = model
+        self.tokenizer = tokenizer
+        eos = _eos_id(model)
+        self.sampling = sampling or SamplingParams()
+        self.pad_id = pad_id if pad_id is not None else (eos if eos is not None else 0)
+        self.forward_micro_batch_size = forward_micro_batch_size
+        self.clip_eps = clip_eps
+        self.clip_eps_high = clip_eps_high
+        self.dual_clip = dual_clip
+        self.entropy_coef = entropy_coef
+        self.loss_aggregation = loss_aggregation
+        self.cache: CacheKind = cache
+        self.init_policy: PreTrainedModel | None = self._make_init_policy(init_policy)
+
+    # ------------------------------------------------------------------ construction, I/O
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        **kwargs: object,
+    ) -> GPTActorModel:
+        """Load the policy from a local Hugging Face causal-LM directory (offline).
+
+        ``kwargs`` go to the constructor; the initial policy defaults to a copy of what is loaded.
+        """
+        load_kwargs: dict[str, object] = {"local_files_only": True}
+        if dtype is not None:
+            load_kwargs["dtype"] = dtype
+        model = AutoModelForCausalLM.from_pretrained(str(directory), **load_kwargs)
+        if device is not None:
+            nn.Module.to(model, torch.device(device))
+        return cls(model, **kwargs)  # type: ignore[arg-type]
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write the policy as a Hugging Face directory (``config.json`` + ``model.safetensors``;
+        plus the tokenizer files when a tokenizer is attached)."""
+        self.model.save_pretrained(str(directory))
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(directory))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def to(self, device: str | torch.device) -> GPTActorModel:
+        """Move the policy and the initial policy."""
+        target = torch.device(device)
+        nn.Module.to(self.model, target)
+        if self.init_policy is not None and self.init_policy is not self.model:
+            nn.Module.to(self.init_policy, target)
+        return self
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters of the policy (what the optimizer should update)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ rollouts
+    def infer(
+        self,
+        inference_batch: Mapping[str, torch.Tensor],
+        sampling: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Generate one response per prompt.
+
+        Args:
+            inference_batch: ``text`` (or ``tokens``) [B, P] int64 right-padded prompts (values
+                beyond a row's length are ignored) and ``length`` [B] int64 prompt lengths.
+            sampling: overrides the default sampling parameters for this call.
+            generator: a seeded ``torch.Generator`` on the model's device makes sampling
+                reproducible.
+
+        Returns:
+            ``response_tokens`` [B, S] int64 (prompt + response + ``pad_id``, S = max response
+            length), ``response_lengths`` [B] int64 (prompt + response, stop token included),
+            ``prompt_lengths`` [B] int64, ``is_end`` [B] bool (ended on a stop token or string).
+        """
+        key = "text" if "text" in inference_batch else "tokens"
+        if key not in inference_batch or "length" not in inference_batch:
+            raise KeyError(
+                f"inference_batch needs 'text' (or 'tokens') and 'length'; got {sorted(inference_batch)}"
+            )
+        params = sampling or self.sampling
+        self.model.eval()
+        out = generate(
+            self.model,
+            inference_batch[key],
+            inference_batch["length"],
+            params,
+            pad_id=self.pad_id,
+            generator=generator,
+            tokenizer=self.tokenizer,
+            cache=self.cache,
+        )
+        return {
+            "response_tokens": out.tokens,
+            "response_lengths": out.response_lengths,
+            "prompt_lengths": out.prompt_lengths,
+            "is_end": out.is_end,
+        }
+
+    # ------------------------------------------------------------------ log-probs
+    @torch.no_grad()
+    def get_inference_log_probs(
+        self,
+        response_tokens: torch.Tensor,
+        response_lengths: torch.Tensor | None = None,
+        forward_micro_batch_size: int | None = None,
+    ) -> torch.Tensor:
+        """Log-probs of each next token under the current policy.
+
+        Args:
+            response_tokens: [B, S] int64, right-padded.
+            response_lengths: [B] valid tokens per row (default: all S).
+            forward_micro_batch_size: rows per forward pass (default: the actor's setting).
+
+        Returns:
+            [B, S-1] float32; position ``t`` is ``log p(token[t+1] | tokens[:t+1])`` at the
+            sampling temperature. Positions at or past ``response_lengths - 1`` are unspecified.
+        """
+        return self._batched_logprobs(self.model, response_tokens, response_lengths, forward_micro_batch_size)
+
+    @torch.no_grad()
+    def get_init_policy_logprobs(
+        self,
+        response_tokens: torch.Tensor,
+        response_lengths: torch.Tensor | None = None,
+        forward_micro_batch_size: int | None = None,
+    ) -> torch.Tensor:
+        """Like :meth:`get_inference_log_probs`, under the frozen initial policy. [B, S-1]."""
+        if self.init_policy is None:
+            raise RuntimeError(
+                "this actor keeps no initial policy (init_policy=False); the KL penalty needs one"
+            )
+        with self._init_policy_context():
+            return self._batched_logprobs(
+                self.init_policy, response_tokens, response_lengths, forward_micro_batch_size
+            )
+
+    # ------------------------------------------------------------------ loss
+    def get_loss_and_metrics(
+        self, batch: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The clipped PPO loss of one (micro-)batch, with gradient, and its diagnostics.
+
+        One forward pass over the whole batch; the caller splits minibatches into micro-batches,
+        scales and accumulates the losses, and steps the optimizer.
+
+        Args:
+            batch: ``response_tokens`` [B, S] int64, ``advantages`` [B, S-1], ``mask`` [B, S-1]
+                (1 on response positions), ``prev_logprobs`` [B, S-1] (rollout-time log-probs),
+                ``is_end`` [B] bool (samples that did not end get no policy gradient); optional
+                ``response_lengths`` [B] for the attention mask.
+
+        Returns:
+            ``(loss, metrics)``: a scalar loss tensor and floats ``loss``, ``pg_loss``,
+            ``ppo_ratio``, ``ppo_ratio_clamped``, ``clip_fraction``, ``dual_clip_fraction``,
+            ``approx_kl``, ``entropy`` (mean per-token entropy over the ``is_end`` mask).
+        """
+        tokens = batch["response_tokens"].to(self.device)
+        logits = self._logits(self.model, tokens, batch.get("response_lengths"))
+        temperature = self.sampling.logprob_temperature
+        logprobs = next_token_logprobs(logits, tokens, temperature)
+        with nullcontext() if self.entropy_coef > 0 else torch.no_grad():
+            entropy = entropy_from_logits(logits[:, :-1], temperature)
+        loss, stats = ppo_policy_loss(
+            logprobs,
+            batch["prev_logprobs"].to(logprobs),
+            batch["advantages"].to(logprobs),
+            batch["mask"].to(logprobs),
+            self.clip_eps,
+            clip_eps_high=self.clip_eps_high,
+            dual_clip=self.dual_clip,
+            aggregation=self.loss_aggregation,
+            is_end=batch["is_end"].to(self.device),
+            entropy=entropy,
+            entropy_coef=self.entropy_coef,
+        )
+        metrics = {
+            "loss": loss.detach(),
+            "pg_loss": stats.pg_loss,
+            "ppo_ratio": stats.ratio_mean,
+            "ppo_ratio_clamped": stats.ratio_clamped_mean,
+            "clip_fraction": stats.clip_fraction,
+            "dual_clip_fraction": stats.dual_clip_fraction,
+            "approx_kl": stats.approx_kl,
+            "entropy": stats.entropy,
+        }
+        values = torch.stack([v.float() for v in metrics.values()]).tolist()  # one device sync
+        return loss, dict(zip(metrics, values, strict=True))
+
+    # ------------------------------------------------------------------ internals
+    def _make_init_policy(self, init_policy: PreTrainedModel | bool | None) -> PreTrainedModel | None:
+        if init_policy is False:
+            return None
+        if isinstance(init_policy, nn.Module):
+            frozen = init_policy
+        elif _is_peft(self.model):
+            return self.model  # the same weights; adapters are disabled while it scores
+        else:
+            frozen = copy.deepcopy(self.model)
+        frozen.eval()
+        frozen.requires_grad_(False)
+        return frozen
+
+    def _init_policy_context(self) -> AbstractContextManager[object]:
+        if self.init_policy is self.model and _is_peft(self.model):
+            ctx = getattr(self.model, "disable_adapter")()  # noqa: B009 (PEFT API, untyped here)
+            assert isinstance(ctx, AbstractContextManager)
+            return ctx
+        return nullcontext()
+
+    def _batched_logprobs(
+        self,
+        model: nn.Module,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor | None,
+        micro_batch_size: int | None,
+    ) -> torch.Tensor:
+        tokens = tokens.to(self.device)
+        step = micro_batch_size or self.forward_micro_batch_size or max(1, tokens.shape[0])
+        temperature = self.sampling.logprob_temperature
+        parts = []
+        for i in range(0, tokens.shape[0], step):
+            chunk = tokens[i : i + step]
+            chunk_lengths = lengths[i : i + step] if lengths is not None else None
+            logits = self._logits(model, chunk, chunk_lengths)
+            parts.append(next_token_logprobs(logits, chunk, temperature).float())
+        if not parts:
+            return torch.zeros((0, max(0, tokens.shape[1] - 1)), dtype=torch.float32, device=self.device)
+        return torch.cat(parts)
+
+    @staticmethod
+    def _logits(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+        """Full-sequence logits [B, S, V] of right-padded ``tokens`` [B, S]."""
+        if lengths is None:
+            attention = torch.ones_like(tokens)
+        else:
+            col = torch.arange(tokens.shape[1], device=tokens.device)
+            attention = (col < lengths.to(tokens.device).unsqueeze(-1)).long()
+        out = model(input_ids=tokens, attention_mask=attention, use_cache=False)
+        logits = out.logits
+        assert isinstance(logits, torch.Tensor)
+        return logits
+
+
+def _eos_id(model: PreTrainedModel) -> int | None:
+    eos = getattr(model.config, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos if isinstance(eos, int) else None
+
+
+def _is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)

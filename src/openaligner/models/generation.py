@@ -1,0 +1,304 @@
+"""Batched sampling from a Hugging Face causal LM with a KV cache: the actor's rollout engine.
+
+Owns the sampling parameters, the token-selection rules (greedy, temperature, top-k, top-p,
+min/max new tokens, stop ids, stop strings) and the output layout. Must not know about PPO,
+rewards or training.
+
+Layout. Input prompts are right-padded ``prompts`` [B, P] with ``prompt_lengths`` [B]. Internally
+prompts are left-padded so that every row appends its next token in the same column of one
+preallocated buffer, with per-row position ids (``cumsum(attention_mask) - 1``) and a static KV
+cache sized ``max(prompt_lengths) + max_new_tokens``. The result is converted back to the
+right-padded layout: row ``i`` holds its prompt, immediately followed by its response (the stop
+token included), then ``pad_id`` up to the width ``S = max(response_lengths)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, StaticCache
+from transformers.cache_utils import Cache
+
+CacheKind = Literal["static", "dynamic"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. Defaults: plain ancestral sampling at temperature 1, 64 new tokens."""
+
+    greedy: bool = False  # argmax instead of sampling (temperature/top-k/top-p ignored)
+    temperature: float = 1.0  # logits are divided by this before top-k/top-p and sampling
+    top_k: int = 0  # keep only the k most likely tokens; 0 disables
+    top_p: float = 1.0  # nucleus sampling: smallest set with cumulative probability ≥ top_p; 1 disables
+    max_new_tokens: int = 64  # response length limit (stop token included)
+    min_new_tokens: int = 0  # stop ids are banned and stop strings ignored before this many new tokens
+    stop_token_ids: tuple[int, ...] | None = None  # a response ends after one of these ids; None: model's EOS
+    stop_strings: tuple[str, ...] = ()  # ... or when its decoded text contains one
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be ≥ 0 (0 disables), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must lie in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}"
+            )
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the log-probs of sampled tokens must use (1 for greedy decoding)."""
+        return 1.0 if self.greedy else self.temperature
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The result of :func:`generate`."""
+
+    tokens: torch.Tensor  # [B, S] int64: prompt, response, then pad_id; S = max(response_lengths)
+    response_lengths: torch.Tensor  # [B] int64: prompt + response tokens (stop token included)
+    prompt_lengths: torch.Tensor  # [B] int64
+    is_end: torch.Tensor  # [B] bool: the response ended on a stop token id or a stop string
+
+
+@torch.no_grad()
+def generate(
+    model: PreTrainedModel,
+    prompts: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    params: SamplingParams,
+    *,
+    pad_id: int,
+    generator: torch.Generator | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    cache: CacheKind = "static",
+) -> Generation:
+    """Sample responses for a batch of prompts of different lengths.
+
+    Args:
+        model: a decoder-only causal LM; used as is (call ``eval()`` first for no dropout).
+        prompts: [B, P] int64, right-padded (values beyond a row's length are ignored).
+        prompt_lengths: [B] int64, each in [1, P].
+        params: sampling parameters.
+        pad_id: id written after each response.
+        generator: seeded generator on the model's device for reproducible sampling.
+        tokenizer: needed only for ``params.stop_strings``.
+        cache: ``"static"`` (preallocated KV cache; fastest) or ``"dynamic"`` (grows per step;
+            for models whose attention does not support a static cache).
+
+    Returns:
+        A :class:`Generation` on the model's device.
+    """
+    if params.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer to decode responses; pass tokenizer=")
+    device = next(model.parameters()).device
+    prompts = prompts.to(device=device, dtype=torch.long)
+    lengths = prompt_lengths.to(device=device, dtype=torch.long).reshape(-1)
+    _check_prompts(prompts, lengths, params, model)
+    batch = prompts.shape[0]
+    p_max = int(lengths.max())
+    total = p_max + params.max_new_tokens
+
+    buf, attention = _left_pad(prompts, lengths, p_max, total, pad_id)
+    positions = (attention[:, :p_max].cumsum(-1) - 1).clamp(min=0)
+    kv = _make_cache(model, cache, total)
+    logits = _last_logits(model, buf[:, :p_max], attention[:, :p_max], positions, kv)
+
+    stop_ids = torch.tensor(resolve_stop_ids(params, model), dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    new_tokens = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=device)
+    steps = params.max_new_tokens
+    for step in range(params.max_new_tokens):
+        banned = stop_ids if step < params.min_new_tokens else None
+        token = select_tokens(logits, params, generator, banned)
+        token = torch.where(done, torch.full_like(token, pad_id), token)
+        buf[:, p_max + step] = token
+        hit = torch.isin(token, stop_ids) & ~done
+        if params.stop_strings and step + 1 >= params.min_new_tokens:
+            assert tokenizer is not None
+            hit |= _stop_string_hits(buf[:, p_max : p_max + step + 1], done, params.stop_strings, tokenizer)
+        new_tokens = torch.where(hit, step + 1, new_tokens)
+        done |= hit
+        if step + 1 == params.max_new_tokens or bool(done.all()):
+            steps = step + 1
+            break
+        logits = _last_logits(
+            model,
+            token.unsqueeze(-1),
+            attention[:, : p_max + step + 1],
+            (lengths + step).unsqueeze(-1),
+            kv,
+        )
+
+    new_tokens = new_tokens.clamp(max=steps)
+    response_lengths = lengths + new_tokens
+    tokens = _to_right_padded(buf, p_max - lengths, response_lengths, pad_id)
+    return Generation(tokens=tokens, response_lengths=response_lengths, prompt_lengths=lengths, is_end=done)
+
+
+def resolve_stop_ids(params: SamplingParams, model: PreTrainedModel) -> list[int]:
+    """The stop ids in effect: ``params.stop_token_ids``, or the model's EOS id(s) when ``None``."""
+    if params.stop_token_ids is not None:
+        return sorted(set(params.stop_token_ids))
+    eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return sorted(set(eos)) if isinstance(eos, list) else [int(eos)]
+
+
+def select_tokens(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    banned: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pick one token per row from ``logits`` [B, V] → [B] int64.
+
+    ``banned`` ids (e.g. stop ids before ``min_new_tokens``) get probability 0.
+    """
+    x = logits.float()
+    if banned is not None and banned.numel():
+        x = x.index_fill(-1, banned, float("-inf"))
+    if params.greedy:
+        return x.argmax(-1)
+    if params.temperature != 1.0:
+        x = x / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        x = _top_p_filter(x, params.top_p)
+    return _sample(torch.softmax(x, dim=-1), generator)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row from ``probs`` [B, V] by inverting the CDF: [B] int64.
+
+    One uniform number per row instead of ``torch.multinomial``'s V exponential draws per row
+    (≈ 0.5 ms per step at B=64, V=512 on CPU). Zero-probability tokens have zero-width intervals
+    and are never drawn.
+    """
+    cdf = probs.cumsum(-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return index.clamp(max=probs.shape[-1] - 1).squeeze(-1)
+
+
+def _top_p_filter(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability mass reaches ``top_p``."""
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    probs = torch.softmax(sorted_x, dim=-1)
+    mass_before = probs.cumsum(-1) - probs
+    drop_sorted = mass_before >= top_p  # the most likely token always stays (mass before it is 0)
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))
+
+
+def _check_prompts(
+    prompts: torch.Tensor, lengths: torch.Tensor, params: SamplingParams, model: PreTrainedModel
+) -> None:
+    if prompts.dim() != 2 or lengths.shape[0] != prompts.shape[0] or prompts.shape[0] == 0:
+        raise ValueError(
+            f"expected prompts [B, P] with B ≥ 1 and lengths [B], got {tuple(prompts.shape)} and "
+            f"{tuple(lengths.shape)}"
+        )
+    if int(lengths.min()) < 1 or int(lengths.max()) > prompts.shape[1]:
+        raise ValueError(f"prompt lengths must lie in [1, {prompts.shape[1]}], got {lengths.tolist()}")
+    limit = _max_positions(model)
+    needed = int(lengths.max()) + params.max_new_tokens
+    if limit is not None and needed > limit:
+        raise ValueError(
+            f"longest prompt ({int(lengths.max())}) + max_new_tokens ({params.max_new_tokens}) = {needed} "
+            f"exceeds the model's {limit} positions; lower max_new_tokens or filter long prompts"
+        )
+
+
+def _max_positions(model: PreTrainedModel) -> int | None:
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(model.config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _left_pad(
+    prompts: torch.Tensor, lengths: torch.Tensor, p_max: int, total: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token buffer [B, total] (prompts left-padded into the first p_max columns) and the
+    attention mask [B, total] (0 on left padding, 1 elsewhere)."""
+    batch = prompts.shape[0]
+    offset = (p_max - lengths).unsqueeze(-1)
+    col = torch.arange(p_max, device=prompts.device).unsqueeze(0)
+    source = (col - offset).clamp(min=0)
+    is_pad = col < offset
+    buf = torch.full((batch, total), pad_id, dtype=torch.long, device=prompts.device)
+    buf[:, :p_max] = prompts.gather(1, source).masked_fill(is_pad, pad_id)
+    attention = torch.ones((batch, total), dtype=torch.long, device=prompts.device)
+    attention[:, :p_max] = (~is_pad).long()
+    return buf, attention
+
+
+def _to_right_padded(
+    buf: torch.Tensor, offset: torch.Tensor, response_lengths: torch.Tensor, pad_id: int
+) -> torch.Tensor:
+    """Shift each row left by its padding ``offset`` [B]: [B, total] → [B, max(response_lengths)]."""
+    width = int(response_lengths.max())
+    col = torch.arange(width, device=buf.device).unsqueeze(0)
+    index = (col + offset.unsqueeze(-1)).clamp(max=buf.shape[1] - 1)
+    out = buf.gather(1, index)
+    return out.masked_fill(col >= response_lengths.unsqueeze(-1), pad_id)
+
+
+def _make_cache(model: PreTrainedModel, kind: CacheKind, total: int) -> Cache:
+    if kind == "static":
+        return StaticCache(config=model.config, max_cache_len=total)
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    raise ValueError(f"unknown cache kind {kind!r}; expected 'static' or 'dynamic'")
+
+
+def _last_logits(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: Cache,
+) -> torch.Tensor:
+    """One forward step; returns the logits of the last input position, [B, V]."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    logits = out.logits
+    assert isinstance(logits, torch.Tensor)
+    return logits[:, -1]
+
+
+def _stop_string_hits(
+    generated: torch.Tensor,
+    done: torch.Tensor,
+    stop_strings: Sequence[str],
+    tokenizer: PreTrainedTokenizerBase,
+) -> torch.Tensor:
+    """[B] bool: rows not yet done whose decoded response contains a stop string."""
+    hits = torch.zeros_like(done)
+    rows = (~done).nonzero().flatten().tolist()
+    if not rows:
+        return hits
+    texts = tokenizer.batch_decode(generated[rows].tolist(), skip_special_tokens=False)
+    for row, text in zip(rows, texts, strict=True):
+        if any(s in text for s in stop_strings):
+            hits[row] = True
+    return hits
