@@ -1,0 +1,90 @@
+"""Shaping a formed batch for the forward pass, and undoing it for the answers.
+
+Owns four steps, each a pure function on torch tensors: merge the requests Triton formed into one
+right-padded batch, strip trailing padding columns to a multiple, pad the batch dimension so every
+rank gets whole micro-batches, and split results back per request with the padded rows dropped.
+Must not know about PyTriton, validation, models or torch.distributed (the data-parallel size is a
+plain integer here).
+
+Shapes: B rows, S columns; ``tokens`` [B, S] int64 right-padded, ``lengths`` [B] int64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+PAD_TOKEN_ID = 0
+"""Filler for padded rows and columns; never read, since every row is cut at its length."""
+PAD_ROW_LENGTH = 1
+"""Length given to padded rows: 1 keeps them legal for models that refuse a length of 0."""
+
+
+def merge_rows(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate several ``(tokens [b_i, S_i], lengths [b_i])`` into one batch.
+
+    Narrower parts are right-padded with :data:`PAD_TOKEN_ID` to the widest ``S_i``.
+
+    Returns:
+        ``tokens`` [sum b_i, max S_i] and ``lengths`` [sum b_i].
+    """
+    width = max(t.shape[1] for t, _ in parts)
+    padded = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=PAD_TOKEN_ID) for t, _ in parts]
+    tokens = torch.cat(padded)
+    return tokens, torch.cat([n.reshape(-1) for _, n in parts])
+
+
+def strip_columns(tokens: torch.Tensor, lengths: torch.Tensor, multiple: int | None) -> torch.Tensor:
+    """Drop trailing padding columns, keeping a width that is a multiple of ``multiple``.
+
+    The new width is ``ceil(max(lengths) / multiple) * multiple``, never wider than ``S``; with
+    ``multiple=None`` nothing is stripped. A few distinct widths keep kernels warm and cache-
+    friendly while most padding is skipped.
+
+    Example: lengths [3, 5], S = 16, multiple 4 → width 8.
+    """
+    if multiple is None or tokens.shape[0] == 0:
+        return tokens
+    longest = int(lengths.max())
+    width = -(-longest // multiple) * multiple
+    return tokens[:, :width] if width < tokens.shape[1] else tokens
+
+
+def padding_multiple(rows: int, forward_micro_batch_size: int, dp_size: int) -> int:
+    """The multiple the batch dimension is padded to before it is split over ranks.
+
+    A batch that fits in one micro-batch per rank (``rows <= mbs * dp``) is padded only to a
+    multiple of ``dp``, so each rank runs one micro-batch of ``rows / dp`` rows. A larger batch is
+    padded to a multiple of ``mbs * dp``, so each rank runs whole micro-batches.
+
+    Example: mbs 4, dp 2 → 5 rows pad to 6 (two chunks of 3); 11 rows pad to 16.
+    """
+    if rows <= forward_micro_batch_size * dp_size:
+        return dp_size
+    return forward_micro_batch_size * dp_size
+
+
+def pad_rows(
+    tokens: torch.Tensor, lengths: torch.Tensor, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Append filler rows so the batch dimension is a multiple of ``multiple``.
+
+    Returns:
+        ``tokens`` [B', S], ``lengths`` [B'] and the number of rows added, ``B' - B``.
+    """
+    extra = -tokens.shape[0] % multiple
+    if extra == 0:
+        return tokens, lengths, 0
+    tokens = torch.cat([tokens, tokens.new_full((extra, tokens.shape[1]), PAD_TOKEN_ID)])
+    lengths = torch.cat([lengths, lengths.new_full((extra,), PAD_ROW_LENGTH)])
+    return tokens, lengths, extra
+
+
+def split_rows(values: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+    """Split the leading dimension into consecutive pieces of ``counts`` rows, dropping any rows
+    after ``sum(counts)`` (the padded ones)."""
+    total = sum(counts)
+    if values.shape[0] < total:
+        raise ValueError(f"got {values.shape[0]} result rows for {total} requested rows")
+    return list(torch.split(values[:total], list(counts)))

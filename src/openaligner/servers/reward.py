@@ -1,0 +1,393 @@
+"""The reward model server: a frozen reward function behind Triton's ``reward_model`` endpoint.
+
+Owns the reward endpoint's logic (:class:`RewardEndpoint`: validate one request, answer a formed
+batch) and its deployment (:class:`RewardModelServer`: rank 0 runs Triton and leads, other ranks
+follow the FORWARD opcode). The reward function is any callable ``infer_fn(tokens, lengths)``;
+``RewardModel.infer`` from :mod:`openaligner.models.reward` is the usual one. Must not know how
+rewards are computed, nor about HTTP details (see :mod:`openaligner.servers.triton`).
+
+Wire contract (see :mod:`openaligner.servers.protocol`): inputs ``sentences`` (bytes [B, 1]),
+``tokens`` (int64 [B, S], right-padded) with ``sequence_lengths`` (int64 [B, 1]); output
+``rewards`` (float32 [B, 1]). When a request carries both, ``sentences`` wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
+from openaligner.servers.distributed import Collective, Opcode, Rank0Dispatcher, run_subscriber_loop
+from openaligner.servers.protocol import (
+    DEFAULT_HOST,
+    REWARD_DEFAULT_PORT,
+    REWARD_INPUTS,
+    REWARD_MODEL_NAME,
+    REWARD_OUTPUTS,
+    SENTENCES,
+    SEQUENCE_LENGTHS,
+    TOKENS,
+)
+from openaligner.servers.triton import Batching, TritonHost
+from openaligner.servers.validation import (
+    RequestError,
+    check_batch_size,
+    check_known_inputs,
+    check_spec,
+    check_tokens,
+    decode_sentences,
+)
+
+LOGGER = logging.getLogger(__name__)
+
+InferFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(tokens [b, S] int64, lengths [b] int64) -> rewards [b]``; called once per micro-batch."""
+
+TokenizeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
+"""``texts -> (tokens [B, S] int64 right-padded, lengths [B] int64)``."""
+
+
+@dataclass(frozen=True)
+class RewardRequest:
+    """One validated request: ``tokens`` [b, S] int64, ``lengths`` [b] int64."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class EndpointStats:
+    """Counters of what the endpoint has served (calls = formed batches)."""
+
+    calls: int = 0
+    requests: int = 0
+    rows: int = 0
+    padded_rows: int = 0
+
+    @property
+    def mean_formed_batch_rows(self) -> float:
+        return self.rows / self.calls if self.calls else 0.0
+
+
+class RewardEndpoint:
+    """The ``reward_model`` endpoint as a plain object (see :class:`openaligner.servers.triton.Endpoint`).
+
+    Args:
+        forward: ``(tokens [B, S], lengths [B]) -> rewards [B]`` for a whole shaped batch, where
+            ``B`` is a multiple of ``dp_size`` (usually the dispatcher's FORWARD).
+        tokenize_func: turns ``sentences`` into tokens; None refuses sentences.
+        vocab_size: token ids must lie in ``[0, vocab_size)``; None skips the check.
+        max_sequence_length: longest accepted sequence; None skips the check.
+        max_batch_size: most rows per request.
+        forward_micro_batch_size: rows per forward pass on one rank.
+        strip_sequence_length_to_multiple: strip padding columns to this multiple; None keeps them.
+        dp_size: number of ranks sharing the batch.
+    """
+
+    inputs = REWARD_INPUTS
+    outputs = REWARD_OUTPUTS
+
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        model_name: str = REWARD_MODEL_NAME,
+        tokenize_func: TokenizeFn | None = None,
+        vocab_size: int | None = None,
+        max_sequence_length: int | None = None,
+        max_batch_size: int = 1024,
+        forward_micro_batch_size: int = 4,
+        strip_sequence_length_to_multiple: int | None = None,
+        dp_size: int = 1,
+    ) -> None:
+        self.forward = forward
+        self.model_name = model_name
+        self.tokenize_func = tokenize_func
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.max_batch_size = max_batch_size
+        self.forward_micro_batch_size = forward_micro_batch_size
+        self.strip_multiple = strip_sequence_length_to_multiple
+        self.dp_size = dp_size
+        self.stats = EndpointStats()
+        self._stats_lock = threading.Lock()
+
+    def validate(self, inputs: Mapping[str, np.ndarray]) -> RewardRequest:
+        """Check one request and convert it to tensors.
+
+        Raises:
+            RequestError: which input is wrong and what was expected.
+        """
+        check_known_inputs(inputs, self.inputs)
+        if SENTENCES.name in inputs:
+            return self._from_sentences(check_spec(inputs[SENTENCES.name], SENTENCES))
+        if TOKENS.name not in inputs:
+            raise RequestError(
+                f"request has neither '{TOKENS.name}' nor '{SENTENCES.name}'; send '{TOKENS.name}' "
+                f"({TOKENS.dtype_name} {TOKENS.wire_shape}) with '{SEQUENCE_LENGTHS.name}' "
+                f"({SEQUENCE_LENGTHS.dtype_name} {SEQUENCE_LENGTHS.wire_shape}), or '{SENTENCES.name}' "
+                f"({SENTENCES.dtype_name} {SENTENCES.wire_shape})"
+            )
+        tokens = check_spec(inputs[TOKENS.name], TOKENS)
+        if SEQUENCE_LENGTHS.name not in inputs:
+            raise RequestError(
+                f"input '{SEQUENCE_LENGTHS.name}' ({SEQUENCE_LENGTHS.dtype_name} "
+                f"{SEQUENCE_LENGTHS.wire_shape}) is required with '{TOKENS.name}': the number of valid "
+                f"tokens in each row"
+            )
+        lengths = check_spec(inputs[SEQUENCE_LENGTHS.name], SEQUENCE_LENGTHS)
+        check_batch_size(tokens.shape[0], self.max_batch_size)
+        tokens, flat = check_tokens(
+            tokens, lengths, vocab_size=self.vocab_size, max_sequence_length=self.max_sequence_length
+        )
+        return RewardRequest(torch.from_numpy(np.array(tokens)), torch.from_numpy(np.array(flat)))
+
+    def _from_sentences(self, sentences: np.ndarray) -> RewardRequest:
+        if self.tokenize_func is None:
+            raise RequestError(
+                f"this server has no tokenizer, so '{SENTENCES.name}' cannot be served; send "
+                f"'{TOKENS.name}' with '{SEQUENCE_LENGTHS.name}' instead"
+            )
+        check_batch_size(sentences.shape[0], self.max_batch_size)
+        texts = decode_sentences(sentences)
+        tokens, lengths = self.tokenize_func(texts)
+        lengths = lengths.reshape(-1).to(torch.int64)
+        empty = (lengths < 1).nonzero()
+        if empty.numel():
+            raise RequestError(
+                f"input '{SENTENCES.name}': row {int(empty[0])} has no tokens; send non-empty text"
+            )
+        if self.max_sequence_length is not None and tokens.shape[1] > self.max_sequence_length:
+            tokens = tokens[:, : self.max_sequence_length]
+            lengths = lengths.clamp(max=self.max_sequence_length)
+        return RewardRequest(tokens.to(torch.int64), lengths)
+
+    def run(self, requests: Sequence[RewardRequest]) -> list[dict[str, np.ndarray]]:
+        """Answer a formed batch: merge, strip, pad rows, forward, drop padding, split per request."""
+        tokens, lengths = merge_rows([(r.tokens, r.lengths) for r in requests])
+        tokens = strip_columns(tokens, lengths, self.strip_multiple)
+        rows = tokens.shape[0]
+        tokens, lengths, extra = pad_rows(
+            tokens, lengths, padding_multiple(rows, self.forward_micro_batch_size, self.dp_size)
+        )
+        rewards = self.forward(tokens, lengths).detach().to("cpu", torch.float32).reshape(-1)
+        with self._stats_lock:
+            self.stats.calls += 1
+            self.stats.requests += len(requests)
+            self.stats.rows += rows
+            self.stats.padded_rows += extra
+        pieces = split_rows(rewards, [r.rows for r in requests])
+        return [{"rewards": p.reshape(-1, 1).numpy()} for p in pieces]
+
+
+def micro_batched(infer_fn: InferFn, micro_batch_size: int) -> InferFn:
+    """``infer_fn`` applied to consecutive slices of ``micro_batch_size`` rows, results concatenated."""
+
+    def run(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        parts = [
+            infer_fn(tokens[i : i + micro_batch_size], lengths[i : i + micro_batch_size]).reshape(-1).float()
+            for i in range(0, tokens.shape[0], micro_batch_size)
+        ]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    return run
+
+
+@dataclass
+class RewardModelServer:
+    """Serve ``infer_fn`` as Triton model ``model_name`` on ``host:port``.
+
+    Create it after ``torch.distributed`` is initialised (if it is used at all): with several
+    processes, rank 0 runs Triton and every rank holds a replica of the model and computes an
+    equal share of each formed batch.
+
+    Attributes:
+        infer_fn: ``(tokens [b, S] int64, lengths [b] int64) -> rewards [b]`` (no grad).
+        tokenize_func: tokenizer for ``sentences``; None refuses sentences.
+        model_name: Triton model name.
+        port: HTTP port.
+        inference_micro_batch_size: preferred rows per rank in a formed batch (int or list);
+            Triton's preferred batch sizes are these times the number of ranks.
+        model_forward_micro_batch_size: rows per ``infer_fn`` call.
+        strip_sequence_length_to_multiple: strip padding columns to this multiple (None: keep).
+        max_queue_delay_microseconds: how long Triton holds a request to merge it with others.
+        host: address to bind (loopback by default; others are warned about).
+        vocab_size: refuse token ids outside ``[0, vocab_size)``; None skips the check.
+        max_sequence_length: refuse longer sequences; None skips the check.
+        max_batch_size: most rows per request and per formed batch.
+        heartbeat_s: idle heartbeat to the other ranks (see :class:`Rank0Dispatcher`).
+        exit_timeout_s: Triton's grace period for open connections at stop.
+    """
+
+    infer_fn: InferFn
+    tokenize_func: TokenizeFn | None = None
+    model_name: str = REWARD_MODEL_NAME
+    port: int = REWARD_DEFAULT_PORT
+    inference_micro_batch_size: int | list[int] = 4
+    model_forward_micro_batch_size: int = 4
+    strip_sequence_length_to_multiple: int | None = None
+    max_queue_delay_microseconds: float = 2000
+    host: str = DEFAULT_HOST
+    vocab_size: int | None = None
+    max_sequence_length: int | None = None
+    max_batch_size: int = 1024
+    heartbeat_s: float | None = 60.0
+    exit_timeout_s: int = 3
+    collective: Collective = field(default_factory=Collective, repr=False)
+
+    def __post_init__(self) -> None:
+        sizes = self.preferred_batch_sizes
+        if self.model_forward_micro_batch_size < 1:
+            raise ValueError("model_forward_micro_batch_size must be >= 1")
+        if min(sizes) < 1:
+            raise ValueError(
+                f"inference_micro_batch_size must be >= 1, got {self.inference_micro_batch_size}"
+            )
+        if max(sizes) > self.max_batch_size:
+            raise ValueError(
+                f"preferred batch size {max(sizes)} (inference_micro_batch_size x "
+                f"{self.collective.world_size} ranks) exceeds max_batch_size {self.max_batch_size}; "
+                f"raise max_batch_size"
+            )
+        if self.strip_sequence_length_to_multiple is not None and self.strip_sequence_length_to_multiple < 1:
+            raise ValueError("strip_sequence_length_to_multiple must be >= 1 or None")
+        self._local_infer = micro_batched(self.infer_fn, self.model_forward_micro_batch_size)
+        self._dispatcher: Rank0Dispatcher | None = None
+        self._host: TritonHost | None = None
+        self._stop_requested = threading.Event()
+        self.endpoint = RewardEndpoint(
+            self._forward_from_rank0,
+            model_name=self.model_name,
+            tokenize_func=self.tokenize_func,
+            vocab_size=self.vocab_size,
+            max_sequence_length=self.max_sequence_length,
+            max_batch_size=self.max_batch_size,
+            forward_micro_batch_size=self.model_forward_micro_batch_size,
+            strip_sequence_length_to_multiple=self.strip_sequence_length_to_multiple,
+            dp_size=self.collective.world_size,
+        )
+
+    @property
+    def preferred_batch_sizes(self) -> tuple[int, ...]:
+        """``inference_micro_batch_size`` (each) times the number of ranks."""
+        sizes = self.inference_micro_batch_size
+        per_rank = [sizes] if isinstance(sizes, int) else list(sizes)
+        return tuple(int(s) * self.collective.world_size for s in per_rank)
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the HTTP endpoint."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def triton(self) -> TritonHost | None:
+        """The running Triton host on rank 0 (None elsewhere or before :meth:`start`)."""
+        return self._host
+
+    def handlers(self) -> dict[int, Callable[[Any], Any]]:
+        """The opcode table every rank runs (the critic server adds TRAIN and SAVE)."""
+        return {Opcode.FORWARD: self._forward_all_ranks}
+
+    def start(self) -> None:
+        """Rank 0: start Triton and return once it answers. Other ranks: nothing (see run_server)."""
+        if not self.collective.is_leader or self._host is not None:
+            return
+        self._dispatcher = Rank0Dispatcher(self.collective, self.handlers(), heartbeat_s=self.heartbeat_s)
+        host = TritonHost(self.host, self.port, exit_timeout_s=self.exit_timeout_s)
+        batching = Batching(
+            max_batch_size=self.max_batch_size,
+            preferred_batch_sizes=self.preferred_batch_sizes,
+            max_queue_delay_microseconds=int(self.max_queue_delay_microseconds),
+        )
+        host.bind(self.endpoint, batching, threading.Lock())
+        try:
+            host.start()
+        except BaseException:
+            self._dispatcher.stop()
+            raise
+        self._host = host
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run_server` to return (safe from signal handlers and other threads)."""
+        self._stop_requested.set()
+
+    def stop(self) -> None:
+        """Rank 0: stop Triton, then release the other ranks with STOP. Safe to call twice."""
+        self._stop_requested.set()
+        if self._host is not None:
+            self._host.stop()
+        if self._dispatcher is not None:
+            self._dispatcher.stop()
+
+    def run_server(self) -> None:
+        """Serve until :meth:`request_stop` (rank 0) or STOP from rank 0 (other ranks).
+
+        Raises:
+            RuntimeError: tritonserver exited on its own (after the other ranks were released).
+        """
+        if not self.collective.is_leader:
+            run_subscriber_loop(self.collective, self.handlers())
+            return
+        self.start()
+        assert self._host is not None
+        died = False
+        try:
+            while not self._stop_requested.wait(0.5):
+                if not self._host.is_alive():
+                    died = True
+                    break
+        finally:
+            self.stop()
+        if died:
+            raise RuntimeError(
+                f"tritonserver for {self.model_name} at {self.url} exited unexpectedly; see its log"
+            )
+
+    def __enter__(self) -> RewardModelServer:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    def _forward_from_rank0(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        if self._dispatcher is None:  # endpoint used without start(): compute in this process
+            return self._local_infer(tokens, lengths)
+        return self._dispatcher.call(Opcode.FORWARD, (tokens, lengths))
+
+    def _forward_all_ranks(self, batch: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """FORWARD on every rank: receive the batch, compute this rank's rows, gather all rows."""
+        c = self.collective
+        tokens = c.broadcast_tensor(batch[0] if batch is not None else None)
+        lengths = c.broadcast_tensor(batch[1] if batch is not None else None)
+        local_tokens, local_lengths = c.local_rows(tokens), c.local_rows(lengths)
+        local = c.run_guarded(lambda: self._local_infer(local_tokens, local_lengths).to(c.device))
+        return c.gather_rows(local)
+
+
+def make_tokenize_func(tokenizer: Any, max_length: int | None = None) -> TokenizeFn:
+    """A :data:`TokenizeFn` from a Hugging Face tokenizer: no BOS/EOS added, truncated to
+    ``max_length``, right-padded with the tokenizer's pad id (0 when it has none)."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def tokenize(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = tokenizer(
+            texts, add_special_tokens=False, truncation=max_length is not None, max_length=max_length
+        )["input_ids"]
+        width = max(1, max(len(x) for x in ids))
+        tokens = torch.full((len(ids), width), pad_id, dtype=torch.int64)
+        for i, row in enumerate(ids):
+            tokens[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        return tokens, torch.tensor([len(x) for x in ids], dtype=torch.int64)
+
+    return tokenize

@@ -1,0 +1,379 @@
+"""The PyTriton binding: start a real Triton server and connect endpoint logic to it.
+
+Owns everything PyTriton-specific and nothing else: the runtime fixes that let Triton start on a
+fresh machine (this interpreter's libpython first on ``LD_LIBRARY_PATH``, a private workspace,
+loopback HTTP only, a short exit timeout), the model configuration (dynamic batcher), and the thin
+per-call path — decode each request, validate it, lock, call the endpoint, encode the outputs.
+Must not know what an endpoint computes, nor about models or torch.distributed.
+
+An endpoint is an ordinary object (see :class:`Endpoint`) tested without Triton. Every request of
+a formed batch is validated on its own before anything runs: Triton answers every request of an
+inference call with the same error, so a call that contains one invalid request can only fail as a
+whole. The error then names the invalid requests and tells the valid ones to resend (see
+:class:`openaligner.servers.protocol.ErrorEnvelope`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import shutil
+import socket
+import sysconfig
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from openaligner.servers.protocol import DEFAULT_HOST, REQUEST_ID_PARAMETER, ErrorEnvelope, TensorSpec
+from openaligner.servers.validation import RequestError
+
+LOGGER = logging.getLogger(__name__)
+
+
+class Endpoint(Protocol):
+    """Endpoint logic as a plain object: per-request validation, then one call per formed batch."""
+
+    @property
+    def model_name(self) -> str:
+        """Triton model name."""
+        ...
+
+    @property
+    def inputs(self) -> Sequence[TensorSpec]:
+        """Declared inputs (per-sample shapes)."""
+        ...
+
+    @property
+    def outputs(self) -> Sequence[TensorSpec]:
+        """Declared outputs (per-sample shapes)."""
+        ...
+
+    def validate(self, inputs: Mapping[str, np.ndarray]) -> Any:
+        """Check and convert one request's inputs; raise :class:`RequestError` if it is wrong."""
+        ...
+
+    def run(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
+        """Answer validated requests (the values ``validate`` returned), one dict per request."""
+        ...
+
+
+@dataclass(frozen=True)
+class Batching:
+    """Triton dynamic batcher settings for one endpoint.
+
+    Attributes:
+        max_batch_size: most rows per request and per formed batch (Triton refuses more).
+        preferred_batch_sizes: batch sizes the batcher tries to form right away.
+        max_queue_delay_microseconds: how long a request may wait for others to merge with.
+    """
+
+    max_batch_size: int
+    preferred_batch_sizes: tuple[int, ...]
+    max_queue_delay_microseconds: int
+
+
+class BatchRejected(Exception):
+    """Raised into PyTriton when a formed batch holds invalid requests; becomes an HTTP 500 whose
+    text carries an :class:`ErrorEnvelope`. (Never ``PyTritonUnrecoverableError``: that would
+    stop the server.)"""
+
+
+def prepare_environment() -> None:
+    """Make the Triton python-backend stub load *this* interpreter's libpython.
+
+    The stub links ``libpython3.X.so``; without this, the dynamic loader may pick a system copy of
+    another patch release and model loading fails deep inside ``multiprocessing``. PyTriton copies
+    ``os.environ`` into the tritonserver process, so setting it here, before start, suffices.
+    """
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        LOGGER.warning(
+            "this Python was built without a shared libpython; Triton's python backend needs one "
+            "(e.g. pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)"
+        )
+    if not libdir:
+        return
+    current = os.environ.get("LD_LIBRARY_PATH", "")
+    if current.split(":")[0] != libdir:
+        os.environ["LD_LIBRARY_PATH"] = f"{libdir}:{current}" if current else libdir
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail early, with a useful message, when ``host:port`` cannot be bound."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Triton does: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(
+                f"cannot bind {host}:{port} ({e.strerror}); another server is probably running there: "
+                f"stop it or choose another server.port"
+            ) from None
+
+
+class TritonCallable:
+    """What PyTriton calls for one model: decode, validate each request, lock, run, encode."""
+
+    def __init__(self, endpoint: Endpoint, lock: threading.Lock | threading.RLock) -> None:
+        self.endpoint = endpoint
+        self.lock = lock
+        self._in_flight = 0
+        self._count_lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call is being served right now."""
+        return self._in_flight > 0
+
+    def __call__(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
+        with self._count_lock:
+            self._in_flight += 1
+        try:
+            return self._serve(requests)
+        finally:
+            with self._count_lock:
+                self._in_flight -= 1
+
+    def _serve(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
+        decoded = [(_request_id(r, i), dict(r.data)) for i, r in enumerate(requests)]
+        parsed: list[Any] = []
+        invalid: dict[str, str] = {}
+        for rid, inputs in decoded:
+            try:
+                parsed.append(self.endpoint.validate(inputs))
+            except RequestError as e:
+                invalid[rid] = str(e)
+        if invalid:
+            valid = [rid for rid, _ in decoded if rid not in invalid]
+            envelope = rejection(self.endpoint.model_name, invalid, valid)
+            LOGGER.warning("%s", envelope.message)
+            raise BatchRejected(envelope.render())
+        with self.lock:
+            outputs = self.endpoint.run(parsed)
+        return [self._encode(o) for o in outputs]
+
+    def _encode(self, output: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return {s.name: np.asarray(output[s.name], dtype=s.dtype) for s in self.endpoint.outputs}
+
+
+def rejection(model_name: str, invalid: Mapping[str, str], valid: Sequence[str]) -> ErrorEnvelope:
+    """The error for a formed batch in which the requests named in ``invalid`` are wrong."""
+    if not valid and len(invalid) == 1:
+        (_, reason), = invalid.items()
+        return ErrorEnvelope("bad_request", f"{model_name}: {reason}", dict(invalid))
+    listed = "; ".join(f"[{rid}] {reason}" for rid, reason in invalid.items())
+    total = len(invalid) + len(valid)
+    if not valid:
+        return ErrorEnvelope(
+            "bad_request", f"{model_name}: all {total} requests merged into this call are invalid: {listed}",
+            dict(invalid),
+        )
+    message = (
+        f"{model_name}: Triton merged {total} requests into one call and {len(invalid)} of them are invalid, "
+        f"so none was run (Triton gives every request of a call the same answer). Invalid: {listed}. "
+        f"Valid, rejected only because they were merged with an invalid one — resend unchanged "
+        f"(RemoteGPTRMClient does this by itself): {', '.join(valid)}"
+    )
+    return ErrorEnvelope("rejected_batch", message, dict(invalid), tuple(valid))
+
+
+def _request_id(request: Any, index: int) -> str:
+    params = getattr(request, "parameters", None) or {}
+    rid = params.get(REQUEST_ID_PARAMETER)
+    return str(rid) if rid is not None else f"#{index}"
+
+
+class TritonHost:
+    """One Triton server process (HTTP only) serving the endpoints bound to it.
+
+    Args:
+        host: address to bind; loopback by default. Any other address is logged as a warning:
+            the server has no authentication on its inference routes.
+        port: HTTP port.
+        exit_timeout_s: at stop, how long calls already being served may take to finish.
+            Triton's own exit timeout is set to 0: it otherwise waits its full length on every
+            stop, even when idle (30 s by default once a keep-alive client has connected).
+        log_verbose: tritonserver verbosity (0 = info, warnings and errors).
+        log_file: where tritonserver writes its log; None: a private file, deleted at stop
+            (its tail is quoted when Triton fails to start).
+    """
+
+    def __init__(
+        self,
+        host: str = DEFAULT_HOST,
+        port: int = 8000,
+        *,
+        exit_timeout_s: int = 3,
+        log_verbose: int = 0,
+        log_file: str | Path | None = None,
+    ) -> None:
+        if not is_loopback(host):
+            LOGGER.warning(
+                "binding %s:%d, which is reachable from other machines; the inference routes have no "
+                "authentication — use 127.0.0.1 unless clients run elsewhere on a trusted network",
+                host,
+                port,
+            )
+        self.host, self.port = host, port
+        self.exit_timeout_s = exit_timeout_s
+        self.log_verbose = log_verbose
+        self.log_file = Path(log_file) if log_file is not None else None
+        self._bindings: list[tuple[Endpoint, Batching | None, threading.Lock | threading.RLock]] = []
+        self._callables: list[TritonCallable] = []
+        self._triton: Any = None
+        self._tmpdir: Path | None = None
+        self.start_time_s: float | None = None
+        self.stop_time_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``."""
+        return f"http://{self.host}:{self.port}"
+
+    def bind(
+        self, endpoint: Endpoint, batching: Batching | None, lock: threading.Lock | threading.RLock
+    ) -> None:
+        """Serve ``endpoint`` as Triton model ``endpoint.model_name`` (before :meth:`start`).
+
+        ``batching=None`` declares a model without a batch dimension (one request per call).
+        """
+        if self._triton is not None:
+            raise RuntimeError("bind endpoints before start()")
+        self._bindings.append((endpoint, batching, lock))
+
+    def start(self) -> None:
+        """Start tritonserver and return once every bound model is ready (about 3 s)."""
+        from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+        from pytriton.triton import Triton, TritonConfig
+
+        if self._triton is not None:
+            raise RuntimeError("already started")
+        started = time.perf_counter()
+        check_port_free(self.host, self.port)
+        prepare_environment()
+        _quiet_expected_rejections()
+        self._tmpdir = Path(tempfile.mkdtemp(prefix="openaligner-triton-"))
+        config = TritonConfig(
+            http_address=self.host,
+            http_port=self.port,
+            allow_http=True,
+            allow_grpc=False,
+            allow_metrics=False,
+            exit_timeout_secs=0,
+            log_verbose=self.log_verbose,
+            log_file=self.log_path,
+        )
+        # Workspace must not exist yet: PyTriton creates it, and deletes it on stop.
+        triton = Triton(config=config, workspace=self._tmpdir / "workspace")
+        for endpoint, batching, lock in self._bindings:
+            if batching is None:
+                model_config = ModelConfig(batching=False)
+            else:
+                model_config = ModelConfig(
+                    batching=True,
+                    max_batch_size=batching.max_batch_size,
+                    batcher=DynamicBatcher(
+                        max_queue_delay_microseconds=batching.max_queue_delay_microseconds,
+                        preferred_batch_size=list(batching.preferred_batch_sizes),
+                    ),
+                )
+            call = TritonCallable(endpoint, lock)
+            self._callables.append(call)
+            triton.bind(
+                model_name=endpoint.model_name,
+                infer_func=call,
+                inputs=[_tensor(Tensor, s) for s in endpoint.inputs],
+                outputs=[_tensor(Tensor, s) for s in endpoint.outputs],
+                config=model_config,
+            )
+        self._triton = triton
+        try:
+            triton.run()
+        except Exception as e:
+            tail = self.log_tail()
+            self.stop()
+            raise RuntimeError(f"Triton failed to start at {self.url}: {e}\nend of its log:\n{tail}") from e
+        self.start_time_s = time.perf_counter() - started
+        LOGGER.info("Triton serving %s at %s", [e.model_name for e, _, _ in self._bindings], self.url)
+
+    @property
+    def log_path(self) -> Path | None:
+        """The tritonserver log file (None before start when no ``log_file`` was given)."""
+        if self.log_file is not None:
+            return self.log_file
+        return self._tmpdir / "tritonserver.log" if self._tmpdir is not None else None
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the tritonserver log ('' if there is none)."""
+        path = self.log_path
+        if path is None or not path.is_file():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def is_alive(self) -> bool:
+        """Whether tritonserver and its models are still up."""
+        return self._triton is not None and bool(self._triton.is_alive())
+
+    def stop(self) -> None:
+        """Stop tritonserver and remove the workspace; safe to call twice."""
+        triton, self._triton = self._triton, None
+        started = time.perf_counter()
+        if triton is not None:
+            deadline = time.monotonic() + self.exit_timeout_s
+            drained = False
+            while any(c.busy for c in self._callables) and time.monotonic() < deadline:
+                drained = True
+                time.sleep(0.02)
+            if drained:  # the answer still has to pass through Triton to the client
+                time.sleep(0.25)
+            try:
+                triton.stop()
+            except Exception as e:  # shutdown must finish even if Triton misbehaves
+                LOGGER.warning("error while stopping Triton: %s", e)
+            self.stop_time_s = time.perf_counter() - started
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    def __enter__(self) -> TritonHost:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+class _DropBatchRejected(logging.Filter):
+    """PyTriton logs every failed call with a full traceback; a rejected request is expected
+    traffic and is already logged in one line by :class:`TritonCallable`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return BatchRejected.__name__ not in record.getMessage()
+
+
+def _quiet_expected_rejections() -> None:
+    logger = logging.getLogger("pytriton.proxy.inference")
+    if not any(isinstance(f, _DropBatchRejected) for f in logger.filters):
+        logger.addFilter(_DropBatchRejected())
+
+
+def _tensor(tensor_cls: Any, spec: TensorSpec) -> Any:
+    dtype: Any = bytes if spec.dtype is np.bytes_ else spec.dtype
+    return tensor_cls(name=spec.name, dtype=dtype, shape=spec.shape, optional=spec.optional)

@@ -1,0 +1,139 @@
+"""Request checks that turn malformed inputs into one clear sentence each.
+
+Owns the wording of every "your request is wrong" message: which input, what was expected, what
+arrived, and how to fix it. Functions take plain numpy arrays and limits and return checked
+arrays or raise :class:`RequestError`. Must not know about PyTriton, torch.distributed or models.
+
+Triton itself already refuses wrong dtypes, wrong ranks, mismatched batch sizes and batches over
+``max_batch_size`` (HTTP 400, naming the input) before a request reaches Python; the same checks
+are repeated here so the endpoint logic is safe on its own and testable on in-memory arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from openaligner.servers.protocol import TensorSpec
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as sent; the message says which input and what to send."""
+
+
+def check_known_inputs(inputs: Mapping[str, np.ndarray], specs: Sequence[TensorSpec]) -> None:
+    """Refuse input names the endpoint does not declare."""
+    known = {s.name for s in specs}
+    unknown = sorted(set(inputs) - known)
+    if unknown:
+        raise RequestError(f"unexpected input(s) {unknown}; this endpoint accepts {sorted(known)}")
+
+
+def check_spec(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """Check one batched input against its spec (dtype kind and rank); return it unchanged.
+
+    Raises:
+        RequestError: wrong dtype, wrong number of dimensions, or a fixed dimension that differs.
+    """
+    if spec.dtype is np.bytes_:
+        if array.dtype.kind not in "SO":
+            raise RequestError(
+                f"input '{spec.name}': expected {spec.dtype_name} {spec.wire_shape}, got dtype {array.dtype}"
+            )
+    elif array.dtype != np.dtype(spec.dtype):
+        raise RequestError(
+            f"input '{spec.name}': expected {spec.dtype_name} {spec.wire_shape}, got dtype {array.dtype}"
+        )
+    want_ndim = 1 + len(spec.shape)
+    fixed_ok = all(d == -1 or d == got for d, got in zip(spec.shape, array.shape[1:], strict=False))
+    if array.ndim != want_ndim or not fixed_ok:
+        raise RequestError(
+            f"input '{spec.name}': expected shape {spec.wire_shape}, got {list(array.shape)}"
+        )
+    return array
+
+
+def check_batch_size(rows: int, max_batch_size: int) -> None:
+    """At least one row, at most ``max_batch_size``."""
+    if rows < 1:
+        raise RequestError("request has 0 rows; send at least one")
+    if rows > max_batch_size:
+        raise RequestError(
+            f"request has {rows} rows; this server accepts at most {max_batch_size} per request "
+            f"(server.max_batch_size): split it"
+        )
+
+
+def check_tokens(
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    vocab_size: int | None,
+    max_sequence_length: int | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validate right-padded ``tokens`` [B, S] and ``lengths`` [B, 1] (or [B]).
+
+    Only the valid prefix of each row (``tokens[i, :lengths[i]]``) is checked against the
+    vocabulary: padding may hold any id.
+
+    Returns:
+        ``tokens`` [B, S'] int64 (``S' = min(S, max_sequence_length)``) and ``lengths`` [B] int64.
+
+    Raises:
+        RequestError: naming the row and the bound that was broken.
+    """
+    rows, width = tokens.shape
+    flat = lengths.reshape(-1)
+    if flat.shape[0] != rows:
+        raise RequestError(
+            f"input 'sequence_lengths' has {flat.shape[0]} rows but 'tokens' has {rows}; "
+            f"send one length per row"
+        )
+    if width < 1:
+        raise RequestError("input 'tokens' has width 0; send at least one token per row")
+    if rows == 0:
+        raise RequestError("request has 0 rows; send at least one")
+    if max_sequence_length is not None and int(flat.max()) > max_sequence_length:
+        row = int(np.argmax(flat))
+        raise RequestError(
+            f"input 'sequence_lengths': row {row} has {int(flat[row])} tokens, more than the server's "
+            f"max_sequence_length {max_sequence_length}; truncate the sequence"
+        )
+    bad = np.flatnonzero((flat < 1) | (flat > width))
+    if bad.size:
+        row = int(bad[0])
+        raise RequestError(
+            f"input 'sequence_lengths': row {row} is {int(flat[row])}; each length must lie in [1, {width}] "
+            f"(1 to the width of 'tokens')"
+        )
+    if vocab_size is not None:
+        valid = np.arange(width)[None, :] < flat[:, None]
+        outside = valid & ((tokens < 0) | (tokens >= vocab_size))
+        if outside.any():
+            row, col = (int(i) for i in np.argwhere(outside)[0])
+            raise RequestError(
+                f"input 'tokens': row {row}, position {col} holds id {int(tokens[row, col])}, outside the "
+                f"vocabulary [0, {vocab_size}) of the served model"
+            )
+    if max_sequence_length is not None and width > max_sequence_length:
+        tokens = tokens[:, :max_sequence_length]  # only padding lies beyond every row's length
+    return tokens.astype(np.int64, copy=False), flat.astype(np.int64, copy=False)
+
+
+def decode_sentences(sentences: np.ndarray) -> list[str]:
+    """UTF-8 decode ``sentences`` [B, 1] (bytes or object of bytes) into B strings."""
+    texts: list[str] = []
+    for row, value in enumerate(sentences.reshape(-1)):
+        if isinstance(value, str):
+            texts.append(value)
+            continue
+        raw = bytes(value)
+        try:
+            texts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise RequestError(
+                f"input 'sentences': row {row} is not valid UTF-8 (byte {raw[e.start]:#04x} at offset "
+                f"{e.start}); encode text with UTF-8"
+            ) from None
+    return texts
