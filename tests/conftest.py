@@ -1,0 +1,56 @@
+"""The one tiny-model fixture shared by all tests: seeded 2-layer models and a char tokenizer.
+
+Models are built once per session and handed out as deep copies, so a test may train or modify
+what it gets without affecting other tests. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+
+import pytest
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from openaligner.models.builders import (
+    TinyArch,
+    TinySize,
+    build_tiny_causal_lm,
+    build_tiny_sequence_classifier,
+)
+from openaligner.models.critic import CriticModel
+from openaligner.models.reward import RewardModel
+from openaligner.models.tokenizers import build_char_tokenizer
+
+
+class TinyModels:
+    """Factory of tiny seeded models whose vocabulary matches the char tokenizer (100 ids)."""
+
+    def __init__(self) -> None:
+        self.tokenizer: PreTrainedTokenizerFast = build_char_tokenizer()
+        self.size = TinySize(vocab_size=len(self.tokenizer), hidden_size=64, num_layers=2, num_heads=4)
+
+    def causal_lm(self, arch: TinyArch = "gpt2", seed: int = 0) -> PreTrainedModel:
+        """A fresh copy of the seeded causal LM (eval mode)."""
+        return copy.deepcopy(_causal_lm(arch, self.size, seed))
+
+    def reward_model(self, arch: TinyArch = "gpt2", seed: int = 0) -> RewardModel:
+        return RewardModel(copy.deepcopy(_classifier(arch, self.size, seed))).eval()
+
+    def critic(self, arch: TinyArch = "gpt2", seed: int = 0) -> CriticModel:
+        return CriticModel(copy.deepcopy(_classifier(arch, self.size, seed))).eval()
+
+
+@cache
+def _causal_lm(arch: TinyArch, size: TinySize, seed: int) -> PreTrainedModel:
+    return build_tiny_causal_lm(arch, size, seed)
+
+
+@cache
+def _classifier(arch: TinyArch, size: TinySize, seed: int) -> PreTrainedModel:
+    return build_tiny_sequence_classifier(arch, size, seed)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> TinyModels:
+    return TinyModels()

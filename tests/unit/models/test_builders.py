@@ -1,0 +1,42 @@
+"""Tiny builders: seeded determinism, special ids, no global RNG side effects."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openaligner.models.builders import TinySize, build_tiny_causal_lm, build_tiny_reward_model, tiny_config
+
+SMALL = TinySize(vocab_size=40, hidden_size=32, num_layers=1, num_heads=2)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_same_seed_same_weights_other_seed_other_weights(arch):
+    a, b, c = (build_tiny_causal_lm(arch, SMALL, seed=s) for s in (0, 0, 1))
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(not torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def test_building_leaves_the_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_tiny_reward_model("llama", SMALL, seed=7)
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_special_ids_and_sizes(arch):
+    config = tiny_config(arch, SMALL)
+    assert (config.pad_token_id, config.eos_token_id, config.bos_token_id) == (0, 1, 2)
+    model = build_tiny_causal_lm(arch, SMALL)
+    assert model.get_input_embeddings().weight.shape == (40, 32)
+    assert not model.training
+
+
+def test_invalid_sizes_are_refused():
+    with pytest.raises(ValueError, match="num_heads"):
+        TinySize(hidden_size=30, num_heads=4)
+    with pytest.raises(ValueError, match="unknown tiny architecture"):
+        tiny_config("bert")  # type: ignore[arg-type]

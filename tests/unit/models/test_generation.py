@@ -1,0 +1,245 @@
+"""Batched sampling: greedy equals HF ``generate``, stop rules, layout, sampling filters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openaligner.models.generation import SamplingParams, generate, select_tokens
+
+PROMPT_LENGTHS = [5, 9, 3, 7]
+
+
+def _prompts(
+    vocab: int, lengths: list[int] = PROMPT_LENGTHS, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded prompts [B, P] (pad 0, ids from 3) and lengths [B]."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, vocab, (len(lengths), max(lengths)), generator=g)
+    lens = torch.tensor(lengths)
+    tokens[torch.arange(tokens.shape[1]) >= lens.unsqueeze(-1)] = 0
+    return tokens, lens
+
+
+def _hf_greedy(model, prompts, lengths, new_tokens, eos):
+    """Reference: HF generate on left-padded prompts; returns each row's prompt + response list."""
+    p_max = int(lengths.max())
+    left = torch.zeros(len(lengths), p_max, dtype=torch.long)
+    mask = torch.zeros_like(left)
+    for i, n in enumerate(lengths.tolist()):
+        left[i, p_max - n :] = prompts[i, :n]
+        mask[i, p_max - n :] = 1
+    with torch.no_grad():
+        out = model.generate(
+            left,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    rows = []
+    for i, n in enumerate(lengths.tolist()):
+        response = out[i, p_max:].tolist()
+        if eos in response:
+            response = response[: response.index(eos) + 1]
+        rows.append(prompts[i, :n].tolist() + response)
+    return rows
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache):
+    model = tiny.causal_lm(arch)
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    # A stop id that row 0 produces mid-way, so that rows end at different steps.
+    free = generate(
+        model, prompts, lengths, SamplingParams(greedy=True, max_new_tokens=12, stop_token_ids=()), pad_id=1
+    )
+    stop = int(free.tokens[0, PROMPT_LENGTHS[0] + 4])
+
+    out = generate(
+        model,
+        prompts,
+        lengths,
+        SamplingParams(greedy=True, max_new_tokens=12, stop_token_ids=(stop,)),
+        pad_id=1,
+        cache=cache,
+    )
+    expected = _hf_greedy(model, prompts, lengths, 12, stop)
+    for i, row in enumerate(expected):
+        n = int(out.response_lengths[i])
+        assert out.tokens[i, :n].tolist() == row
+        assert bool(out.is_end[i]) == (stop in row[PROMPT_LENGTHS[i] :])
+    assert bool(out.is_end[0])
+
+
+def test_output_layout_prompt_then_response_then_pad(tiny):
+    model = tiny.causal_lm()
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    out = generate(
+        model,
+        prompts,
+        lengths,
+        SamplingParams(max_new_tokens=6, stop_token_ids=()),
+        pad_id=7,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert out.tokens.dtype == torch.long
+    assert out.tokens.shape == (4, int(out.response_lengths.max()))
+    assert out.prompt_lengths.tolist() == PROMPT_LENGTHS
+    assert out.response_lengths.tolist() == [n + 6 for n in PROMPT_LENGTHS]
+    assert not out.is_end.any()
+    for i, n in enumerate(PROMPT_LENGTHS):
+        assert torch.equal(out.tokens[i, :n], prompts[i, :n])
+        assert (out.tokens[i, n + 6 :] == 7).all()
+
+
+def test_stop_tokens_set_is_end_and_lengths(tiny):
+    model = tiny.causal_lm("llama")
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    free = generate(
+        model, prompts, lengths, SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=()), pad_id=1
+    )
+    stops = (int(free.tokens[1, 9 + 2]), int(free.tokens[2, 3 + 5]))
+    out = generate(
+        model,
+        prompts,
+        lengths,
+        SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=stops),
+        pad_id=1,
+    )
+    for i, n in enumerate(PROMPT_LENGTHS):
+        response = free.tokens[i, n : n + 10].tolist()
+        hits = [j for j, t in enumerate(response) if t in stops]
+        expected_new = hits[0] + 1 if hits else 10
+        assert int(out.response_lengths[i]) == n + expected_new
+        assert bool(out.is_end[i]) == bool(hits)
+        if hits:
+            assert int(out.tokens[i, n + expected_new - 1]) in stops
+    assert out.is_end[1] and out.is_end[2]
+
+
+def test_stop_strings_end_on_the_token_completing_the_string(tiny):
+    model = tiny.causal_lm()
+    tok = tiny.tokenizer
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    free = generate(
+        model, prompts, lengths, SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=()), pad_id=1
+    )
+    n0 = PROMPT_LENGTHS[0]
+    stop = tok.decode(free.tokens[0, n0 + 3 : n0 + 5].tolist())  # two characters generated by row 0
+    assert len(stop) == 2
+    out = generate(
+        model,
+        prompts,
+        lengths,
+        SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=(), stop_strings=(stop,)),
+        pad_id=1,
+        tokenizer=tok,
+    )
+    for i, n in enumerate(PROMPT_LENGTHS):
+        response = free.tokens[i, n : n + 10].tolist()
+        ends = [j + 1 for j in range(10) if stop in tok.decode(response[: j + 1])]
+        expected_new = ends[0] if ends else 10
+        assert int(out.response_lengths[i]) == n + expected_new
+        assert bool(out.is_end[i]) == bool(ends)
+    assert out.is_end[0]
+    assert int(out.response_lengths[0]) <= n0 + 5
+
+
+def test_stop_strings_need_a_tokenizer(tiny):
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    with pytest.raises(ValueError, match="tokenizer"):
+        generate(tiny.causal_lm(), prompts, lengths, SamplingParams(stop_strings=("x",)), pad_id=1)
+
+
+def test_min_new_tokens_bans_stops_early(tiny):
+    model = tiny.causal_lm()
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    free = generate(
+        model, prompts, lengths, SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=()), pad_id=1
+    )
+    # Every row's first generated token as a stop id: without min_new_tokens all rows end at once.
+    stops = tuple(sorted({int(free.tokens[i, n]) for i, n in enumerate(PROMPT_LENGTHS)}))
+    early = generate(
+        model, prompts, lengths, SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=stops), pad_id=1
+    )
+    assert early.response_lengths.tolist() == [n + 1 for n in PROMPT_LENGTHS]
+    out = generate(
+        model,
+        prompts,
+        lengths,
+        SamplingParams(greedy=True, max_new_tokens=8, min_new_tokens=4, stop_token_ids=stops),
+        pad_id=1,
+    )
+    for i, n in enumerate(PROMPT_LENGTHS):
+        new = int(out.response_lengths[i]) - n
+        assert new >= 4
+        assert not set(out.tokens[i, n : n + 4].tolist()) & set(stops)
+        assert bool(out.is_end[i]) == (int(out.tokens[i, n + new - 1]) in stops)
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny):
+    model = tiny.causal_lm()
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=(), temperature=1.5)
+
+    def run(seed):
+        return generate(
+            model, prompts, lengths, params, pad_id=1, generator=torch.Generator().manual_seed(seed)
+        )
+
+    assert torch.equal(run(3).tokens, run(3).tokens)
+    assert not torch.equal(run(3).tokens, run(4).tokens)
+
+
+def test_max_positions_is_checked(tiny):
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    with pytest.raises(ValueError, match="positions"):
+        generate(
+            tiny.causal_lm(),
+            prompts,
+            lengths,
+            SamplingParams(max_new_tokens=tiny.size.max_positions),
+            pad_id=1,
+        )
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0))
+    greedy = logits.argmax(-1)
+    g = torch.Generator().manual_seed(1)
+    assert torch.equal(select_tokens(logits, SamplingParams(top_k=1), g), greedy)
+    assert torch.equal(select_tokens(logits, SamplingParams(top_p=1e-6), g), greedy)
+
+
+def test_filters_keep_only_allowed_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4)
+    g = torch.Generator().manual_seed(0)
+    top_k = select_tokens(logits, SamplingParams(top_k=2), g)
+    assert set(top_k.tolist()) == {0, 1}
+    # top_p=0.7: 0.5 alone is not enough, 0.5+0.3 is; token 2 and 3 are cut.
+    top_p = select_tokens(logits, SamplingParams(top_p=0.7), g)
+    assert set(top_p.tolist()) == {0, 1}
+    banned = select_tokens(logits, SamplingParams(), g, banned=torch.tensor([0]))
+    assert 0 not in set(banned.tolist())
+
+
+def test_sampler_frequencies_match_temperature_scaled_probabilities():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(20000, 4)
+    temperature = 2.0
+    draws = select_tokens(logits, SamplingParams(temperature=temperature), torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+    expected = torch.softmax(logits[0] / temperature, -1)
+    # Binomial standard error at n=20000 is ≤ 0.0036; 0.015 is > 4 sigma.
+    assert torch.allclose(freq, expected, atol=0.015)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"temperature": 0.0}, {"top_k": -1}, {"top_p": 0.0}, {"max_new_tokens": 0}, {"min_new_tokens": 99}],
+)
+def test_invalid_sampling_params_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
