@@ -1,0 +1,385 @@
+"""What every client of a Triton-served model needs: readiness, timeouts, futures, errors, retries.
+
+Owns one server connection's life: waiting for readiness up to ``init_timeout_s``, a small pool of
+daemon worker threads (one ``tritonclient.http`` connection each) that turn requests into
+``concurrent.futures.Future``, translation of transport and server errors into the exception tree
+of :mod:`openaligner.clients.errors`, the resend of valid requests that Triton rejected together
+with an invalid one, and a ``close()`` that never hangs and leaves no future pending. The reward
+client uses it now; the critic client will too. Must not know what any endpoint computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from openaligner.clients.errors import (
+    BadRequestError,
+    ClientClosedError,
+    ClientError,
+    ServerError,
+    ServerTimeoutError,
+    ServerUnavailableError,
+)
+from openaligner.servers.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope
+
+LOGGER = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_TRITON_DTYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32"}
+
+
+@dataclass(frozen=True)
+class _Job:
+    future: Future[Any]
+    model: str
+    inputs: Mapping[str, np.ndarray]
+    parameters: Mapping[str, Any] | None
+    postprocess: Callable[[dict[str, np.ndarray]], Any]
+
+
+_SENTINEL = None
+
+
+class TritonHTTPClient:
+    """Futures-based access to the models of one Triton server over HTTP.
+
+    Args:
+        host: server address (``ip`` in configs).
+        port: server HTTP port.
+        server_name: what the server is, for messages ("reward model server").
+        init_timeout_s: how long to wait for the server and model to become ready.
+        request_timeout_s: how long one request may take (connect + answer).
+        max_workers: requests in flight at once.
+        retries_on_rejected_batch: resends of a valid request that Triton merged with an invalid one.
+        hint: what to check when the server cannot be reached (names the CLI / config keys).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        server_name: str,
+        init_timeout_s: float,
+        request_timeout_s: float,
+        max_workers: int = 4,
+        retries_on_rejected_batch: int = 3,
+        hint: str = "",
+    ) -> None:
+        if init_timeout_s <= 0 or request_timeout_s <= 0:
+            raise ValueError("init_timeout_s and request_timeout_s must be > 0")
+        if max_workers < 1:
+            raise ValueError("max_workers must be >= 1")
+        self.host, self.port = host, port
+        self.server_name = server_name
+        self.init_timeout_s = init_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.retries_on_rejected_batch = retries_on_rejected_batch
+        self.hint = hint
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._pending: set[Future[Any]] = set()
+        self._lock = threading.Lock()
+        self._ready: set[str] = set()
+        self._closed = False
+        self._workers = [
+            threading.Thread(target=self._work, name=f"openaligner-client-{i}", daemon=True)
+            for i in range(max_workers)
+        ]
+        for w in self._workers:
+            w.start()
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``."""
+        return f"http://{self.host}:{self.port}"
+
+    def where(self, model: str) -> str:
+        """``reward model server http://127.0.0.1:5555 (model 'reward_model')`` — for messages."""
+        return f"{self.server_name} {self.url} (model '{model}')"
+
+    # -- readiness ---------------------------------------------------------------------------
+
+    def wait_until_ready(self, models: Sequence[str]) -> None:
+        """Block until the server answers and every model in ``models`` is ready.
+
+        Raises:
+            ServerTimeoutError: not ready within ``init_timeout_s``; says what was last seen.
+        """
+        import tritonclient.http as triton_http
+
+        todo = [m for m in models if m not in self._ready]
+        if not todo:
+            return
+        deadline = time.monotonic() + self.init_timeout_s
+        reason = "no attempt finished"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            step = max(0.05, min(1.0, remaining))
+            try:
+                client = triton_http.InferenceServerClient(
+                    f"{self.host}:{self.port}", connection_timeout=step, network_timeout=step
+                )
+            except Exception as e:  # a malformed host is a configuration error, not a wait
+                raise ServerUnavailableError(
+                    f"{self.where(todo[0])}: cannot create a connection ({e}). {self.hint}",
+                    url=self.url, model=todo[0],
+                ) from e
+            try:
+                if not client.is_server_ready():
+                    reason = "the server answers but is not ready yet (still loading)"
+                else:
+                    missing = [m for m in todo if not client.is_model_ready(m)]
+                    if not missing:
+                        self._ready.update(todo)
+                        return
+                    reason = (
+                        f"the server answers but model {missing[0]!r} is not ready or not served "
+                        f"(check that the client's model name matches the server's)"
+                    )
+            except ConnectionRefusedError:
+                reason = "connection refused: nothing is listening on that host and port"
+            except TimeoutError:
+                reason = "connecting timed out: the host does not answer (wrong address, or a firewall?)"
+            except OSError as e:
+                reason = f"network error: {e}"
+            except Exception as e:
+                reason = f"unexpected answer: {e}"
+            finally:
+                client.close()
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        raise ServerTimeoutError(
+            f"{self.where(todo[0])} was not ready within init_timeout_s={self.init_timeout_s:g} s: {reason}. "
+            f"{self.hint}",
+            url=self.url,
+            model=todo[0],
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        postprocess: Callable[[dict[str, np.ndarray]], T],
+    ) -> Future[T]:
+        """Send ``inputs`` to ``model`` from a worker thread; the future holds ``postprocess(outputs)``.
+
+        The future fails with a :class:`ClientError` subclass; it is never left pending: results,
+        errors, or cancellation by :meth:`close`.
+        """
+        future: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise ClientClosedError(
+                    f"{self.where(model)}: the client is closed", url=self.url, model=model
+                )
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+        parameters = {REQUEST_ID_PARAMETER: uuid.uuid4().hex[:16]}
+        self._jobs.put(_Job(future, model, inputs, parameters, postprocess))
+        return future
+
+    def _forget(self, future: Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def _work(self) -> None:
+        connection: Any = None
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is _SENTINEL:
+                    return
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    if connection is None:
+                        connection = self._connect()
+                    result = job.postprocess(self._infer_with_retries(connection, job))
+                except BaseException as e:
+                    _settle(job.future, exception=e)
+                    if isinstance(e, (ServerUnavailableError, ServerTimeoutError)) and connection is not None:
+                        connection.close()  # a broken keep-alive connection must not be reused
+                        connection = None
+                else:
+                    _settle(job.future, result=result)
+        finally:
+            if connection is not None:
+                connection.close()
+
+    def _connect(self) -> Any:
+        import tritonclient.http as triton_http
+
+        return triton_http.InferenceServerClient(
+            f"{self.host}:{self.port}",
+            connection_timeout=self.request_timeout_s,
+            network_timeout=self.request_timeout_s,
+        )
+
+    def _infer_with_retries(self, connection: Any, job: _Job) -> dict[str, np.ndarray]:
+        self.wait_until_ready([job.model])  # each worker waits on its own: all fail by the same deadline
+        rid = str((job.parameters or {}).get(REQUEST_ID_PARAMETER, ""))
+        for attempt in range(self.retries_on_rejected_batch + 1):
+            try:
+                return self._infer_once(connection, job)
+            except _Rejected as r:
+                if rid in r.envelope.valid and attempt < self.retries_on_rejected_batch:
+                    LOGGER.info("%s: resending %s (merged with an invalid one)", self.where(job.model), rid)
+                    continue
+                reason = r.envelope.invalid.get(rid, r.envelope.message)
+                raise BadRequestError(
+                    f"{self.where(job.model)} refused the request: {reason}", url=self.url, model=job.model
+                ) from None
+        raise AssertionError("unreachable")
+
+    def _infer_once(self, connection: Any, job: _Job) -> dict[str, np.ndarray]:
+        import tritonclient.http as triton_http
+        from tritonclient.utils import InferenceServerException
+
+        wire = []
+        for name, array in job.inputs.items():
+            arr = np.ascontiguousarray(array)
+            dtype = "BYTES" if arr.dtype.kind in "SO" else _TRITON_DTYPES.get(arr.dtype)
+            if dtype is None:
+                raise BadRequestError(
+                    f"{self.where(job.model)}: input {name!r} has unsupported dtype {arr.dtype}",
+                    url=self.url, model=job.model,
+                )
+            tensor = triton_http.InferInput(name, list(arr.shape), dtype)
+            tensor.set_data_from_numpy(arr, binary_data=True)
+            wire.append(tensor)
+        try:
+            result = connection.infer(job.model, wire, parameters=dict(job.parameters or {}))
+        except InferenceServerException as e:
+            raise self._translate(e, job.model) from None
+        except ConnectionRefusedError:
+            raise ServerUnavailableError(
+                f"{self.where(job.model)} refused the connection: the server is not running (any more). "
+                f"{self.hint}",
+                url=self.url, model=job.model,
+            ) from None
+        except TimeoutError:
+            raise ServerTimeoutError(
+                f"{self.where(job.model)} did not answer within "
+                f"request_timeout_s={self.request_timeout_s:g} s: it may be overloaded, stuck or gone — "
+                f"check its log, or raise request_timeout_s",
+                url=self.url, model=job.model,
+            ) from None
+        except (ConnectionError, OSError) as e:
+            raise ServerUnavailableError(
+                f"{self.where(job.model)} dropped the connection ({e}): did the server stop or crash? "
+                f"Check its log. {self.hint}",
+                url=self.url, model=job.model,
+            ) from None
+        outputs = result.get_response().get("outputs", [])
+        return {o["name"]: result.as_numpy(o["name"]) for o in outputs}
+
+    def _translate(self, error: Any, model: str) -> Exception:
+        text = str(error.message() or "")
+        envelope = ErrorEnvelope.find(text)
+        if envelope is not None:
+            return _Rejected(envelope)
+        status = str(error.status() or "")
+        short = _shorten(text)
+        if status.startswith("4"):
+            if "unknown model" in text.lower():
+                return ServerUnavailableError(
+                    f"{self.where(model)}: the server does not serve this model ({short}); "
+                    f"check the model name",
+                    url=self.url, model=model,
+                )
+            return BadRequestError(
+                f"{self.where(model)} refused the request: {short}", url=self.url, model=model
+            )
+        return ServerError(
+            f"{self.where(model)} failed on a valid request: {short}. Check the server log.",
+            url=self.url, model=model,
+        )
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the workers; cancel queued requests; fail requests still running after ``timeout_s``.
+
+        Returns within about ``timeout_s`` whatever the server does; afterwards every future this
+        client returned is done. Safe to call twice.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        cancelled = 0
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None and job.future.cancel():
+                cancelled += 1
+        for _ in self._workers:
+            self._jobs.put(_SENTINEL)
+        deadline = time.monotonic() + timeout_s
+        for w in self._workers:
+            w.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            stuck = list(self._pending)
+        for f in stuck:
+            _settle(
+                f,
+                exception=ClientClosedError(
+                    f"{self.server_name} {self.url}: client closed while the request was in flight",
+                    url=self.url, model="",
+                ),
+            )
+        if cancelled or stuck:
+            LOGGER.warning("%s client closed: %d queued request(s) cancelled, %d in flight abandoned",
+                           self.server_name, cancelled, len(stuck))
+
+    def __enter__(self) -> TritonHTTPClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class _Rejected(Exception):
+    """Internal: the server's error carried an envelope (bad request or rejected batch)."""
+
+    def __init__(self, envelope: ErrorEnvelope) -> None:
+        super().__init__(envelope.message)
+        self.envelope = envelope
+
+
+def _settle(future: Future[Any], *, result: Any = None, exception: BaseException | None = None) -> None:
+    """Finish ``future`` unless it already is (close() may have failed it first)."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def _shorten(text: str, limit: int = 400) -> str:
+    """Triton's error text without the traceback noise, at most ``limit`` characters."""
+    lines = [ln.strip() for ln in text.replace("\\n", "\n").splitlines() if ln.strip()]
+    fallback = lines[-1] if lines else text
+    tail = next((ln for ln in reversed(lines) if "Error" in ln or "Exception" in ln), fallback)
+    return tail if len(tail) <= limit else tail[: limit - 1] + "…"
+
+
+__all__ = ["ClientError", "TritonHTTPClient"]

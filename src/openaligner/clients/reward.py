@@ -1,0 +1,165 @@
+"""Client of the reward model server: rollout tensors in, a future of rewards out.
+
+Owns the actor-side view of the ``reward_model`` endpoint: the client config, the fixed-width
+padding (``pad_to_length``) that lets Triton merge requests from different micro-batches, the
+local shape checks, and converting answers back to torch. Must not know about PPO or how the
+server computes rewards; transport, readiness and errors come from :mod:`openaligner.clients.base`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from openaligner.clients.base import TritonHTTPClient
+from openaligner.clients.errors import BadRequestError
+from openaligner.servers.protocol import (
+    DEFAULT_HOST,
+    REWARD_DEFAULT_PORT,
+    REWARD_MODEL_NAME,
+    REWARDS,
+    SEQUENCE_LENGTHS,
+    TOKENS,
+)
+
+_HINT = (
+    "Check that `openaligner serve-reward` is running and has printed its URL, and that this client's "
+    "ip/port/name match the server's server.host/server.port/server.model_name (Triton needs ~3 s to "
+    "start; raise init_timeout_s if the server is still loading)."
+)
+
+
+@dataclass
+class RemoteRMConfig:
+    """Where the reward model server is and how to talk to it."""
+
+    ip: str = DEFAULT_HOST  # host of the reward model server
+    port: int = REWARD_DEFAULT_PORT  # its HTTP port
+    name: str = REWARD_MODEL_NAME  # Triton model name it serves
+    pad_to_length: int | None = None  # right-pad tokens to this width so Triton can merge requests
+    init_timeout_s: float = 60.0  # wait this long for the server to become ready
+    request_timeout_s: float = 300.0  # give up on one request after this long
+    max_workers: int = 4  # requests in flight at once
+    retries_on_rejected_batch: int = 3  # resends of a valid request rejected with an invalid one
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"remote reward model port must be in 1..65535, got {self.port}")
+        if self.pad_to_length is not None and self.pad_to_length < 1:
+            raise ValueError(f"pad_to_length must be >= 1 or null, got {self.pad_to_length}")
+        if self.init_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("init_timeout_s and request_timeout_s must be > 0")
+
+
+class RemoteGPTRMClient:
+    """Ask a reward model server for rewards, asynchronously.
+
+    Use as a context manager (``with RemoteGPTRMClient(cfg) as rm:``), which waits for the server
+    up to ``init_timeout_s`` on entry and closes on exit; without it, the first request waits.
+
+    Args:
+        cfg: server address, padding and timeouts.
+    """
+
+    def __init__(self, cfg: RemoteRMConfig) -> None:
+        self.cfg = cfg
+        self._client = TritonHTTPClient(
+            cfg.ip,
+            cfg.port,
+            server_name="reward model server",
+            init_timeout_s=cfg.init_timeout_s,
+            request_timeout_s=cfg.request_timeout_s,
+            max_workers=cfg.max_workers,
+            retries_on_rejected_batch=cfg.retries_on_rejected_batch,
+            hint=_HINT,
+        )
+
+    @property
+    def url(self) -> str:
+        return self._client.url
+
+    def wait_until_ready(self) -> None:
+        """Block until the server serves ``cfg.name``; raises ``ServerTimeoutError`` otherwise."""
+        self._client.wait_until_ready([self.cfg.name])
+
+    def infer_rm(self, rollout_batch: Mapping[str, torch.Tensor]) -> Future[torch.Tensor]:
+        """Request rewards for a rollout micro-batch.
+
+        Args:
+            rollout_batch: ``response_tokens`` [B, S] integer (prompt + response, right-padded)
+                and ``response_lengths`` [B] (valid tokens per row, 1 ≤ length ≤ S).
+
+        Returns:
+            A future whose ``result()`` is rewards [B] float32 on the device of ``response_tokens``,
+            or raises a :class:`openaligner.clients.errors.ClientError`.
+
+        Raises:
+            BadRequestError: at once, when the tensors have the wrong shape or do not fit
+                ``pad_to_length``.
+        """
+        tokens, lengths = self._prepare(rollout_batch)
+        device = rollout_batch["response_tokens"].device
+        inputs = {TOKENS.name: tokens, SEQUENCE_LENGTHS.name: lengths.reshape(-1, 1)}
+
+        def to_rewards(outputs: dict[str, np.ndarray]) -> torch.Tensor:
+            rewards = outputs.get(REWARDS.name)
+            if rewards is None or rewards.shape[0] != tokens.shape[0]:
+                raise BadRequestError(
+                    f"{self._client.where(self.cfg.name)} answered without {tokens.shape[0]} "
+                    f"'{REWARDS.name}' rows (got {None if rewards is None else rewards.shape}): "
+                    f"is it a reward model server?",
+                    url=self.url, model=self.cfg.name,
+                )
+            return torch.from_numpy(np.asarray(rewards, dtype=np.float32).reshape(-1).copy()).to(device)
+
+        return self._client.submit(self.cfg.name, inputs, to_rewards)
+
+    def _prepare(self, batch: Mapping[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+        where = self._client.where(self.cfg.name)
+
+        def bad(msg: str) -> BadRequestError:
+            return BadRequestError(f"{where}: {msg}", url=self.url, model=self.cfg.name)
+
+        if "response_tokens" not in batch or "response_lengths" not in batch:
+            raise bad(f"rollout_batch needs 'response_tokens' and 'response_lengths', got {sorted(batch)}")
+        tokens, lengths = batch["response_tokens"], batch["response_lengths"].reshape(-1)
+        if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise bad(
+                f"response_tokens must be an integer [B, S] tensor, got {tokens.dtype} {list(tokens.shape)}"
+            )
+        if lengths.shape[0] != tokens.shape[0]:
+            raise bad(f"response_lengths has {lengths.shape[0]} rows, response_tokens has {tokens.shape[0]}")
+        width = tokens.shape[1]
+        if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > width):
+            raise bad(
+                f"response_lengths must lie in [1, {width}], "
+                f"got min {int(lengths.min())} max {int(lengths.max())}"
+            )
+        pad_to = self.cfg.pad_to_length
+        if pad_to is not None and width > pad_to:
+            raise bad(
+                f"response_tokens is {width} wide, more than pad_to_length={pad_to}; raise pad_to_length"
+            )
+        array = tokens.detach().to("cpu", torch.int64).numpy()
+        if pad_to is not None and width < pad_to:
+            array = np.pad(array, ((0, 0), (0, pad_to - width)))
+        return np.ascontiguousarray(array), lengths.detach().to("cpu", torch.int64).numpy()
+
+    def close(self) -> None:
+        """Cancel queued requests and stop the workers; returns within a few seconds."""
+        self._client.close()
+
+    def __enter__(self) -> RemoteGPTRMClient:
+        try:
+            self.wait_until_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
