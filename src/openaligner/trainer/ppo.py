@@ -107,6 +107,8 @@ class PPOTrainer:
         run_timer: the run's wall-clock limit.
         decode: token ids → text, for sample tables (optional).
         config_yaml: the resolved run config, stored in every checkpoint.
+        response_scorer: optional ``(prompts, responses) → per-sample scores`` on decoded text
+            (e.g. a task's gold scorer); its mean is logged as ``rollout/score`` and ``val/score``.
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class PPOTrainer:
         decode: Callable[[Sequence[int]], str] | None = None,
         config_yaml: str = "",
         progress: bool = True,
+        response_scorer: Callable[[list[str], list[str]], list[float]] | None = None,
     ) -> None:
         cfg.check_world_size(dp.world_size())
         self.cfg = cfg
@@ -143,6 +146,9 @@ class PPOTrainer:
         self.decode = decode
         self.config_yaml = config_yaml
         self.progress = progress and dp.rank() == 0
+        self.response_scorer = response_scorer
+        if response_scorer is not None and decode is None:
+            raise ValueError("response_scorer needs decode (token ids → text)")
 
         self.step = 0
         self.consumed_samples = 0
@@ -347,24 +353,32 @@ class PPOTrainer:
         }
         if prefix == "rollout":
             metrics["_tokens"] = float(sums[6])
+        texts = self._decode_rollouts(b) if self.decode is not None else None
+        if texts is not None and self.response_scorer is not None:
+            scores = self.response_scorer(texts[0], texts[1])
+            total = dp.all_reduce_sum(torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64))
+            metrics[f"{prefix}/score"] = float(total[0] / total[1])
         interval = self.cfg.sample_table_interval
-        if (
-            self.decode is not None
-            and dp.rank() == 0
-            and (prefix == "val" or (interval and self.step % interval == 0))
-        ):
-            rows = []
-            for i in range(min(4, len(b))):
-                p, L = int(b.prompt_lengths[i]), int(b.response_lengths[i])
-                rows.append(
-                    {
-                        "prompt": self.decode(b.response_tokens[i, :p].tolist()),
-                        "response": self.decode(b.response_tokens[i, p:L].tolist()),
-                        "reward": round(float(b.rewards[i]), 4),
-                    }
-                )
+        wants_table = prefix == "val" or (interval > 0 and self.step % interval == 0)
+        if texts is not None and wants_table and dp.rank() == 0:
+            rows = [
+                {"prompt": p, "response": r, "reward": round(float(b.rewards[i]), 4)}
+                for i, (p, r) in enumerate(zip(texts[0][:4], texts[1][:4], strict=True))
+            ]
             self.logger.log_table(f"table/{'val' if prefix == 'val' else 'train'}_rollouts", rows, self.step)
         return metrics
+
+    def _decode_rollouts(self, b: RolloutBatch) -> tuple[list[str], list[str]]:
+        """Prompt and response texts (the stop token is not part of the response text)."""
+        assert self.decode is not None
+        prompts, responses = [], []
+        for i in range(len(b)):
+            p, end = int(b.prompt_lengths[i]), int(b.response_lengths[i])
+            if bool(b.is_end[i]):
+                end -= 1
+            prompts.append(self.decode(b.response_tokens[i, :p].tolist()))
+            responses.append(self.decode(b.response_tokens[i, p:end].tolist()))
+        return prompts, responses
 
     def _generator(self, micro_batch: int, is_validation: bool) -> torch.Generator:
         # A fresh seed per (step, rank, micro-batch) makes sampling independent of history, so a

@@ -62,7 +62,11 @@ class TargetTokenScorer:
         return f
 
 
-def _trainer(tmp_path, cfg: PPOConfig, seed=0, client=None):
+def _count_target(prompts, responses):
+    return [r.split().count(str(TARGET)) for r in responses]
+
+
+def _trainer(tmp_path, cfg: PPOConfig, seed=0, client=None, scorer=None):
     torch.manual_seed(seed)
     model = build_tiny_causal_lm("gpt2", SIZE, seed=seed)
     actor = GPTActorModel(model, clip_eps=cfg.ratio_eps)
@@ -84,6 +88,7 @@ def _trainer(tmp_path, cfg: PPOConfig, seed=0, client=None):
         run_timer=RunTimer(None),
         decode=lambda ids: " ".join(map(str, ids)),
         progress=False,
+        response_scorer=scorer,
     )
 
 
@@ -105,7 +110,7 @@ def _cfg(**over) -> PPOConfig:
 
 def test_fit_logs_reference_metrics_and_trains_critic(tmp_path):
     client = TargetTokenScorer()
-    t = _trainer(tmp_path, _cfg(max_steps=2, critic_warmup_steps=1), client=client)
+    t = _trainer(tmp_path, _cfg(max_steps=2, critic_warmup_steps=1), client=client, scorer=_count_target)
     history = t.fit()
     assert len(history) == 2
     m = history[-1]
