@@ -16,6 +16,7 @@ from openaligner.config import ConfigError, config_to_yaml, load_config
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("openaligner.cli.demo", "run the built-in end-to-end example and report what it shows"),
+    "serve-reward": ("openaligner.cli.serve_reward", "serve a frozen reward model over HTTP (Triton)"),
 }
 
 

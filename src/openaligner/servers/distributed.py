@@ -245,11 +245,13 @@ def run_subscriber_loop(collective: Collective, handlers: Mapping[int, Handler])
         RuntimeError: an opcode this rank has no handler for (rank 0 runs different code).
     """
     table = {int(k): v for k, v in handlers.items()}
-    LOGGER.info("rank %d: following rank 0 (opcodes %s)", collective.rank, sorted(table))
+    names = ", ".join(_opcode_name(k) for k in sorted(table))
+    LOGGER.info("rank %d: following rank 0 (handles %s)", collective.rank, names)
+    served = 0
     while True:
         opcode = collective.broadcast_int(None)
         if opcode == Opcode.STOP:
-            LOGGER.info("rank %d: STOP received", collective.rank)
+            LOGGER.info("rank %d: STOP received after %d call(s)", collective.rank, served)
             return
         if opcode == Opcode.NOOP:
             continue
@@ -259,7 +261,15 @@ def run_subscriber_loop(collective: Collective, handlers: Mapping[int, Handler])
                 f"rank {collective.rank} received opcode {opcode} but only knows {sorted(table)}: "
                 "rank 0 and this rank are running different server code"
             )
+        served += 1
         try:
             handler(None)
         except CollectiveFailure as e:
             LOGGER.warning("rank %d: %s", collective.rank, e)
+
+
+def _opcode_name(opcode: int) -> str:
+    try:
+        return Opcode(opcode).name
+    except ValueError:
+        return str(opcode)

@@ -226,7 +226,8 @@ class RewardModelServer:
         max_sequence_length: refuse longer sequences; None skips the check.
         max_batch_size: most rows per request and per formed batch.
         heartbeat_s: idle heartbeat to the other ranks (see :class:`Rank0Dispatcher`).
-        exit_timeout_s: Triton's grace period for open connections at stop.
+        exit_timeout_s: at stop, how long calls in progress may take to finish.
+        log_file: tritonserver's log file; None: a temporary file removed at stop.
     """
 
     infer_fn: InferFn
@@ -243,6 +244,7 @@ class RewardModelServer:
     max_batch_size: int = 1024
     heartbeat_s: float | None = 60.0
     exit_timeout_s: int = 3
+    log_file: str | None = None
     collective: Collective = field(default_factory=Collective, repr=False)
 
     def __post_init__(self) -> None:
@@ -303,7 +305,7 @@ class RewardModelServer:
         if not self.collective.is_leader or self._host is not None:
             return
         self._dispatcher = Rank0Dispatcher(self.collective, self.handlers(), heartbeat_s=self.heartbeat_s)
-        host = TritonHost(self.host, self.port, exit_timeout_s=self.exit_timeout_s)
+        host = TritonHost(self.host, self.port, exit_timeout_s=self.exit_timeout_s, log_file=self.log_file)
         batching = Batching(
             max_batch_size=self.max_batch_size,
             preferred_batch_sizes=self.preferred_batch_sizes,

@@ -136,6 +136,10 @@ class TritonCallable:
         self.lock = lock
         self._in_flight = 0
         self._count_lock = threading.Lock()
+        self.rejected_calls = 0
+        """Calls refused because at least one of their requests was invalid."""
+        self.rejected_valid_requests = 0
+        """Valid requests refused only because Triton merged them with an invalid one."""
 
     @property
     def busy(self) -> bool:
@@ -163,6 +167,9 @@ class TritonCallable:
         if invalid:
             valid = [rid for rid, _ in decoded if rid not in invalid]
             envelope = rejection(self.endpoint.model_name, invalid, valid)
+            with self._count_lock:
+                self.rejected_calls += 1
+                self.rejected_valid_requests += len(valid)
             LOGGER.warning("%s", envelope.message)
             raise BatchRejected(envelope.render())
         with self.lock:
@@ -314,6 +321,11 @@ class TritonHost:
         LOGGER.info("Triton serving %s at %s", [e.model_name for e, _, _ in self._bindings], self.url)
 
     @property
+    def callables(self) -> tuple[TritonCallable, ...]:
+        """The bound callables (one per endpoint), for their counters."""
+        return tuple(self._callables)
+
+    @property
     def log_path(self) -> Path | None:
         """The tritonserver log file (None before start when no ``log_file`` was given)."""
         if self.log_file is not None:
@@ -343,10 +355,15 @@ class TritonHost:
                 time.sleep(0.02)
             if drained:  # the answer still has to pass through Triton to the client
                 time.sleep(0.25)
+            noise = logging.getLogger("pytriton.server.triton_server")
+            expected_exit = _DropMessage("exited with failure")  # a stop we asked for is no failure
+            noise.addFilter(expected_exit)
             try:
                 triton.stop()
             except Exception as e:  # shutdown must finish even if Triton misbehaves
                 LOGGER.warning("error while stopping Triton: %s", e)
+            finally:
+                noise.removeFilter(expected_exit)
             self.stop_time_s = time.perf_counter() - started
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
@@ -360,18 +377,23 @@ class TritonHost:
         self.stop()
 
 
-class _DropBatchRejected(logging.Filter):
-    """PyTriton logs every failed call with a full traceback; a rejected request is expected
-    traffic and is already logged in one line by :class:`TritonCallable`."""
+class _DropMessage(logging.Filter):
+    """Drops log records whose message contains ``needle``."""
+
+    def __init__(self, needle: str) -> None:
+        super().__init__()
+        self.needle = needle
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return BatchRejected.__name__ not in record.getMessage()
+        return self.needle not in record.getMessage()
 
 
 def _quiet_expected_rejections() -> None:
+    """PyTriton logs every failed call with a full traceback; a rejected request is expected
+    traffic, already logged in one line by :class:`TritonCallable`."""
     logger = logging.getLogger("pytriton.proxy.inference")
-    if not any(isinstance(f, _DropBatchRejected) for f in logger.filters):
-        logger.addFilter(_DropBatchRejected())
+    if not any(isinstance(f, _DropMessage) for f in logger.filters):
+        logger.addFilter(_DropMessage(BatchRejected.__name__))
 
 
 def _tensor(tensor_cls: Any, spec: TensorSpec) -> Any:

@@ -1,0 +1,152 @@
+"""`openaligner serve-reward` as a real subprocess: one rank stopped by SIGINT, two ranks under
+torchrun stopped by SIGTERM. Both must answer like the offline model and leave no Triton behind."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from openaligner.clients.reward import RemoteGPTRMClient, RemoteRMConfig
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid → command name of every process below ``pid``."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        ppid = int(text[text.rindex(")") + 2 :].split()[1])
+        child = int(stat.parent.name)
+        children.setdefault(ppid, []).append(child)
+        names[child] = name
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = names[child]
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Served:
+    """A CLI server subprocess whose output is collected in the background."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout_s: float = 90.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            match = re.search(r"ready at (http://\S+)", self.output)
+            if match:
+                return match.group(1)
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.kill()
+        raise AssertionError(f"server did not become ready:\n{self.output[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def check_answers_and_stop(served: Served, port: int, tiny, sig: signal.Signals) -> str:
+    try:
+        url = served.wait_ready()
+        assert url == f"http://127.0.0.1:{port}"
+        tree = descendants(served.proc.pid)
+        assert "tritonserver" in tree.values(), tree
+        g = torch.Generator().manual_seed(3)
+        batch = {
+            "response_tokens": torch.randint(4, 100, (5, 20), generator=g),
+            "response_lengths": torch.tensor([20, 1, 7, 13, 2]),
+        }
+        with RemoteGPTRMClient(RemoteRMConfig(port=port, pad_to_length=32, init_timeout_s=10)) as rm:
+            got = rm.infer_rm(batch).result()
+        want = tiny.reward_model().infer(batch["response_tokens"], batch["response_lengths"])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        served.proc.send_signal(sig)
+        served.proc.wait(timeout=60)
+        time.sleep(0.5)  # let orphaned children (if any) be seen before checking
+        left = {pid: name for pid, name in tree.items() if alive(pid)}
+        assert not left, f"processes left behind after {sig.name}: {left}"
+        return served.output
+    finally:
+        served.kill()
+
+
+def test_cli_single_rank_stops_cleanly_on_sigint(tiny):
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "openaligner",
+        "serve-reward",
+        "model.tiny=true",
+        f"server.port={port}",
+        "threads=1",
+    ]
+    served = Served(cmd)
+    output = check_answers_and_stop(served, port, tiny, signal.SIGINT)
+    assert served.proc.returncode == 0, output[-3000:]
+    assert "SIGINT received: stopping" in output and "reward model server stopped" in output
+
+
+def test_cli_two_ranks_under_torchrun_stop_cleanly_on_sigterm(tiny):
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "-m", "openaligner", "serve-reward", "model.tiny=true", f"server.port={port}", "threads=1",
+        "server.inference_micro_batch_size=[2]", "server.model_forward_micro_batch_size=2",
+    ]  # fmt: skip
+    served = Served(cmd)
+    output = check_answers_and_stop(served, port, tiny, signal.SIGTERM)
+    assert "2 rank(s)" in output
+    # rank 1 computed its share of the batch and left its loop on rank 0's STOP
+    assert re.search(r"rank 1: STOP received after [1-9]\d* call\(s\)", output), output[-3000:]
+    assert "reward model server stopped" in output
