@@ -1,0 +1,27 @@
+"""``openaligner train-rm [CONFIG.yaml] [key=value ...]``: Bradley–Terry reward-model training.
+
+Thin: builds the trainer from the config (see ``configs/train_rm.yaml``), runs it, saves the
+resolved config next to the outputs and prints a summary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from openaligner.config import save_config
+from openaligner.trainer.rm import RMConfig, build_rm_trainer
+
+SCHEMA = RMConfig
+
+
+def run(cfg: RMConfig) -> int:
+    trainer = build_rm_trainer(cfg)
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    save_config(cfg, Path(cfg.output_dir) / "config.yaml")
+    history = trainer.fit()
+    last = history[-1] if history else {}
+    keys = ("train/loss", "train/accuracy", "val/loss", "val/accuracy")
+    summary = ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last)
+    steps = f"steps {trainer.start_step} → {trainer.state.step}"
+    print(f"train-rm: {steps}; {summary}; model saved to {cfg.output_dir}")
+    return 0

@@ -1,0 +1,67 @@
+"""Preference pairs: ``{"prompt", "chosen", "rejected"}`` records tokenized for reward-model training.
+
+Each side is ``[BOS] + prompt + response + [EOS]`` (BOS/EOS optional), the layout the reward
+model is later served with. Knows nothing of models beyond a tokenizer's ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from openaligner.data.sft import Encode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One tokenized comparison."""
+
+    chosen: list[int]  # prompt + preferred response ids
+    rejected: list[int]  # prompt + dispreferred response ids
+
+
+def build_preference_pairs(
+    records: Sequence[dict[str, str]],
+    encode: Encode,
+    max_length: int,
+    bos_id: int | None,
+    eos_id: int | None,
+) -> list[PreferencePair]:
+    """Tokenize records; pairs where either side exceeds ``max_length`` (or is empty) are
+    dropped with a warning, as NeMo-Aligner's reward-model dataset does."""
+    pairs, dropped = [], 0
+    bos = [bos_id] if bos_id is not None else []
+    eos = [eos_id] if eos_id is not None else []
+    for record in records:
+        prompt = bos + encode(record["prompt"])
+        chosen = prompt + encode(record["chosen"]) + eos
+        rejected = prompt + encode(record["rejected"]) + eos
+        if not chosen or not rejected or max(len(chosen), len(rejected)) > max_length:
+            dropped += 1
+        else:
+            pairs.append(PreferencePair(chosen, rejected))
+    if dropped:
+        log.warning(
+            "dropped %d preference pairs longer than %d tokens; %d remain", dropped, max_length, len(pairs)
+        )
+    return pairs
+
+
+def collate_pairs(pairs: Sequence[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
+    """Stack chosen then rejected sequences on the batch axis.
+
+    Returns:
+        ``tokens`` [2B, S] int64 right-padded with ``pad_id`` (rows 0..B-1 chosen, B..2B-1
+        rejected, pair i in rows i and B+i) and ``lengths`` [2B] int64.
+    """
+    sequences = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    width = max(len(s) for s in sequences)
+    tokens = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return {"tokens": tokens, "lengths": torch.tensor([len(s) for s in sequences], dtype=torch.long)}

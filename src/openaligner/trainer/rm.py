@@ -1,0 +1,139 @@
+"""Bradley–Terry reward-model training on ``{"prompt", "chosen", "rejected"}`` JSONL.
+
+Owns the reward-model training config and objective: ``loss = −log σ(r_chosen − r_rejected)``
+averaged over pairs, with pair accuracy (``r_chosen > r_rejected``) and the mean chosen/rejected
+rewards as metrics (NeMo-Aligner's ``loss, acc, rewards_chosen_mean, rewards_rejected_mean``).
+The model is a :class:`~openaligner.models.reward.RewardModel`, exported in the layout the reward
+server and the critic load. Loop, checkpoints and export come from
+:mod:`openaligner.trainer.supervised`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from openaligner.data.jsonl import read_records, split_holdout
+from openaligner.data.preference import PreferencePair, build_preference_pairs, collate_pairs
+from openaligner.models.builders import build_tiny_reward_model
+from openaligner.models.reward import RewardModel
+from openaligner.trainer.supervised import (
+    Batch,
+    LoopConfig,
+    ModelSourceConfig,
+    OptimConfig,
+    SupervisedTrainer,
+    TokenizerSourceConfig,
+    check_vocab,
+    pick_device,
+    resolve_tokenizer,
+    special_id,
+)
+
+KEYS = ("prompt", "chosen", "rejected")
+
+
+@dataclass
+class RMDataConfig:
+    train_path: str = "???"  # JSONL with {"prompt": ..., "chosen": ..., "rejected": ...} per line
+    val_path: str | None = None  # validation JSONL; unset = hold out val_fraction of train_path
+    val_fraction: float = 0.1  # share of train_path held out for validation when val_path is unset
+    max_length: int = 0  # longest prompt + response in tokens (longer pairs are dropped); 0 = model limit
+    add_bos: bool = True  # prepend the tokenizer's BOS id to the prompt
+    add_eos: bool = True  # append the EOS id to each response (as the PPO actor's responses end)
+
+
+@dataclass
+class RMConfig:
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)  # backbone (+ head) to train
+    tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # how to tokenize
+    data: RMDataConfig = field(default_factory=RMDataConfig)  # training and validation pairs
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))  # AdamW and LR schedule
+    trainer: LoopConfig = field(
+        default_factory=LoopConfig
+    )  # steps, batch sizes (in pairs), validation, checkpoints
+    output_dir: str = "runs/rm"  # final HF reward model + tokenizer, checkpoints/ and metrics.jsonl
+    resume: bool = True  # continue from the newest complete checkpoint in output_dir
+    device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:1, ...
+    progress: bool = True  # tqdm progress bar
+    tensorboard: bool = False  # also write TensorBoard events under output_dir/tensorboard
+
+
+class RMObjective:
+    """Bradley–Terry loss over chosen/rejected pairs."""
+
+    def __init__(self, model: RewardModel) -> None:
+        self.model = model
+
+    @property
+    def module(self) -> RewardModel:
+        return self.model
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Sums over the B pairs of a batch: ``tokens`` [2B, S] (chosen rows first), ``lengths`` [2B]."""
+        rewards = self.module(batch["tokens"], batch["lengths"])
+        chosen, rejected = rewards.chunk(2)
+        margin = chosen - rejected
+        loss = -F.logsigmoid(margin).sum()
+        count = torch.tensor(float(chosen.shape[0]))
+        sums = {
+            "loss": loss.detach(),
+            "accuracy": (margin > 0).float().sum(),
+            "rewards_chosen_mean": chosen.detach().sum(),
+            "rewards_rejected_mean": rejected.detach().sum(),
+        }
+        return loss, count, sums
+
+    def save(self, directory: Path) -> None:
+        self.module.save_pretrained(directory)
+
+
+def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
+    """Resolve sources, read and tokenize pairs, and wire the trainer (no training yet)."""
+    torch.manual_seed(cfg.trainer.seed)  # also seeds a freshly initialised head
+    tokenizer = resolve_tokenizer(cfg.model, cfg.tokenizer)
+    if cfg.model.path is not None:
+        model = RewardModel.from_pretrained(cfg.model.path)
+    else:
+        size = cfg.model.tiny_size(len(tokenizer))
+        model = build_tiny_reward_model(cfg.model.tiny_arch, size, cfg.model.tiny_seed)
+    check_vocab(tokenizer, model.hf_model)
+    max_length = cfg.data.max_length or _max_positions(model)
+    records = read_records(cfg.data.train_path, KEYS)
+    if cfg.data.val_path is not None:
+        val_records = read_records(cfg.data.val_path, KEYS)
+    else:
+        records, val_records = split_holdout(records, cfg.data.val_fraction, cfg.trainer.seed)
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    bos, eos = special_id(tokenizer, "bos", cfg.data.add_bos), special_id(tokenizer, "eos", cfg.data.add_eos)
+    train = build_preference_pairs(records, encode, max_length, bos, eos)
+    val = build_preference_pairs(val_records, encode, max_length, bos, eos)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return SupervisedTrainer(
+        RMObjective(model),
+        train,
+        val,
+        lambda items: collate_pairs(items, pad_id),
+        cfg.trainer,
+        cfg.optim,
+        cfg.output_dir,
+        tokenizer,
+        pick_device(cfg.device),
+        resume=cfg.resume,
+        progress=cfg.progress,
+        tensorboard=cfg.tensorboard,
+    )
+
+
+def _max_positions(model: RewardModel) -> int:
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(model.hf_model.config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError("the model config states no maximum length; set data.max_length")

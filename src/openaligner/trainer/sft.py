@@ -1,0 +1,131 @@
+"""Supervised fine-tuning of a causal LM on ``{"prompt", "response"}`` JSONL: the recipe and its loss.
+
+Owns the SFT config schema and objective (negative log-likelihood of the response tokens only,
+token mean over the global batch, in the project's next-token layout: the loss mask is
+``[prompt_len-1, len-1)`` as for PPO). The loop, checkpoints and export come from
+:mod:`openaligner.trainer.supervised`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from openaligner.algorithms import next_token_logprobs, response_mask
+from openaligner.data.jsonl import read_records, split_holdout
+from openaligner.data.sft import SFTExample, build_sft_examples, collate_sft
+from openaligner.models.builders import build_tiny_causal_lm
+from openaligner.trainer.supervised import (
+    Batch,
+    LoopConfig,
+    ModelSourceConfig,
+    OptimConfig,
+    SupervisedTrainer,
+    TokenizerSourceConfig,
+    check_vocab,
+    pick_device,
+    resolve_tokenizer,
+    special_id,
+)
+
+
+@dataclass
+class SFTDataConfig:
+    train_path: str = "???"  # JSONL with {"prompt": ..., "response": ...} per line
+    val_path: str | None = None  # validation JSONL; unset = hold out val_fraction of train_path
+    val_fraction: float = 0.1  # share of train_path held out for validation when val_path is unset
+    max_length: int = 0  # longest prompt + response in tokens (longer examples are dropped); 0 = model limit
+    add_bos: bool = True  # prepend the tokenizer's BOS id to the prompt
+    add_eos: bool = True  # append the EOS id to the response (so the model learns to stop)
+
+
+@dataclass
+class SFTConfig:
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)  # what to fine-tune
+    tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # how to tokenize
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)  # training and validation data
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))  # AdamW and LR schedule
+    trainer: LoopConfig = field(default_factory=LoopConfig)  # steps, batch sizes, validation, checkpoints
+    output_dir: str = "runs/sft"  # final HF model + tokenizer, checkpoints/ and metrics.jsonl
+    resume: bool = True  # continue from the newest complete checkpoint in output_dir
+    device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:1, ...
+    progress: bool = True  # tqdm progress bar
+    tensorboard: bool = False  # also write TensorBoard events under output_dir/tensorboard
+
+
+class SFTObjective:
+    """Response-only negative log-likelihood of a causal LM."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+
+    @property
+    def module(self) -> PreTrainedModel:
+        return self.model
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """``(sum of response-token NLL, response token count, {"loss": NLL sum})`` for a batch of
+        ``tokens`` [B, S], ``lengths`` [B] and ``prompt_lengths`` [B]."""
+        tokens, lengths = batch["tokens"], batch["lengths"]
+        attention = (torch.arange(tokens.shape[1], device=tokens.device) < lengths.unsqueeze(-1)).long()
+        logits = self.module(input_ids=tokens, attention_mask=attention, use_cache=False).logits
+        logprobs = next_token_logprobs(logits, tokens)  # [B, S-1]
+        mask = response_mask(batch["prompt_lengths"], lengths, tokens.shape[1] - 1, dtype=logprobs.dtype)
+        nll = -(logprobs * mask).sum()
+        return nll, mask.sum(), {"loss": nll.detach()}
+
+    def save(self, directory: Path) -> None:
+        self.module.save_pretrained(str(directory))
+
+
+def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
+    """Resolve sources, read and tokenize data, and wire the trainer (no training yet)."""
+    torch.manual_seed(cfg.trainer.seed)
+    tokenizer = resolve_tokenizer(cfg.model, cfg.tokenizer)
+    model: PreTrainedModel
+    if cfg.model.path is not None:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, local_files_only=True)
+    else:
+        model = build_tiny_causal_lm(
+            cfg.model.tiny_arch, cfg.model.tiny_size(len(tokenizer)), cfg.model.tiny_seed
+        )
+    check_vocab(tokenizer, model)
+    max_length = cfg.data.max_length or _max_positions(model)
+    records = read_records(cfg.data.train_path, ("prompt", "response"))
+    if cfg.data.val_path is not None:
+        val_records = read_records(cfg.data.val_path, ("prompt", "response"))
+    else:
+        records, val_records = split_holdout(records, cfg.data.val_fraction, cfg.trainer.seed)
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    bos, eos = special_id(tokenizer, "bos", cfg.data.add_bos), special_id(tokenizer, "eos", cfg.data.add_eos)
+    train = build_sft_examples(records, encode, max_length, bos, eos)
+    val = build_sft_examples(val_records, encode, max_length, bos, eos)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return SupervisedTrainer(
+        SFTObjective(model),
+        train,
+        val,
+        lambda items: collate_sft(items, pad_id),
+        cfg.trainer,
+        cfg.optim,
+        cfg.output_dir,
+        tokenizer,
+        pick_device(cfg.device),
+        resume=cfg.resume,
+        progress=cfg.progress,
+        tensorboard=cfg.tensorboard,
+    )
+
+
+def _max_positions(model: PreTrainedModel) -> int:
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(model.config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError("the model config states no maximum length; set data.max_length")

@@ -1,0 +1,433 @@
+"""The shared loop of the supervised trainers (SFT and reward-model training) and their common config.
+
+Owns: the configs every supervised run shares (model and tokenizer source, optimizer, loop),
+resolving a model/tokenizer source into objects, the optimizer and LR schedule, gradient
+accumulation over micro-batches, validation, tqdm progress, metrics, resumable checkpoints
+(``<output_dir>/checkpoints/step_<N>``: model, optimizer, scheduler, step, data position and
+RNG, written atomically by :class:`openaligner.io.checkpoint.CheckpointManager`) and the final
+Hugging Face export into ``output_dir``. What is being learned comes from an
+:class:`Objective`; this module knows nothing of SFT or preference losses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Generic, Protocol, TypeVar
+
+import torch
+from torch import nn
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from openaligner.data.prompts import EpochSampler
+from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
+from openaligner.io.metrics import MetricsLogger
+from openaligner.models.builders import TINY_ARCHS, TinyArch, TinySize
+from openaligner.models.tokenizers import build_char_tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Batch = dict[str, torch.Tensor]
+
+SCHEDULERS = ("constant", "cosine", "linear")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+# ---------------------------------------------------------------------- configs
+@dataclass
+class ModelSourceConfig:
+    path: str | None = None  # local Hugging Face model directory; when set, the tiny.* keys are ignored
+    tiny: str = "gpt2"  # built-in random model when path is unset: gpt2 or llama
+    tiny_vocab_size: int = 0  # tiny model vocabulary; 0 = the tokenizer's length
+    tiny_hidden_size: int = 64  # tiny model width
+    tiny_num_layers: int = 2  # tiny model transformer blocks
+    tiny_num_heads: int = 4  # tiny model attention heads (must divide the width)
+    tiny_max_positions: int = 256  # tiny model longest sequence
+    tiny_seed: int = 0  # seed of the tiny model's random initialisation
+
+    def __post_init__(self) -> None:
+        if self.path is None and self.tiny not in TINY_ARCHS:
+            raise ValueError(f"model.tiny must be one of {TINY_ARCHS} (or set model.path), got {self.tiny!r}")
+        if self.path is not None and not (Path(self.path) / "config.json").is_file():
+            raise ValueError(
+                f"model.path={self.path!r} is not a Hugging Face model directory (no config.json)"
+            )
+
+    @property
+    def tiny_arch(self) -> TinyArch:
+        """``tiny`` as the builders' architecture name (validated above)."""
+        return "llama" if self.tiny == "llama" else "gpt2"
+
+    def tiny_size(self, vocab_size: int) -> TinySize:
+        """The tiny model's dimensions; ``vocab_size`` fills in ``tiny_vocab_size=0``."""
+        return TinySize(
+            vocab_size=self.tiny_vocab_size or vocab_size,
+            hidden_size=self.tiny_hidden_size,
+            num_layers=self.tiny_num_layers,
+            num_heads=self.tiny_num_heads,
+            max_positions=self.tiny_max_positions,
+        )
+
+
+@dataclass
+class TokenizerSourceConfig:
+    path: str | None = None  # local tokenizer directory; unset = model.path when it holds one, else built-in
+    builtin: str = (
+        "char"  # built-in tokenizer for tiny models: char (<pad>=0, <eos>=1, <bos>=2, printable ASCII)
+    )
+
+    def __post_init__(self) -> None:
+        if self.builtin != "char":
+            raise ValueError(f"tokenizer.builtin must be 'char', got {self.builtin!r}")
+        if self.path is not None and not Path(self.path).is_dir():
+            raise ValueError(f"tokenizer.path={self.path!r} is not a directory")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4  # peak learning rate (AdamW)
+    min_lr: float = 0.0  # final learning rate of the cosine/linear decay
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    warmup_steps: int = 0  # linear warm-up from 0 over this many steps
+    scheduler: str = "constant"  # after warm-up: constant, cosine or linear decay to min_lr at max_steps
+    max_grad_norm: float = 1.0  # clip the global gradient norm; 0 disables
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"optim.scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(
+                f"need 0 <= optim.min_lr <= optim.lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}"
+            )
+        if len(self.betas) != 2:
+            raise ValueError(f"optim.betas needs two values, got {self.betas}")
+
+
+@dataclass
+class LoopConfig:
+    max_steps: int = 100  # optimizer steps; -1 = run max_epochs
+    max_epochs: int = 1000  # upper bound in passes over the training set
+    global_batch_size: int = 8  # examples (SFT) or pairs (RM) per optimizer step
+    micro_batch_size: int = (
+        8  # examples per forward/backward (gradient accumulation); divides global_batch_size
+    )
+    val_check_interval: int = 50  # validate every this many steps (and at the end); 0 = only at the end
+    val_micro_batch_size: int = 16  # examples per validation forward pass
+    save_interval: int = 50  # checkpoint every this many steps (and at the end); 0 = only at the end
+    keep_last: int = 2  # checkpoints to keep (0 = all)
+    log_interval: int = 1  # write training metrics every this many steps
+    seed: int = 0  # seeds data order, initialisation of new heads and dropout
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size < 1 or self.micro_batch_size < 1:
+            raise ValueError("trainer.global_batch_size and trainer.micro_batch_size must be ≥ 1")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"trainer.micro_batch_size={self.micro_batch_size} must divide "
+                f"trainer.global_batch_size={self.global_batch_size}"
+            )
+        if self.max_steps == 0 or self.max_steps < -1 or self.max_epochs < 1:
+            raise ValueError("trainer.max_steps must be ≥ 1 or -1, and trainer.max_epochs ≥ 1")
+
+
+# ---------------------------------------------------------------------- sources
+def resolve_tokenizer(model: ModelSourceConfig, tokenizer: TokenizerSourceConfig) -> PreTrainedTokenizerBase:
+    """``tokenizer.path``, else the tokenizer saved with ``model.path``, else the built-in one
+    (only for tiny models: a real model needs its own tokenizer)."""
+    if tokenizer.path is not None:
+        return load_tokenizer(tokenizer.path)
+    if model.path is not None:
+        if any((Path(model.path) / f).is_file() for f in _TOKENIZER_FILES):
+            return load_tokenizer(model.path)
+        raise ValueError(f"model.path={model.path!r} holds no tokenizer; set tokenizer.path")
+    return build_char_tokenizer()
+
+
+def check_vocab(tokenizer: PreTrainedTokenizerBase, model: nn.Module) -> None:
+    """Refuse a tokenizer whose ids ``model`` (a HF model) cannot embed."""
+    embedding = getattr(model, "get_input_embeddings")()  # noqa: B009 (untyped HF API)
+    model_vocab_size = int(embedding.weight.shape[0])
+    if len(tokenizer) > model_vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {model_vocab_size}; "
+            "use a matching tokenizer (or raise model.tiny_vocab_size)"
+        )
+
+
+def special_id(tokenizer: PreTrainedTokenizerBase, name: str, enabled: bool) -> int | None:
+    """The tokenizer's ``bos``/``eos`` id when ``enabled`` (error if it has none), else ``None``."""
+    if not enabled:
+        return None
+    value = getattr(tokenizer, f"{name}_token_id")
+    if value is None:
+        raise ValueError(
+            f"data.add_{name} is true but the tokenizer has no {name} token; set data.add_{name}=false"
+        )
+    return int(value)
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` → CUDA when available, else CPU; anything else as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# ---------------------------------------------------------------------- the loop
+class Objective(Protocol):
+    """What a supervised trainer optimises.
+
+    ``loss(batch)`` returns ``(loss_sum, count, metric_sums)``: the loss summed over the batch's
+    units (tokens for SFT, pairs for RM), the number of units, and per-unit metric sums. The loop
+    divides by the unit count of the whole global batch, so gradient accumulation is exact.
+    """
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]: ...
+
+    def save(self, directory: Path) -> None: ...
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint restores besides weights and optimizer."""
+
+    step: int = 0  # optimizer steps done
+    consumed_samples: int = 0  # training examples drawn so far (the data position)
+
+
+class SupervisedTrainer(Generic[T]):
+    """Runs an :class:`Objective` over a dataset with resumable checkpoints.
+
+    Args:
+        objective: the model and its loss.
+        train_items / val_items: dataset items; ``collate`` turns a list of them into a batch.
+        tokenizer: saved with the final model and every checkpoint.
+        output_dir: final model, ``checkpoints/`` and ``metrics.jsonl`` go here.
+        resume: continue from the newest complete checkpoint in ``output_dir`` if there is one.
+    """
+
+    def __init__(
+        self,
+        objective: Objective,
+        train_items: Sequence[T],
+        val_items: Sequence[T],
+        collate: Callable[[Sequence[T]], Batch],
+        loop: LoopConfig,
+        optim: OptimConfig,
+        output_dir: str | Path,
+        tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
+        *,
+        resume: bool = True,
+        progress: bool = True,
+        tensorboard: bool = False,
+    ) -> None:
+        self.objective = objective
+        self.train_items, self.val_items = train_items, val_items
+        self.collate = collate
+        self.loop, self.optim_cfg = loop, optim
+        self.output_dir = Path(output_dir)
+        self.tokenizer = tokenizer
+        self.device = device
+        self.resume, self.progress, self.tensorboard = resume, progress, tensorboard
+        self.sampler = EpochSampler(len(train_items), loop.global_batch_size, loop.seed)
+        if self.sampler.steps_per_epoch == 0:
+            raise ValueError(
+                f"{len(train_items)} training examples cannot fill one batch of trainer.global_batch_size="
+                f"{loop.global_batch_size}; lower it or add data"
+            )
+        by_epochs = self.sampler.steps_per_epoch * loop.max_epochs
+        self.max_steps = by_epochs if loop.max_steps < 0 else min(loop.max_steps, by_epochs)
+        objective.module.to(device)
+        params = [p for p in objective.module.parameters() if p.requires_grad]
+        self.params = params
+        self.optimizer = torch.optim.AdamW(
+            params, lr=optim.lr, betas=(optim.betas[0], optim.betas[1]), weight_decay=optim.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep_last=loop.keep_last)
+        self.state = TrainerState()
+        self.start_step = 0  # the step fit() started from (after a resume: the checkpoint's)
+
+    # ------------------------------------------------------------------ the recipe
+    def fit(self) -> list[dict[str, float]]:
+        """Train to ``max_steps``; returns the metrics of every step (validation merged in)."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        resumed = self._maybe_resume()
+        self.start_step = self.state.step
+        logger = MetricsLogger(self.output_dir, tensorboard=self.tensorboard, append=resumed)
+        history: list[dict[str, float]] = []
+        bar = tqdm(total=self.max_steps, initial=self.state.step, disable=not self.progress, desc="train")
+        try:
+            batches = self.sampler.batches(self.state.consumed_samples)
+            while self.state.step < self.max_steps:
+                epoch, indices = next(batches)
+                metrics = self._train_step(indices)  # 1. forward/backward over micro-batches, 2. step
+                self.state.step += 1
+                self.state.consumed_samples += len(indices)
+                metrics["train/epoch"] = float(epoch)
+                last = self.state.step == self.max_steps
+                if self._due(self.loop.val_check_interval, last) and self.val_items:
+                    metrics |= self.validate()  # 3. validation
+                if self._due(self.loop.log_interval, last):
+                    logger.log(metrics, self.state.step)
+                history.append(metrics)
+                bar.set_postfix({_short(k): f"{v:.4g}" for k, v in metrics.items() if "loss" in k})
+                bar.update(1)
+                if self._due(self.loop.save_interval, last):
+                    self.save_checkpoint()  # 4. resumable checkpoint
+        finally:
+            bar.close()
+            logger.close()
+        self.export(self.output_dir)  # 5. final Hugging Face model + tokenizer
+        return history
+
+    def _train_step(self, indices: list[int]) -> dict[str, float]:
+        start = time.perf_counter()
+        self.objective.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = defaultdict(float)
+        units = 0.0
+        for batch in self._micro_batches(indices, self.loop.micro_batch_size):
+            loss_sum, count, metric_sums = self.objective.loss(batch)
+            loss_sum.backward()  # gradients of sums; divided by the global unit count below
+            units += float(count)
+            for k, v in metric_sums.items():
+                sums[k] += float(v)
+        scale = 1.0 / max(units, 1.0)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        grad_norm = self._clip()
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        metrics = {f"train/{k}": v * scale for k, v in sums.items()}
+        metrics |= {
+            "train/grad_norm": grad_norm,
+            "train/lr": lr,
+            "timing/step_s": time.perf_counter() - start,
+        }
+        return metrics
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Per-unit means of the objective's metrics over the whole validation set."""
+        self.objective.module.eval()
+        sums: dict[str, float] = defaultdict(float)
+        units = 0.0
+        indices = list(range(len(self.val_items)))
+        for batch in self._micro_batches(indices, self.loop.val_micro_batch_size, train=False):
+            _, count, metric_sums = self.objective.loss(batch)
+            units += float(count)
+            for k, v in metric_sums.items():
+                sums[k] += float(v)
+        return {f"val/{k}": v / max(units, 1.0) for k, v in sums.items()}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step_<N>`` atomically."""
+
+        def write(d: Path) -> None:
+            self.export(d / "model", atomic=False)
+            torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
+            torch.save(rng_state(), d / "rng.pt")
+            (d / "trainer_state.json").write_text(json.dumps(self.state.__dict__))
+
+        return self.checkpoints.save(self.state.step, write)
+
+    def _maybe_resume(self) -> bool:
+        path = self.checkpoints.latest() if self.resume else None
+        if path is None:
+            return False
+        from safetensors.torch import load_file
+
+        weights = load_file(str(path / "model" / "model.safetensors"), device=str(self.device))
+        _load_weights(self.objective.module, weights)
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
+        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+        self.state = TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+        log.info("resumed from %s at step %d", path, self.state.step)
+        return True
+
+    def export(self, directory: Path, atomic: bool = True) -> None:
+        """Save the model and tokenizer as a Hugging Face directory. With ``atomic`` the files are
+        written to a temporary sibling first and moved in one by one with ``os.replace``."""
+        if not atomic:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.objective.save(directory)
+            self.tokenizer.save_pretrained(str(directory))
+            return
+        tmp = directory / f".export-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.export(tmp, atomic=False)
+        for f in tmp.iterdir():
+            os.replace(f, directory / f.name)
+        tmp.rmdir()
+
+    # ------------------------------------------------------------------ helpers
+    def _micro_batches(self, indices: list[int], size: int, train: bool = True) -> Iterator[Batch]:
+        items = self.train_items if train else self.val_items
+        for start in range(0, len(indices), size):
+            batch = self.collate([items[i] for i in indices[start : start + size]])
+            yield {k: v.to(self.device) for k, v in batch.items()}
+
+    def _clip(self) -> float:
+        if self.optim_cfg.max_grad_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.max_grad_norm))
+        grads = [p.grad.norm() for p in self.params if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
+
+    def _lr_factor(self, step: int) -> float:
+        o = self.optim_cfg
+        if step < o.warmup_steps:
+            return (step + 1) / (o.warmup_steps + 1)
+        if o.scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - o.warmup_steps) / max(1, self.max_steps - o.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if o.scheduler == "cosine" else 1.0 - progress
+        floor = o.min_lr / o.lr
+        return floor + (1.0 - floor) * shape
+
+    def _due(self, interval: int, last: bool) -> bool:
+        return last or (interval > 0 and self.state.step % interval == 0)
+
+
+def _short(name: str) -> str:
+    """Progress-bar label of a metric: ``train/loss`` → ``loss``, ``val/loss`` → ``val_loss``."""
+    return name.removeprefix("train/").replace("/", "_")
+
+
+def _load_weights(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Load a saved Hugging Face state dict into ``module``, whose keys may carry a wrapper prefix
+    (``hf_model.``); keys absent from the file must be tied to loaded ones (e.g. GPT-2's lm_head)."""
+    own = module.state_dict()
+    if not set(weights) <= set(own):
+        weights = {"hf_model." + k: v for k, v in weights.items()}
+    unexpected = set(weights) - set(own)
+    if unexpected:
+        raise ValueError(
+            f"checkpoint weights do not match the model ({sorted(unexpected)[:3]} ...); "
+            "was the model source changed since the checkpoint was written?"
+        )
+    module.load_state_dict(weights, strict=False)
+    loaded_ptrs = {own[k].data_ptr() for k in weights}
+    untied = [k for k in set(own) - set(weights) if own[k].data_ptr() not in loaded_ptrs]
+    if untied:
+        raise ValueError(f"checkpoint lacks weights {sorted(untied)[:3]} ...")

@@ -1,0 +1,144 @@
+"""SFT trainer: response-only loss, exact gradient accumulation, learning, resume after a crash."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from openaligner.cli.main import main
+from openaligner.config import ConfigError, load_config
+from openaligner.data.sft import collate_sft
+from openaligner.models.tokenizers import load_tokenizer
+from openaligner.trainer.sft import SFTConfig, SFTObjective, build_sft_trainer
+
+
+def _write_sft(path: Path, n: int = 48) -> Path:
+    with path.open("w") as f:
+        for i in range(n):
+            d = i % 10
+            f.write(json.dumps({"prompt": f"repeat {d}:", "response": f" {d}{d}{d}"}) + "\n")
+    return path
+
+
+def _cfg(tmp_path: Path, *overrides: str) -> SFTConfig:
+    data = (
+        _write_sft(tmp_path / "sft.jsonl")
+        if not (tmp_path / "sft.jsonl").exists()
+        else tmp_path / "sft.jsonl"
+    )
+    return load_config(
+        SFTConfig,
+        overrides=[
+            f"data.train_path={data}",
+            f"output_dir={tmp_path / 'out'}",
+            "model.tiny_hidden_size=32",
+            "model.tiny_num_layers=1",
+            "model.tiny_num_heads=2",
+            "model.tiny_max_positions=64",
+            "trainer.global_batch_size=8",
+            "trainer.micro_batch_size=4",
+            "optim.lr=3e-3",
+            "progress=false",
+            "device=cpu",
+            *overrides,
+        ],
+    )
+
+
+def test_loss_covers_response_tokens_only(tiny):
+    model = tiny.causal_lm()
+    from openaligner.data.sft import SFTExample
+
+    examples = [SFTExample([2, 10, 11, 12, 20, 21, 1], 4), SFTExample([2, 13, 22, 23, 24, 1], 2)]
+    batch = collate_sft(examples, pad_id=0)
+    nll, count, _ = SFTObjective(model).loss(batch)
+    assert int(count) == 3 + 4
+    expected = 0.0
+    with torch.no_grad():
+        for e in examples:
+            logp = torch.log_softmax(model(torch.tensor([e.tokens])).logits[0], -1)
+            for t in range(e.prompt_length, len(e.tokens)):
+                expected -= float(logp[t - 1, e.tokens[t]])
+    assert float(nll.detach()) == pytest.approx(expected, rel=1e-5)
+
+
+def test_gradient_accumulation_is_exact(tmp_path):
+    def one_step(micro: int) -> dict[str, torch.Tensor]:
+        cfg = _cfg(tmp_path, f"trainer.micro_batch_size={micro}", "trainer.max_steps=1", "resume=false")
+        trainer = build_sft_trainer(cfg)
+        trainer.fit()
+        return {k: v.clone() for k, v in trainer.objective.module.state_dict().items()}
+
+    a, b = one_step(8), one_step(2)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+def test_sft_lowers_validation_loss_and_exports_hf_model(tmp_path):
+    cfg = _cfg(tmp_path, "trainer.max_steps=25", "trainer.val_check_interval=0")
+    trainer = build_sft_trainer(cfg)
+    before = trainer.validate()["val/loss"]
+    history = trainer.fit()
+    after = history[-1]["val/loss"]
+    assert after < 0.5 * before
+    out = Path(cfg.output_dir)
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    tokenizer = load_tokenizer(out)
+    assert len(tokenizer) == 100
+    saved, trained = model.state_dict(), trainer.objective.module.state_dict()
+    assert all(torch.equal(saved[k], trained[k].cpu()) for k in saved)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 25 and "val/loss" in records[-1] and "train/lr" in records[-1]
+
+
+def test_resume_after_a_crash_continues_from_the_saved_step(tmp_path):
+    overrides = (
+        "trainer.max_steps=6",
+        "trainer.save_interval=2",
+        "trainer.keep_last=0",
+        "optim.scheduler=cosine",
+        "optim.warmup_steps=2",
+    )
+    full = build_sft_trainer(_cfg(tmp_path, *overrides))
+    full.fit()
+    final = {k: v.clone() for k, v in full.objective.module.state_dict().items()}
+    ckpts = Path(full.output_dir) / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_2", "step_4", "step_6"]
+    # Simulate a crash after step 4: the step-6 checkpoint never became complete.
+    (ckpts / "step_6" / "manifest.json").unlink()
+    shutil.rmtree(ckpts / "step_6" / "model")
+
+    resumed = build_sft_trainer(_cfg(tmp_path, *overrides))
+    history = resumed.fit()
+    assert resumed.start_step == 4 and resumed.state.step == 6
+    assert len(history) == 2 and resumed.state.consumed_samples == 6 * 8
+    for k, v in resumed.objective.module.state_dict().items():
+        torch.testing.assert_close(v, final[k], rtol=0, atol=0)
+
+
+def test_cli_runs_and_rejects_bad_batch_sizes(tmp_path, capsys):
+    data = _write_sft(tmp_path / "sft.jsonl", n=20)
+    out = tmp_path / "cli"
+    args = [
+        f"data.train_path={data}",
+        f"output_dir={out}",
+        "model.tiny_hidden_size=32",
+        "model.tiny_num_layers=1",
+        "trainer.max_steps=2",
+        "trainer.global_batch_size=4",
+        "trainer.micro_batch_size=2",
+        "progress=false",
+        "device=cpu",
+    ]
+    assert main(["train-sft", *args]) == 0
+    assert "steps 0 → 2" in capsys.readouterr().out
+    assert (out / "model.safetensors").is_file() and (out / "config.yaml").is_file()
+    assert main(["train-sft", *args, "trainer.micro_batch_size=3"]) == 2
+    assert "trainer.micro_batch_size" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"model\.tiny"):
+        load_config(SFTConfig, overrides=[f"data.train_path={data}", "model.tiny=bert"])
