@@ -3,8 +3,12 @@
 Workload (/work/shared/bench/workload.md): GPT-2 (n_layer=4, n_embd=256, n_head=4, vocab 512,
 n_positions=256), random init, fp32; 64 prompts of 32 ids drawn from 3..511 (seed 0); 64 new
 tokens each, no stop, temperature 1.0 (plain sampling: no top-k, no top-p); median of 3 timed
-runs after one warm-up; ``torch.set_num_threads(2)``. The runs of the two engines are
-interleaved so that load from other processes hits both alike.
+runs after one warm-up; ``torch.set_num_threads(2)``. The runs of the engines are interleaved so
+that load from other processes hits all of them alike.
+
+A second, non-canonical scenario ("early_stop") gives the same engines 8 stop ids (1.6 % of the
+vocabulary), so responses end at different lengths (about 60 % end before 64 tokens); it is
+timed per batch since the engines draw different samples.
 
 Prints one JSON object. Usage: ``python benchmarks/bench_generation.py [--repeats 3] [--threads 2]``.
 """
@@ -27,6 +31,7 @@ from openaligner.models.builders import WORKLOAD_SIZE, build_tiny_causal_lm
 from openaligner.models.generation import SamplingParams
 
 BATCH, PROMPT_TOKENS, NEW_TOKENS = 64, 32, 64
+STOP_IDS = tuple(range(100, 108))
 
 
 def main() -> None:
@@ -41,20 +46,22 @@ def main() -> None:
     model = build_tiny_causal_lm("gpt2", WORKLOAD_SIZE, seed=0).to(device)
     prompts = torch.randint(
         3, WORKLOAD_SIZE.vocab_size, (BATCH, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0)
-    )
-    prompts = prompts.to(device)
+    ).to(device)
     lengths = torch.full((BATCH,), PROMPT_TOKENS, dtype=torch.long, device=device)
     actor = GPTActorModel(model, init_policy=False)
-    params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, stop_token_ids=())
 
-    def run_infer() -> None:
-        out = actor.infer(
-            {"text": prompts, "length": lengths}, params, torch.Generator(device).manual_seed(1)
-        )
-        assert int(out["response_lengths"].min()) == PROMPT_TOKENS + NEW_TOKENS
+    def run_infer(stop_ids: tuple[int, ...]) -> Callable[[], int]:
+        params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, stop_token_ids=stop_ids)
 
-    def run_hf(cache: str | None) -> Callable[[], None]:
-        def go() -> None:
+        def go() -> int:
+            batch = {"text": prompts, "length": lengths}
+            out = actor.infer(batch, params, torch.Generator(device).manual_seed(1))
+            return int((out["response_lengths"] - out["prompt_lengths"]).sum())
+
+        return go
+
+    def run_hf(cache: str | None, stop_ids: tuple[int, ...]) -> Callable[[], int]:
+        def go() -> int:
             with torch.no_grad():
                 out = model.generate(
                     prompts,
@@ -64,35 +71,25 @@ def main() -> None:
                     top_k=0,
                     top_p=1.0,
                     max_new_tokens=NEW_TOKENS,
-                    min_new_tokens=NEW_TOKENS,
+                    min_new_tokens=0 if stop_ids else NEW_TOKENS,
+                    eos_token_id=list(stop_ids) if stop_ids else None,
                     pad_token_id=0,
                     cache_implementation=cache,
                 )
-            assert out.shape == (BATCH, PROMPT_TOKENS + NEW_TOKENS)
+            response = out[:, PROMPT_TOKENS:]
+            if not stop_ids:
+                return response.numel()
+            is_stop = torch.isin(response, torch.tensor(STOP_IDS, device=response.device))
+            first = torch.where(is_stop.any(-1), is_stop.float().argmax(-1) + 1, response.shape[1])
+            return int(first.sum())
 
         return go
 
-    engines: dict[str, Callable[[], None]] = {
-        "openaligner_infer": run_infer,
-        "hf_generate": run_hf(None),
-        "hf_generate_static_cache": run_hf("static"),
-    }
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for fn in engines.values():
-        fn()  # warm-up
-    for _ in range(args.repeats):
-        for name, fn in engines.items():
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append(time.perf_counter() - start)
-
-    generated = BATCH * NEW_TOKENS
     result: dict[str, object] = {
         "workload": f"GPT-2 4x256, vocab 512; {BATCH} prompts x {PROMPT_TOKENS} -> {NEW_TOKENS} new tokens",
         "device": str(device),
         "threads": args.threads,
+        "repeats": args.repeats,
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -100,19 +97,45 @@ def main() -> None:
             "tokenizers": tokenizers.__version__,
         },
     }
+    for scenario, stop_ids in (("canonical", ()), ("early_stop", STOP_IDS)):
+        engines = {
+            "openaligner_infer": run_infer(stop_ids),
+            "hf_generate": run_hf(None, stop_ids),
+            "hf_generate_static_cache": run_hf("static", stop_ids),
+        }
+        result[scenario] = _measure(engines, args.repeats, device)
+    print(json.dumps(result, indent=2))
+
+
+def _measure(engines: dict[str, Callable[[], int]], repeats: int, device: torch.device) -> dict[str, object]:
+    """Interleaved timing; per engine the median seconds per batch and generated tokens/s."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    tokens: dict[str, list[int]] = {name: [] for name in engines}
+    for fn in engines.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in engines.items():
+            _sync(device)
+            start = time.perf_counter()
+            n = fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+            tokens[name].append(n)
+    out: dict[str, object] = {}
     for name, ts in times.items():
         median = statistics.median(ts)
-        result[name] = {
+        out[name] = {
             "median_s": round(median, 4),
-            "tokens_per_s": round(generated / median, 1),
-            "runs_s": ts,
+            "generated_tokens": int(statistics.median(tokens[name])),
+            "tokens_per_s": round(statistics.median(tokens[name]) / median, 1),
+            "runs_s": [round(t, 4) for t in ts],
         }
     infer_s = statistics.median(times["openaligner_infer"])
-    result["ratio_vs_hf_generate"] = round(statistics.median(times["hf_generate"]) / infer_s, 3)
-    result["ratio_vs_hf_generate_static"] = round(
+    out["speedup_vs_hf_generate"] = round(statistics.median(times["hf_generate"]) / infer_s, 3)
+    out["speedup_vs_hf_generate_static"] = round(
         statistics.median(times["hf_generate_static_cache"]) / infer_s, 3
     )
-    print(json.dumps(result, indent=2))
+    return out
 
 
 def _sync(device: torch.device) -> None:

@@ -7,7 +7,8 @@ rewards or training.
 Layout. Input prompts are right-padded ``prompts`` [B, P] with ``prompt_lengths`` [B]. Internally
 prompts are left-padded so that every row appends its next token in the same column of one
 preallocated buffer, with per-row position ids (``cumsum(attention_mask) - 1``) and a static KV
-cache sized ``max(prompt_lengths) + max_new_tokens``. The result is converted back to the
+cache sized ``max(prompt_lengths) + max_new_tokens``. Rows that have finished are dropped from the
+cache (and from the forward passes) once they are a quarter of it. The result is converted back to the
 right-padded layout: row ``i`` holds its prompt, immediately followed by its response (the stop
 token included), then ``pad_id`` up to the width ``S = max(response_lengths)``.
 """
@@ -113,35 +114,46 @@ def generate(
     logits = _last_logits(model, buf[:, :p_max], attention[:, :p_max], positions, kv)
 
     stop_ids = torch.tensor(resolve_stop_ids(params, model), dtype=torch.long, device=device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
     new_tokens = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=device)
+    is_end = torch.zeros(batch, dtype=torch.bool, device=device)
+    # Rows still in the KV cache (original row ids) and which of them have finished since the last
+    # compaction. Finished rows are dropped from the cache once they are a quarter of it.
+    active = torch.arange(batch, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
     steps = params.max_new_tokens
     for step in range(params.max_new_tokens):
         banned = stop_ids if step < params.min_new_tokens else None
         token = select_tokens(logits, params, generator, banned)
         token = torch.where(done, torch.full_like(token, pad_id), token)
-        buf[:, p_max + step] = token
+        buf[active, p_max + step] = token
         hit = torch.isin(token, stop_ids) & ~done
         if params.stop_strings and step + 1 >= params.min_new_tokens:
             assert tokenizer is not None
-            hit |= _stop_string_hits(buf[:, p_max : p_max + step + 1], done, params.stop_strings, tokenizer)
-        new_tokens = torch.where(hit, step + 1, new_tokens)
+            generated = buf[active, p_max : p_max + step + 1]
+            hit |= _stop_string_hits(generated, done, params.stop_strings, tokenizer)
+        new_tokens[active[hit]] = step + 1
+        is_end[active[hit]] = True
         done |= hit
-        if step + 1 == params.max_new_tokens or bool(done.all()):
+        finished = int(done.sum())
+        if step + 1 == params.max_new_tokens or finished == done.numel():
             steps = step + 1
             break
+        if 4 * finished >= done.numel():
+            keep = (~done).nonzero().squeeze(-1)
+            active, token, attention, done = active[keep], token[keep], attention[keep], done[keep]
+            _select_cache_rows(kv, keep)
         logits = _last_logits(
             model,
             token.unsqueeze(-1),
             attention[:, : p_max + step + 1],
-            (lengths + step).unsqueeze(-1),
+            (lengths[active] + step).unsqueeze(-1),
             kv,
         )
 
     new_tokens = new_tokens.clamp(max=steps)
     response_lengths = lengths + new_tokens
     tokens = _to_right_padded(buf, p_max - lengths, response_lengths, pad_id)
-    return Generation(tokens=tokens, response_lengths=response_lengths, prompt_lengths=lengths, is_end=done)
+    return Generation(tokens=tokens, response_lengths=response_lengths, prompt_lengths=lengths, is_end=is_end)
 
 
 def resolve_stop_ids(params: SamplingParams, model: PreTrainedModel) -> list[int]:
@@ -263,6 +275,15 @@ def _make_cache(model: PreTrainedModel, kind: CacheKind, total: int) -> Cache:
     if kind == "dynamic":
         return DynamicCache(config=model.config)
     raise ValueError(f"unknown cache kind {kind!r}; expected 'static' or 'dynamic'")
+
+
+def _select_cache_rows(cache: Cache, rows: torch.Tensor) -> None:
+    """Keep only ``rows`` of every layer's keys and values (static and dynamic layers alike)."""
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
+                setattr(layer, name, tensor.index_select(0, rows))
 
 
 def _last_logits(

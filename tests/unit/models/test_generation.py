@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from openaligner.models import generation
 from openaligner.models.generation import SamplingParams, generate, select_tokens
 
 PROMPT_LENGTHS = [5, 9, 3, 7]
@@ -49,7 +50,12 @@ def _hf_greedy(model, prompts, lengths, new_tokens, eos):
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("cache", ["static", "dynamic"])
-def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache):
+def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache, monkeypatch):
+    compactions = []
+    select_rows = generation._select_cache_rows
+    monkeypatch.setattr(
+        generation, "_select_cache_rows", lambda kv, rows: (compactions.append(rows), select_rows(kv, rows))
+    )
     model = tiny.causal_lm(arch)
     prompts, lengths = _prompts(tiny.size.vocab_size)
     # A stop id that row 0 produces mid-way, so that rows end at different steps.
@@ -72,6 +78,7 @@ def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache):
         assert out.tokens[i, :n].tolist() == row
         assert bool(out.is_end[i]) == (stop in row[PROMPT_LENGTHS[i] :])
     assert bool(out.is_end[0])
+    assert compactions  # finished rows were dropped from the cache on the way
 
 
 def test_output_layout_prompt_then_response_then_pad(tiny):
