@@ -244,3 +244,39 @@ def test_client_close_with_requests_in_flight_returns_promptly(served):
     stopper.join(timeout=10)
     assert not stopper.is_alive()
     assert all(f.done() for f in futures)  # answered, cancelled or failed: none left pending
+
+
+def _tritonservers_under(path: str) -> list[int]:
+    """pids of live tritonserver processes whose command line mentions ``path``."""
+    from pathlib import Path
+
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"tritonserver") and any(path.encode() in a for a in args):
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+def test_stop_is_quick_and_leaves_no_process_or_files():
+    from pathlib import Path
+
+    server = RewardModelServer(infer_fn=lambda t, n: n.float(), port=free_port())
+    server.start()
+    assert server.triton is not None and server.triton.log_path is not None
+    tmpdir = str(server.triton.log_path.parent)
+    assert _tritonservers_under(tmpdir), "expected a running tritonserver"
+    keepalive = triton_http.InferenceServerClient(f"127.0.0.1:{server.port}")
+    assert keepalive.is_model_ready("reward_model")  # an open keep-alive connection used to cost 30 s
+    server.stop()
+    keepalive.close()
+    assert server.triton.stop_time_s is not None and server.triton.stop_time_s < 3.0
+    assert not _tritonservers_under(tmpdir)
+    assert not Path(tmpdir).exists()
+    copies = [
+        c for c in Path("/tmp").glob("folder??????/config.pbtxt") if tmpdir in c.read_text(errors="replace")
+    ]
+    assert not copies, copies

@@ -1,0 +1,231 @@
+"""Reward server throughput and latency against an offline full-batch forward of the same model.
+
+Workload (/work/shared/bench/workload.md): the canonical GPT-2 reward model (n_layer=4, n_embd=256,
+n_head=4, vocab 512, n_positions=256, scalar head), random init with seed 0, fp32,
+``torch.set_num_threads(2)`` in the server; sequences of 96 token ids drawn from 3..511 (seed 0).
+
+The server (:class:`RewardModelServer`, a real Triton over HTTP) runs in a child process, as it
+would in production; closed-loop clients (one ``tritonclient.http`` connection per thread, each
+sending its next request as soon as the last was answered) load it at 1, 8 and 32 concurrent
+clients for ``--seconds`` after a 1 s warm-up. Reported per level: requests/s, sequences/s, mean
+formed batch (rows per model call, from the server's counters), p50/p99 latency. The limit is an
+offline ``RewardModel.infer`` over all sequences in one batch (median of 3); the ratio
+server/offline says how much of the model's throughput the server delivers. Start-up (Triton
+ready) and shutdown (Triton stopped) times are measured in the server process.
+
+Prints one JSON object. Usage:
+``python benchmarks/bench_reward_server.py [--seconds 5] [--rows-per-request 1 8] [--threads 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import threading
+import time
+from dataclasses import asdict
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+SEQ_TOKENS = 96
+POOL = 512
+CONCURRENCY = (1, 8, 32)
+
+
+def sequences() -> torch.Tensor:
+    """The fixed pool of [POOL, 96] token ids (seed 0)."""
+    return torch.randint(3, 512, (POOL, SEQ_TOKENS), generator=torch.Generator().manual_seed(0))
+
+
+def build_model() -> Any:
+    from openaligner.models.builders import WORKLOAD_SIZE, build_tiny_reward_model
+
+    return build_tiny_reward_model("gpt2", WORKLOAD_SIZE, seed=0)
+
+
+def serve(conn: Connection, port: int, threads: int, server_kwargs: dict[str, Any]) -> None:
+    """Child process: build the model, serve it, answer 'stats' and 'stop' over ``conn``."""
+    torch.set_num_threads(threads)
+    from openaligner.servers.reward import RewardModelServer
+
+    model = build_model()
+    server = RewardModelServer(
+        infer_fn=model.infer, port=port, vocab_size=512, max_sequence_length=256, **server_kwargs
+    )
+    started = time.perf_counter()
+    server.start()
+    conn.send({"start_s": time.perf_counter() - started})
+    while True:
+        message = conn.recv()
+        if message == "stats":
+            conn.send(asdict(server.endpoint.stats))
+        elif message == "stop":
+            started = time.perf_counter()
+            server.stop()
+            conn.send({"stop_s": time.perf_counter() - started})
+            return
+
+
+def offline_sequences_per_s(model: Any, tokens: torch.Tensor, micro_batch_size: int | None) -> float:
+    lengths = torch.full((tokens.shape[0],), SEQ_TOKENS)
+    model.infer(tokens[:8], lengths[:8])  # warm-up
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        model.infer(tokens, lengths, micro_batch_size=micro_batch_size)
+        times.append(time.perf_counter() - started)
+    return tokens.shape[0] / statistics.median(times)
+
+
+def load(port: int, concurrency: int, rows: int, seconds: float, pool: np.ndarray) -> dict[str, Any]:
+    """Closed-loop clients; latencies of requests that started after the warm-up."""
+    import tritonclient.http as triton_http
+
+    warmup_until = time.monotonic() + 1.0
+    stop_at = warmup_until + seconds
+    latencies: list[list[float]] = [[] for _ in range(concurrency)]
+    lengths = np.full((rows, 1), SEQ_TOKENS, np.int64)
+
+    def client(i: int) -> None:
+        http = triton_http.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=60)
+        k = i
+        try:
+            while True:
+                begin = time.monotonic()
+                if begin >= stop_at:
+                    return
+                idx = [(k * rows + j) % POOL for j in range(rows)]
+                k += concurrency
+                tokens = triton_http.InferInput("tokens", [rows, SEQ_TOKENS], "INT64")
+                tokens.set_data_from_numpy(pool[idx])
+                lens = triton_http.InferInput("sequence_lengths", [rows, 1], "INT64")
+                lens.set_data_from_numpy(lengths)
+                out = http.infer("reward_model", [tokens, lens]).as_numpy("rewards")
+                assert out.shape == (rows, 1)
+                if begin >= warmup_until:
+                    latencies[i].append(time.monotonic() - begin)
+        finally:
+            http.close()
+
+    workers = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    flat = sorted(x for per in latencies for x in per)
+    return {
+        "concurrency": concurrency,
+        "rows_per_request": rows,
+        "requests": len(flat),
+        "requests_per_s": len(flat) / seconds,
+        "sequences_per_s": len(flat) * rows / seconds,
+        "latency_p50_ms": 1000 * flat[len(flat) // 2],
+        "latency_p99_ms": 1000 * flat[min(len(flat) - 1, int(0.99 * len(flat)))],
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": version("transformers"),
+        "nvidia-pytriton": version("nvidia-pytriton"),
+        "tritonclient": version("tritonclient"),
+        "cpu": cpu,
+        "cores": str(mp.cpu_count()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--seconds", type=float, default=5.0, help="measured seconds per load level")
+    add("--rows-per-request", type=int, nargs="+", default=[1, 8], help="sequences per request")
+    add("--threads", type=int, default=2, help="torch threads, here and in the server")
+    add("--forward-micro-batch", type=int, default=32, help="server model_forward_micro_batch_size")
+    add("--preferred", type=int, nargs="+", default=[32], help="server inference_micro_batch_size")
+    add("--queue-delay-us", type=int, default=2000, help="server max_queue_delay_microseconds")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+
+    pool = sequences()
+    model = build_model()
+    offline_full = offline_sequences_per_s(model, pool, None)
+    offline_mbs = offline_sequences_per_s(model, pool, args.forward_micro_batch)
+    del model
+
+    server_kwargs = {
+        "inference_micro_batch_size": list(args.preferred),
+        "model_forward_micro_batch_size": args.forward_micro_batch,
+        "max_queue_delay_microseconds": args.queue_delay_us,
+        "max_batch_size": 256,
+    }
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    spawned = time.perf_counter()
+    proc = ctx.Process(target=serve, args=(child, port, args.threads, server_kwargs))
+    proc.start()
+    start_s = parent.recv()["start_s"]
+    ready_s = time.perf_counter() - spawned
+
+    levels = []
+    try:
+        for rows in args.rows_per_request:
+            for concurrency in CONCURRENCY:
+                parent.send("stats")
+                before = parent.recv()
+                result = load(port, concurrency, rows, args.seconds, pool.numpy())
+                parent.send("stats")
+                after = parent.recv()
+                calls = after["calls"] - before["calls"]
+                result["mean_formed_batch_rows"] = (after["rows"] - before["rows"]) / max(1, calls)
+                result["ratio_to_offline_full_batch"] = result["sequences_per_s"] / offline_full
+                levels.append(result)
+    finally:
+        parent.send("stop")
+        stop_s = parent.recv()["stop_s"]
+        proc.join(timeout=30)
+
+    print(
+        json.dumps(
+            {
+                "benchmark": "reward_server",
+                "workload": "GPT-2 n_layer=4 n_embd=256 n_head=4 vocab=512, scalar head; 96-token sequences",
+                "threads": args.threads,
+                "server": server_kwargs,
+                "offline_full_batch_sequences_per_s": offline_full,
+                f"offline_micro_batch_{args.forward_micro_batch}_sequences_per_s": offline_mbs,
+                "levels": levels,
+                "startup_s": start_s,
+                "process_ready_s": ready_s,
+                "shutdown_s": stop_s,
+                "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
+                "versions": versions(),
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
