@@ -221,14 +221,16 @@ class PPOTrainer:
         if self.step == 0:
             for _ in range(self.cfg.critic_warmup_steps):
                 data, _ = self.generate_rollouts()
-                self._send_critic_train(data)
+                self._send_critic_train(self._gather_global(data))
         # (1)-(4) rollouts, rewards, values, advantages
         data, metrics = self.generate_rollouts()
+        # every rank holds the whole global batch from here on (as NeMo-Aligner's rebalancing)
+        global_data = self._gather_global(data)
         # (5) critic training runs on the server while the actor trains
-        self._send_critic_train(data)
+        self._send_critic_train(global_data)
         # (6) actor update
         with self._timer("train"):
-            metrics |= self.run_training(data)
+            metrics |= self.run_training(global_data)
         # the critic must finish before the next step's values are requested
         with self._timer("critic_train_wait"):
             metrics |= self._wait_critic_train()
@@ -383,23 +385,40 @@ class PPOTrainer:
     def _generator(self, micro_batch: int, is_validation: bool) -> torch.Generator:
         # A fresh seed per (step, rank, micro-batch) makes sampling independent of history, so a
         # resumed run draws exactly the tokens an uninterrupted one would.
-        seed = derive_seed(
-            self.cfg.seed, int(is_validation), self.step, self.consumed_samples, dp.rank(), micro_batch
-        )
+        # The index is global (rank-major), so N ranks draw what one process would on the same batch.
+        mbs = self.cfg.val_micro_batch_size if is_validation else self.cfg.rollout_micro_batch_size
+        samples = self.cfg.val_samples if is_validation else self.cfg.num_rollout_samples
+        index = dp.rank() * (samples // dp.world_size() // mbs) + micro_batch
+        seed = derive_seed(self.cfg.seed, int(is_validation), self.step, self.consumed_samples, index)
         return torch.Generator(device=self.model.device).manual_seed(seed)
 
     # ------------------------------------------------------------------ (5) critic
+    def _gather_global(self, data: PPOData) -> PPOData:
+        """Every rank's rollout rows, in rank order, on every rank (identity on one process)."""
+        if dp.world_size() == 1:
+            return data
+        with self._timer("gather"):
+            return PPOData(
+                response_tokens=dp.all_gather_rows(data.response_tokens, pad_value=int(self.model.pad_id)),
+                is_end=dp.all_gather_rows(data.is_end.to(torch.uint8)).bool(),
+                mask=dp.all_gather_rows(data.mask),
+                prev_logprobs=dp.all_gather_rows(data.prev_logprobs),
+                advantages=dp.all_gather_rows(data.advantages),
+                returns=dp.all_gather_rows(data.returns),
+                values=dp.all_gather_rows(data.values),
+            )
+
     def _send_critic_train(self, data: PPOData) -> None:
+        """Rank 0 sends the global batch to ``critic_train``; the answer is awaited later."""
         self._wait_critic_train()
-        with self._timer("critic_send"):
+        if dp.rank() == 0:
             payload = {
-                "response_tokens": dp.all_gather_rows(data.response_tokens, pad_value=int(self.model.pad_id)),
-                "returns": dp.all_gather_rows(data.returns),
-                "values": dp.all_gather_rows(data.values),
-                "mask": dp.all_gather_rows(data.mask),
+                "response_tokens": data.response_tokens,
+                "returns": data.returns,
+                "values": data.values,
             }
-            if dp.rank() == 0:
-                self._pending_critic_train = self.rm_critic.train(payload)
+            payload["mask"] = data.mask
+            self._pending_critic_train = self.rm_critic.train(payload)
 
     def _wait_critic_train(self) -> dict[str, float]:
         pending, self._pending_critic_train = self._pending_critic_train, None
@@ -412,9 +431,14 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ (6) actor
     def run_training(self, data: PPOData) -> dict[str, float]:
-        """``ppo_epochs`` passes over shuffled minibatches with gradient accumulation."""
+        """``ppo_epochs`` passes over shuffled minibatches with gradient accumulation.
+
+        ``data`` is the global batch (the same on every rank). Each minibatch of
+        ``global_batch_size`` rows is drawn from one global permutation; rank r takes its r-th
+        contiguous share, so the averaged gradient equals the one-process gradient.
+        """
         c = self.cfg
-        world = dp.world_size()
+        world, rank = dp.world_size(), dp.rank()
         local_gbs = c.global_batch_size // world
         n_micro = local_gbs // c.micro_batch_size
         params = self.model.parameters()
@@ -423,7 +447,8 @@ class PPOTrainer:
         for ppo_epoch in range(c.ppo_epochs):
             g = torch.Generator().manual_seed(derive_seed(c.seed, 2, self.step, ppo_epoch))
             order = torch.randperm(len(data), generator=g)
-            for start in range(0, len(data), local_gbs):
+            for global_start in range(0, len(data), c.global_batch_size):
+                start = global_start + rank * local_gbs
                 self.optimizer.zero_grad(set_to_none=True)
                 step_metrics: dict[str, float] = defaultdict(float)
                 for m in range(n_micro):

@@ -1,0 +1,112 @@
+"""Runs a tiny PPOTrainer for 2 steps on 1 process or under torchrun; writes rank 0's metrics as JSON.
+
+Used by test_ppo_distributed.py: ``python ppo_dp_worker.py OUT`` or
+``torchrun --nproc_per_node 2 ppo_dp_worker.py OUT``.
+"""
+
+import json
+import sys
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from openaligner.config import load_config
+from openaligner.io.metrics import MetricsLogger
+from openaligner.models.actor import GPTActorModel
+from openaligner.models.builders import TinySize, build_tiny_causal_lm
+from openaligner.trainer import distributed as dp
+from openaligner.trainer.ppo import PPOTrainer, RunTimer
+from openaligner.trainer.ppo_config import PPOConfig
+from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
+
+TARGET = 7
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class Scorer:
+    def infer_rm_critic(self, batch):
+        tokens, lengths, prompts = (
+            batch["response_tokens"],
+            batch["response_lengths"],
+            batch["prompt_lengths"],
+        )
+        pos = torch.arange(tokens.shape[1])
+        resp = (pos >= prompts[:, None]) & (pos < lengths[:, None])
+        rewards = ((tokens == TARGET) & resp).sum(-1) / resp.sum(-1).clamp_min(1)
+        values = 0.1 * (tokens[:, 1:] % 3).float()  # values that depend on the tokens
+        return _Done((rewards.float(), values))
+
+    def train(self, data):
+        f = Future()
+        f.set_result(
+            {"loss": float((data["returns"] * data["mask"]).sum()), "rows": float(len(data["mask"]))}
+        )
+        return f
+
+    def save(self):
+        f = Future()
+        f.set_result(0)
+        return f
+
+
+def main(out: Path) -> None:
+    torch.set_num_threads(1)
+    dp.init_from_env()
+    cfg = load_config(
+        PPOConfig,
+        None,
+        [
+            "num_rollout_samples=16",
+            "rollout_micro_batch_size=4",
+            "global_batch_size=8",
+            "micro_batch_size=2",
+            "length.max_length=5",
+            "val_check_interval=0",
+            "save_interval=0",
+            "max_steps=2",
+            "max_epochs=2",
+            "initial_policy_kl_penalty=0.05",
+            "sampling.stop_token_ids=[1]",
+            "gate_unfinished=false",
+        ],
+    )
+    model = build_tiny_causal_lm(
+        "gpt2", TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2), seed=0
+    )
+    actor = GPTActorModel(model)
+    prompts = [[3 + (i % 20), 4 + (i % 7), 5][: 1 + i % 3] for i in range(32)]
+    opt = torch.optim.SGD(actor.parameters(), lr=0.5)
+    trainer = PPOTrainer(
+        cfg=cfg,
+        model=actor,
+        optimizer=opt,
+        scheduler=None,
+        train_dataloader_builder=PromptLoader(prompts, 16, cfg.seed, True, dp.rank(), dp.world_size()),
+        val_dataloader_builder=None,
+        collate_fn=make_prompt_collate(actor.pad_id),
+        rm_critic=Scorer(),
+        batch_iterator_cls=MicroBatchIterator,
+        logger=MetricsLogger(
+            out.parent / f"logs-{dp.world_size()}", tensorboard=False, enabled=dp.rank() == 0
+        ),
+        ckpt_callback=None,
+        run_timer=RunTimer(None),
+        progress=False,
+    )
+    history = trainer.fit()
+    weights = torch.cat([p.detach().reshape(-1) for p in actor.parameters()])
+    if dp.rank() == 0:
+        out.write_text(json.dumps({"history": history, "weights_sum": float(weights.double().sum())}))
+    dp.barrier()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
