@@ -70,7 +70,6 @@ class Generation:
     is_end: torch.Tensor  # [B] bool: the response ended on a stop token id or a stop string
 
 
-@torch.no_grad()
 def generate(
     model: PreTrainedModel,
     prompts: torch.Tensor,
@@ -96,8 +95,31 @@ def generate(
             for models whose attention does not support a static cache).
 
     Returns:
-        A :class:`Generation` on the model's device.
+        A :class:`Generation` on the model's device. Generation runs under
+        ``torch.inference_mode`` (cheaper than ``no_grad``); the results are cloned out of it so
+        they can feed autograd later (e.g. as ``input_ids`` of a training forward).
     """
+    with torch.inference_mode():
+        out = _sample_loop(model, prompts, prompt_lengths, params, pad_id, generator, tokenizer, cache)
+    return Generation(
+        tokens=out.tokens.clone(),
+        response_lengths=out.response_lengths.clone(),
+        prompt_lengths=out.prompt_lengths.clone(),
+        is_end=out.is_end.clone(),
+    )
+
+
+def _sample_loop(
+    model: PreTrainedModel,
+    prompts: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    params: SamplingParams,
+    pad_id: int,
+    generator: torch.Generator | None,
+    tokenizer: PreTrainedTokenizerBase | None,
+    cache: CacheKind,
+) -> Generation:
+    """The body of :func:`generate` (inference mode, inference tensors out)."""
     if params.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to decode responses; pass tokenizer=")
     device = next(model.parameters()).device
