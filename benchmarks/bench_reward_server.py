@@ -53,6 +53,7 @@ def build_model() -> Any:
 
 def serve(conn: Connection, port: int, threads: int, server_kwargs: dict[str, Any]) -> None:
     """Child process: build the model, serve it, answer 'stats' and 'stop' over ``conn``."""
+    os.dup2(2, 1)  # tritonserver inherits stdout and prints to it; keep the parent's JSON clean
     torch.set_num_threads(threads)
     from openaligner.servers.reward import RewardModelServer
 
