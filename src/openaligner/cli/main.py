@@ -53,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command is None:
         parser.print_help()
         return 2
+    _quiet_libraries()
     module = importlib.import_module(COMMANDS[ns.command][0])
     path, overrides = split_config_args(ns.args)
     try:
@@ -64,6 +65,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(config_to_yaml(cfg), end="")
         return 0
     return int(module.run(cfg) or 0)
+
+
+def _quiet_libraries() -> None:
+    """Silence per-file progress bars of transformers (weights loading/writing) in command output."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
 
 
 if __name__ == "__main__":

@@ -20,18 +20,14 @@ from openaligner.data.jsonl import read_records, split_holdout
 from openaligner.data.preference import PreferencePair, build_preference_pairs, collate_pairs
 from openaligner.models.builders import build_tiny_reward_model
 from openaligner.models.reward import RewardModel
-from openaligner.trainer.supervised import (
-    Batch,
-    LoopConfig,
+from openaligner.models.source import (
     ModelSourceConfig,
-    OptimConfig,
-    SupervisedTrainer,
     TokenizerSourceConfig,
     check_vocab,
     pick_device,
     resolve_tokenizer,
-    special_id,
 )
+from openaligner.trainer.supervised import Batch, LoopConfig, OptimConfig, SupervisedTrainer, special_id
 
 KEYS = ("prompt", "chosen", "rejected")
 

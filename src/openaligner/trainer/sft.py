@@ -18,18 +18,14 @@ from openaligner.algorithms import next_token_logprobs, response_mask
 from openaligner.data.jsonl import read_records, split_holdout
 from openaligner.data.sft import SFTExample, build_sft_examples, collate_sft
 from openaligner.models.builders import build_tiny_causal_lm
-from openaligner.trainer.supervised import (
-    Batch,
-    LoopConfig,
+from openaligner.models.source import (
     ModelSourceConfig,
-    OptimConfig,
-    SupervisedTrainer,
     TokenizerSourceConfig,
     check_vocab,
     pick_device,
     resolve_tokenizer,
-    special_id,
 )
+from openaligner.trainer.supervised import Batch, LoopConfig, OptimConfig, SupervisedTrainer, special_id
 
 
 @dataclass

@@ -31,8 +31,6 @@ from transformers import PreTrainedTokenizerBase
 from openaligner.data.prompts import EpochSampler
 from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
 from openaligner.io.metrics import MetricsLogger
-from openaligner.models.builders import TINY_ARCHS, TinyArch, TinySize
-from openaligner.models.tokenizers import build_char_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -40,59 +38,9 @@ T = TypeVar("T")
 Batch = dict[str, torch.Tensor]
 
 SCHEDULERS = ("constant", "cosine", "linear")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 # ---------------------------------------------------------------------- configs
-@dataclass
-class ModelSourceConfig:
-    path: str | None = None  # local Hugging Face model directory; when set, the tiny.* keys are ignored
-    tiny: str = "gpt2"  # built-in random model when path is unset: gpt2 or llama
-    tiny_vocab_size: int = 0  # tiny model vocabulary; 0 = the tokenizer's length
-    tiny_hidden_size: int = 64  # tiny model width
-    tiny_num_layers: int = 2  # tiny model transformer blocks
-    tiny_num_heads: int = 4  # tiny model attention heads (must divide the width)
-    tiny_max_positions: int = 256  # tiny model longest sequence
-    tiny_seed: int = 0  # seed of the tiny model's random initialisation
-
-    def __post_init__(self) -> None:
-        if self.path is None and self.tiny not in TINY_ARCHS:
-            raise ValueError(f"model.tiny must be one of {TINY_ARCHS} (or set model.path), got {self.tiny!r}")
-        if self.path is not None and not (Path(self.path) / "config.json").is_file():
-            raise ValueError(
-                f"model.path={self.path!r} is not a Hugging Face model directory (no config.json)"
-            )
-
-    @property
-    def tiny_arch(self) -> TinyArch:
-        """``tiny`` as the builders' architecture name (validated above)."""
-        return "llama" if self.tiny == "llama" else "gpt2"
-
-    def tiny_size(self, vocab_size: int) -> TinySize:
-        """The tiny model's dimensions; ``vocab_size`` fills in ``tiny_vocab_size=0``."""
-        return TinySize(
-            vocab_size=self.tiny_vocab_size or vocab_size,
-            hidden_size=self.tiny_hidden_size,
-            num_layers=self.tiny_num_layers,
-            num_heads=self.tiny_num_heads,
-            max_positions=self.tiny_max_positions,
-        )
-
-
-@dataclass
-class TokenizerSourceConfig:
-    path: str | None = None  # local tokenizer directory; unset = model.path when it holds one, else built-in
-    builtin: str = (
-        "char"  # built-in tokenizer for tiny models: char (<pad>=0, <eos>=1, <bos>=2, printable ASCII)
-    )
-
-    def __post_init__(self) -> None:
-        if self.builtin != "char":
-            raise ValueError(f"tokenizer.builtin must be 'char', got {self.builtin!r}")
-        if self.path is not None and not Path(self.path).is_dir():
-            raise ValueError(f"tokenizer.path={self.path!r} is not a directory")
-
-
 @dataclass
 class OptimConfig:
     lr: float = 1e-4  # peak learning rate (AdamW)
@@ -142,29 +90,6 @@ class LoopConfig:
 
 
 # ---------------------------------------------------------------------- sources
-def resolve_tokenizer(model: ModelSourceConfig, tokenizer: TokenizerSourceConfig) -> PreTrainedTokenizerBase:
-    """``tokenizer.path``, else the tokenizer saved with ``model.path``, else the built-in one
-    (only for tiny models: a real model needs its own tokenizer)."""
-    if tokenizer.path is not None:
-        return load_tokenizer(tokenizer.path)
-    if model.path is not None:
-        if any((Path(model.path) / f).is_file() for f in _TOKENIZER_FILES):
-            return load_tokenizer(model.path)
-        raise ValueError(f"model.path={model.path!r} holds no tokenizer; set tokenizer.path")
-    return build_char_tokenizer()
-
-
-def check_vocab(tokenizer: PreTrainedTokenizerBase, model: nn.Module) -> None:
-    """Refuse a tokenizer whose ids ``model`` (a HF model) cannot embed."""
-    embedding = getattr(model, "get_input_embeddings")()  # noqa: B009 (untyped HF API)
-    model_vocab_size = int(embedding.weight.shape[0])
-    if len(tokenizer) > model_vocab_size:
-        raise ValueError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {model_vocab_size}; "
-            "use a matching tokenizer (or raise model.tiny_vocab_size)"
-        )
-
-
 def special_id(tokenizer: PreTrainedTokenizerBase, name: str, enabled: bool) -> int | None:
     """The tokenizer's ``bos``/``eos`` id when ``enabled`` (error if it has none), else ``None``."""
     if not enabled:
@@ -175,13 +100,6 @@ def special_id(tokenizer: PreTrainedTokenizerBase, name: str, enabled: bool) -> 
             f"data.add_{name} is true but the tokenizer has no {name} token; set data.add_{name}=false"
         )
     return int(value)
-
-
-def pick_device(name: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU; anything else as given."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 # ---------------------------------------------------------------------- the loop
