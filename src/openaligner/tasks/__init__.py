@@ -1,1 +1,20 @@
 """Built-in tasks with programmatic scorers, used by ``openaligner demo`` and the tests."""
+
+from collections.abc import Callable
+
+from openaligner.tasks import sorting
+
+ResponseScorer = Callable[[list[str], list[str]], list[float]]
+
+TASK_SCORERS: dict[str, Callable[[str, str], float]] = {"sorting": sorting.gold_score}
+"""Name → ``(prompt text, response text) → score`` of each built-in task."""
+
+
+def task_scorer(name: str) -> ResponseScorer:
+    """The batch scorer of a built-in task: ``(prompts, responses) → scores``."""
+    score = TASK_SCORERS[name]
+
+    def scorer(prompts: list[str], responses: list[str]) -> list[float]:
+        return [score(p, r) for p, r in zip(prompts, responses, strict=True)]
+
+    return scorer
