@@ -5,7 +5,7 @@ daemon worker threads (one ``tritonclient.http`` connection each) that turn requ
 ``concurrent.futures.Future``, translation of transport and server errors into the exception tree
 of :mod:`openaligner.clients.errors`, the resend of valid requests that Triton rejected together
 with an invalid one, and a ``close()`` that never hangs and leaves no future pending. The reward
-client uses it now; the critic client will too. Must not know what any endpoint computes.
+and critic clients build on it. Must not know what any endpoint computes.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from openaligner.clients.errors import (
+    AuthenticationError,
     BadRequestError,
     ClientClosedError,
     ClientError,
@@ -174,9 +175,11 @@ class TritonHTTPClient:
         model: str,
         inputs: Mapping[str, np.ndarray],
         postprocess: Callable[[dict[str, np.ndarray]], T],
+        parameters: Mapping[str, str] | None = None,
     ) -> Future[T]:
         """Send ``inputs`` to ``model`` from a worker thread; the future holds ``postprocess(outputs)``.
 
+        ``parameters`` are extra Triton request parameters (e.g. a token), sent with the request id.
         The future fails with a :class:`ClientError` subclass; it is never left pending: results,
         errors, or cancellation by :meth:`close`.
         """
@@ -188,8 +191,8 @@ class TritonHTTPClient:
                 )
             self._pending.add(future)
         future.add_done_callback(self._forget)
-        parameters = {REQUEST_ID_PARAMETER: uuid.uuid4().hex[:16]}
-        self._jobs.put(_Job(future, model, inputs, parameters, postprocess))
+        sent = {**(parameters or {}), REQUEST_ID_PARAMETER: uuid.uuid4().hex[:16]}
+        self._jobs.put(_Job(future, model, inputs, sent, postprocess))
         return future
 
     def _forget(self, future: Future[Any]) -> None:
@@ -240,6 +243,11 @@ class TritonHTTPClient:
                     LOGGER.info("%s: resending %s (merged with an invalid one)", self.where(job.model), rid)
                     continue
                 reason = r.envelope.invalid.get(rid, r.envelope.message)
+                if r.envelope.kind == "unauthorized":
+                    raise AuthenticationError(
+                        f"{self.where(job.model)} refused the request: {reason}",
+                        url=self.url, model=job.model,
+                    ) from None
                 raise BadRequestError(
                     f"{self.where(job.model)} refused the request: {reason}", url=self.url, model=job.model
                 ) from None

@@ -9,6 +9,7 @@ Must not know about HTTP libraries or particular endpoints.
     ├── ServerUnavailableError  (ConnectionError)  nothing listening, or the server went away
     ├── ServerTimeoutError      (TimeoutError)     not ready in init_timeout_s / no answer in time
     ├── BadRequestError         (ValueError)       the server (or the client's own checks) refused the request
+    ├── AuthenticationError     (PermissionError)  a protected endpoint refused a missing or wrong token
     ├── ServerError                                the server failed on a valid request
     └── ClientClosedError                          the client was closed before the request finished
 """
@@ -35,6 +36,10 @@ class ServerTimeoutError(ClientError, TimeoutError):
 
 class BadRequestError(ClientError, ValueError):
     """The request was refused as invalid; the message says which input and what was expected."""
+
+
+class AuthenticationError(ClientError, PermissionError):
+    """A protected endpoint (``critic_train``, ``critic_save``) refused the request's token."""
 
 
 class ServerError(ClientError):

@@ -8,7 +8,7 @@ server computes rewards; transport, readiness and errors come from :mod:`openali
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -120,34 +120,11 @@ class RemoteGPTRMClient:
 
     def _prepare(self, batch: Mapping[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
         where = self._client.where(self.cfg.name)
-
-        def bad(msg: str) -> BadRequestError:
-            return BadRequestError(f"{where}: {msg}", url=self.url, model=self.cfg.name)
-
-        if "response_tokens" not in batch or "response_lengths" not in batch:
-            raise bad(f"rollout_batch needs 'response_tokens' and 'response_lengths', got {sorted(batch)}")
-        tokens, lengths = batch["response_tokens"], batch["response_lengths"].reshape(-1)
-        if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-            raise bad(
-                f"response_tokens must be an integer [B, S] tensor, got {tokens.dtype} {list(tokens.shape)}"
-            )
-        if lengths.shape[0] != tokens.shape[0]:
-            raise bad(f"response_lengths has {lengths.shape[0]} rows, response_tokens has {tokens.shape[0]}")
-        width = tokens.shape[1]
-        if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > width):
-            raise bad(
-                f"response_lengths must lie in [1, {width}], "
-                f"got min {int(lengths.min())} max {int(lengths.max())}"
-            )
-        pad_to = self.cfg.pad_to_length
-        if pad_to is not None and width > pad_to:
-            raise bad(
-                f"response_tokens is {width} wide, more than pad_to_length={pad_to}; raise pad_to_length"
-            )
-        array = tokens.detach().to("cpu", torch.int64).numpy()
-        if pad_to is not None and width < pad_to:
-            array = np.pad(array, ((0, 0), (0, pad_to - width)))
-        return np.ascontiguousarray(array), lengths.detach().to("cpu", torch.int64).numpy()
+        return rollout_arrays(
+            batch,
+            self.cfg.pad_to_length,
+            lambda msg: BadRequestError(f"{where}: {msg}", url=self.url, model=self.cfg.name),
+        )
 
     def close(self) -> None:
         """Cancel queued requests and stop the workers; returns within a few seconds."""
@@ -163,3 +140,43 @@ class RemoteGPTRMClient:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def rollout_arrays(
+    batch: Mapping[str, torch.Tensor], pad_to_length: int | None, bad: Callable[[str], Exception]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Check a rollout micro-batch and turn it into the wire arrays of an inference request.
+
+    Shared by the reward and critic clients.
+
+    Args:
+        batch: ``response_tokens`` [B, S] integer and ``response_lengths`` [B].
+        pad_to_length: right-pad ``tokens`` with 0 to this width (None: send as is).
+        bad: builds the exception raised for a malformed batch from a message.
+
+    Returns:
+        ``tokens`` [B, max(S, pad_to_length)] int64 and ``lengths`` [B] int64.
+    """
+    if "response_tokens" not in batch or "response_lengths" not in batch:
+        raise bad(f"rollout_batch needs 'response_tokens' and 'response_lengths', got {sorted(batch)}")
+    tokens, lengths = batch["response_tokens"], batch["response_lengths"].reshape(-1)
+    if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise bad(
+            f"response_tokens must be an integer [B, S] tensor, got {tokens.dtype} {list(tokens.shape)}"
+        )
+    if lengths.shape[0] != tokens.shape[0]:
+        raise bad(f"response_lengths has {lengths.shape[0]} rows, response_tokens has {tokens.shape[0]}")
+    width = tokens.shape[1]
+    if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > width):
+        raise bad(
+            f"response_lengths must lie in [1, {width}], "
+            f"got min {int(lengths.min())} max {int(lengths.max())}"
+        )
+    if pad_to_length is not None and width > pad_to_length:
+        raise bad(
+            f"response_tokens is {width} wide, more than pad_to_length={pad_to_length}; raise pad_to_length"
+        )
+    array = tokens.detach().to("cpu", torch.int64).numpy()
+    if pad_to_length is not None and width < pad_to_length:
+        array = np.pad(array, ((0, 0), (0, pad_to_length - width)))
+    return np.ascontiguousarray(array), lengths.detach().to("cpu", torch.int64).numpy()

@@ -4,7 +4,8 @@ Owns the "rank 0 serves, the rest subscribe" model that the reward and critic se
 
 * :class:`Collective` — the world as a server sees it (rank, size, device) and the few
   collectives it needs: broadcast an int or a tensor of any shape from rank 0, take this rank's
-  share of rows, gather rows back, and run a step so that a failure on one rank fails it on all.
+  share of rows, gather rows back, sum over ranks (gradients), and run a step so that a failure
+  on one rank fails it on all.
 * :class:`Rank0Dispatcher` — on rank 0, one lock around "broadcast an opcode, then run its
   handler"; a heartbeat (NOOP) while idle so that waiting ranks never hit the process-group
   timeout; STOP on shutdown.
@@ -35,7 +36,7 @@ T = TypeVar("T")
 
 
 class Opcode(IntEnum):
-    """What rank 0 asks every rank to do next. The critic server adds TRAIN and SAVE here."""
+    """What rank 0 asks every rank to do next."""
 
     STOP = 0
     """Leave the loop: the server is shutting down."""
@@ -43,6 +44,10 @@ class Opcode(IntEnum):
     """Heartbeat while idle; does nothing."""
     FORWARD = 2
     """Inference on a broadcast batch."""
+    TRAIN = 3
+    """One training pass on a broadcast batch (critic server)."""
+    SAVE = 4
+    """Write a checkpoint (critic server)."""
 
 
 Handler = Callable[[Any], Any]
@@ -139,6 +144,12 @@ class Collective:
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local)
         return torch.cat(parts)
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` (on ``device``) over all ranks, in place; returns it."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
 
     def run_guarded(self, step: Callable[[], T]) -> T:
         """Run ``step`` on every rank; if it raises on any rank, raise on all.

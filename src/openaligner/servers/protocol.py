@@ -1,12 +1,14 @@
 """The wire contract between served models and their clients: names, dtypes, shapes, ports, errors.
 
 Owns everything both sides must agree on — Triton model names, tensor names with their dtypes and
-per-sample shapes, default host and ports, the request-id parameter and the machine-readable error
-envelope. Servers and clients import these constants instead of spelling names themselves; the
-critic server adds its endpoints here. Must not know about models, PyTriton or HTTP libraries.
+per-sample shapes, default host and ports, the request-id and token parameters and the
+machine-readable error envelope, for the reward model and the critic. Servers and clients import
+these constants instead of spelling names themselves. Must not know about models, PyTriton or
+HTTP libraries.
 
 Shapes are per sample, as Triton declares them: a batched request prepends the batch dimension
-``B``, so ``tokens`` with per-sample shape ``(-1,)`` travels as ``[B, S]``.
+``B``, so ``tokens`` with per-sample shape ``(-1,)`` travels as ``[B, S]``. The non-batched
+``critic_train`` / ``critic_save`` declare whole shapes (``tokens`` ``(-1, -1)`` is ``[N, S]``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class TensorSpec:
         shape: per-sample shape; ``-1`` marks a variable dimension.
         optional: whether a request may leave it out.
         doc: one line for error messages and the docs' contract table.
+        wire: the whole shape as written in messages, for tensors of a non-batched endpoint
+            (e.g. ``[N, S-1]``); ``None`` derives the batched form from ``shape``.
     """
 
     name: str
@@ -41,10 +45,13 @@ class TensorSpec:
     shape: tuple[int, ...]
     optional: bool = False
     doc: str = ""
+    wire: str | None = None
 
     @property
     def wire_shape(self) -> str:
-        """The batched shape as written in messages, e.g. ``[B, S]`` or ``[B, 1]``."""
+        """The shape as written in messages, e.g. ``[B, S]``, ``[B, 1]`` or ``[N, S-1]``."""
+        if self.wire is not None:
+            return self.wire
         dims = ["S" if d == -1 else str(d) for d in self.shape]
         return "[" + ", ".join(["B", *dims]) + "]"
 
@@ -66,6 +73,62 @@ REWARDS = TensorSpec("rewards", np.float32, (1,), doc="scalar head at index sequ
 REWARD_INPUTS: tuple[TensorSpec, ...] = (SENTENCES, TOKENS, SEQUENCE_LENGTHS)
 REWARD_OUTPUTS: tuple[TensorSpec, ...] = (REWARDS,)
 
+# -- critic server ---------------------------------------------------------------------------
+# critic_infer is batched (shapes per sample, B prepended); critic_train and critic_save are not
+# (shapes are the whole tensor: N rollout rows, S tokens, S-1 next-token-aligned positions).
+
+CRITIC_INFER_NAME = "critic_infer"
+CRITIC_TRAIN_NAME = "critic_train"
+CRITIC_SAVE_NAME = "critic_save"
+CRITIC_DEFAULT_PORT = 5556
+
+VALUES = TensorSpec("values", np.float32, (-1,), doc="value at every token (0 at index ≥ sequence_length)")
+
+CRITIC_INFER_INPUTS: tuple[TensorSpec, ...] = REWARD_INPUTS
+CRITIC_INFER_OUTPUTS_COMBINED: tuple[TensorSpec, ...] = (VALUES, REWARDS)
+CRITIC_INFER_OUTPUTS_SEPARATE: tuple[TensorSpec, ...] = (VALUES,)
+
+TRAIN_TOKENS = TensorSpec("tokens", np.int64, (-1, -1), doc="rollout tokens, right-padded", wire="[N, S]")
+RETURNS = TensorSpec("returns", np.float32, (-1, -1), doc="value targets (GAE returns)", wire="[N, S-1]")
+PREV_VALUES = TensorSpec("prev_values", np.float32, (-1, -1), doc="values at rollout time", wire="[N, S-1]")
+MASK = TensorSpec("mask", np.float32, (-1, -1), doc="1 = position trained, 0 = ignored", wire="[N, S-1]")
+
+
+def _scalar(name: str, dtype: type[np.generic], doc: str) -> TensorSpec:
+    return TensorSpec(name, dtype, (1,), doc=doc, wire="[1]")
+
+
+LOSS_MEAN = _scalar("loss_mean", np.float32, "clipped value loss, mean over the request's optimizer steps")
+CLIP_FRACTION = _scalar("clip_fraction", np.float32, "share of valid positions whose value was clipped")
+EXPLAINED_VARIANCE = _scalar(
+    "explained_variance", np.float32, "1 − Var(returns − values) / Var(returns), values before each step"
+)
+GRAD_NORM = _scalar("grad_norm", np.float32, "gradient norm before clipping, mean over the steps")
+LR = _scalar("lr", np.float32, "learning rate of the request's last step")
+STEP = _scalar("step", np.int64, "critic optimizer steps taken so far (all requests)")
+
+CRITIC_TRAIN_INPUTS: tuple[TensorSpec, ...] = (TRAIN_TOKENS, RETURNS, PREV_VALUES, MASK)
+CRITIC_TRAIN_OUTPUTS: tuple[TensorSpec, ...] = (
+    LOSS_MEAN,
+    CLIP_FRACTION,
+    EXPLAINED_VARIANCE,
+    GRAD_NORM,
+    LR,
+    STEP,
+)
+
+DUMMY_VAR = _scalar("dummy_var", np.int64, "any value; there because a Triton model needs an input")
+STATUS = _scalar("status", np.int64, "0 = checkpoint written")
+
+CRITIC_SAVE_INPUTS: tuple[TensorSpec, ...] = (DUMMY_VAR,)
+CRITIC_SAVE_OUTPUTS: tuple[TensorSpec, ...] = (STATUS, STEP)
+
+TOKEN_PARAMETER = "openaligner_token"
+"""Triton request parameter carrying the shared secret that ``critic_train`` / ``critic_save``
+require when the server has one."""
+TOKEN_ENV = "OPENALIGNER_TOKEN"
+"""Environment variable a server and a client read the shared secret from when their config has none."""
+
 REQUEST_ID_PARAMETER = "openaligner_request_id"
 """Optional Triton request parameter naming a request, so that an error about a merged batch can
 say which of its requests were invalid and which were only rejected alongside them."""
@@ -73,7 +136,7 @@ say which of its requests were invalid and which were only rejected alongside th
 _ENVELOPE_OPEN = "<<openaligner-error "
 _ENVELOPE_CLOSE = " openaligner-error>>"
 
-ErrorKind = Literal["bad_request", "rejected_batch"]
+ErrorKind = Literal["bad_request", "rejected_batch", "unauthorized"]
 
 
 @dataclass(frozen=True)
@@ -85,9 +148,9 @@ class ErrorEnvelope:
     client find out whether *its* request was at fault.
 
     Attributes:
-        kind: ``bad_request`` (the requests listed in ``invalid`` are wrong) or
+        kind: ``bad_request`` (the requests listed in ``invalid`` are wrong),
             ``rejected_batch`` (the call served several merged requests; those in ``valid`` were
-            fine and can be resent unchanged).
+            fine and can be resent unchanged) or ``unauthorized`` (a missing or wrong token).
         message: the human-readable explanation, the same text that precedes the envelope.
         invalid: request id (or ``#index`` when the request carried no id) → what is wrong.
         valid: ids (or ``#index``) of requests that were valid but rejected with the batch.

@@ -79,6 +79,68 @@ class EndpointStats:
         return self.rows / self.calls if self.calls else 0.0
 
 
+def parse_sequence_request(
+    inputs: Mapping[str, np.ndarray],
+    *,
+    tokenize_func: TokenizeFn | None,
+    vocab_size: int | None,
+    max_sequence_length: int | None,
+    max_batch_size: int,
+) -> RewardRequest:
+    """Check one ``sentences`` or ``tokens`` + ``sequence_lengths`` request and convert it to
+    tensors; shared by the reward model's and the critic's inference endpoints.
+
+    Raises:
+        RequestError: which input is wrong and what was expected.
+    """
+    check_known_inputs(inputs, REWARD_INPUTS)
+    if SENTENCES.name in inputs:
+        sentences = check_spec(inputs[SENTENCES.name], SENTENCES)
+        return _from_sentences(sentences, tokenize_func, max_sequence_length, max_batch_size)
+    if TOKENS.name not in inputs:
+        raise RequestError(
+            f"request has neither '{TOKENS.name}' nor '{SENTENCES.name}'; send '{TOKENS.name}' "
+            f"({TOKENS.dtype_name} {TOKENS.wire_shape}) with '{SEQUENCE_LENGTHS.name}' "
+            f"({SEQUENCE_LENGTHS.dtype_name} {SEQUENCE_LENGTHS.wire_shape}), or '{SENTENCES.name}' "
+            f"({SENTENCES.dtype_name} {SENTENCES.wire_shape})"
+        )
+    tokens = check_spec(inputs[TOKENS.name], TOKENS)
+    if SEQUENCE_LENGTHS.name not in inputs:
+        raise RequestError(
+            f"input '{SEQUENCE_LENGTHS.name}' ({SEQUENCE_LENGTHS.dtype_name} "
+            f"{SEQUENCE_LENGTHS.wire_shape}) is required with '{TOKENS.name}': the number of valid "
+            f"tokens in each row"
+        )
+    lengths = check_spec(inputs[SEQUENCE_LENGTHS.name], SEQUENCE_LENGTHS)
+    check_batch_size(tokens.shape[0], max_batch_size)
+    tokens, flat = check_tokens(tokens, lengths, vocab_size=vocab_size, max_sequence_length=max_sequence_length)
+    return RewardRequest(torch.from_numpy(np.array(tokens)), torch.from_numpy(np.array(flat)))
+
+
+def _from_sentences(
+    sentences: np.ndarray,
+    tokenize_func: TokenizeFn | None,
+    max_sequence_length: int | None,
+    max_batch_size: int,
+) -> RewardRequest:
+    if tokenize_func is None:
+        raise RequestError(
+            f"this server has no tokenizer, so '{SENTENCES.name}' cannot be served; send "
+            f"'{TOKENS.name}' with '{SEQUENCE_LENGTHS.name}' instead"
+        )
+    check_batch_size(sentences.shape[0], max_batch_size)
+    texts = decode_sentences(sentences)
+    tokens, lengths = tokenize_func(texts)
+    lengths = lengths.reshape(-1).to(torch.int64)
+    empty = (lengths < 1).nonzero()
+    if empty.numel():
+        raise RequestError(f"input '{SENTENCES.name}': row {int(empty[0])} has no tokens; send non-empty text")
+    if max_sequence_length is not None and tokens.shape[1] > max_sequence_length:
+        tokens = tokens[:, :max_sequence_length]
+        lengths = lengths.clamp(max=max_sequence_length)
+    return RewardRequest(tokens.to(torch.int64), lengths)
+
+
 class RewardEndpoint:
     """The ``reward_model`` endpoint as a plain object (see :class:`openaligner.servers.triton.Endpoint`).
 
@@ -123,54 +185,14 @@ class RewardEndpoint:
         self._stats_lock = threading.Lock()
 
     def validate(self, inputs: Mapping[str, np.ndarray]) -> RewardRequest:
-        """Check one request and convert it to tensors.
-
-        Raises:
-            RequestError: which input is wrong and what was expected.
-        """
-        check_known_inputs(inputs, self.inputs)
-        if SENTENCES.name in inputs:
-            return self._from_sentences(check_spec(inputs[SENTENCES.name], SENTENCES))
-        if TOKENS.name not in inputs:
-            raise RequestError(
-                f"request has neither '{TOKENS.name}' nor '{SENTENCES.name}'; send '{TOKENS.name}' "
-                f"({TOKENS.dtype_name} {TOKENS.wire_shape}) with '{SEQUENCE_LENGTHS.name}' "
-                f"({SEQUENCE_LENGTHS.dtype_name} {SEQUENCE_LENGTHS.wire_shape}), or '{SENTENCES.name}' "
-                f"({SENTENCES.dtype_name} {SENTENCES.wire_shape})"
-            )
-        tokens = check_spec(inputs[TOKENS.name], TOKENS)
-        if SEQUENCE_LENGTHS.name not in inputs:
-            raise RequestError(
-                f"input '{SEQUENCE_LENGTHS.name}' ({SEQUENCE_LENGTHS.dtype_name} "
-                f"{SEQUENCE_LENGTHS.wire_shape}) is required with '{TOKENS.name}': the number of valid "
-                f"tokens in each row"
-            )
-        lengths = check_spec(inputs[SEQUENCE_LENGTHS.name], SEQUENCE_LENGTHS)
-        check_batch_size(tokens.shape[0], self.max_batch_size)
-        tokens, flat = check_tokens(
-            tokens, lengths, vocab_size=self.vocab_size, max_sequence_length=self.max_sequence_length
+        """Check one request and convert it to tensors (see :func:`parse_sequence_request`)."""
+        return parse_sequence_request(
+            inputs,
+            tokenize_func=self.tokenize_func,
+            vocab_size=self.vocab_size,
+            max_sequence_length=self.max_sequence_length,
+            max_batch_size=self.max_batch_size,
         )
-        return RewardRequest(torch.from_numpy(np.array(tokens)), torch.from_numpy(np.array(flat)))
-
-    def _from_sentences(self, sentences: np.ndarray) -> RewardRequest:
-        if self.tokenize_func is None:
-            raise RequestError(
-                f"this server has no tokenizer, so '{SENTENCES.name}' cannot be served; send "
-                f"'{TOKENS.name}' with '{SEQUENCE_LENGTHS.name}' instead"
-            )
-        check_batch_size(sentences.shape[0], self.max_batch_size)
-        texts = decode_sentences(sentences)
-        tokens, lengths = self.tokenize_func(texts)
-        lengths = lengths.reshape(-1).to(torch.int64)
-        empty = (lengths < 1).nonzero()
-        if empty.numel():
-            raise RequestError(
-                f"input '{SENTENCES.name}': row {int(empty[0])} has no tokens; send non-empty text"
-            )
-        if self.max_sequence_length is not None and tokens.shape[1] > self.max_sequence_length:
-            tokens = tokens[:, : self.max_sequence_length]
-            lengths = lengths.clamp(max=self.max_sequence_length)
-        return RewardRequest(tokens.to(torch.int64), lengths)
 
     def run(self, requests: Sequence[RewardRequest]) -> list[dict[str, np.ndarray]]:
         """Answer a formed batch: merge, strip, pad rows, forward, drop padding, split per request."""

@@ -24,7 +24,7 @@ import sysconfig
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from openaligner.servers.protocol import DEFAULT_HOST, REQUEST_ID_PARAMETER, ErrorEnvelope, TensorSpec
-from openaligner.servers.validation import RequestError
+from openaligner.servers.validation import RequestError, UnauthorizedError
 
 LOGGER = logging.getLogger(__name__)
 
@@ -128,12 +128,23 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-class TritonCallable:
-    """What PyTriton calls for one model: decode, validate each request, lock, run, encode."""
+Authorize = Callable[[Mapping[str, Any]], None]
+"""Checks a request's Triton parameters; raises :class:`UnauthorizedError` to refuse it."""
 
-    def __init__(self, endpoint: Endpoint, lock: threading.Lock | threading.RLock) -> None:
+
+class TritonCallable:
+    """What PyTriton calls for one model: decode, authorize and validate each request, lock, run,
+    encode."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        lock: threading.Lock | threading.RLock,
+        authorize: Authorize | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.lock = lock
+        self.authorize = authorize
         self._in_flight = 0
         self._count_lock = threading.Lock()
         self.rejected_calls = 0
@@ -159,14 +170,24 @@ class TritonCallable:
         decoded = [(_request_id(r, i), dict(r.data)) for i, r in enumerate(requests)]
         parsed: list[Any] = []
         invalid: dict[str, str] = {}
-        for rid, inputs in decoded:
+        unauthorized: dict[str, str] = {}
+        for (rid, inputs), request in zip(decoded, requests, strict=True):
             try:
+                if self.authorize is not None:  # before validation: say nothing about the inputs
+                    self.authorize(getattr(request, "parameters", None) or {})
                 parsed.append(self.endpoint.validate(inputs))
+            except UnauthorizedError as e:
+                unauthorized[rid] = str(e)
             except RequestError as e:
                 invalid[rid] = str(e)
-        if invalid:
-            valid = [rid for rid, _ in decoded if rid not in invalid]
-            envelope = rejection(self.endpoint.model_name, invalid, valid)
+        if unauthorized or invalid:
+            valid = [rid for rid, _ in decoded if rid not in invalid and rid not in unauthorized]
+            if unauthorized:
+                listed = "; ".join(unauthorized.values())
+                message = f"{self.endpoint.model_name}: {listed}"
+                envelope = ErrorEnvelope("unauthorized", message, unauthorized | invalid, tuple(valid))
+            else:
+                envelope = rejection(self.endpoint.model_name, invalid, valid)
             with self._count_lock:
                 self.rejected_calls += 1
                 self.rejected_valid_requests += len(valid)
@@ -242,7 +263,9 @@ class TritonHost:
         self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
         self.log_file = Path(log_file) if log_file is not None else None
-        self._bindings: list[tuple[Endpoint, Batching | None, threading.Lock | threading.RLock]] = []
+        self._bindings: list[
+            tuple[Endpoint, Batching | None, threading.Lock | threading.RLock, Authorize | None]
+        ] = []
         self._callables: list[TritonCallable] = []
         self._triton: Any = None
         self._tmpdir: Path | None = None
@@ -255,15 +278,21 @@ class TritonHost:
         return f"http://{self.host}:{self.port}"
 
     def bind(
-        self, endpoint: Endpoint, batching: Batching | None, lock: threading.Lock | threading.RLock
+        self,
+        endpoint: Endpoint,
+        batching: Batching | None,
+        lock: threading.Lock | threading.RLock,
+        authorize: Authorize | None = None,
     ) -> None:
         """Serve ``endpoint`` as Triton model ``endpoint.model_name`` (before :meth:`start`).
 
         ``batching=None`` declares a model without a batch dimension (one request per call).
+        Endpoints bound with the same ``lock`` never run at the same time. ``authorize``, when
+        given, sees each request's Triton parameters before anything else and may refuse it.
         """
         if self._triton is not None:
             raise RuntimeError("bind endpoints before start()")
-        self._bindings.append((endpoint, batching, lock))
+        self._bindings.append((endpoint, batching, lock, authorize))
 
     def start(self) -> None:
         """Start tritonserver and return once every bound model is ready (about 3 s)."""
@@ -289,7 +318,7 @@ class TritonHost:
         )
         # Workspace must not exist yet: PyTriton creates it, and deletes it on stop.
         triton = Triton(config=config, workspace=self._tmpdir / "workspace")
-        for endpoint, batching, lock in self._bindings:
+        for endpoint, batching, lock, authorize in self._bindings:
             if batching is None:
                 model_config = ModelConfig(batching=False)
             else:
@@ -301,7 +330,7 @@ class TritonHost:
                         preferred_batch_size=list(batching.preferred_batch_sizes),
                     ),
                 )
-            call = TritonCallable(endpoint, lock)
+            call = TritonCallable(endpoint, lock, authorize)
             self._callables.append(call)
             triton.bind(
                 model_name=endpoint.model_name,
@@ -318,7 +347,7 @@ class TritonHost:
             self.stop()
             raise RuntimeError(f"Triton failed to start at {self.url}: {e}\nend of its log:\n{tail}") from e
         self.start_time_s = time.perf_counter() - started
-        LOGGER.info("Triton serving %s at %s", [e.model_name for e, _, _ in self._bindings], self.url)
+        LOGGER.info("Triton serving %s at %s", [b[0].model_name for b in self._bindings], self.url)
 
     @property
     def callables(self) -> tuple[TritonCallable, ...]:

@@ -137,3 +137,70 @@ def decode_sentences(sentences: np.ndarray) -> list[str]:
                 f"{e.start}); encode text with UTF-8"
             ) from None
     return texts
+
+
+class UnauthorizedError(RequestError):
+    """A request to a protected endpoint without the server's token, or with a wrong one."""
+
+
+def check_aligned_width(tokens: np.ndarray, aligned: Mapping[str, np.ndarray]) -> None:
+    """Tensors next-token aligned with ``tokens`` [N, S] must be [N, S-1].
+
+    Raises:
+        RequestError: naming the first input whose rows or width differ.
+    """
+    rows, width = tokens.shape
+    if rows < 1:
+        raise RequestError("input 'tokens' has 0 rows; send at least one")
+    if width < 2:
+        raise RequestError(
+            f"input 'tokens' has width {width}; training needs at least 2 tokens per row (S ≥ 2)"
+        )
+    for name, array in aligned.items():
+        if array.shape[0] != rows:
+            raise RequestError(
+                f"input '{name}' has {array.shape[0]} rows but 'tokens' has {rows}; send one row per sequence"
+            )
+        if array.shape[1] != width - 1:
+            raise RequestError(
+                f"input '{name}' has width {array.shape[1]} but 'tokens' has width {width}; "
+                f"'{name}' is next-token aligned (position t is the value at token t, t < S-1), so it "
+                f"must be {width - 1} wide (S-1)"
+            )
+
+
+def check_finite(name: str, array: np.ndarray) -> None:
+    """Refuse NaN and ±inf, naming the first offending row and position."""
+    bad = ~np.isfinite(array)
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise RequestError(
+            f"input '{name}': row {row}, position {col} is {array[row, col]}; {name} must be finite "
+            f"({int(bad.sum())} non-finite value(s) in all)"
+        )
+
+
+def check_mask(mask: np.ndarray, name: str = "mask") -> None:
+    """A mask holds only 0 and 1 and marks at least one position."""
+    outside = (mask != 0) & (mask != 1)
+    if outside.any():
+        row, col = (int(i) for i in np.argwhere(outside)[0])
+        raise RequestError(
+            f"input '{name}': row {row}, position {col} is {mask[row, col]}; a mask holds only 0 (ignored) "
+            f"and 1 (trained)"
+        )
+    if not mask.any():
+        raise RequestError(f"input '{name}' is all zeros: no position would be trained; send at least one 1")
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int | None, name: str = "tokens") -> None:
+    """Every id in ``tokens`` lies in ``[0, vocab_size)`` (all positions: training reads them all)."""
+    if vocab_size is None:
+        return
+    outside = (tokens < 0) | (tokens >= vocab_size)
+    if outside.any():
+        row, col = (int(i) for i in np.argwhere(outside)[0])
+        raise RequestError(
+            f"input '{name}': row {row}, position {col} holds id {int(tokens[row, col])}, outside the "
+            f"vocabulary [0, {vocab_size}) of the served model (padding must be a valid id too, e.g. 0)"
+        )
