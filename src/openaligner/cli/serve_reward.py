@@ -70,7 +70,7 @@ class RewardServerSettings:
 class ServeRewardConfig:
     model: RewardModelSource = field(default_factory=RewardModelSource)  # which reward model to serve
     server: RewardServerSettings = field(default_factory=RewardServerSettings)  # how to serve it
-    threads: int | None = None  # torch CPU threads per rank; default: torch's choice
+    threads: int | None = None  # torch CPU threads per rank; null: on CPU, cores - 1 (Triton needs one)
     log_level: str = "INFO"  # Python logging level of this process
 
     def __post_init__(self) -> None:
@@ -95,10 +95,15 @@ def run(cfg: ServeRewardConfig) -> int:
         logging.getLogger("pytriton").setLevel(logging.WARNING)  # its INFO lines repeat what we print
     log = logging.getLogger("openaligner.serve_reward")
     initialised_here = _init_distributed()
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
     try:
         device = _device(cfg.model.device)
+        threads = cfg.threads
+        if threads is None and device.type == "cpu":
+            # Triton, its python backend and the clients need CPU too; an OpenMP pool as wide as the
+            # machine spins against them and latency collapses (docs/benchmarks.md, Reward server).
+            threads = max(1, (os.cpu_count() or 2) - 1)
+        if threads is not None:
+            torch.set_num_threads(threads)
         model, tokenizer = _load(cfg.model, device)
         hf_config = model.hf_model.config
         positions = getattr(hf_config, "n_positions", None) or getattr(

@@ -185,3 +185,15 @@ def test_make_tokenize_func_pads_and_truncates():
     assert lengths.tolist() == [3, 1]
     assert tokens.shape == (2, 3) and tokens[1, 1:].tolist() == [tok.pad_token_id] * 2
     assert tokens[0].tolist() == tok("abc", add_special_tokens=False)["input_ids"]
+
+
+def test_binding_a_non_loopback_address_warns(caplog):
+    from openaligner.servers.triton import TritonHost
+
+    with caplog.at_level("WARNING", logger="openaligner.servers.triton"):
+        TritonHost("127.0.0.1", 5555)
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="openaligner.servers.triton"):
+        host = TritonHost("0.0.0.0", 5555)
+    assert host.url == "http://0.0.0.0:5555"
+    assert "reachable from other machines" in caplog.text and "no authentication" in caplog.text
