@@ -17,6 +17,7 @@ from openaligner.config import ConfigError, config_to_yaml, load_config
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("openaligner.cli.demo", "run the built-in end-to-end example and report what it shows"),
     "serve-reward": ("openaligner.cli.serve_reward", "serve a frozen reward model over HTTP (Triton)"),
+    "serve-critic": ("openaligner.cli.serve_critic", "serve a trainable critic and the reward model (HTTP)"),
     "train-sft": ("openaligner.cli.train_sft", "supervised fine-tuning on prompt/response JSONL"),
     "train-rm": ("openaligner.cli.train_rm", "Bradley-Terry reward-model training on preference JSONL"),
 }

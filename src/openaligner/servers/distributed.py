@@ -173,7 +173,8 @@ class Collective:
         else:
             failed = [0] if error is not None else []
         if failed:
-            raise CollectiveFailure(f"the step failed on rank(s) {failed}; see the server log") from error
+            here = f" (rank {self.rank}: {type(error).__name__}: {error})" if error is not None else ""
+            raise CollectiveFailure(f"the step failed on rank(s) {failed}{here}; see the server log") from error
         return result  # type: ignore[return-value]
 
 

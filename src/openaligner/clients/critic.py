@@ -1,0 +1,380 @@
+"""Client of the critic server (and, when separate, the reward model server) for the PPO actor.
+
+Owns the actor-side view of ``critic_infer`` / ``critic_train`` / ``critic_save``: the config
+(keys as NeMo-Aligner's ``remote_critic_rm``), turning rollout tensors into requests and answers
+back into torch, the shared-secret token sent with train and save, and the ordering rule that an
+infer or save sent after a train waits for that train's answer, so it sees the trained critic.
+In combined mode one server answers values and rewards; otherwise rewards come from a reward
+model server through :class:`openaligner.clients.reward.RemoteGPTRMClient`. Transport,
+readiness, timeouts and errors come from :mod:`openaligner.clients.base`. Must not know about
+PPO math or how the servers compute.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from openaligner.clients.base import TritonHTTPClient
+from openaligner.clients.errors import BadRequestError
+from openaligner.clients.reward import RemoteGPTRMClient, RemoteRMConfig, rollout_arrays
+from openaligner.servers.protocol import (
+    CLIP_FRACTION,
+    CRITIC_DEFAULT_PORT,
+    CRITIC_INFER_NAME,
+    CRITIC_SAVE_NAME,
+    CRITIC_TRAIN_NAME,
+    DEFAULT_HOST,
+    DUMMY_VAR,
+    EXPLAINED_VARIANCE,
+    GRAD_NORM,
+    LOSS_MEAN,
+    LR,
+    MASK,
+    PREV_VALUES,
+    RETURNS,
+    REWARD_DEFAULT_PORT,
+    REWARD_MODEL_NAME,
+    REWARDS,
+    SEQUENCE_LENGTHS,
+    STATUS,
+    STEP,
+    TOKEN_ENV,
+    TOKEN_PARAMETER,
+    TOKENS,
+    VALUES,
+)
+
+_HINT = (
+    "Check that `openaligner serve-critic` is running and has printed its URL, and that this client's "
+    "critic.ip/critic.port/critic.name match the server's server.host/server.port (Triton needs a few "
+    "seconds to start; raise init_timeout_s if the server is still loading its models)."
+)
+
+
+@dataclass
+class RewardModelAddress:
+    """Where the separate reward model server is (used only when not combined)."""
+
+    ip: str = DEFAULT_HOST  # host of the reward model server
+    port: int = REWARD_DEFAULT_PORT  # its HTTP port
+    name: str = REWARD_MODEL_NAME  # Triton model name it serves
+
+
+@dataclass
+class CriticEndpointNames:
+    """Triton model names of the critic server's three endpoints."""
+
+    train: str = CRITIC_TRAIN_NAME  # training endpoint
+    infer: str = CRITIC_INFER_NAME  # values (and, combined, rewards)
+    save: str = CRITIC_SAVE_NAME  # checkpoint endpoint
+
+
+@dataclass
+class CriticAddress:
+    """Where the critic server is."""
+
+    ip: str = DEFAULT_HOST  # host of the critic server
+    port: int = CRITIC_DEFAULT_PORT  # its HTTP port
+    name: CriticEndpointNames = field(default_factory=CriticEndpointNames)  # its endpoint names
+
+
+@dataclass
+class RemoteCriticConfig:
+    """How the actor reaches the critic (and reward model) servers; NeMo-Aligner's ``remote_critic_rm``."""
+
+    pad_to_length: int | None = None  # right-pad infer tokens to this width so Triton can merge requests
+    combine_rm_and_critic_server: bool = True  # rewards come from the critic server (else reward_model)
+    reward_model: RewardModelAddress = field(default_factory=RewardModelAddress)  # separate RM server
+    critic: CriticAddress = field(default_factory=CriticAddress)  # the critic server
+    init_timeout_s: float = 60.0  # wait this long for the servers to become ready
+    request_timeout_s: float = 600.0  # give up on one request after this long (a train pass included)
+    token: str | None = None  # shared secret for critic_train/critic_save; null: $OPENALIGNER_TOKEN
+    max_workers: int = 4  # requests in flight at once, per server
+    retries_on_rejected_batch: int = 3  # resends of a valid request rejected with an invalid one
+
+    def __post_init__(self) -> None:
+        for what, port in (("critic.port", self.critic.port), ("reward_model.port", self.reward_model.port)):
+            if not 0 < port < 65536:
+                raise ValueError(f"{what} must be in 1..65535, got {port}")
+        if self.pad_to_length is not None and self.pad_to_length < 2:
+            raise ValueError(f"pad_to_length must be >= 2 or null, got {self.pad_to_length}")
+        if self.init_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("init_timeout_s and request_timeout_s must be > 0")
+
+
+class RMCriticFutureResult:
+    """The pending answer to one ``infer_rm_critic`` call.
+
+    ``result()`` returns ``(rewards [B] float32, values [B, S-1] float32)`` on the device of the
+    batch's ``response_tokens``, ``S`` being the batch's own width (before ``pad_to_length``).
+    """
+
+    def __init__(
+        self,
+        critic: Future[tuple[torch.Tensor, torch.Tensor | None]],
+        rewards: Future[torch.Tensor] | None,
+        width: int,
+        device: torch.device,
+    ) -> None:
+        self._critic = critic
+        self._rewards = rewards
+        self._width = width
+        self._device = device
+
+    def done(self) -> bool:
+        return self._critic.done() and (self._rewards is None or self._rewards.done())
+
+    def result(self, timeout: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for both answers; raises the first failure (after the other answer settled).
+
+        Raises:
+            ClientError: a subclass naming the server that failed.
+            TimeoutError: ``timeout`` passed first.
+        """
+        pending: list[Future[Any]] = [self._critic]
+        if self._rewards is not None:
+            pending.append(self._rewards)
+        _, not_done = concurrent.futures.wait(pending, timeout=timeout)
+        if not_done:
+            raise TimeoutError(f"critic/reward answers not ready within {timeout} s")
+        values, rewards = self._critic.result()
+        if self._rewards is not None:
+            rewards = self._rewards.result()
+        assert rewards is not None
+        return (
+            rewards.reshape(-1).to(self._device, torch.float32),
+            values[:, : self._width - 1].to(self._device, torch.float32),
+        )
+
+
+class RemoteGPTRMCriticClient:
+    """Values and rewards for rollouts, critic training and checkpointing, over HTTP.
+
+    Use as a context manager (``with RemoteGPTRMCriticClient(cfg) as rm_critic:``), which waits
+    up to ``init_timeout_s`` for every endpoint on entry and closes on exit; without it, the first
+    request waits. Call from the process that sends (the PPO trainer sends ``train`` / ``save``
+    from rank 0 only).
+
+    Ordering: an ``infer_rm_critic`` or ``save`` issued after ``train`` is sent only once that
+    train has been answered (successfully or not), so it sees the critic after the update; the
+    train's own future still reports its result or error.
+
+    Args:
+        cfg: server addresses, padding, timeouts, token.
+    """
+
+    def __init__(self, cfg: RemoteCriticConfig) -> None:
+        self.cfg = cfg
+        self.token = cfg.token or os.environ.get(TOKEN_ENV) or None
+        self._critic = TritonHTTPClient(
+            cfg.critic.ip,
+            cfg.critic.port,
+            server_name="critic server",
+            init_timeout_s=cfg.init_timeout_s,
+            request_timeout_s=cfg.request_timeout_s,
+            max_workers=cfg.max_workers,
+            retries_on_rejected_batch=cfg.retries_on_rejected_batch,
+            hint=_HINT,
+        )
+        self._rm: RemoteGPTRMClient | None = None
+        if not cfg.combine_rm_and_critic_server:
+            self._rm = RemoteGPTRMClient(
+                RemoteRMConfig(
+                    ip=cfg.reward_model.ip,
+                    port=cfg.reward_model.port,
+                    name=cfg.reward_model.name,
+                    pad_to_length=cfg.pad_to_length,
+                    init_timeout_s=cfg.init_timeout_s,
+                    request_timeout_s=cfg.request_timeout_s,
+                    max_workers=cfg.max_workers,
+                    retries_on_rejected_batch=cfg.retries_on_rejected_batch,
+                )
+            )
+        self._last_train: Future[dict[str, float]] | None = None
+        self._order = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        """The critic server's ``http://host:port``."""
+        return self._critic.url
+
+    def wait_until_ready(self) -> None:
+        """Block until every endpoint is served; raises ``ServerTimeoutError`` otherwise."""
+        names = self.cfg.critic.name
+        self._critic.wait_until_ready([names.infer, names.train, names.save])
+        if self._rm is not None:
+            self._rm.wait_until_ready()
+
+    # -- infer ---------------------------------------------------------------------------------
+    def infer_rm_critic(self, rollout_batch: Mapping[str, torch.Tensor]) -> RMCriticFutureResult:
+        """Request values (and rewards) for a rollout micro-batch.
+
+        Args:
+            rollout_batch: ``response_tokens`` [B, S] integer (prompt + response, right-padded)
+                and ``response_lengths`` [B]; other keys (``prompt_lengths``, ``is_end``) are ignored.
+
+        Returns:
+            A :class:`RMCriticFutureResult`; its ``result()`` gives rewards [B] and values [B, S-1].
+
+        Raises:
+            BadRequestError: at once, when the tensors are malformed or wider than ``pad_to_length``.
+        """
+        model = self.cfg.critic.name.infer
+        tokens, lengths = rollout_arrays(rollout_batch, self.cfg.pad_to_length, self._bad(model))
+        rows, width = int(tokens.shape[0]), int(rollout_batch["response_tokens"].shape[1])
+        if width < 2:
+            raise self._bad(model)(f"response_tokens must be at least 2 wide (values are S-1), got {width}")
+        combined = self.cfg.combine_rm_and_critic_server
+        where = self._critic.where(model)
+
+        def decode(outputs: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor | None]:
+            values = outputs.get(VALUES.name)
+            rewards = outputs.get(REWARDS.name)
+            if values is None or values.shape[0] != rows or (combined and rewards is None):
+                wanted = f"'{VALUES.name}'" + (f" and '{REWARDS.name}'" if combined else "")
+                raise BadRequestError(
+                    f"{where} answered without {rows} rows of {wanted} (got {sorted(outputs)}): is "
+                    f"combine_rm_and_critic_server the same on the client and the server?",
+                    url=self.url, model=model,
+                )
+            v = torch.from_numpy(np.array(values, dtype=np.float32))
+            r = torch.from_numpy(np.array(rewards, dtype=np.float32).reshape(-1)) if combined else None
+            return v, r
+
+        self._after_train()
+        inputs = {TOKENS.name: tokens, SEQUENCE_LENGTHS.name: lengths.reshape(-1, 1)}
+        critic = self._critic.submit(model, inputs, decode)
+        rewards = self._rm.infer_rm(rollout_batch) if self._rm is not None else None
+        return RMCriticFutureResult(critic, rewards, width, rollout_batch["response_tokens"].device)
+
+    # -- train ---------------------------------------------------------------------------------
+    def train(self, ppo_rollout_data: Mapping[str, torch.Tensor]) -> Future[dict[str, float]]:
+        """Send one batch for a critic training pass.
+
+        Args:
+            ppo_rollout_data: ``response_tokens`` [N, S] integer; ``returns``, ``values`` (sent as
+                ``prev_values``) and ``mask`` [N, S-1] float. Other keys are ignored.
+
+        Returns:
+            A future of ``{"loss": loss_mean, "clip_fraction", "train_explained_variance",
+            "grad_norm", "lr", "critic_step"}`` (floats).
+
+        Raises:
+            BadRequestError: at once, when keys, shapes or values are wrong.
+        """
+        model = self.cfg.critic.name.train
+        bad = self._bad(model)
+        missing = [k for k in ("response_tokens", "returns", "values", "mask") if k not in ppo_rollout_data]
+        if missing:
+            raise bad(f"ppo_rollout_data lacks {missing}; it needs response_tokens, returns, values, mask")
+        tokens = ppo_rollout_data["response_tokens"]
+        if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise bad(
+                f"response_tokens must be an integer [N, S] tensor, got {tokens.dtype} {list(tokens.shape)}"
+            )
+        rows, width = tokens.shape
+        inputs = {TOKENS.name: tokens.detach().to("cpu", torch.int64).numpy()}
+        for key, name in (("returns", RETURNS.name), ("values", PREV_VALUES.name), ("mask", MASK.name)):
+            t = ppo_rollout_data[key]
+            if tuple(t.shape) != (rows, width - 1):
+                raise bad(
+                    f"{key} must be [N, S-1] = [{rows}, {width - 1}] (next-token aligned with "
+                    f"response_tokens [{rows}, {width}]), got {list(t.shape)}"
+                )
+            array = t.detach().to("cpu", torch.float32).numpy()
+            if not np.isfinite(array).all():
+                raise bad(f"{key} holds NaN or inf; the critic cannot train on it")
+            inputs[name] = array
+
+        def decode(outputs: dict[str, np.ndarray]) -> dict[str, float]:
+            return {
+                "loss": _scalar(outputs, LOSS_MEAN.name, bad),
+                "clip_fraction": _scalar(outputs, CLIP_FRACTION.name, bad),
+                "train_explained_variance": _scalar(outputs, EXPLAINED_VARIANCE.name, bad),
+                "grad_norm": _scalar(outputs, GRAD_NORM.name, bad),
+                "lr": _scalar(outputs, LR.name, bad),
+                "critic_step": _scalar(outputs, STEP.name, bad),
+            }
+
+        self._after_train()
+        future = self._critic.submit(model, inputs, decode, self._token_parameter())
+        with self._order:
+            self._last_train = future
+        return future
+
+    # -- save ----------------------------------------------------------------------------------
+    def save(self) -> Future[dict[str, int]]:
+        """Ask the critic server to write a checkpoint (where is the server's choice).
+
+        Returns:
+            A future of ``{"status": 0, "step": critic optimizer steps saved}``.
+        """
+        model = self.cfg.critic.name.save
+        bad = self._bad(model)
+
+        def decode(outputs: dict[str, np.ndarray]) -> dict[str, int]:
+            status, step = _scalar(outputs, STATUS.name, bad), _scalar(outputs, STEP.name, bad)
+            return {"status": int(status), "step": int(step)}
+
+        self._after_train()
+        inputs = {DUMMY_VAR.name: np.zeros(1, np.int64)}
+        return self._critic.submit(model, inputs, decode, self._token_parameter())
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Cancel queued requests and stop the workers of both connections; never hangs."""
+        try:
+            self._critic.close()
+        finally:
+            if self._rm is not None:
+                self._rm.close()
+
+    def __enter__(self) -> RemoteGPTRMCriticClient:
+        try:
+            self.wait_until_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _after_train(self) -> None:
+        """Wait until the last train request is answered (its outcome stays in its future)."""
+        with self._order:
+            last = self._last_train
+        if last is not None:
+            concurrent.futures.wait([last])
+
+    def _token_parameter(self) -> dict[str, str] | None:
+        return {TOKEN_PARAMETER: self.token} if self.token is not None else None
+
+    def _bad(self, model: str) -> _BadRequestFactory:
+        return _BadRequestFactory(self._critic.where(model), self.url, model)
+
+
+@dataclass(frozen=True)
+class _BadRequestFactory:
+    where: str
+    url: str
+    model: str
+
+    def __call__(self, message: str) -> BadRequestError:
+        return BadRequestError(f"{self.where}: {message}", url=self.url, model=self.model)
+
+
+def _scalar(outputs: Mapping[str, np.ndarray], name: str, bad: _BadRequestFactory) -> float:
+    value = outputs.get(name)
+    if value is None or value.size != 1:
+        raise bad(f"the answer lacks the scalar output '{name}' (got {sorted(outputs)}); a critic server?")
+    return float(value.reshape(-1)[0])
