@@ -75,6 +75,9 @@ def _quiet_libraries() -> None:
     except ImportError:
         return
     hf_logging.disable_progress_bar()
+    # Load reports (e.g. "score.weight newly initialized" when a reward model starts from an SFT
+    # model) are expected here; real problems still raise.
+    hf_logging.set_verbosity_error()
 
 
 if __name__ == "__main__":

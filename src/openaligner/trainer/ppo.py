@@ -596,6 +596,7 @@ def _max_over_ranks(seconds: dict[str, float]) -> dict[str, float]:
 def _postfix(m: dict[str, float]) -> str:
     parts = [
         ("reward", m.get("rollout/rewards")),
+        ("score", m.get("rollout/score")),
         ("kl", m.get("rollout/init_policy_kl")),
         ("len", m.get("rollout/generation_length")),
         ("val", m.get("val/rewards")),
