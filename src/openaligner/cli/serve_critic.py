@@ -180,7 +180,10 @@ def run(cfg: ServeCriticConfig) -> int:
         o, t, s = cfg.optim, cfg.train, cfg.server
         optimizer = torch.optim.AdamW(
             [p for p in critic.parameters() if p.requires_grad],
-            lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay,
+            lr=o.lr,
+            betas=(o.betas[0], o.betas[1]),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(o))
         ck = cfg.checkpoint

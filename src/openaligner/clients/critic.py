@@ -244,7 +244,8 @@ class RemoteGPTRMCriticClient:
                 raise BadRequestError(
                     f"{where} answered without {rows} rows of {wanted} (got {sorted(outputs)}): is "
                     f"combine_rm_and_critic_server the same on the client and the server?",
-                    url=self.url, model=model,
+                    url=self.url,
+                    model=model,
                 )
             v = torch.from_numpy(np.array(values, dtype=np.float32))
             r = torch.from_numpy(np.array(rewards, dtype=np.float32).reshape(-1)) if combined else None

@@ -630,8 +630,10 @@ class CriticServerTrainer:
     def _train_all_ranks(self, request: TrainRequest | None) -> TrainResult:
         """TRAIN on every rank: receive the batch, then one pass of ``gbs``-row optimizer steps."""
         c = self.collective
-        parts = (None,) * 4 if request is None else (
-            request.tokens, request.returns, request.prev_values, request.mask
+        parts = (
+            (None,) * 4
+            if request is None
+            else (request.tokens, request.returns, request.prev_values, request.mask)
         )
         received = TrainRequest(*(c.broadcast_tensor(p) for p in parts))
         return self.train_pass(received)
@@ -659,9 +661,9 @@ class CriticServerTrainer:
             started = time.perf_counter()
             rows = slice(start + c.rank * share, start + (c.rank + 1) * share)
             total = batch.mask[start : start + self.gbs].sum().to(torch.float64)
-            local = TrainRequest(*(t[rows].to(device) for t in (
-                batch.tokens, batch.returns, batch.prev_values, batch.mask
-            )))
+            local = TrainRequest(
+                *(t[rows].to(device) for t in (batch.tokens, batch.returns, batch.prev_values, batch.mask))
+            )
             self.optimizer.zero_grad(set_to_none=True)
             sums = c.run_guarded(partial(self._accumulate, local, total, kept))
             sums = c.all_reduce_sum_(sums.to(c.device))
@@ -725,11 +727,13 @@ class CriticServerTrainer:
             loss, stats = value_loss(values, prev, returns, mask, self.cfg.loss_clip_val)
             tokens = mask.sum().to(torch.float64)
             (loss * (tokens / weight_denominator).to(loss.dtype)).backward()
-            sums += torch.stack([
-                loss.detach().to(torch.float64).cpu() * tokens.cpu() / weight_denominator.cpu(),
-                stats.clip_fraction.detach().to(torch.float64).cpu() * tokens.cpu(),
-                tokens.cpu(),
-            ])
+            sums += torch.stack(
+                [
+                    loss.detach().to(torch.float64).cpu() * tokens.cpu() / weight_denominator.cpu(),
+                    stats.clip_fraction.detach().to(torch.float64).cpu() * tokens.cpu(),
+                    tokens.cpu(),
+                ]
+            )
             kept.append((values.detach().float(), returns, mask))
         return sums
 

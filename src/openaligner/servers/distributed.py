@@ -174,7 +174,8 @@ class Collective:
             failed = [0] if error is not None else []
         if failed:
             here = f" (rank {self.rank}: {type(error).__name__}: {error})" if error is not None else ""
-            raise CollectiveFailure(f"the step failed on rank(s) {failed}{here}; see the server log") from error
+            message = f"the step failed on rank(s) {failed}{here}; see the server log"
+            raise CollectiveFailure(message) from error
         return result  # type: ignore[return-value]
 
 

@@ -113,7 +113,9 @@ def parse_sequence_request(
         )
     lengths = check_spec(inputs[SEQUENCE_LENGTHS.name], SEQUENCE_LENGTHS)
     check_batch_size(tokens.shape[0], max_batch_size)
-    tokens, flat = check_tokens(tokens, lengths, vocab_size=vocab_size, max_sequence_length=max_sequence_length)
+    tokens, flat = check_tokens(
+        tokens, lengths, vocab_size=vocab_size, max_sequence_length=max_sequence_length
+    )
     return RewardRequest(torch.from_numpy(np.array(tokens)), torch.from_numpy(np.array(flat)))
 
 
@@ -134,7 +136,9 @@ def _from_sentences(
     lengths = lengths.reshape(-1).to(torch.int64)
     empty = (lengths < 1).nonzero()
     if empty.numel():
-        raise RequestError(f"input '{SENTENCES.name}': row {int(empty[0])} has no tokens; send non-empty text")
+        raise RequestError(
+            f"input '{SENTENCES.name}': row {int(empty[0])} has no tokens; send non-empty text"
+        )
     if max_sequence_length is not None and tokens.shape[1] > max_sequence_length:
         tokens = tokens[:, :max_sequence_length]
         lengths = lengths.clamp(max=max_sequence_length)

@@ -100,12 +100,18 @@ def test_infer_endpoint_strips_pads_and_restores_each_request_width():
         return values, lengths.float()
 
     ep = CriticInferEndpoint(
-        forward, combined=True, vocab_size=100, strip_sequence_length_to_multiple=4, dp_size=2,
+        forward,
+        combined=True,
+        vocab_size=100,
+        strip_sequence_length_to_multiple=4,
+        dp_size=2,
         forward_micro_batch_size=2,
     )
     reqs = [
         ep.validate({"tokens": np.array([[5, 6, 7, 0, 0, 0, 0, 0]]), "sequence_lengths": np.array([[3]])}),
-        ep.validate({"tokens": np.array([[8, 9, 0, 0, 0, 0, 0, 0]] * 2), "sequence_lengths": np.array([[2], [1]])}),
+        ep.validate(
+            {"tokens": np.array([[8, 9, 0, 0, 0, 0, 0, 0]] * 2), "sequence_lengths": np.array([[2], [1]])}
+        ),
     ]
     out = ep.run(reqs)
     assert seen == [(4, 4)]  # 3 rows padded to a multiple of 2 ranks, columns stripped to 4
@@ -148,11 +154,20 @@ def with_value(name, row, col, value):
 
 
 BAD_TRAIN = {
-    "returns S wide": (with_(returns=np.zeros((2, 5), np.float32)), "'returns' has width 5 but 'tokens' has width 5"),
+    "returns S wide": (
+        with_(returns=np.zeros((2, 5), np.float32)),
+        "'returns' has width 5 but 'tokens' has width 5",
+    ),
     "mask S-2 wide": (with_(mask=np.ones((2, 3), np.float32)), "must be 4 wide (S-1)"),
-    "rows differ": (with_(prev_values=np.zeros((3, 4), np.float32)), "'prev_values' has 3 rows but 'tokens' has 2"),
+    "rows differ": (
+        with_(prev_values=np.zeros((3, 4), np.float32)),
+        "'prev_values' has 3 rows but 'tokens' has 2",
+    ),
     "NaN return": (with_value("returns", 1, 2, np.nan), "input 'returns': row 1, position 2 is nan"),
-    "inf prev value": (with_value("prev_values", 0, 0, np.inf), "input 'prev_values': row 0, position 0 is inf"),
+    "inf prev value": (
+        with_value("prev_values", 0, 0, np.inf),
+        "input 'prev_values': row 0, position 0 is inf",
+    ),
     "NaN mask": (with_value("mask", 0, 3, np.nan), "input 'mask': row 0, position 3 is nan"),
     "mask not 0/1": (with_value("mask", 0, 1, 0.5), "a mask holds only 0 (ignored) and 1 (trained)"),
     "all-zero mask": (with_(mask=np.zeros((2, 4), np.float32)), "is all zeros"),
@@ -192,7 +207,9 @@ def test_row_and_width_limits(tiny):
 
 # ---------------------------------------------------------------------------- training
 def test_padding_rows_train_nothing_and_width_follows_the_mask():
-    req = TrainRequest(torch.ones(3, 5, dtype=torch.long), torch.ones(3, 4), torch.ones(3, 4), torch.ones(3, 4))
+    req = TrainRequest(
+        torch.ones(3, 5, dtype=torch.long), torch.ones(3, 4), torch.ones(3, 4), torch.ones(3, 4)
+    )
     padded = pad_to_multiple(req, 4)
     assert padded.tokens.shape == (4, 5) and padded.mask[3].sum() == 0 and padded.tokens[3].sum() == 0
     assert pad_to_multiple(padded, 4) is padded
@@ -221,7 +238,7 @@ def test_training_moves_values_toward_the_returns(tiny):
 
 def test_first_step_equals_a_full_batch_token_mean_reference(tiny):
     """Micro-batching and padding rows change nothing: the step is that of one token-mean loss."""
-    tokens, lengths, mask = batch(rows=3, width=10)
+    tokens, _lengths, mask = batch(rows=3, width=10)
     prev = torch.randn(3, 9, generator=torch.Generator().manual_seed(1)) * 0.1
     returns = torch.randn(3, 9, generator=torch.Generator().manual_seed(2))
     results = []
@@ -246,7 +263,7 @@ def test_training_never_touches_the_reward_model(tiny):
     trainer = make_trainer(tiny)
     assert trainer.reward_model is not None
     rm_before = {k: v.clone() for k, v in trainer.reward_model.state_dict().items()}
-    tokens, lengths, mask = batch(rows=4)
+    tokens, _lengths, mask = batch(rows=4)
     trainer.run_training(**train_inputs(tokens, torch.ones(4, 11), torch.zeros(4, 11), mask))
     assert not same_weights(weights(trainer), {k: v for k, v in tiny.critic().state_dict().items()})
     assert same_weights(rm_before, {k: v for k, v in trainer.reward_model.state_dict().items()})
@@ -274,7 +291,9 @@ def test_save_then_a_new_trainer_resumes_step_weights_and_optimizer(tiny, tmp_pa
     assert json.loads((path / "critic_state.json").read_text())["step"] == 1
     again = make_trainer(tiny, tmp_path, combined=True)
     assert again.step == 1 and same_weights(weights(trainer), weights(again))
-    assert again.optimizer.state_dict()["state"][0]["step"] == trainer.optimizer.state_dict()["state"][0]["step"]
+    assert (
+        again.optimizer.state_dict()["state"][0]["step"] == trainer.optimizer.state_dict()["state"][0]["step"]
+    )
     assert again.reward_model is not None
     torch.testing.assert_close(  # the RM is the original, not the trained critic
         again.reward_model.infer(tokens, lengths), tiny.reward_model().infer(tokens, lengths)
@@ -287,7 +306,7 @@ def test_save_then_a_new_trainer_resumes_step_weights_and_optimizer(tiny, tmp_pa
 
 def test_crash_while_saving_keeps_the_previous_checkpoint(tiny, tmp_path, monkeypatch):
     trainer = make_trainer(tiny, tmp_path, combined=False)
-    tokens, lengths, mask = batch(rows=4)
+    tokens, _lengths, mask = batch(rows=4)
     inputs = train_inputs(tokens, torch.ones(4, 11), torch.zeros(4, 11), mask)
     trainer.run_training(**inputs)
     trainer.save()
@@ -333,8 +352,15 @@ def test_token_from_config_or_environment(tiny, monkeypatch):
 def test_constructor_checks(tiny):
     with pytest.raises(ValueError, match="needs the reward_model"):
         CriticServerTrainer(
-            CriticServerConfig(), tiny.critic(), torch.optim.SGD(tiny.critic().parameters(), lr=0.1),
-            None, None, None, None, gbs=4, model_forward_micro_batch_size=2,
+            CriticServerConfig(),
+            tiny.critic(),
+            torch.optim.SGD(tiny.critic().parameters(), lr=0.1),
+            None,
+            None,
+            None,
+            None,
+            gbs=4,
+            model_forward_micro_batch_size=2,
         )
     with pytest.raises(ValueError, match="micro_batch_size"):
         CriticServerConfig(micro_batch_size=0)
