@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve-reward": ("openaligner.cli.serve_reward", "serve a frozen reward model over HTTP (Triton)"),
     "serve-critic": ("openaligner.cli.serve_critic", "serve a trainable critic and the reward model (HTTP)"),
     "train-sft": ("openaligner.cli.train_sft", "supervised fine-tuning on prompt/response JSONL"),
+    "train-ppo": ("openaligner.cli.train_ppo", "PPO actor training against the served critic and RM"),
     "train-rm": ("openaligner.cli.train_rm", "Bradley-Terry reward-model training on preference JSONL"),
 }
 

@@ -7,8 +7,9 @@ is the longer of response and answer, so missing or extra tokens cost points).
 
 The SFT demonstrations are deliberately mixed — a minority sorted, the rest shuffled — so the
 SFT policy can already produce the right answer but mostly does not (a middling gold score).
-Preference pairs are two such responses to one prompt, labelled by the gold scorer with label
-noise. RLHF must then find the sorted mode through a *learned* reward model.
+Preference pairs are two candidate responses to one prompt (demonstrations and corrupted
+sorts), labelled by the gold scorer with label noise. RLHF must then find the sorted mode
+through a *learned* reward model.
 
 Everything is generated deterministically from a seed. Knows nothing of models or training.
 """
@@ -79,6 +80,30 @@ def demonstration(prompt: str, rng: random.Random, cfg: SortingTaskConfig) -> st
     return " ".join(map(str, out))
 
 
+def candidate(prompt: str, rng: random.Random, cfg: SortingTaskConfig) -> str:
+    """A response to be judged: a demonstration, or a corrupted sort.
+
+    Half are demonstrations (what the SFT policy produces); the rest are sorts with a wrong,
+    missing or extra digit, or ascending digits unrelated to the prompt. Without these the
+    reward model never sees "sorted but wrong" and PPO learns to exploit that blind spot.
+    """
+    if rng.random() < 0.5:
+        return demonstration(prompt, rng, cfg)
+    digits = sorted(parse_prompt(prompt))
+    kind = rng.randrange(4)
+    if kind == 0:  # one digit replaced
+        digits[rng.randrange(len(digits))] = rng.randrange(10)
+    elif kind == 1 and len(digits) > 1:  # one digit dropped
+        digits.pop(rng.randrange(len(digits)))
+    elif kind == 2:  # one digit repeated
+        digits.insert(rng.randrange(len(digits) + 1), rng.choice(digits))
+    else:  # ascending digits unrelated to the prompt
+        digits = sorted(rng.randrange(10) for _ in range(len(digits)))
+    if kind < 3 and rng.random() < 0.5:
+        digits = sorted(digits)
+    return " ".join(map(str, digits))
+
+
 @dataclass(frozen=True)
 class TaskData:
     sft: list[dict[str, str]]  # {"prompt", "response"}
@@ -99,11 +124,11 @@ def generate_task_data(
     sft = [{"prompt": p, "response": demonstration(p, rng, cfg)} for p in prompts(n_sft)]
     preferences = []
     for p in prompts(n_pref):
-        a, b = demonstration(p, rng, cfg), demonstration(p, rng, cfg)
+        a, b = candidate(p, rng, cfg), candidate(p, rng, cfg)
         for _ in range(10):
             if gold_score(p, a) != gold_score(p, b):
                 break
-            b = demonstration(p, rng, cfg)
+            b = candidate(p, rng, cfg)
         a_better = gold_score(p, a) >= gold_score(p, b)
         if rng.random() < cfg.label_noise:
             a_better = not a_better
