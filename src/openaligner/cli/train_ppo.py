@@ -177,6 +177,9 @@ def run(cfg: TrainPPOConfig) -> int:
     logger = MetricsLogger(out / "logs", cfg.exp.tensorboard, cfg.exp.wandb_project, enabled=rank == 0)
     ckpt = CheckpointManager(out / "checkpoints", keep_last=cfg.exp.keep_last, best_metric="val_rewards")
 
+    if cfg.remote.pad_to_length is None:
+        # Requests of one fixed width merge in Triton's dynamic batcher (NeMo-Aligner's default).
+        cfg.remote.pad_to_length = cfg.data.seq_length
     try:
         client = RemoteGPTRMCriticClient(cfg.remote)
     except ClientError as e:
