@@ -424,3 +424,17 @@ def test_a_crash_during_save_keeps_the_previous_checkpoint(combined, client, ckp
     monkeypatch.undo()
     assert CheckpointManager(ckpt_dir).latest() == previous and verify_checkpoint(previous) is None
     assert client.save().result()["step"] == combined.step  # the server goes on, and saves again
+
+
+def test_client_close_with_requests_in_flight_returns_promptly(combined):
+    cfg = RemoteCriticConfig(
+        pad_to_length=PAD_TO, critic=CriticAddress(port=combined.cfg.port), max_workers=2
+    )
+    c = RemoteGPTRMCriticClient(cfg)
+    c.wait_until_ready()
+    pending = [c.infer_rm_critic(rollout(20 + i, 2)) for i in range(12)]
+    stopper = threading.Thread(target=c.close)
+    stopper.start()
+    stopper.join(timeout=10)
+    assert not stopper.is_alive()
+    assert all(p.done() for p in pending)  # answered, cancelled or failed: none left pending

@@ -254,7 +254,11 @@ class RemoteGPTRMCriticClient:
         self._after_train()
         inputs = {TOKENS.name: tokens, SEQUENCE_LENGTHS.name: lengths.reshape(-1, 1)}
         critic = self._critic.submit(model, inputs, decode)
-        rewards = self._rm.infer_rm(rollout_batch) if self._rm is not None else None
+        try:
+            rewards = self._rm.infer_rm(rollout_batch) if self._rm is not None else None
+        except BaseException:
+            critic.cancel()  # nobody will read it: leave no future behind
+            raise
         return RMCriticFutureResult(critic, rewards, width, rollout_batch["response_tokens"].device)
 
     # -- train ---------------------------------------------------------------------------------
