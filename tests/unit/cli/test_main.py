@@ -8,8 +8,8 @@ def test_split_config_args():
 
 
 def test_print_config_and_bad_override(capsys):
-    assert main(["demo", "--print-config", "steps=4"]) == 0
-    assert "steps: 4" in capsys.readouterr().out
+    assert main(["demo", "--print-config", "ppo_steps=4"]) == 0
+    assert "ppo_steps: 4" in capsys.readouterr().out
     assert main(["demo", "no_such_key=1"]) == 2
     assert "no_such_key" in capsys.readouterr().err
 
