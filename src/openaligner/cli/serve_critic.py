@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,16 +246,16 @@ def run(cfg: ServeCriticConfig) -> int:
 def lr_factor(o: CriticOptimSettings) -> Any:
     """Multiplier of ``o.lr`` at an optimizer step: linear warm-up, then constant, cosine or linear
     decay to ``o.min_lr`` at ``o.max_steps`` (and ``min_lr`` after)."""
-    floor = o.min_lr / o.lr
+    from openaligner.algorithms.schedules import lr_factor as schedule
 
     def factor(step: int) -> float:
-        if step < o.warmup_steps:
-            return (step + 1) / (o.warmup_steps + 1)
-        if o.scheduler == "constant":
-            return 1.0
-        progress = min(1.0, (step - o.warmup_steps) / max(1, o.max_steps - o.warmup_steps))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if o.scheduler == "cosine" else 1.0 - progress
-        return floor + (1.0 - floor) * shape
+        return schedule(
+            step,
+            warmup_steps=o.warmup_steps,
+            total_steps=o.max_steps,
+            schedule=o.scheduler,
+            min_ratio=o.min_lr / o.lr,
+        )
 
     return factor
 

@@ -8,7 +8,6 @@ from the config, resumes automatically from the latest complete checkpoint, and 
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -91,15 +90,18 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up, then constant or cosine to ``min_lr``, stepped once per optimizer step."""
-    floor = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
+    from openaligner.algorithms.schedules import lr_factor
+
+    min_ratio = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
 
     def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.scheduler == "constant":
-            return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return lr_factor(
+            step,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=total_steps,
+            schedule=cfg.scheduler,
+            min_ratio=min_ratio,
+        )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -28,6 +27,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from openaligner.algorithms.schedules import lr_factor
 from openaligner.data.prompts import EpochSampler
 from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
 from openaligner.io.metrics import MetricsLogger
@@ -314,14 +314,13 @@ class SupervisedTrainer(Generic[T]):
 
     def _lr_factor(self, step: int) -> float:
         o = self.optim_cfg
-        if step < o.warmup_steps:
-            return (step + 1) / (o.warmup_steps + 1)
-        if o.scheduler == "constant":
-            return 1.0
-        progress = min(1.0, (step - o.warmup_steps) / max(1, self.max_steps - o.warmup_steps))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if o.scheduler == "cosine" else 1.0 - progress
-        floor = o.min_lr / o.lr
-        return floor + (1.0 - floor) * shape
+        return lr_factor(
+            step,
+            warmup_steps=o.warmup_steps,
+            total_steps=self.max_steps,
+            schedule=o.scheduler,
+            min_ratio=o.min_lr / o.lr,
+        )
 
     def _due(self, interval: int, last: bool) -> bool:
         return last or (interval > 0 and self.state.step % interval == 0)
