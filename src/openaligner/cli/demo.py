@@ -298,7 +298,7 @@ def _ppo_overrides(run_dir: Path, cfg: DemoConfig, steps: int, critic_port: int,
         "trainer.val_rollout_micro_batch_size=32",
         f"trainer.val_check_interval={max(steps // 5, 1)}",
         f"trainer.save_interval={max(steps // 5, 1)}",
-        "trainer.initial_policy_kl_penalty=0.1",  # strong enough that PPO does not exploit the RM
+        "trainer.initial_policy_kl_penalty=0.2",  # strong enough that PPO does not exploit the RM
         f"trainer.length.max_length={MAX_NEW_TOKENS}",
         f"trainer.seed={cfg.seed}",
         "trainer.sample_table_interval=10",
