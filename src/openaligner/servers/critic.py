@@ -40,7 +40,8 @@ from openaligner.io.metrics import MetricsLogger
 from openaligner.models.critic import CriticModel
 from openaligner.models.reward import RewardModel
 from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
-from openaligner.servers.distributed import Collective, Opcode, Rank0Dispatcher, run_subscriber_loop
+from openaligner.servers.distributed import Collective, Opcode, Rank0Dispatcher
+from openaligner.servers.lifecycle import ServerLifecycle
 from openaligner.servers.protocol import (
     CLIP_FRACTION,
     CRITIC_DEFAULT_PORT,
@@ -381,7 +382,7 @@ def trained_width(mask: torch.Tensor) -> int:
 
 
 # ----------------------------------------------------------------------------- the server
-class CriticServerTrainer:
+class CriticServerTrainer(ServerLifecycle):
     """Serve a trainable critic (and, combined, a frozen reward model) on Triton.
 
     Create it on every rank after ``torch.distributed`` is initialised (if used at all); every
@@ -405,6 +406,8 @@ class CriticServerTrainer:
         collective: the world; default: the torch.distributed default group, or a world of one.
         resume: load the latest complete checkpoint of ``ckpt_callback`` at construction.
     """
+
+    _describe = "the critic server"
 
     def __init__(
         self,
@@ -447,9 +450,7 @@ class CriticServerTrainer:
         self.lock = threading.Lock()
         """The one lock: at most one of infer, train and save runs at a time."""
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._dispatcher: Rank0Dispatcher | None = None
-        self._host: TritonHost | None = None
-        self._stop_requested = threading.Event()
+        self._init_lifecycle()
 
         vocab_size = int(model.hf_model.config.vocab_size)
         self.infer_endpoint = CriticInferEndpoint(
@@ -498,11 +499,6 @@ class CriticServerTrainer:
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.cfg.port}"
 
-    @property
-    def triton(self) -> TritonHost | None:
-        """The running Triton host on rank 0 (None elsewhere or before :meth:`start`)."""
-        return self._host
-
     def handlers(self) -> dict[int, Callable[[Any], Any]]:
         """The opcode table every rank runs."""
         return {
@@ -536,48 +532,9 @@ class CriticServerTrainer:
             raise
         self._host = host
 
-    def request_stop(self) -> None:
-        """Ask :meth:`run_server` to return (safe from signal handlers and other threads)."""
-        self._stop_requested.set()
-
-    def stop(self) -> None:
-        """Rank 0: stop Triton, then release the other ranks with STOP. Safe to call twice."""
-        self._stop_requested.set()
-        if self._host is not None:
-            self._host.stop()
-        if self._dispatcher is not None:
-            self._dispatcher.stop()
-
-    def run_server(self) -> None:
-        """Serve until :meth:`request_stop` (rank 0) or STOP from rank 0 (other ranks).
-
-        Raises:
-            RuntimeError: tritonserver exited on its own (after the other ranks were released).
-        """
-        if not self.collective.is_leader:
-            run_subscriber_loop(self.collective, self.handlers())
-            return
-        self.start()
-        assert self._host is not None
-        died = False
-        try:
-            while not self._stop_requested.wait(0.5):
-                if not self._host.is_alive():
-                    died = True
-                    break
-        finally:
-            self.stop()
-        if died:
-            raise RuntimeError(
-                f"tritonserver of the critic server at {self.url} exited unexpectedly; see its log"
-            )
-
     def __enter__(self) -> CriticServerTrainer:
         self.start()
         return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
 
     def _authorize(self, parameters: Mapping[str, Any]) -> None:
         assert self.token is not None

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
-from openaligner.servers.distributed import Collective, Opcode, Rank0Dispatcher, run_subscriber_loop
+from openaligner.servers.distributed import Collective, Opcode, Rank0Dispatcher
+from openaligner.servers.lifecycle import ServerLifecycle
 from openaligner.servers.protocol import (
     DEFAULT_HOST,
     REWARD_DEFAULT_PORT,
@@ -230,7 +231,7 @@ def micro_batched(infer_fn: InferFn, micro_batch_size: int) -> InferFn:
 
 
 @dataclass
-class RewardModelServer:
+class RewardModelServer(ServerLifecycle):
     """Serve ``infer_fn`` as Triton model ``model_name`` on ``host:port``.
 
     Create it after ``torch.distributed`` is initialised (if it is used at all): with several
@@ -255,6 +256,8 @@ class RewardModelServer:
         exit_timeout_s: at stop, how long calls in progress may take to finish.
         log_file: tritonserver's log file; None: a temporary file removed at stop.
     """
+
+    _describe = "the reward model server"
 
     infer_fn: InferFn
     tokenize_func: TokenizeFn | None = None
@@ -290,9 +293,7 @@ class RewardModelServer:
         if self.strip_sequence_length_to_multiple is not None and self.strip_sequence_length_to_multiple < 1:
             raise ValueError("strip_sequence_length_to_multiple must be >= 1 or None")
         self._local_infer = micro_batched(self.infer_fn, self.model_forward_micro_batch_size)
-        self._dispatcher: Rank0Dispatcher | None = None
-        self._host: TritonHost | None = None
-        self._stop_requested = threading.Event()
+        self._init_lifecycle()
         self.endpoint = RewardEndpoint(
             self._forward_from_rank0,
             model_name=self.model_name,
@@ -317,11 +318,6 @@ class RewardModelServer:
         """``http://host:port`` of the HTTP endpoint."""
         return f"http://{self.host}:{self.port}"
 
-    @property
-    def triton(self) -> TritonHost | None:
-        """The running Triton host on rank 0 (None elsewhere or before :meth:`start`)."""
-        return self._host
-
     def handlers(self) -> dict[int, Callable[[Any], Any]]:
         """The opcode table every rank runs (the critic server adds TRAIN and SAVE)."""
         return {Opcode.FORWARD: self._forward_all_ranks}
@@ -345,48 +341,9 @@ class RewardModelServer:
             raise
         self._host = host
 
-    def request_stop(self) -> None:
-        """Ask :meth:`run_server` to return (safe from signal handlers and other threads)."""
-        self._stop_requested.set()
-
-    def stop(self) -> None:
-        """Rank 0: stop Triton, then release the other ranks with STOP. Safe to call twice."""
-        self._stop_requested.set()
-        if self._host is not None:
-            self._host.stop()
-        if self._dispatcher is not None:
-            self._dispatcher.stop()
-
-    def run_server(self) -> None:
-        """Serve until :meth:`request_stop` (rank 0) or STOP from rank 0 (other ranks).
-
-        Raises:
-            RuntimeError: tritonserver exited on its own (after the other ranks were released).
-        """
-        if not self.collective.is_leader:
-            run_subscriber_loop(self.collective, self.handlers())
-            return
-        self.start()
-        assert self._host is not None
-        died = False
-        try:
-            while not self._stop_requested.wait(0.5):
-                if not self._host.is_alive():
-                    died = True
-                    break
-        finally:
-            self.stop()
-        if died:
-            raise RuntimeError(
-                f"tritonserver for {self.model_name} at {self.url} exited unexpectedly; see its log"
-            )
-
     def __enter__(self) -> RewardModelServer:
         self.start()
         return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
 
     def _forward_from_rank0(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         if self._dispatcher is None:  # endpoint used without start(): compute in this process
