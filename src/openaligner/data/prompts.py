@@ -7,13 +7,14 @@ counted. Knows nothing of models beyond a tokenizer's ``encode``-like callable.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from openaligner.data.jsonl import read_records
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +46,7 @@ def read_prompt_texts(path: str | Path, key: str = "prompt") -> list[str]:
         if key not in ds.column_names:
             raise ValueError(f"{p}: no column {key!r}; columns are {ds.column_names}")
         return [str(x) for x in ds[key]]
-    if not p.is_file():
-        raise ValueError(f"prompt file {p} does not exist")
-    texts = []
-    with p.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or key not in record:
-                raise ValueError(f"{p}:{lineno}: expected an object with a {key!r} field")
-            texts.append(str(record[key]))
-    return texts
+    return [r[key] for r in read_records(p, [key])]
 
 
 def build_prompt_dataset(
