@@ -5,7 +5,6 @@ train/save, checkpoints in a temporary directory) and a separate one (values onl
 reward model server. Servers run in this process, so tests can compare against their models.
 """
 
-import socket
 import threading
 import time
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.http as triton_http
+from procs import free_port
 from tritonclient.utils import InferenceServerException
 
 from openaligner.clients.critic import (
@@ -30,12 +30,6 @@ from openaligner.servers.reward import RewardModelServer
 TOKEN = "s3cret"
 PAD_TO = 32
 GBS = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_server(tiny, port, *, combined, checkpoints=None, token=None):

@@ -1,7 +1,6 @@
 """Two gloo ranks serve the critic (rank 0 runs Triton, rank 1 follows FORWARD/TRAIN/SAVE/STOP) and
 answer like one in-process rank: the same values and rewards, the same training results."""
 
-import socket
 import time
 from datetime import timedelta
 
@@ -9,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from procs import free_port
 
 from openaligner.clients.critic import CriticAddress, RemoteCriticConfig, RemoteGPTRMCriticClient
 from openaligner.io.checkpoint import CheckpointManager
@@ -21,12 +21,6 @@ pytestmark = pytest.mark.slow
 
 SIZE = TinySize(vocab_size=100, hidden_size=64, num_layers=2, num_heads=4)  # the shared tiny fixture's size
 GBS = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build(port: int, micro_batch_size: int, ckpt_dir: str | None) -> CriticServerTrainer:

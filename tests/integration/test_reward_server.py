@@ -4,13 +4,13 @@ One server for the whole module (Triton takes ~3 s to start). Its batcher waits 
 requests to merge, so concurrent requests really are served together.
 """
 
-import socket
 import threading
 
 import numpy as np
 import pytest
 import torch
 import tritonclient.http as triton_http
+from procs import free_port
 from tritonclient.utils import InferenceServerException
 
 from openaligner.clients.errors import BadRequestError, ServerTimeoutError
@@ -19,12 +19,6 @@ from openaligner.servers.reward import RewardModelServer, make_tokenize_func
 
 MAX_BATCH = 64
 PAD_TO = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ metrics and checkpoints, a golden fixed-seed run, and exact resume with the serv
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import free_port
 
 from openaligner.cli.main import main
 from openaligner.io.metrics import read_jsonl
@@ -22,17 +22,11 @@ pytestmark = pytest.mark.slow
 GOLDEN = Path(__file__).with_name("golden_ppo.json")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class CriticServer:
     """`openaligner serve-critic` (tiny combined RM + critic) in its own process."""
 
     def __init__(self, ckpt_dir: Path, log: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         args = [
             "model.tiny=true",
             "model.seed=0",
