@@ -1,6 +1,7 @@
 """`openaligner demo quick=true`: the whole pipeline as a user runs it, in CI size."""
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -41,4 +42,26 @@ def test_quick_demo_improves_the_gold_score_and_cleans_up(tmp_path):
         assert (out / name).exists(), name
     assert "gold-score gain" in proc.stdout
     # the servers were stopped: no process still refers to this run's configs
+    assert _processes_mentioning(str(out)) == []
+
+
+def test_ctrl_c_during_ppo_stops_the_servers(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "openaligner", "demo", "quick=true", f"output_dir={out}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # wait until both servers answer and PPO has begun
+        seen.append(line)
+        if "stage 5/6" in line:
+            break
+    assert _processes_mentioning(str(out)), "".join(seen)
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, rest[-2000:]
+    assert "interrupted" in rest
     assert _processes_mentioning(str(out)) == []
