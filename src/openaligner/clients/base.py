@@ -136,7 +136,8 @@ class TritonHTTPClient:
             except Exception as e:  # a malformed host is a configuration error, not a wait
                 raise ServerUnavailableError(
                     f"{self.where(todo[0])}: cannot create a connection ({e}). {self.hint}",
-                    url=self.url, model=todo[0],
+                    url=self.url,
+                    model=todo[0],
                 ) from e
             try:
                 if not client.is_server_ready():
@@ -246,7 +247,8 @@ class TritonHTTPClient:
                 if r.envelope.kind == "unauthorized":
                     raise AuthenticationError(
                         f"{self.where(job.model)} refused the request: {reason}",
-                        url=self.url, model=job.model,
+                        url=self.url,
+                        model=job.model,
                     ) from None
                 raise BadRequestError(
                     f"{self.where(job.model)} refused the request: {reason}", url=self.url, model=job.model
@@ -264,7 +266,8 @@ class TritonHTTPClient:
             if dtype is None:
                 raise BadRequestError(
                     f"{self.where(job.model)}: input {name!r} has unsupported dtype {arr.dtype}",
-                    url=self.url, model=job.model,
+                    url=self.url,
+                    model=job.model,
                 )
             tensor = triton_http.InferInput(name, list(arr.shape), dtype)
             tensor.set_data_from_numpy(arr, binary_data=True)
@@ -277,20 +280,23 @@ class TritonHTTPClient:
             raise ServerUnavailableError(
                 f"{self.where(job.model)} refused the connection: the server is not running (any more). "
                 f"{self.hint}",
-                url=self.url, model=job.model,
+                url=self.url,
+                model=job.model,
             ) from None
         except TimeoutError:
             raise ServerTimeoutError(
                 f"{self.where(job.model)} did not answer within "
                 f"request_timeout_s={self.request_timeout_s:g} s: it may be overloaded, stuck or gone — "
                 f"check its log, or raise request_timeout_s",
-                url=self.url, model=job.model,
+                url=self.url,
+                model=job.model,
             ) from None
         except (ConnectionError, OSError) as e:
             raise ServerUnavailableError(
                 f"{self.where(job.model)} dropped the connection ({e}): did the server stop or crash? "
                 f"Check its log. {self.hint}",
-                url=self.url, model=job.model,
+                url=self.url,
+                model=job.model,
             ) from None
         outputs = result.get_response().get("outputs", [])
         return {o["name"]: result.as_numpy(o["name"]) for o in outputs}
@@ -307,14 +313,16 @@ class TritonHTTPClient:
                 return ServerUnavailableError(
                     f"{self.where(model)}: the server does not serve this model ({short}); "
                     f"check the model name",
-                    url=self.url, model=model,
+                    url=self.url,
+                    model=model,
                 )
             return BadRequestError(
                 f"{self.where(model)} refused the request: {short}", url=self.url, model=model
             )
         return ServerError(
             f"{self.where(model)} failed on a valid request: {short}. Check the server log.",
-            url=self.url, model=model,
+            url=self.url,
+            model=model,
         )
 
     # -- shutdown -----------------------------------------------------------------------------
@@ -349,12 +357,17 @@ class TritonHTTPClient:
                 f,
                 exception=ClientClosedError(
                     f"{self.server_name} {self.url}: client closed while the request was in flight",
-                    url=self.url, model="",
+                    url=self.url,
+                    model="",
                 ),
             )
         if cancelled or stuck:
-            LOGGER.warning("%s client closed: %d queued request(s) cancelled, %d in flight abandoned",
-                           self.server_name, cancelled, len(stuck))
+            LOGGER.warning(
+                "%s client closed: %d queued request(s) cancelled, %d in flight abandoned",
+                self.server_name,
+                cancelled,
+                len(stuck),
+            )
 
     def __enter__(self) -> TritonHTTPClient:
         return self

@@ -112,7 +112,8 @@ class RemoteGPTRMClient:
                     f"{self._client.where(self.cfg.name)} answered without {tokens.shape[0]} "
                     f"'{REWARDS.name}' rows (got {None if rewards is None else rewards.shape}): "
                     f"is it a reward model server?",
-                    url=self.url, model=self.cfg.name,
+                    url=self.url,
+                    model=self.cfg.name,
                 )
             return torch.from_numpy(np.asarray(rewards, dtype=np.float32).reshape(-1).copy()).to(device)
 

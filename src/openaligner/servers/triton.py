@@ -204,13 +204,14 @@ class TritonCallable:
 def rejection(model_name: str, invalid: Mapping[str, str], valid: Sequence[str]) -> ErrorEnvelope:
     """The error for a formed batch in which the requests named in ``invalid`` are wrong."""
     if not valid and len(invalid) == 1:
-        (_, reason), = invalid.items()
+        ((_, reason),) = invalid.items()
         return ErrorEnvelope("bad_request", f"{model_name}: {reason}", dict(invalid))
     listed = "; ".join(f"[{rid}] {reason}" for rid, reason in invalid.items())
     total = len(invalid) + len(valid)
     if not valid:
         return ErrorEnvelope(
-            "bad_request", f"{model_name}: all {total} requests merged into this call are invalid: {listed}",
+            "bad_request",
+            f"{model_name}: all {total} requests merged into this call are invalid: {listed}",
             dict(invalid),
         )
     message = (

@@ -48,9 +48,7 @@ def check_spec(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
     want_ndim = 1 + len(spec.shape)
     fixed_ok = all(d == -1 or d == got for d, got in zip(spec.shape, array.shape[1:], strict=False))
     if array.ndim != want_ndim or not fixed_ok:
-        raise RequestError(
-            f"input '{spec.name}': expected shape {spec.wire_shape}, got {list(array.shape)}"
-        )
+        raise RequestError(f"input '{spec.name}': expected shape {spec.wire_shape}, got {list(array.shape)}")
     return array
 
 
