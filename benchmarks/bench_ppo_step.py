@@ -1,0 +1,177 @@
+"""PPO step time on the canonical workload, end to end, with the critic server in its own process.
+
+Workload (/work/shared/bench/workload.md): policy, initial policy, critic and reward model are the
+canonical GPT-2 (n_layer=4, n_embd=256, n_head=4, vocab 512, n_positions=256, random init, seed
+0, fp32); 512 prompts of exactly 32 token ids from 3..511 (seed 0); one PPO step = 64 prompts →
+64 responses of exactly 64 new tokens (no stop token, temperature 1), 4 minibatches of 16, 1 PPO
+epoch, KL coefficient 0.05, lr 1e-5. The critic (combined with the reward model) is served by
+``openaligner serve-critic`` in a child process, on this machine, over HTTP; the actor is
+:class:`PPOTrainer` in this process with ``torch.set_num_threads(--threads)``.
+
+Reports the median step time over steps 2..N (``--steps``, default 6), tokens/s =
+64 × (32 + 64) / step time, the phase split (median per phase) and the share of the step spent
+waiting on the servers. Prints one JSON object. Usage:
+``python benchmarks/bench_ppo_step.py [--steps 6] [--threads 2] [--server-threads 1]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROMPTS, PROMPT_TOKENS, NEW_TOKENS, ROLLOUTS = 512, 32, 64, 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_critic(
+    model_dir: Path, ckpt_dir: Path, threads: int, log: Path
+) -> tuple[subprocess.Popen[bytes], int]:
+    port = _free_port()
+    args = [
+        f"model.path={model_dir}",
+        f"server.port={port}",
+        f"checkpoint.dir={ckpt_dir}",
+        "server.inference_micro_batch_size=[16]",
+        "server.model_forward_micro_batch_size=16",
+        "train.global_batch_size=64",
+        "train.micro_batch_size=16",
+        "optim.lr=1e-5",
+        "optim.warmup_steps=0",
+        "optim.scheduler=constant",
+        f"threads={threads}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "openaligner", "serve-critic", *args],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}/v2/models/critic_infer/ready"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(log.read_text())
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return proc, port
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(log.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--server-threads", type=int, default=1)
+    ns = parser.parse_args()
+    torch.set_num_threads(ns.threads)
+
+    from openaligner.clients.critic import CriticAddress, RemoteCriticConfig, RemoteGPTRMCriticClient
+    from openaligner.config import load_config
+    from openaligner.io.metrics import MetricsLogger
+    from openaligner.models.actor import GPTActorModel
+    from openaligner.models.builders import WORKLOAD_SIZE, build_tiny_causal_lm, build_tiny_reward_model
+    from openaligner.trainer.ppo import PPOTrainer, RunTimer
+    from openaligner.trainer.ppo_config import PPOConfig
+    from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 512, (PROMPTS, PROMPT_TOKENS), generator=g).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        build_tiny_reward_model("gpt2", WORKLOAD_SIZE, seed=0).save_pretrained(work / "rm")
+        server, port = _start_critic(work / "rm", work / "critic", ns.server_threads, work / "critic.log")
+        try:
+            cfg = load_config(
+                PPOConfig,
+                None,
+                [
+                    f"num_rollout_samples={ROLLOUTS}",
+                    "rollout_micro_batch_size=16",
+                    "global_batch_size=16",
+                    "micro_batch_size=16",
+                    "ppo_epochs=1",
+                    "initial_policy_kl_penalty=0.05",
+                    f"length.max_length={NEW_TOKENS}",
+                    f"length.min_length={NEW_TOKENS}",
+                    "sampling.stop_token_ids=[]",
+                    "val_check_interval=0",
+                    "save_interval=0",
+                    f"max_steps={ns.steps}",
+                    "seed=0",
+                ],
+            )
+            actor = GPTActorModel(build_tiny_causal_lm("gpt2", WORKLOAD_SIZE, seed=0))
+            optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5)
+            remote = RemoteCriticConfig(
+                critic=CriticAddress(port=port), pad_to_length=PROMPT_TOKENS + NEW_TOKENS
+            )
+            with RemoteGPTRMCriticClient(remote) as client:
+                trainer = PPOTrainer(
+                    cfg=cfg,
+                    model=actor,
+                    optimizer=optimizer,
+                    scheduler=None,
+                    train_dataloader_builder=PromptLoader(prompts, ROLLOUTS, 0, True),
+                    val_dataloader_builder=None,
+                    collate_fn=make_prompt_collate(0),
+                    rm_critic=client,
+                    batch_iterator_cls=MicroBatchIterator,
+                    logger=MetricsLogger(work / "logs", tensorboard=False),
+                    ckpt_callback=None,
+                    run_timer=RunTimer(None),
+                    progress=False,
+                )
+                history = trainer.fit()
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=60)
+
+    measured = history[1:]  # steps 2..N
+    step_s = statistics.median(m["timing/step_s"] for m in measured)
+    phases = sorted({k for m in measured for k in m if k.startswith("timing/") and k.endswith("_s")})
+    split = {k.removeprefix("timing/"): statistics.median(m.get(k, 0.0) for m in measured) for k in phases}
+    waiting = split.get("critic_wait_s", 0.0) + split.get("critic_train_wait_s", 0.0)
+    result: dict[str, Any] = {
+        "benchmark": "ppo_step",
+        "steps_measured": len(measured),
+        "median_step_s": round(step_s, 3),
+        "tokens_per_s": round(ROLLOUTS * (PROMPT_TOKENS + NEW_TOKENS) / step_s, 1),
+        "phase_median_s": {k: round(v, 3) for k, v in split.items() if k not in ("step_s", "tokens_per_s")},
+        "server_wait_share": round(waiting / step_s, 4),
+        "all_step_s": [round(m["timing/step_s"], 3) for m in history],
+        "threads": ns.threads,
+        "server_threads": ns.server_threads,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "versions": {"torch": torch.__version__},
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
