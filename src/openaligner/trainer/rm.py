@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from openaligner.data.jsonl import read_records, split_holdout
 from openaligner.data.preference import PreferencePair, build_preference_pairs, collate_pairs
 from openaligner.models.builders import build_tiny_reward_model
 from openaligner.models.reward import RewardModel
@@ -27,7 +26,15 @@ from openaligner.models.source import (
     pick_device,
     resolve_tokenizer,
 )
-from openaligner.trainer.supervised import Batch, LoopConfig, OptimConfig, SupervisedTrainer, special_id
+from openaligner.trainer.supervised import (
+    Batch,
+    LoopConfig,
+    OptimConfig,
+    SupervisedTrainer,
+    load_train_val_records,
+    max_positions,
+    special_id,
+)
 
 KEYS = ("prompt", "chosen", "rejected")
 
@@ -97,12 +104,10 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
         size = cfg.model.tiny_size(len(tokenizer))
         model = build_tiny_reward_model(cfg.model.tiny_arch, size, cfg.model.tiny_seed)
     check_vocab(tokenizer, model.hf_model)
-    max_length = cfg.data.max_length or _max_positions(model)
-    records = read_records(cfg.data.train_path, KEYS)
-    if cfg.data.val_path is not None:
-        val_records = read_records(cfg.data.val_path, KEYS)
-    else:
-        records, val_records = split_holdout(records, cfg.data.val_fraction, cfg.trainer.seed)
+    max_length = cfg.data.max_length or max_positions(model.hf_model.config)
+    records, val_records = load_train_val_records(
+        cfg.data.train_path, cfg.data.val_path, KEYS, cfg.data.val_fraction, cfg.trainer.seed
+    )
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -125,11 +130,3 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
         progress=cfg.progress,
         tensorboard=cfg.tensorboard,
     )
-
-
-def _max_positions(model: RewardModel) -> int:
-    for name in ("n_positions", "max_position_embeddings"):
-        value = getattr(model.hf_model.config, name, None)
-        if isinstance(value, int):
-            return value
-    raise ValueError("the model config states no maximum length; set data.max_length")

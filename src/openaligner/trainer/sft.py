@@ -15,7 +15,6 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from openaligner.algorithms import next_token_logprobs, response_mask
-from openaligner.data.jsonl import read_records, split_holdout
 from openaligner.data.sft import SFTExample, build_sft_examples, collate_sft
 from openaligner.models.builders import build_tiny_causal_lm
 from openaligner.models.source import (
@@ -25,7 +24,15 @@ from openaligner.models.source import (
     pick_device,
     resolve_tokenizer,
 )
-from openaligner.trainer.supervised import Batch, LoopConfig, OptimConfig, SupervisedTrainer, special_id
+from openaligner.trainer.supervised import (
+    Batch,
+    LoopConfig,
+    OptimConfig,
+    SupervisedTrainer,
+    load_train_val_records,
+    max_positions,
+    special_id,
+)
 
 
 @dataclass
@@ -89,12 +96,14 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
             cfg.model.tiny_arch, cfg.model.tiny_size(len(tokenizer)), cfg.model.tiny_seed
         )
     check_vocab(tokenizer, model)
-    max_length = cfg.data.max_length or _max_positions(model)
-    records = read_records(cfg.data.train_path, ("prompt", "response"))
-    if cfg.data.val_path is not None:
-        val_records = read_records(cfg.data.val_path, ("prompt", "response"))
-    else:
-        records, val_records = split_holdout(records, cfg.data.val_fraction, cfg.trainer.seed)
+    max_length = cfg.data.max_length or max_positions(model.config)
+    records, val_records = load_train_val_records(
+        cfg.data.train_path,
+        cfg.data.val_path,
+        ("prompt", "response"),
+        cfg.data.val_fraction,
+        cfg.trainer.seed,
+    )
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -117,11 +126,3 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
         progress=cfg.progress,
         tensorboard=cfg.tensorboard,
     )
-
-
-def _max_positions(model: PreTrainedModel) -> int:
-    for name in ("n_positions", "max_position_embeddings"):
-        value = getattr(model.config, name, None)
-        if isinstance(value, int):
-            return value
-    raise ValueError("the model config states no maximum length; set data.max_length")

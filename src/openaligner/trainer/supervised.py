@@ -28,6 +28,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from openaligner.algorithms.schedules import lr_factor
+from openaligner.data.jsonl import read_records, split_holdout
 from openaligner.data.prompts import EpochSampler
 from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
 from openaligner.io.metrics import MetricsLogger
@@ -100,6 +101,25 @@ def special_id(tokenizer: PreTrainedTokenizerBase, name: str, enabled: bool) -> 
             f"data.add_{name} is true but the tokenizer has no {name} token; set data.add_{name}=false"
         )
     return int(value)
+
+
+def load_train_val_records(
+    train_path: str, val_path: str | None, keys: Sequence[str], val_fraction: float, seed: int
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Training and validation records: ``val_path`` when given, else a seeded holdout of ``train_path``."""
+    records = read_records(train_path, keys)
+    if val_path is not None:
+        return records, read_records(val_path, keys)
+    return split_holdout(records, val_fraction, seed)
+
+
+def max_positions(config: object) -> int:
+    """The longest sequence a Hugging Face model config allows."""
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError("the model config states no maximum length; set data.max_length")
 
 
 # ---------------------------------------------------------------------- the loop
