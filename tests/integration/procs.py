@@ -1,6 +1,12 @@
-"""Process helpers shared by the integration tests: free ports, process trees, liveness."""
+"""Process helpers shared by the integration tests: free ports, process trees, liveness, CLI servers."""
 
+import os
+import re
+import signal
 import socket
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 
@@ -39,3 +45,45 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+class Served:
+    """A CLI server subprocess whose output is collected in the background."""
+
+    ready_pattern = r"ready at (http://\S+)"  # what the server prints once it answers
+    ready_group = 1  # the part of the match wait_ready returns
+
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout_s: float = 90.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            match = re.search(self.ready_pattern, self.output)
+            if match:
+                return match.group(self.ready_group)
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.kill()
+        raise AssertionError(f"server did not become ready:\n{self.output[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)

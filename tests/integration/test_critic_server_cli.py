@@ -2,14 +2,11 @@
 from its checkpoint directory (same step, same values, original rewards), stopped by SIGTERM; no
 Triton process left behind either time."""
 
-import os
-import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 
+import procs
 import pytest
 import torch
 from procs import alive, descendants, free_port
@@ -22,39 +19,16 @@ pytestmark = pytest.mark.slow
 TOKEN = "cli-secret"
 
 
-class Served:
-    """A CLI server subprocess whose output is collected in the background."""
+class Served(procs.Served):
+    """`openaligner serve-critic` with the token in its environment."""
+
+    ready_pattern = r"critic server ready at (http://\S+) \(.*"
+    ready_group = 0
 
     def __init__(self, args: list[str]) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENALIGNER_TOKEN": TOKEN}
-        cmd = [sys.executable, "-m", "openaligner", "serve-critic", *args]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        super().__init__(
+            [sys.executable, "-m", "openaligner", "serve-critic", *args], env={"OPENALIGNER_TOKEN": TOKEN}
         )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_ready(self, timeout_s: float = 90.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            match = re.search(r"critic server ready at (http://\S+) \(.*", self.output)
-            if match:
-                return match.group(0)
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        self.kill()
-        raise AssertionError(f"server did not become ready:\n{self.output[-3000:]}")
 
     def stop(self, sig: signal.Signals) -> None:
         tree = descendants(self.proc.pid)
@@ -65,11 +39,6 @@ class Served:
         left = {pid: name for pid, name in tree.items() if alive(pid)}
         assert not left, f"processes left behind after {sig.name}: {left}"
         assert self.proc.returncode == 0, self.output[-3000:]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
 
 
 def rollout() -> dict[str, torch.Tensor]:

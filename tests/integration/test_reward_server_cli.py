@@ -1,60 +1,18 @@
 """`openaligner serve-reward` as a real subprocess: one rank stopped by SIGINT, two ranks under
 torchrun stopped by SIGTERM. Both must answer like the offline model and leave no Triton behind."""
 
-import os
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import torch
-from procs import alive, descendants, free_port
+from procs import Served, alive, descendants, free_port
 
 from openaligner.clients.reward import RemoteGPTRMClient, RemoteRMConfig
 
 pytestmark = pytest.mark.slow
-
-
-class Served:
-    """A CLI server subprocess whose output is collected in the background."""
-
-    def __init__(self, cmd: list[str]) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_ready(self, timeout_s: float = 90.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            match = re.search(r"ready at (http://\S+)", self.output)
-            if match:
-                return match.group(1)
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        self.kill()
-        raise AssertionError(f"server did not become ready:\n{self.output[-3000:]}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
 
 
 def check_answers_and_stop(served: Served, port: int, tiny, sig: signal.Signals) -> str:
