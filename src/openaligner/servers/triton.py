@@ -2,9 +2,11 @@
 
 Owns everything PyTriton-specific and nothing else: the runtime fixes that let Triton start on a
 fresh machine (this interpreter's libpython first on ``LD_LIBRARY_PATH``, a private workspace,
-loopback HTTP only, a short exit timeout), the model configuration (dynamic batcher), and the thin
-per-call path — decode each request, validate it, lock, call the endpoint, encode the outputs.
-Must not know what an endpoint computes, nor about models or torch.distributed.
+loopback HTTP only, a short exit timeout), the model configuration (dynamic batcher), the HTTP
+front that clients actually reach (:class:`openaligner.servers.http_guard.HTTPGuard` on the served
+address, Triton on a private loopback port behind it), and the thin per-call path — decode each
+request, validate it, lock, call the endpoint, encode the outputs. Must not know what an endpoint
+computes, nor about models or torch.distributed.
 
 An endpoint is an ordinary object (see :class:`Endpoint`) tested without Triton. Every request of
 a formed batch is validated on its own before anything runs: Triton answers every request of an
@@ -31,6 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES, HTTPGuard
 from openaligner.servers.protocol import DEFAULT_HOST, REQUEST_ID_PARAMETER, ErrorEnvelope, TensorSpec
 from openaligner.servers.validation import RequestError, UnauthorizedError
 
@@ -117,7 +120,8 @@ def is_loopback(host: str) -> bool:
 
 def check_port_free(host: str, port: int) -> None:
     """Fail early, with a useful message, when ``host:port`` cannot be bound."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Triton does: TIME_WAIT is no conflict
         try:
             s.bind((host, port))
@@ -126,6 +130,13 @@ def check_port_free(host: str, port: int) -> None:
                 f"cannot bind {host}:{port} ({e.strerror}); another server is probably running there: "
                 f"stop it or choose another server.port"
             ) from None
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 Authorize = Callable[[Mapping[str, Any]], None]
@@ -232,10 +243,16 @@ def _request_id(request: Any, index: int) -> str:
 class TritonHost:
     """One Triton server process (HTTP only) serving the endpoints bound to it.
 
+    Clients reach an :class:`~openaligner.servers.http_guard.HTTPGuard` on ``host:port``, which
+    refuses what Triton cannot take (oversized bodies, shapes that do not match the data, empty
+    tensors, malformed JSON) with a clear error and forwards the rest to Triton, which listens on
+    a private port of 127.0.0.1.
+
     Args:
         host: address to bind; loopback by default. Any other address is logged as a warning:
             the server has no authentication on its inference routes.
         port: HTTP port.
+        max_request_bytes: largest request body accepted (HTTP 413 above it).
         exit_timeout_s: at stop, how long calls already being served may take to finish.
             Triton's own exit timeout is set to 0: it otherwise waits its full length on every
             stop, even when idle (30 s by default once a keep-alive client has connected).
@@ -252,7 +269,10 @@ class TritonHost:
         exit_timeout_s: int = 3,
         log_verbose: int = 0,
         log_file: str | Path | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
+        if max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
         if not is_loopback(host):
             LOGGER.warning(
                 "binding %s:%d, which is reachable from other machines; the inference routes have no "
@@ -264,6 +284,10 @@ class TritonHost:
         self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
         self.log_file = Path(log_file) if log_file is not None else None
+        self.max_request_bytes = max_request_bytes
+        self.triton_port: int | None = None
+        """Triton's own HTTP port on 127.0.0.1 (behind the guard), once started."""
+        self.guard: HTTPGuard | None = None
         self._bindings: list[
             tuple[Endpoint, Batching | None, threading.Lock | threading.RLock, Authorize | None]
         ] = []
@@ -307,9 +331,10 @@ class TritonHost:
         prepare_environment()
         _quiet_expected_rejections()
         self._tmpdir = Path(tempfile.mkdtemp(prefix="openaligner-triton-"))
+        self.triton_port = free_loopback_port()
         config = TritonConfig(
-            http_address=self.host,
-            http_port=self.port,
+            http_address="127.0.0.1",
+            http_port=self.triton_port,
             allow_http=True,
             allow_grpc=False,
             allow_metrics=False,
@@ -347,6 +372,14 @@ class TritonHost:
             tail = self.log_tail()
             self.stop()
             raise RuntimeError(f"Triton failed to start at {self.url}: {e}\nend of its log:\n{tail}") from e
+        self.guard = HTTPGuard(
+            self.host, self.port, self.triton_port, max_request_bytes=self.max_request_bytes
+        )
+        try:  # after Triton is ready: until then clients see a refused connection, as before
+            self.guard.start()
+        except BaseException:
+            self.stop()
+            raise
         self.start_time_s = time.perf_counter() - started
         LOGGER.info("Triton serving %s at %s", [b[0].model_name for b in self._bindings], self.url)
 
@@ -370,8 +403,9 @@ class TritonHost:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def is_alive(self) -> bool:
-        """Whether tritonserver and its models are still up."""
-        return self._triton is not None and bool(self._triton.is_alive())
+        """Whether tritonserver, its models and the HTTP front are still up."""
+        guard_up = self.guard is not None and self.guard.is_alive()
+        return guard_up and self._triton is not None and bool(self._triton.is_alive())
 
     def stop(self) -> None:
         """Stop tritonserver and remove the workspace; safe to call twice."""
@@ -383,8 +417,10 @@ class TritonHost:
             while any(c.busy for c in self._callables) and time.monotonic() < deadline:
                 drained = True
                 time.sleep(0.02)
-            if drained:  # the answer still has to pass through Triton to the client
+            if drained:  # the answer still has to pass through Triton and the guard to the client
                 time.sleep(0.25)
+            if self.guard is not None:
+                self.guard.stop()
             noise = logging.getLogger("pytriton.server.triton_server")
             expected_exit = _DropMessage("exited with failure")  # a stop we asked for is no failure
             noise.addFilter(expected_exit)
