@@ -48,14 +48,34 @@ def _hf_greedy(model, prompts, lengths, new_tokens, eos):
     return rows
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-@pytest.mark.parametrize("cache", ["static", "dynamic"])
-def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache, monkeypatch):
-    compactions = []
-    select_rows = generation._select_cache_rows
-    monkeypatch.setattr(
-        generation, "_select_cache_rows", lambda kv, rows: (compactions.append(rows), select_rows(kv, rows))
-    )
+def _spy_decoders(monkeypatch) -> list:
+    """Record every decoder ``generate`` makes, and the rows each ``select_rows`` call keeps."""
+    made = []
+    make = generation.make_decoder
+
+    def spy(*args, **kwargs):
+        decoder = make(*args, **kwargs)
+        decoder.compactions = []
+        select = decoder.select_rows
+        decoder.select_rows = lambda rows: (decoder.compactions.append(rows), select(rows))
+        made.append(decoder)
+        return decoder
+
+    monkeypatch.setattr(generation, "make_decoder", spy)
+    return made
+
+
+@pytest.mark.parametrize(
+    ("arch", "cache", "fast_path", "decoder"),
+    [
+        ("gpt2", "static", True, "_GPT2Decoder"),
+        ("gpt2", "static", False, "_HFDecoder"),
+        ("gpt2", "dynamic", False, "_HFDecoder"),
+        ("llama", "static", True, "_HFDecoder"),
+        ("llama", "dynamic", True, "_HFDecoder"),
+    ],
+)
+def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache, fast_path, decoder, monkeypatch):
     model = tiny.causal_lm(arch)
     prompts, lengths = _prompts(tiny.size.vocab_size)
     # A stop id that row 0 produces mid-way, so that rows end at different steps.
@@ -64,6 +84,7 @@ def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache, monkeypat
     )
     stop = int(free.tokens[0, PROMPT_LENGTHS[0] + 4])
 
+    made = _spy_decoders(monkeypatch)
     out = generate(
         model,
         prompts,
@@ -71,6 +92,7 @@ def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache, monkeypat
         SamplingParams(greedy=True, max_new_tokens=12, stop_token_ids=(stop,)),
         pad_id=1,
         cache=cache,
+        fast_path=fast_path,
     )
     expected = _hf_greedy(model, prompts, lengths, 12, stop)
     for i, row in enumerate(expected):
@@ -78,7 +100,87 @@ def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache, monkeypat
         assert out.tokens[i, :n].tolist() == row
         assert bool(out.is_end[i]) == (stop in row[PROMPT_LENGTHS[i] :])
     assert bool(out.is_end[0])
-    assert compactions  # finished rows were dropped from the cache on the way
+    assert [type(d).__name__ for d in made] == [decoder]
+    assert made[0].compactions  # finished rows were dropped from the cache on the way
+
+
+def test_gpt2_decoder_logits_match_the_model_forward(tiny):
+    """Prefill and every step against a full forward of the left-padded sequence so far."""
+    model = tiny.causal_lm("gpt2")
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    p_max, new = int(lengths.max()), 5
+    buf, attention = generation._left_pad(prompts, lengths, p_max, p_max + new, pad_id=0)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    extra = torch.randint(
+        3, tiny.size.vocab_size, (len(lengths), new), generator=torch.Generator().manual_seed(1)
+    )
+    buf[:, p_max:] = extra
+    decoder = generation.make_decoder(model, attention, p_max + new)
+    assert isinstance(decoder, generation._GPT2Decoder)
+    valid = attention.bool()
+    with torch.inference_mode():
+        got = [decoder.prefill(buf[:, :p_max], positions[:, :p_max])]
+        got += [decoder.step(buf[:, c], positions[:, c], c) for c in range(p_max, p_max + new - 1)]
+        full = model(input_ids=buf, attention_mask=attention, position_ids=positions).logits
+    for j, logits in enumerate(got):
+        assert torch.allclose(logits, full[:, p_max - 1 + j], atol=1e-5, rtol=1e-5)
+    assert not valid.all()  # the padded (masked) path was exercised
+
+
+def _modified_gpt2(tiny, how):
+    model = tiny.causal_lm("gpt2")
+    if how == "train":
+        model.train()
+    elif how == "hook":
+        model.transformer.h[0].mlp.register_forward_hook(lambda module, args, out: out * 2)
+    elif how == "replaced_layer":
+        block = model.transformer.h[1].attn
+
+        class Doubled(torch.nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x):
+                return 2 * self.inner(x)
+
+        block.c_proj = Doubled(block.c_proj)
+    return model
+
+
+@pytest.mark.parametrize("how", ["train", "hook", "replaced_layer"])
+def test_non_stock_gpt2_falls_back_to_the_model_forward(tiny, how, monkeypatch):
+    model = _modified_gpt2(tiny, how)
+    assert generation.gpt2_fast_path_supported(tiny.causal_lm("gpt2"))
+    assert not generation.gpt2_fast_path_supported(model)
+    assert not generation.gpt2_fast_path_supported(tiny.causal_lm("llama"))
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    made = _spy_decoders(monkeypatch)
+    params = SamplingParams(greedy=True, max_new_tokens=6, stop_token_ids=())
+    out = generate(model, prompts, lengths, params, pad_id=1)
+    forward = generate(model, prompts, lengths, params, pad_id=1, fast_path=False)
+    assert [type(d).__name__ for d in made] == ["_HFDecoder", "_HFDecoder"]
+    assert torch.equal(out.tokens, forward.tokens)
+
+
+def test_gpt2_decoder_samples_what_the_model_forward_samples(tiny):
+    """Same seed, same random stream: the fast path draws the tokens the general path draws,
+    through stop ids, min_new_tokens, row compaction, temperature and top-k."""
+    model = tiny.causal_lm("gpt2")
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    params = SamplingParams(
+        max_new_tokens=16, min_new_tokens=2, temperature=0.7, top_k=20, stop_token_ids=tuple(range(3, 11))
+    )
+
+    def run(fast_path):
+        g = torch.Generator().manual_seed(2)
+        return generate(model, prompts, lengths, params, pad_id=1, generator=g, fast_path=fast_path)
+
+    fast, forward = run(True), run(False)
+    assert torch.equal(fast.tokens, forward.tokens)
+    assert torch.equal(fast.response_lengths, forward.response_lengths)
+    assert torch.equal(fast.is_end, forward.is_end)
+    assert fast.is_end.any() and not fast.is_end.all()  # rows ended at different steps
 
 
 def test_output_layout_prompt_then_response_then_pad(tiny):
