@@ -4,14 +4,36 @@ Owns one server connection's life: waiting for readiness up to ``init_timeout_s`
 daemon worker threads (one ``tritonclient.http`` connection each) that turn requests into
 ``concurrent.futures.Future``, translation of transport and server errors into the exception tree
 of :mod:`openaligner.clients.errors`, the resend of valid requests that Triton rejected together
-with an invalid one, and a ``close()`` that never hangs and leaves no future pending. The reward
-and critic clients build on it. Must not know what any endpoint computes.
+with an invalid one, riding out a server restart (``reconnect_grace_s``), and a ``close()`` that
+never hangs and leaves no future pending. The reward and critic clients build on it. Must not know
+what any endpoint computes.
+
+Server restarts. With ``reconnect_grace_s > 0``, a request whose connection is refused or dropped
+waits until the server answers ready again — at most ``reconnect_grace_s`` after the first failure
+of the outage, shared by every request caught in it — and is then resent; after that it fails
+with :class:`ServerTimeoutError` naming the server, the model and what to do. Whether a request
+may be resent depends on whether running it twice is harmless:
+
+* idempotent requests (inference, and saving, which writes the same state again) are resent after
+  any lost connection;
+* a request that is not idempotent (``critic_train``: one more optimizer pass) is resent only
+  when the server cannot have kept its effect: the connection was refused before anything was
+  sent, or it dropped after sending and, right after, nothing listens on the port any more — the
+  server process is gone, and with it everything it had not saved, this request's training
+  included (servers save only when asked, and the critic client sends a save only after the last
+  train was answered). A restarted server resumes from its last checkpoint and has never seen the
+  request, so it runs exactly once there. If the connection dropped but the server is still up,
+  the request may have run: it is not resent and fails with a message saying so.
+
+Time-outs (no answer within ``request_timeout_s``) are never resent: the server is still working.
 """
 
 from __future__ import annotations
 
+import http.client
 import logging
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -47,6 +69,36 @@ class _Job:
     inputs: Mapping[str, np.ndarray]
     parameters: Mapping[str, Any] | None
     postprocess: Callable[[dict[str, np.ndarray]], Any]
+    idempotent: bool
+
+
+class _ConnectionLost(Exception):
+    """Internal: the connection was refused (``sent=False``) or dropped (``sent=True``: the request
+    may have reached the server). ``error`` is what the caller gets if nothing is resent."""
+
+    def __init__(self, error: ServerUnavailableError, cause: str, *, sent: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.cause = cause
+        self.sent = sent
+
+
+class _Connection:
+    """One worker's ``tritonclient.http`` connection, created on first use and dropped after a failure."""
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect = connect
+        self._client: Any = None
+
+    def get(self) -> Any:
+        if self._client is None:
+            self._client = self._connect()
+        return self._client
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
 
 _SENTINEL = None
@@ -64,6 +116,9 @@ class TritonHTTPClient:
         max_workers: requests in flight at once.
         retries_on_rejected_batch: resends of a valid request that Triton merged with an invalid one.
         hint: what to check when the server cannot be reached (names the CLI / config keys).
+        reconnect_grace_s: after a refused or dropped connection, how long to wait for the server
+            to answer again before failing (0: fail at once). See the module docstring for which
+            requests are resent.
     """
 
     def __init__(
@@ -77,9 +132,12 @@ class TritonHTTPClient:
         max_workers: int = 4,
         retries_on_rejected_batch: int = 3,
         hint: str = "",
+        reconnect_grace_s: float = 0.0,
     ) -> None:
         if init_timeout_s <= 0 or request_timeout_s <= 0:
             raise ValueError("init_timeout_s and request_timeout_s must be > 0")
+        if reconnect_grace_s < 0:
+            raise ValueError("reconnect_grace_s must be >= 0 (0: fail at once when the server goes away)")
         if max_workers < 1:
             raise ValueError("max_workers must be >= 1")
         self.host, self.port = host, port
@@ -88,6 +146,8 @@ class TritonHTTPClient:
         self.request_timeout_s = request_timeout_s
         self.retries_on_rejected_batch = retries_on_rejected_batch
         self.hint = hint
+        self.reconnect_grace_s = reconnect_grace_s
+        self._outage: tuple[float, float] | None = None  # (start, deadline) of the current outage
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._pending: set[Future[Any]] = set()
         self._lock = threading.Lock()
@@ -117,17 +177,28 @@ class TritonHTTPClient:
         Raises:
             ServerTimeoutError: not ready within ``init_timeout_s``; says what was last seen.
         """
-        import tritonclient.http as triton_http
-
         todo = [m for m in models if m not in self._ready]
         if not todo:
             return
-        deadline = time.monotonic() + self.init_timeout_s
+        reason = self._poll_ready(todo, time.monotonic() + self.init_timeout_s)
+        if reason is None:
+            return
+        raise ServerTimeoutError(
+            f"{self.where(todo[0])} was not ready within init_timeout_s={self.init_timeout_s:g} s: {reason}. "
+            f"{self.hint}",
+            url=self.url,
+            model=todo[0],
+        )
+
+    def _poll_ready(self, models: Sequence[str], deadline: float) -> str | None:
+        """None once every model is ready; else, at ``deadline``, what was last seen."""
+        import tritonclient.http as triton_http
+
         reason = "no attempt finished"
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                break
+                return reason
             step = max(0.05, min(1.0, remaining))
             try:
                 client = triton_http.InferenceServerClient(
@@ -135,18 +206,18 @@ class TritonHTTPClient:
                 )
             except Exception as e:  # a malformed host is a configuration error, not a wait
                 raise ServerUnavailableError(
-                    f"{self.where(todo[0])}: cannot create a connection ({e}). {self.hint}",
+                    f"{self.where(models[0])}: cannot create a connection ({e}). {self.hint}",
                     url=self.url,
-                    model=todo[0],
+                    model=models[0],
                 ) from e
             try:
                 if not client.is_server_ready():
                     reason = "the server answers but is not ready yet (still loading)"
                 else:
-                    missing = [m for m in todo if not client.is_model_ready(m)]
+                    missing = [m for m in models if not client.is_model_ready(m)]
                     if not missing:
-                        self._ready.update(todo)
-                        return
+                        self._ready.update(models)
+                        return None
                     reason = (
                         f"the server answers but model {missing[0]!r} is not ready or not served "
                         f"(check that the client's model name matches the server's)"
@@ -162,12 +233,6 @@ class TritonHTTPClient:
             finally:
                 client.close()
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        raise ServerTimeoutError(
-            f"{self.where(todo[0])} was not ready within init_timeout_s={self.init_timeout_s:g} s: {reason}. "
-            f"{self.hint}",
-            url=self.url,
-            model=todo[0],
-        )
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -177,10 +242,13 @@ class TritonHTTPClient:
         inputs: Mapping[str, np.ndarray],
         postprocess: Callable[[dict[str, np.ndarray]], T],
         parameters: Mapping[str, str] | None = None,
+        *,
+        idempotent: bool = True,
     ) -> Future[T]:
         """Send ``inputs`` to ``model`` from a worker thread; the future holds ``postprocess(outputs)``.
 
         ``parameters`` are extra Triton request parameters (e.g. a token), sent with the request id.
+        ``idempotent=False`` marks a request that must not run twice (see the module docstring).
         The future fails with a :class:`ClientError` subclass; it is never left pending: results,
         errors, or cancellation by :meth:`close`.
         """
@@ -193,7 +261,7 @@ class TritonHTTPClient:
             self._pending.add(future)
         future.add_done_callback(self._forget)
         sent = {**(parameters or {}), REQUEST_ID_PARAMETER: uuid.uuid4().hex[:16]}
-        self._jobs.put(_Job(future, model, inputs, sent, postprocess))
+        self._jobs.put(_Job(future, model, inputs, sent, postprocess, idempotent))
         return future
 
     def _forget(self, future: Future[Any]) -> None:
@@ -201,7 +269,7 @@ class TritonHTTPClient:
             self._pending.discard(future)
 
     def _work(self) -> None:
-        connection: Any = None
+        connection = _Connection(self._connect)
         try:
             while True:
                 job = self._jobs.get()
@@ -210,19 +278,81 @@ class TritonHTTPClient:
                 if not job.future.set_running_or_notify_cancel():
                     continue
                 try:
-                    if connection is None:
-                        connection = self._connect()
-                    result = job.postprocess(self._infer_with_retries(connection, job))
+                    result = job.postprocess(self._send(connection, job))
                 except BaseException as e:
                     _settle(job.future, exception=e)
-                    if isinstance(e, (ServerUnavailableError, ServerTimeoutError)) and connection is not None:
-                        connection.close()  # a broken keep-alive connection must not be reused
-                        connection = None
+                    if isinstance(e, ServerTimeoutError):
+                        connection.close()  # a connection that timed out must not be reused
                 else:
                     _settle(job.future, result=result)
         finally:
-            if connection is not None:
-                connection.close()
+            connection.close()
+
+    def _send(self, connection: _Connection, job: _Job) -> dict[str, np.ndarray]:
+        """The job's outputs; waits out a server restart within ``reconnect_grace_s``."""
+        while True:
+            try:
+                outputs = self._infer_with_retries(connection, job)
+            except _ConnectionLost as lost:
+                connection.close()  # a broken keep-alive connection must not be reused
+                self._await_return(job, lost)
+                continue
+            self._end_outage()
+            return outputs
+
+    def _await_return(self, job: _Job, lost: _ConnectionLost) -> None:
+        """Return once ``job`` may be resent to a server that answers again; else raise why not."""
+        grace = self.reconnect_grace_s
+        if grace <= 0:
+            raise lost.error
+        if lost.sent and not job.idempotent and not self._nothing_listening():
+            raise ServerUnavailableError(
+                f"{self.where(job.model)} dropped the connection while the request was in flight "
+                f"({lost.cause}), but the server is still up: it may have run the request already, and "
+                f"this request must not run twice, so it is not resent. Check the server's log; "
+                f"restarting both sides from their checkpoints gives an exact continuation.",
+                url=self.url,
+                model=job.model,
+            )
+        now = time.monotonic()
+        with self._lock:
+            first = self._outage is None
+            if self._outage is None:
+                self._outage = (now, now + grace)
+            started, deadline = self._outage
+        if first:
+            LOGGER.warning(
+                "%s: %s; waiting up to reconnect_grace_s=%g s for the server to answer again",
+                self.where(job.model),
+                lost.cause,
+                grace,
+            )
+        reason = self._poll_ready([job.model], deadline)
+        if reason is not None:
+            raise ServerTimeoutError(
+                f"{self.where(job.model)} went away ({lost.cause}) and did not answer again within "
+                f"reconnect_grace_s={grace:g} s (last seen: {reason}). Restart the server, or raise "
+                f"reconnect_grace_s to wait longer for a restart. {self.hint}",
+                url=self.url,
+                model=job.model,
+            )
+        LOGGER.info(
+            "%s answers again after %.1f s; resending the request", self.where(job.model), now - started
+        )
+
+    def _end_outage(self) -> None:
+        with self._lock:
+            self._outage = None
+
+    def _nothing_listening(self) -> bool:
+        """Whether a TCP connection to the server is refused right now (its process is gone)."""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=min(2.0, self.request_timeout_s)):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # no answer or another failure: the server may still be there
+            return False
 
     def _connect(self) -> Any:
         import tritonclient.http as triton_http
@@ -233,12 +363,12 @@ class TritonHTTPClient:
             network_timeout=self.request_timeout_s,
         )
 
-    def _infer_with_retries(self, connection: Any, job: _Job) -> dict[str, np.ndarray]:
+    def _infer_with_retries(self, connection: _Connection, job: _Job) -> dict[str, np.ndarray]:
         self.wait_until_ready([job.model])  # each worker waits on its own: all fail by the same deadline
         rid = str((job.parameters or {}).get(REQUEST_ID_PARAMETER, ""))
         for attempt in range(self.retries_on_rejected_batch + 1):
             try:
-                return self._infer_once(connection, job)
+                return self._infer_once(connection.get(), job)
             except _Rejected as r:
                 if rid in r.envelope.valid and attempt < self.retries_on_rejected_batch:
                     LOGGER.info("%s: resending %s (merged with an invalid one)", self.where(job.model), rid)
@@ -277,11 +407,8 @@ class TritonHTTPClient:
         except InferenceServerException as e:
             raise self._translate(e, job.model) from None
         except ConnectionRefusedError:
-            raise ServerUnavailableError(
-                f"{self.where(job.model)} refused the connection: the server is not running (any more). "
-                f"{self.hint}",
-                url=self.url,
-                model=job.model,
+            raise self._lost(
+                job.model, "connection refused: the server is not running (any more)", sent=False
             ) from None
         except TimeoutError:
             raise ServerTimeoutError(
@@ -291,15 +418,26 @@ class TritonHTTPClient:
                 url=self.url,
                 model=job.model,
             ) from None
-        except (ConnectionError, OSError) as e:
-            raise ServerUnavailableError(
-                f"{self.where(job.model)} dropped the connection ({e}): did the server stop or crash? "
-                f"Check its log. {self.hint}",
-                url=self.url,
-                model=job.model,
+        except (ConnectionError, OSError, http.client.HTTPException) as e:
+            # HTTPException: the server closed the connection before answering (it stopped or crashed)
+            raise self._lost(
+                job.model, f"the connection dropped ({type(e).__name__}: {e})", sent=True
             ) from None
         outputs = result.get_response().get("outputs", [])
         return {o["name"]: result.as_numpy(o["name"]) for o in outputs}
+
+    def _lost(self, model: str, cause: str, *, sent: bool) -> _ConnectionLost:
+        wait = (
+            ""
+            if self.reconnect_grace_s > 0
+            else " (reconnect_grace_s=0: the client does not wait for a restarted server)"
+        )
+        error = ServerUnavailableError(
+            f"{self.where(model)}: {cause}. Did the server stop or crash? Check its log{wait}. {self.hint}",
+            url=self.url,
+            model=model,
+        )
+        return _ConnectionLost(error, cause, sent=sent)
 
     def _translate(self, error: Any, model: str) -> Exception:
         text = str(error.message() or "")

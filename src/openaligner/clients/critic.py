@@ -100,8 +100,13 @@ class RemoteCriticConfig:
     token: str | None = None  # shared secret for critic_train/critic_save; null: $OPENALIGNER_TOKEN
     max_workers: int = 4  # requests in flight at once, per server
     retries_on_rejected_batch: int = 3  # resends of a valid request rejected with an invalid one
+    reconnect_grace_s: float = 0.0  # after a lost connection, wait this long for a restarted server (0: fail)
 
     def __post_init__(self) -> None:
+        if self.reconnect_grace_s < 0:
+            raise ValueError(
+                f"reconnect_grace_s must be >= 0 (0: fail at once), got {self.reconnect_grace_s}"
+            )
         for what, port in (("critic.port", self.critic.port), ("reward_model.port", self.reward_model.port)):
             if not 0 < port < 65536:
                 raise ValueError(f"{what} must be in 1..65535, got {port}")
@@ -184,6 +189,7 @@ class RemoteGPTRMCriticClient:
             max_workers=cfg.max_workers,
             retries_on_rejected_batch=cfg.retries_on_rejected_batch,
             hint=_HINT,
+            reconnect_grace_s=cfg.reconnect_grace_s,
         )
         self._rm: RemoteGPTRMClient | None = None
         if not cfg.combine_rm_and_critic_server:
@@ -197,6 +203,7 @@ class RemoteGPTRMCriticClient:
                     request_timeout_s=cfg.request_timeout_s,
                     max_workers=cfg.max_workers,
                     retries_on_rejected_batch=cfg.retries_on_rejected_batch,
+                    reconnect_grace_s=cfg.reconnect_grace_s,
                 )
             )
         self._last_train: Future[dict[str, float]] | None = None
@@ -311,7 +318,9 @@ class RemoteGPTRMCriticClient:
             }
 
         self._after_train()
-        future = self._critic.submit(model, inputs, decode, self._token_parameter())
+        # One more optimizer pass if it ran twice: resent after a lost connection only when the
+        # server cannot have kept its effect (see openaligner.clients.base).
+        future = self._critic.submit(model, inputs, decode, self._token_parameter(), idempotent=False)
         with self._order:
             self._last_train = future
         return future

@@ -45,10 +45,15 @@ class RemoteRMConfig:
     request_timeout_s: float = 300.0  # give up on one request after this long
     max_workers: int = 4  # requests in flight at once
     retries_on_rejected_batch: int = 3  # resends of a valid request rejected with an invalid one
+    reconnect_grace_s: float = 0.0  # after a lost connection, wait this long for the server to return
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"remote reward model port must be in 1..65535, got {self.port}")
+        if self.reconnect_grace_s < 0:
+            raise ValueError(
+                f"reconnect_grace_s must be >= 0 (0: fail at once), got {self.reconnect_grace_s}"
+            )
         if self.pad_to_length is not None and self.pad_to_length < 1:
             raise ValueError(f"pad_to_length must be >= 1 or null, got {self.pad_to_length}")
         if self.init_timeout_s <= 0 or self.request_timeout_s <= 0:
@@ -76,6 +81,7 @@ class RemoteGPTRMClient:
             max_workers=cfg.max_workers,
             retries_on_rejected_batch=cfg.retries_on_rejected_batch,
             hint=_HINT,
+            reconnect_grace_s=cfg.reconnect_grace_s,
         )
 
     @property

@@ -19,10 +19,12 @@ class RecordingClient(RemoteGPTRMCriticClient):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.sent: list[tuple[str, dict, object, Future]] = []
+        self.idempotent: list[bool] = []
 
-        def submit(model, inputs, postprocess, parameters=None):
+        def submit(model, inputs, postprocess, parameters=None, *, idempotent=True):
             future: Future = Future()
             self.sent.append((model, inputs, parameters, future))
+            self.idempotent.append(idempotent)
             return future
 
         self._critic.submit = submit  # type: ignore[method-assign]
@@ -103,6 +105,8 @@ def test_train_and_save_carry_the_token_and_decode_their_answers(client):
     assert future.result() == {"loss": 0.5}
     client.save()
     assert client.sent[1][0] == "critic_save" and client.sent[1][2] == {TOKEN_PARAMETER: "t0k"}
+    # a train must never run twice; a save may (it writes the same state again)
+    assert client.idempotent == [False, True]
 
 
 def test_token_comes_from_the_environment_when_not_configured(monkeypatch):
