@@ -41,6 +41,7 @@ from openaligner.models.critic import CriticModel
 from openaligner.models.reward import RewardModel
 from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
 from openaligner.servers.distributed import Collective, Opcode, Rank0Dispatcher
+from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.lifecycle import ServerLifecycle
 from openaligner.servers.protocol import (
     CLIP_FRACTION,
@@ -107,7 +108,8 @@ class CriticServerConfig:
     strip_sequence_length_to_multiple: int | None = None  # strip infer padding columns to this multiple
     max_batch_size: int = 1024  # most rows per infer request and per formed batch
     max_train_rows: int = 16384  # most rows per train request
-    max_sequence_length: int | None = None  # longest accepted sequence; None: no check
+    max_sequence_length: int | None = None  # longest accepted sequence; None: the critic's position limit
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # largest HTTP request body (HTTP 413 above)
     token: str | None = None  # shared secret for critic_train/critic_save; None: $OPENALIGNER_TOKEN or open
     heartbeat_s: float | None = 60.0  # idle heartbeat to the other ranks
     exit_timeout_s: int = 3  # at stop, how long calls in progress may take to finish
@@ -122,6 +124,8 @@ class CriticServerConfig:
             raise ValueError("loss_clip_val and gradient_clip_val must be >= 0 (0 disables)")
         if self.max_train_rows < 1 or self.max_batch_size < 1:
             raise ValueError("max_train_rows and max_batch_size must be >= 1")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
 
 
 # ----------------------------------------------------------------------------- infer endpoint
@@ -375,6 +379,17 @@ def pad_to_multiple(request: TrainRequest, multiple: int) -> TrainRequest:
     )
 
 
+def position_limit(model: torch.nn.Module) -> int | None:
+    """The longest sequence ``model`` (a scalar-head model around a Hugging Face one) can take:
+    its config's ``n_positions`` or ``max_position_embeddings``; None when it declares neither."""
+    config = getattr(getattr(model, "hf_model", None), "config", None)
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def trained_width(mask: torch.Tensor) -> int:
     """Tokens a forward needs for ``mask`` [n, S-1]: up to the last valid position (0 if none)."""
     used = mask.any(0).nonzero()
@@ -453,12 +468,16 @@ class CriticServerTrainer(ServerLifecycle):
         self._init_lifecycle()
 
         vocab_size = int(model.hf_model.config.vocab_size)
+        limits = [position_limit(m) for m in (model, self.reward_model) if m is not None]
+        known = [n for n in limits if n is not None]
+        self.max_sequence_length = cfg.max_sequence_length or (min(known) if known else None)
+        """Longest accepted sequence: the config's, else the models' position limit (None: unknown)."""
         self.infer_endpoint = CriticInferEndpoint(
             self._forward_from_rank0,
             combined=self.combined,
             tokenize_func=tokenize_func,
             vocab_size=vocab_size,
-            max_sequence_length=cfg.max_sequence_length,
+            max_sequence_length=self.max_sequence_length,
             max_batch_size=cfg.max_batch_size,
             forward_micro_batch_size=model_forward_micro_batch_size,
             strip_sequence_length_to_multiple=cfg.strip_sequence_length_to_multiple,
@@ -468,7 +487,7 @@ class CriticServerTrainer(ServerLifecycle):
             self._train_from_rank0,
             vocab_size=vocab_size,
             max_rows=cfg.max_train_rows,
-            max_sequence_length=cfg.max_sequence_length,
+            max_sequence_length=self.max_sequence_length,
         )
         self.save_endpoint = CriticSaveEndpoint(self._save_from_rank0, enabled=ckpt_callback is not None)
         if resume:
@@ -513,7 +532,13 @@ class CriticServerTrainer(ServerLifecycle):
             return
         cfg = self.cfg
         self._dispatcher = Rank0Dispatcher(self.collective, self.handlers(), heartbeat_s=cfg.heartbeat_s)
-        host = TritonHost(cfg.host, cfg.port, exit_timeout_s=cfg.exit_timeout_s, log_file=cfg.log_file)
+        host = TritonHost(
+            cfg.host,
+            cfg.port,
+            exit_timeout_s=cfg.exit_timeout_s,
+            log_file=cfg.log_file,
+            max_request_bytes=cfg.max_request_bytes,
+        )
         sizes = cfg.inference_micro_batch_size
         per_rank = [sizes] if isinstance(sizes, int) else list(sizes)
         batching = Batching(

@@ -24,6 +24,7 @@ import torch
 
 from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
 from openaligner.servers.distributed import Collective, Opcode, Rank0Dispatcher
+from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.lifecycle import ServerLifecycle
 from openaligner.servers.protocol import (
     DEFAULT_HOST,
@@ -252,6 +253,7 @@ class RewardModelServer(ServerLifecycle):
         vocab_size: refuse token ids outside ``[0, vocab_size)``; None skips the check.
         max_sequence_length: refuse longer sequences; None skips the check.
         max_batch_size: most rows per request and per formed batch.
+        max_request_bytes: largest HTTP request body (HTTP 413 above it).
         heartbeat_s: idle heartbeat to the other ranks (see :class:`Rank0Dispatcher`).
         exit_timeout_s: at stop, how long calls in progress may take to finish.
         log_file: tritonserver's log file; None: a temporary file removed at stop.
@@ -271,6 +273,7 @@ class RewardModelServer(ServerLifecycle):
     vocab_size: int | None = None
     max_sequence_length: int | None = None
     max_batch_size: int = 1024
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     heartbeat_s: float | None = 60.0
     exit_timeout_s: int = 3
     log_file: str | None = None
@@ -280,6 +283,8 @@ class RewardModelServer(ServerLifecycle):
         sizes = self.preferred_batch_sizes
         if self.model_forward_micro_batch_size < 1:
             raise ValueError("model_forward_micro_batch_size must be >= 1")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if min(sizes) < 1:
             raise ValueError(
                 f"inference_micro_batch_size must be >= 1, got {self.inference_micro_batch_size}"
@@ -327,7 +332,13 @@ class RewardModelServer(ServerLifecycle):
         if not self.collective.is_leader or self._host is not None:
             return
         self._dispatcher = Rank0Dispatcher(self.collective, self.handlers(), heartbeat_s=self.heartbeat_s)
-        host = TritonHost(self.host, self.port, exit_timeout_s=self.exit_timeout_s, log_file=self.log_file)
+        host = TritonHost(
+            self.host,
+            self.port,
+            exit_timeout_s=self.exit_timeout_s,
+            log_file=self.log_file,
+            max_request_bytes=self.max_request_bytes,
+        )
         batching = Batching(
             max_batch_size=self.max_batch_size,
             preferred_batch_sizes=self.preferred_batch_sizes,

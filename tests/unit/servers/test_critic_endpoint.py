@@ -205,6 +205,23 @@ def test_row_and_width_limits(tiny):
         trainer.run_training(**one)
 
 
+def test_max_sequence_length_defaults_to_the_models_position_limit(tiny):
+    trainer = make_trainer(tiny)  # no max_sequence_length in the config
+    limit = tiny.size.max_positions
+    assert trainer.max_sequence_length == limit
+    too_long = torch.full((1, limit + 1), 5)
+    with pytest.raises(RequestError, match=f"max_sequence_length {limit}"):
+        infer(trainer, too_long, torch.tensor([limit + 1]))
+    with pytest.raises(RequestError, match=f"{limit + 1} wide, more than the server's max_sequence_length"):
+        trainer.run_training(
+            tokens=too_long.numpy(),
+            returns=np.zeros((1, limit), np.float32),
+            prev_values=np.zeros((1, limit), np.float32),
+            mask=np.ones((1, limit), np.float32),
+        )
+    assert make_trainer(tiny, max_sequence_length=8).max_sequence_length == 8
+
+
 # ---------------------------------------------------------------------------- training
 def test_padding_rows_train_nothing_and_width_follows_the_mask():
     req = TrainRequest(
@@ -364,4 +381,6 @@ def test_constructor_checks(tiny):
         )
     with pytest.raises(ValueError, match="micro_batch_size"):
         CriticServerConfig(micro_batch_size=0)
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        CriticServerConfig(max_request_bytes=0)
     copy.deepcopy(CriticServerConfig())
