@@ -3,15 +3,24 @@
 Builds the actor, optimizer, scheduler, prompt loaders, client, logger and checkpoint manager
 from the config, resumes automatically from the latest complete checkpoint, and runs
 :class:`PPOTrainer`. Under ``torchrun`` every rank runs this; rank 0 logs and saves.
+
+Exit codes: 0 when the run finished (or reached ``max_time_per_run``, after saving); 1 when a
+server failed or could not be reached (the message names host:port and model); 130 on SIGINT and
+143 on SIGTERM, which stop the run at once without saving — the next run of the same command
+resumes from the last checkpoint. Resuming also rewinds ``logs/metrics.jsonl`` and
+``logs/tables.jsonl`` to the checkpoint's step, so steps that are run again appear once.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 import torch
 
@@ -106,7 +115,73 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt (exit code 143)."""
+
+
+def _raise_terminated(_signum: int, _frame: FrameType | None) -> None:
+    raise Terminated
+
+
 def run(cfg: TrainPPOConfig) -> int:
+    """Train; see the module docstring for the exit codes."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _train(cfg)
+    except KeyboardInterrupt as e:
+        name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("SIGINT", 130)
+        print(
+            f"openaligner train-ppo: stopped by {name}; {_resume_note(Path(cfg.exp.output_dir))}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _resume_note(out: Path) -> str:
+    from openaligner.io.checkpoint import CheckpointManager
+
+    latest = CheckpointManager(out / "checkpoints").latest()
+    if latest is None:
+        return "no checkpoint was written yet, so the same command starts over"
+    return (
+        f"the same command resumes from {latest} (restart the critic server too, so that it resumes "
+        f"from the critic checkpoint saved with it)"
+    )
+
+
+def rewind_logs(log_dir: Path, step: int) -> int:
+    """Keep only the records of steps ``<= step`` in ``metrics.jsonl`` and ``tables.jsonl``.
+
+    A run resumed from the checkpoint of ``step`` runs the later steps again; their old records,
+    and a last line cut short by a crash, are dropped. Returns how many lines were dropped.
+    """
+    from openaligner.io.checkpoint import write_text_atomic
+
+    dropped = 0
+    for name in ("metrics.jsonl", "tables.jsonl"):
+        path = log_dir / name
+        if not path.is_file():
+            continue
+        lines = path.read_text().splitlines()
+        kept = [line + "\n" for line in lines if _step_of(line) <= step]
+        if len(kept) < len(lines):
+            dropped += len(lines) - len(kept)
+            write_text_atomic(path, "".join(kept))
+    return dropped
+
+
+def _step_of(line: str) -> float:
+    """The step of one JSONL record; infinity for a line that is not one (e.g. cut short)."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
+def _train(cfg: TrainPPOConfig) -> int:
     from openaligner.clients.critic import RemoteGPTRMCriticClient
     from openaligner.clients.errors import ClientError
     from openaligner.config import config_to_yaml
@@ -176,46 +251,49 @@ def run(cfg: TrainPPOConfig) -> int:
     steps = min(train_loader.steps_per_epoch * c.max_epochs, c.max_steps if c.max_steps >= 0 else 1 << 62)
     total_optim_steps = steps * c.ppo_epochs * (c.num_rollout_samples // c.global_batch_size)
     scheduler = build_scheduler(optimizer, cfg.optim, total_optim_steps)
-    logger = MetricsLogger(out / "logs", cfg.exp.tensorboard, cfg.exp.wandb_project, enabled=rank == 0)
     ckpt = CheckpointManager(out / "checkpoints", keep_last=cfg.exp.keep_last, best_metric="val_rewards")
+    latest = ckpt.latest() if cfg.exp.resume else None
+    if cfg.exp.resume and rank == 0:
+        resumed_step = int(latest.name.removeprefix("step_")) if latest is not None else 0
+        if dropped := rewind_logs(out / "logs", resumed_step):
+            log.info("dropped %d log record(s) after step %d: those steps run again", dropped, resumed_step)
+    logger = MetricsLogger(out / "logs", cfg.exp.tensorboard, cfg.exp.wandb_project, enabled=rank == 0)
 
     if cfg.remote.pad_to_length is None:
         # Requests of one fixed width merge in Triton's dynamic batcher (NeMo-Aligner's default).
         cfg.remote.pad_to_length = cfg.data.seq_length
+    trainer: PPOTrainer | None = None
     try:
-        client = RemoteGPTRMCriticClient(cfg.remote)
-    except ClientError as e:
-        print(f"openaligner train-ppo: {e}", file=sys.stderr)
-        return 1
-    with client:
-        trainer = PPOTrainer(
-            cfg=c,
-            model=actor,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            train_dataloader_builder=train_loader,
-            val_dataloader_builder=val_loader,
-            collate_fn=make_prompt_collate(actor.pad_id),
-            rm_critic=client,
-            batch_iterator_cls=MicroBatchIterator,
-            logger=logger,
-            ckpt_callback=ckpt,
-            run_timer=RunTimer(max_time_s(c)),
-            decode=decode,
-            config_yaml=config_to_yaml(cfg),
-            progress=cfg.exp.progress,
-            response_scorer=task_scorer(cfg.exp.task_scorer) if cfg.exp.task_scorer else None,
-        )
-        latest = ckpt.latest() if cfg.exp.resume else None
-        if latest is not None:
-            trainer.load_checkpoint(latest)
-        try:
+        with RemoteGPTRMCriticClient(cfg.remote) as client:
+            trainer = PPOTrainer(
+                cfg=c,
+                model=actor,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                train_dataloader_builder=train_loader,
+                val_dataloader_builder=val_loader,
+                collate_fn=make_prompt_collate(actor.pad_id),
+                rm_critic=client,
+                batch_iterator_cls=MicroBatchIterator,
+                logger=logger,
+                ckpt_callback=ckpt,
+                run_timer=RunTimer(max_time_s(c)),
+                decode=decode,
+                config_yaml=config_to_yaml(cfg),
+                progress=cfg.exp.progress,
+                response_scorer=task_scorer(cfg.exp.task_scorer) if cfg.exp.task_scorer else None,
+            )
+            if latest is not None:
+                trainer.load_checkpoint(latest)
             trainer.fit()
-        except ClientError as e:
-            print(f"openaligner train-ppo: {e}", file=sys.stderr)
-            return 1
-        finally:
-            logger.close()
+    except ClientError as e:
+        stopped = (
+            f" The run stopped at step {trainer.step}; {_resume_note(out)}." if trainer is not None else ""
+        )
+        print(f"openaligner train-ppo: {e}{stopped}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        logger.close()
     if rank == 0:
         actor.save_pretrained(out / "actor")
         log.info("final actor written to %s", out / "actor")

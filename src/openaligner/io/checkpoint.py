@@ -179,6 +179,8 @@ class CheckpointManager:
             for leftover in self.root.glob(pattern):
                 if leftover.is_dir():
                     shutil.rmtree(leftover, ignore_errors=True)
+        for leftover in self.root.glob(f".{LATEST}.tmp-*"):
+            leftover.unlink(missing_ok=True)
         if self.keep_last <= 0:
             return
         all_ckpts = self.checkpoints()

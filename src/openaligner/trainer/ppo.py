@@ -8,6 +8,11 @@ critic its training data; (6) update the actor with clipped PPO; (7) log, valida
 Owns the loop, its state (step, consumed samples, optimisation steps) and exact resume. Knows
 the actor model and the server client only through their methods; the math comes from
 :mod:`openaligner.algorithms` via :mod:`openaligner.trainer.ppo_data`.
+
+Exact resume needs the critic server to hold the critic saved with the actor's checkpoint: the
+trainer records the critic's optimizer step in its state and warns when a ``critic_train``
+answer does not continue from it (the critic server restarted from another checkpoint, or was not
+restarted at all), since the run then goes on but is no longer an exact continuation.
 """
 
 from __future__ import annotations
@@ -176,6 +181,10 @@ class PPOTrainer:
         )
         self._timer = _PhaseTimer()
         self._pending_critic_train: Future[Any] | None = None
+        self.critic_step: int | None = None
+        """The critic server's optimizer steps after the last ``critic_train`` answered."""
+        self.critic_steps_per_train: int | None = None
+        """How many steps one ``critic_train`` adds (the same for every PPO step of a run)."""
         self._train_iter: Iterator[list[Sequence[int]]] | None = None
         self.history: list[dict[str, float]] = []
 
@@ -426,8 +435,33 @@ class PPOTrainer:
             return {}
         result = pending.result()
         if isinstance(result, dict):
+            if "critic_step" in result:
+                self._follow_critic_step(int(result["critic_step"]))
             return {f"value/{k}": float(v) for k, v in result.items()}
         return {"value/loss": float(result)}
+
+    def _follow_critic_step(self, step: int) -> None:
+        """Record the critic server's step; warn when it does not continue from the last answer."""
+        last, per_train = self.critic_step, self.critic_steps_per_train
+        self.critic_step = step
+        if last is None:
+            return
+        if per_train is None:
+            self.critic_steps_per_train = step - last
+        elif step != last + per_train:
+            log.warning(
+                "the critic server is at critic step %d after this step's critic_train, expected %d (%d "
+                "+ %d per train): it does not hold the critic this run trained last — it restarted "
+                "from an older checkpoint, or was not restarted from the checkpoint this run resumed "
+                "from (or a step was skipped for a non-finite gradient). The run goes on, but is not "
+                "an exact continuation; for one, restart serve-critic from its checkpoint of critic "
+                "step %d together with train-ppo.",
+                step,
+                last + per_train,
+                last,
+                per_train,
+                last,
+            )
 
     # ------------------------------------------------------------------ (6) actor
     def run_training(self, data: PPOData) -> dict[str, float]:
@@ -516,6 +550,8 @@ class PPOTrainer:
             "epoch": self.epoch,
             "ppo_optimization_step": self.ppo_optimization_step,
             "kl_controller": self.kl_controller.state_dict(),
+            "critic_step": self.critic_step,
+            "critic_steps_per_train": self.critic_steps_per_train,
         }
 
     def save(self, metrics: dict[str, float]) -> None:
@@ -537,7 +573,16 @@ class PPOTrainer:
             monitored = {k: v for k, v in metrics.items() if k.startswith("val/")}
             self.ckpt_callback.save(self.step, write, {k.replace("/", "_"): v for k, v in monitored.items()})
         if critic_saved is not None:
-            critic_saved.result()
+            saved = critic_saved.result()
+            step = saved.get("step") if isinstance(saved, dict) else None
+            if step is not None and self.critic_step is not None and int(step) != self.critic_step:
+                log.warning(
+                    "checkpoint step_%d: the critic server saved critic step %s, but this run's critic is "
+                    "at step %d; resuming from this checkpoint will not be an exact continuation",
+                    self.step,
+                    step,
+                    self.critic_step,
+                )
         dp.barrier()
 
     def load_checkpoint(self, path: Path) -> None:
@@ -560,10 +605,18 @@ class PPOTrainer:
         self.consumed_samples = int(state["consumed_samples"])
         self.ppo_optimization_step = int(state["ppo_optimization_step"])
         self.kl_controller.load_state_dict(state["kl_controller"])
+        self.critic_step = state.get("critic_step")
+        self.critic_steps_per_train = state.get("critic_steps_per_train")
         rngs = torch.load(path / "rng.pt", weights_only=False)
         if dp.rank() < len(rngs):
             set_rng_state(rngs[dp.rank()])
         log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed_samples)
+        if self.critic_step is not None:
+            log.info(
+                "the critic server must hold the critic saved with this checkpoint (critic step %d): "
+                "restart serve-critic from its checkpoint.dir when train-ppo restarts",
+                self.critic_step,
+            )
 
 
 def derive_seed(*parts: int) -> int:

@@ -4,6 +4,8 @@ The stand-in scores a response by its share of one target token and returns zero
 real servers are exercised by the integration tests.
 """
 
+import json
+import logging
 from concurrent.futures import Future
 
 import pytest
@@ -210,3 +212,74 @@ def test_invalid_combinations_are_refused(override, needle):
     extra = ["initial_policy_kl_penalty=0"] if override.startswith("adaptive") else []
     with pytest.raises(ConfigError, match=needle):
         load_config(PPOConfig, None, [override, *extra])
+
+
+class SteppingCritic(TargetTokenScorer):
+    """Answers like the critic server: each train adds 2 critic steps; ``restart(at)`` sets the step
+    back, as a critic server restarted from an older checkpoint would be."""
+
+    def __init__(self, start=0):
+        super().__init__()
+        self.critic_step = start
+
+    def restart(self, at):
+        self.critic_step = at
+
+    def train(self, data):
+        self.train_calls += 1
+        self.critic_step += 2
+        f = Future()
+        f.set_result({"loss": 0.0, "critic_step": float(self.critic_step)})
+        return f
+
+    def save(self):
+        self.save_calls += 1
+        f = Future()
+        f.set_result({"status": 0, "step": self.critic_step})
+        return f
+
+
+def test_checkpoint_records_the_critic_step_and_a_resume_checks_it(tmp_path, caplog):
+    critic = SteppingCritic()
+    _trainer(tmp_path / "run", _cfg(max_steps=2, max_epochs=2), client=critic).fit()
+    state = json.loads((tmp_path / "run" / "ckpt" / "step_2" / "trainer_state.json").read_text())
+    assert state["critic_step"] == 4 and state["critic_steps_per_train"] == 2
+    # resumed with the critic server restarted from the critic saved with step_2: no warning
+    resumed = _trainer(tmp_path / "run", _cfg(max_steps=3, max_epochs=2), client=critic)
+    resumed.load_checkpoint(resumed.ckpt_callback.latest())
+    assert resumed.critic_step == 4
+    with caplog.at_level(logging.WARNING):
+        resumed.fit()
+    assert "expected" not in caplog.text and resumed.critic_step == 6
+    # resumed while the critic server kept training (not restarted): the run says so
+    critic.restart(at=10)
+    again = _trainer(
+        tmp_path / "run",
+        _cfg(max_steps=4, max_epochs=2, save_interval=0, val_check_interval=0),
+        client=critic,
+    )
+    again.load_checkpoint(again.ckpt_callback.latest())
+    with caplog.at_level(logging.WARNING):
+        again.fit()
+    assert "the critic server is at critic step 12 after this step's critic_train, expected 8" in caplog.text
+    assert "not an exact continuation" in caplog.text
+
+
+def test_critic_server_restarted_mid_run_is_reported_and_the_run_goes_on(tmp_path, caplog):
+    critic = SteppingCritic()
+    t = _trainer(
+        tmp_path, _cfg(max_steps=4, max_epochs=2, save_interval=0, val_check_interval=0), client=critic
+    )
+    original = critic.train
+
+    def train(data):
+        if critic.train_calls == 2:
+            critic.restart(at=2)  # back to the critic of the first step
+        return original(data)
+
+    critic.train = train
+    with caplog.at_level(logging.WARNING):
+        history = t.fit()
+    assert len(history) == 4
+    assert "critic step 4 after this step's critic_train, expected 6" in caplog.text
+    assert [m["value/critic_step"] for m in history] == [2.0, 4.0, 4.0, 6.0]

@@ -1,0 +1,316 @@
+"""Faults with real processes: SIGKILL of the trainer and of checkpoint writers, a corrupt
+checkpoint, and the critic server killed mid-run (with and without a restart).
+
+The PPO runs are `openaligner train-ppo` subprocesses with a tiny actor against `openaligner
+serve-critic` subprocesses (see fault_procs.py); one torch thread each, so two runs of the same
+command give the same numbers and a resumed run can be compared with an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from fault_procs import CriticServer, Trainer, kill_tree, latest_step, wait_for, write_prompts
+from safetensors.torch import load_file
+
+from openaligner.io import checkpoint as checkpoint_module
+from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
+from openaligner.io.metrics import read_jsonl
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+
+
+def _critic_step_of(trainer_checkpoint: Path) -> int:
+    return int(json.loads((trainer_checkpoint / "trainer_state.json").read_text())["critic_step"])
+
+
+def _same_metrics(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b, strict=True):
+        for key, value in x.items():
+            if key.startswith("timing/") or value is None:
+                continue
+            assert y[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (x["step"], key)
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    wa, wb = load_file(str(a)), load_file(str(b))
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+# --------------------------------------------------------------------------- trainer killed (-9)
+def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted_run(tmp_path):
+    """kill -9 of train-ppo right after checkpoint 2 (of a 6-step run); the critic server is
+    restarted from its own checkpoint of that step, the trainer with the same command.
+
+    Exact resume needs both halves of the step: the actor checkpoint and the critic the critic
+    server saved in the same step (``trainer_state.json`` records its critic step). A critic
+    server that kept running has trained past it, so it is restarted too.
+    """
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    every_2 = "trainer.save_interval=2"  # two steps between checkpoints: the kill lands between them
+    ref_server = CriticServer(tmp_path / "ref" / "critic")
+    server = CriticServer(tmp_path / "cut" / "critic")
+    ref = Trainer(tmp_path / "ref" / "run", prompts, ref_server.port, 6, every_2)
+    cut = Trainer(tmp_path / "cut" / "run", prompts, server.port, 6, every_2)
+    restarted: list[CriticServer] = []
+    try:
+        # kill as soon as step 2 is checkpointed on both sides (the trainer goes on meanwhile)
+        wait_for(
+            lambda: latest_step(server.ckpt_dir) >= 2 and cut.latest_step() >= 2,
+            timeout_s=240,
+            what="checkpoint 2 of the actor and the critic",
+            poll_s=0.005,
+        )
+        kill_tree(cut)
+        kill_tree(server)
+        assert cut.latest_step() == 2, "the kill came too late: step 4 was already checkpointed"
+        assert _critic_step_of(cut.checkpoints / "step_2") == latest_step(server.ckpt_dir) == 2
+
+        restarted.append(CriticServer(server.ckpt_dir, port=server.port))
+        again = Trainer(cut.out, prompts, server.port, 6, every_2)  # the same command
+        assert restarted[0].wait_ready() == "2"  # resumed from its checkpoint of step 2
+        assert again.wait() == 0, again.output[-3000:]
+        assert ref.wait() == 0, ref.output[-3000:]
+    finally:
+        for s in (ref_server, server, *restarted):
+            kill_tree(s)
+        for t in (ref, cut):
+            t.kill()
+    assert "resumed from" in again.output and "step_2" in again.output
+    assert "not an exact continuation" not in again.output  # the critic server matched the checkpoint
+    # the resumed run's metrics are the uninterrupted run's, every step once (steps logged before
+    # the kill and run again were dropped at resume)
+    straight = read_jsonl(tmp_path / "ref" / "run" / "logs" / "metrics.jsonl")
+    resumed = read_jsonl(cut.out / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    _same_metrics(straight, resumed)
+    _same_weights(ref.out / "actor" / "model.safetensors", cut.out / "actor" / "model.safetensors")
+    _same_weights(
+        ref_server.ckpt_dir / "step_6" / "critic" / "model.safetensors",
+        server.ckpt_dir / "step_6" / "critic" / "model.safetensors",
+    )
+
+
+# --------------------------------------------------------------------------- checkpoint writes killed
+FILES = {"model.safetensors": 6 << 20, "optimizer.pt": 3 << 20, "sub/state.json": 64}
+"""A checkpoint's files and sizes (~9 MB): big enough that a write takes a while."""
+
+
+def _contents(step: int, size: int) -> bytes:
+    unit = f"step {step}|".encode()
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+def _write(step: int, stall: Callable[[], None] | None = None) -> Callable[[Path], None]:
+    """Fills a checkpoint directory in 1 MB chunks; ``stall`` is called halfway through the second file."""
+
+    def write(d: Path) -> None:
+        for i, (name, size) in enumerate(FILES.items()):
+            (d / name).parent.mkdir(parents=True, exist_ok=True)
+            data = _contents(step, size)
+            with (d / name).open("wb") as f:
+                for start in range(0, size, 1 << 20):
+                    if stall is not None and i == 1 and start >= size // 2:
+                        stall()
+                    f.write(data[start : start + (1 << 20)])
+
+    return write
+
+
+def _holds(path: Path, step: int) -> bool:
+    return all((path / name).read_bytes() == _contents(step, size) for name, size in FILES.items())
+
+
+def _stop_here(conn) -> None:
+    """In the writer process: tell the test where it is, then wait to be killed."""
+    conn.send("here")
+    time.sleep(60)
+
+
+def _writer(root: Path, step: int, conn, where: str, keep_last: int) -> None:
+    """The process killed mid-save: saves ``step`` under ``root`` and stops at ``where``.
+
+    The hooks replace functions of this process only (it is a fork of the test), so the code that
+    runs is the real CheckpointManager.save up to the chosen point.
+    """
+    cm = checkpoint_module
+    stall = None
+    if where == "writing files":
+        stall = lambda: _stop_here(conn)  # noqa: E731
+    elif where == "hashing files":
+        real_sha = cm._sha256
+        calls = []
+
+        def sha(p: Path) -> str:
+            calls.append(p)
+            if len(calls) == 2:
+                _stop_here(conn)
+            return real_sha(p)
+
+        cm._sha256 = sha
+    elif where in ("sealed, not renamed", "renamed, latest not updated"):
+        real_fsync = cm._fsync_dir
+        stop_on = 1 if where == "sealed, not renamed" else 2
+        fsyncs = []
+
+        def fsync(p: Path) -> None:
+            real_fsync(p)
+            fsyncs.append(p)
+            if len(fsyncs) == stop_on:
+                _stop_here(conn)
+
+        cm._fsync_dir = fsync
+    elif where == "replacing the same step":
+        real_replace = os.replace
+
+        def replace(src, dst) -> None:
+            real_replace(src, dst)
+            if Path(dst).name.startswith(".old-step_"):
+                _stop_here(conn)
+
+        cm.os.replace = replace
+    elif where == "writing the latest pointer":
+        real_replace = os.replace
+
+        def replace(src, dst) -> None:
+            if Path(dst).name == "latest":
+                _stop_here(conn)  # the new pointer is written next to the old one, not yet in place
+            real_replace(src, dst)
+
+        cm.os.replace = replace
+    elif where == "pruning old checkpoints":
+        real_rmtree = cm.shutil.rmtree
+
+        def rmtree(p, *args, **kwargs) -> None:
+            if Path(p).name.startswith("step_"):
+                (Path(p) / "model.safetensors").unlink()  # the deletion is under way
+                _stop_here(conn)
+            real_rmtree(p, *args, **kwargs)
+
+        cm.shutil.rmtree = rmtree
+    CheckpointManager(root, keep_last=keep_last).save(step, _write(step, stall))
+    conn.send("finished")
+
+
+KILL_POINTS = [
+    # (where the writer is killed, step it saves, the step `latest()` must return afterwards)
+    ("writing files", 3, 2),
+    ("hashing files", 3, 2),
+    ("sealed, not renamed", 3, 2),
+    ("renamed, latest not updated", 3, 2),  # step_3 is complete but was never named latest
+    ("writing the latest pointer", 3, 2),
+    ("replacing the same step", 2, 1),  # a re-save of step 2: the old copy moved aside, the new not in
+    ("pruning old checkpoints", 3, 3),  # step_3 published; step_1 half deleted
+]
+
+
+@pytest.mark.parametrize(("where", "step", "expected"), KILL_POINTS, ids=[k[0] for k in KILL_POINTS])
+def test_sigkill_during_a_checkpoint_write_leaves_a_complete_checkpoint(
+    tmp_path, caplog, where, step, expected
+):
+    root = tmp_path / "ckpt"
+    keep_last = 2 if where == "pruning old checkpoints" else 0
+    for s in (1, 2):
+        CheckpointManager(root, keep_last=keep_last).save(s, _write(s))
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    writer = ctx.Process(target=_writer, args=(root, step, theirs, where, keep_last))
+    writer.start()
+    try:
+        assert ours.poll(60) and ours.recv() == "here", f"the writer never reached {where!r}"
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(10)
+    finally:
+        if writer.is_alive():
+            writer.kill()
+    assert writer.exitcode == -signal.SIGKILL
+    manager = CheckpointManager(root, keep_last=keep_last)
+    with caplog.at_level(logging.WARNING, logger="openaligner.io.checkpoint"):
+        latest = manager.latest()
+    assert latest == root / f"step_{expected}" and _holds(latest, expected)
+    if where == "replacing the same step":  # `latest` names the step that is missing now
+        assert f"skipping checkpoint {root / 'step_2'}: no manifest (the write did not finish)" in caplog.text
+    else:
+        assert caplog.text == ""
+    if where == "writing the latest pointer":
+        assert list(root.glob(".latest.tmp-*"))  # the pointer that never replaced `latest`
+    # the next save of the restarted run works and removes what the killed writer left behind
+    manager.save(4, _write(4))
+    assert manager.latest() == root / "step_4" and _holds(root / "step_4", 4)
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]  # no leftover of any kind
+    for _, path in manager.checkpoints():
+        assert verify_checkpoint(path) is None, path
+
+
+def _save_forever(root: Path, first_step: int) -> None:
+    manager = CheckpointManager(root, keep_last=2)
+    for step in range(first_step, first_step + 10_000):
+        manager.save(step, _write(step))
+
+
+def test_sigkill_at_random_moments_of_repeated_saves_never_loses_the_last_complete_checkpoint(tmp_path):
+    """Like a training run killed and restarted over and over: each writer continues after the
+    checkpoint its predecessor left, and is killed at a random moment."""
+    rng = random.Random(0)
+    ctx = multiprocessing.get_context("fork")
+    root = tmp_path / "ckpt"
+    CheckpointManager(root).save(0, _write(0))
+    saved = 0
+    for trial in range(6):
+        writer = ctx.Process(target=_save_forever, args=(root, saved + 1))
+        writer.start()
+        time.sleep(rng.uniform(0.05, 0.6))
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(10)
+        latest = CheckpointManager(root, keep_last=2).latest()
+        assert latest is not None, f"trial {trial}: no checkpoint survived"
+        previous, saved = saved, int(latest.name.removeprefix("step_"))
+        assert saved >= previous and _holds(latest, saved), (trial, latest)
+        for step, path in CheckpointManager(root).checkpoints():
+            if verify_checkpoint(path) is None:
+                assert _holds(path, step), (trial, path)
+    assert saved > 0  # the writers made progress between the kills
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        ("flip a byte", "model.safetensors does not match its checksum"),
+        ("truncate", f"model.safetensors has {1 << 20} bytes, expected {6 << 20}"),
+        ("delete a file", "missing file optimizer.pt"),
+        ("garble the manifest", "unreadable manifest"),
+    ],
+)
+def test_corrupt_latest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path, caplog, damage, reason):
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root)
+    manager.save(1, _write(1))
+    bad = manager.save(2, _write(2))
+    weights = bad / "model.safetensors"
+    if damage == "flip a byte":
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        weights.write_bytes(bytes(data))
+    elif damage == "truncate":
+        with weights.open("r+b") as f:
+            f.truncate(1 << 20)
+    elif damage == "delete a file":
+        (bad / "optimizer.pt").unlink()
+    else:
+        (bad / "manifest.json").write_text('{"files": ')
+    with caplog.at_level(logging.WARNING, logger="openaligner.io.checkpoint"):
+        assert manager.latest() == root / "step_1"
+    assert f"skipping checkpoint {bad}: {reason}" in caplog.text
