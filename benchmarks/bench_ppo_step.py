@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from flops import gpt2_shape, matmul_peak_flop_per_s
+
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS, ROLLOUTS = 512, 32, 64, 64
 
 
@@ -79,14 +81,11 @@ def _start_critic(
     raise TimeoutError(log.read_text())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--server-threads", type=int, default=1)
-    ns = parser.parse_args()
-    torch.set_num_threads(ns.threads)
-
+def run_openaligner(
+    steps: int, threads: int, server_threads: int, rollout_micro_batch: int
+) -> dict[str, Any]:
+    """``steps`` PPO steps of PPOTrainer against a served critic; the result dict (module doc)."""
+    torch.set_num_threads(threads)
     from openaligner.clients.critic import CriticAddress, RemoteCriticConfig, RemoteGPTRMCriticClient
     from openaligner.config import load_config
     from openaligner.io.metrics import MetricsLogger
@@ -101,14 +100,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         build_tiny_reward_model("gpt2", WORKLOAD_SIZE, seed=0).save_pretrained(work / "rm")
-        server, port = _start_critic(work / "rm", work / "critic", ns.server_threads, work / "critic.log")
+        server, port = _start_critic(work / "rm", work / "critic", server_threads, work / "critic.log")
         try:
             cfg = load_config(
                 PPOConfig,
                 None,
                 [
                     f"num_rollout_samples={ROLLOUTS}",
-                    "rollout_micro_batch_size=16",
+                    f"rollout_micro_batch_size={rollout_micro_batch}",
                     "global_batch_size=16",
                     "micro_batch_size=16",
                     "ppo_epochs=1",
@@ -116,9 +115,11 @@ def main() -> None:
                     f"length.max_length={NEW_TOKENS}",
                     f"length.min_length={NEW_TOKENS}",
                     "sampling.stop_token_ids=[]",
+                    # No response ends (no stop token), and all of them are trained on, as in TRL.
+                    "gate_unfinished=false",
                     "val_check_interval=0",
                     "save_interval=0",
-                    f"max_steps={ns.steps}",
+                    f"max_steps={steps}",
                     "seed=0",
                 ],
             )
@@ -153,23 +154,83 @@ def main() -> None:
     phases = sorted({k for m in measured for k in m if k.startswith("timing/") and k.endswith("_s")})
     split = {k.removeprefix("timing/"): statistics.median(m.get(k, 0.0) for m in measured) for k in phases}
     waiting = split.get("critic_wait_s", 0.0) + split.get("critic_train_wait_s", 0.0)
-    result: dict[str, Any] = {
+    shape = gpt2_shape(actor.model.config)
+    seq = PROMPT_TOKENS + NEW_TOKENS
+    update_flops = shape.train_flops_per_token(seq) * ROLLOUTS * seq
+    return {
         "benchmark": "ppo_step",
         "steps_measured": len(measured),
         "median_step_s": round(step_s, 3),
-        "tokens_per_s": round(ROLLOUTS * (PROMPT_TOKENS + NEW_TOKENS) / step_s, 1),
+        "tokens_per_s": round(ROLLOUTS * seq / step_s, 1),
         "phase_median_s": {k: round(v, 3) for k, v in split.items() if k not in ("step_s", "tokens_per_s")},
         "server_wait_share": round(waiting / step_s, 4),
+        "actor_update_gflop": round(update_flops / 1e9, 2),
+        "actor_update_gflop_per_s": round(update_flops / split["train_s"] / 1e9, 1),
         "all_step_s": [round(m["timing/step_s"], 3) for m in history],
-        "threads": ns.threads,
-        "server_threads": ns.server_threads,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
-        "versions": {"torch": torch.__version__},
+        "threads": threads,
+        "server_threads": server_threads,
+        "rollout_micro_batch": rollout_micro_batch,
     }
+
+
+def run_peer(python: str, steps: int, threads: int) -> dict[str, Any]:
+    """TRL's PPO step (``bench_trl_ppo.py``) in a child process of ``python``; its result dict."""
+    script = Path(__file__).with_name("bench_trl_ppo.py")
+    proc = subprocess.run(
+        [python, str(script), "--steps", str(steps), "--threads", str(threads)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{script.name} failed (exit {proc.returncode}); TRL comes with the bench extra "
+            f"(`make bench-setup`, or `--peer none` to skip it):\n{proc.stderr[-3000:]}"
+        )
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--server-threads", type=int, default=1)
+    parser.add_argument("--rollout-micro-batch", type=int, default=64, help="prompts per generation call")
+    parser.add_argument("--peer", choices=("trl", "none"), default="trl")
+    parser.add_argument("--peer-python", default=sys.executable, help="interpreter with the bench extra")
+    parser.add_argument("--rounds", type=int, default=1, help="openaligner then the peer, this many times")
+    ns = parser.parse_args()
+    import transformers
+
+    peaks = [matmul_peak_flop_per_s(ns.threads)]
+    rounds = []
+    for _ in range(ns.rounds):
+        ours = run_openaligner(ns.steps, ns.threads, ns.server_threads, ns.rollout_micro_batch)
+        peer = run_peer(ns.peer_python, ns.steps, ns.threads) if ns.peer == "trl" else None
+        rounds.append((ours, peer))
+    peaks.append(matmul_peak_flop_per_s(ns.threads))
+    peak = max(peaks)
+
+    result: dict[str, Any] = {
+        "benchmark": "ppo_step",
+        "matmul_peak_gflop_per_s": round(peak / 1e9, 1),
+        "matmul_peak_each_gflop_per_s": [round(p / 1e9, 1) for p in peaks],
+        "rounds": [],
+    }
+    for ours, peer in rounds:
+        ours["actor_update_peak_fraction"] = round(ours["actor_update_gflop_per_s"] * 1e9 / peak, 3)
+        entry: dict[str, Any] = {"openaligner": ours}
+        if peer is not None:
+            entry["trl"] = peer
+            entry["step_time_ratio_vs_trl"] = round(ours["median_step_s"] / peer["median_step_s"], 3)
+        result["rounds"].append(entry)
+    result["machine"] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+    result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
     print(json.dumps(result, indent=1))
 
 
