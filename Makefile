@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint setup clean
+.PHONY: demo test lint setup clean bench-setup
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,11 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 setup: $(BIN)/.installed
+
+# The benchmarks' peers (TRL's PPO trainer) and py-spy, into the same venv; pyproject's pins keep
+# torch, transformers and numpy as they are.
+bench-setup: setup
+	$(BIN)/pip install --quiet -e ".[dev,bench]"
 
 demo: setup
 	$(BIN)/openaligner demo
