@@ -1,4 +1,5 @@
-"""Shared pieces of the reliability tests: tiny real servers, raw KServe v2 HTTP, state snapshots.
+"""Shared pieces of the reliability tests: tiny real servers, raw KServe v2 HTTP, state snapshots,
+resident memory of a process tree.
 
 Requests are built by hand (JSON or the binary extension) and posted with ``http.client`` so that
 anything can be sent — wrong dtypes, lying shapes, garbage bodies — exactly as a foreign client
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from procs import descendants
 
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
@@ -231,6 +233,30 @@ def _same_tree(a: Any, b: Any) -> bool:
     if isinstance(a, list | tuple):
         return len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
+
+
+def vm_rss_kb(pid: int) -> int:
+    """Resident set size of ``pid`` in kB (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass
+class Memory:
+    """RSS of a server process alone and with its process tree, in kB."""
+
+    server_kb: int
+    tree_kb: int
+
+    @classmethod
+    def of(cls, pid: int) -> Memory:
+        server = vm_rss_kb(pid)
+        return cls(server, server + sum(vm_rss_kb(child) for child in descendants(pid)))
 
 
 def files_under(root: Path) -> set[Path]:
