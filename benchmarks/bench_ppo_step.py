@@ -1,4 +1,4 @@
-"""PPO step time on the canonical workload, end to end, with the critic server in its own process.
+"""PPO step time on the canonical workload, end to end, against TRL's PPO trainer in the same run.
 
 Workload (/work/shared/bench/workload.md): policy, initial policy, critic and reward model are the
 canonical GPT-2 (n_layer=4, n_embd=256, n_head=4, vocab 512, n_positions=256, random init, seed
@@ -6,12 +6,19 @@ canonical GPT-2 (n_layer=4, n_embd=256, n_head=4, vocab 512, n_positions=256, ra
 64 responses of exactly 64 new tokens (no stop token, temperature 1), 4 minibatches of 16, 1 PPO
 epoch, KL coefficient 0.05, lr 1e-5. The critic (combined with the reward model) is served by
 ``openaligner serve-critic`` in a child process, on this machine, over HTTP; the actor is
-:class:`PPOTrainer` in this process with ``torch.set_num_threads(--threads)``.
+:class:`PPOTrainer` in this process with ``torch.set_num_threads(--threads)``; rollouts are
+generated ``--rollout-micro-batch`` prompts at a time (64, as TRL does by default).
 
-Reports the median step time over steps 2..N (``--steps``, default 6), tokens/s =
-64 × (32 + 64) / step time, the phase split (median per phase) and the share of the step spent
-waiting on the servers. Prints one JSON object. Usage:
-``python benchmarks/bench_ppo_step.py [--steps 6] [--threads 2] [--server-threads 1]``.
+Then, unless ``--peer none``, the same workload on Hugging Face TRL's PPO trainer
+(``bench_trl_ppo.py``, in a child process of ``--peer-python``, which needs the ``bench`` extra:
+``make bench-setup``). ``--rounds N`` repeats the pair N times, one after the other.
+
+Reports, per system, the median step time over steps 2..N (``--steps``, default 6), tokens/s =
+64 × (32 + 64) / step time and the phase split (median per phase); for openaligner also the share
+of the step spent waiting on the server and the actor update's FLOP/s (``flops.py``: 6·N + 12·L·d·S
+per token, 64 × 96 tokens) against the best fp32 2048² matmul measured at the start and the end
+of the run; and the step-time ratio openaligner / TRL. Prints one JSON object. Usage:
+``python benchmarks/bench_ppo_step.py [--steps 6] [--threads 2] [--server-threads 1] [--rounds 1]``.
 """
 
 from __future__ import annotations
