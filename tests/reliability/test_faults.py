@@ -314,3 +314,71 @@ def test_corrupt_latest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path,
     with caplog.at_level(logging.WARNING, logger="openaligner.io.checkpoint"):
         assert manager.latest() == root / "step_1"
     assert f"skipping checkpoint {bad}: {reason}" in caplog.text
+
+
+# --------------------------------------------------------------------------- critic server killed
+def test_critic_server_killed_and_not_restarted_stops_the_trainer_naming_the_server(tmp_path):
+    """Two runs share a critic server that is SIGKILLed (its whole process group) mid-run and not
+    restarted: with the default reconnect_grace_s=0 the trainer stops at once; with 3 s it stops
+    3 s later. Both exit 1 with a message naming host:port and model and how to resume."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    server = CriticServer(tmp_path / "critic")
+    at_once = Trainer(tmp_path / "at_once", prompts, server.port, 500)
+    patient = Trainer(tmp_path / "patient", prompts, server.port, 500, "remote.reconnect_grace_s=3")
+    try:
+        wait_for(lambda: at_once.latest_step() >= 2 and patient.latest_step() >= 2, 240, "both runs to train")
+        killed = time.monotonic()
+        kill_tree(server)
+        assert at_once.wait(60) == 1, at_once.output[-3000:]
+        at_once_s = time.monotonic() - killed
+        assert patient.wait(60) == 1, patient.output[-3000:]
+        patient_s = time.monotonic() - killed
+    finally:
+        for p in (server, at_once, patient):
+            kill_tree(p)
+    where = f"critic server http://127.0.0.1:{server.port} (model 'critic_"
+    for run in (at_once, patient):
+        assert where in run.output, run.output[-3000:]
+        assert "The run stopped at step" in run.output and "the same command resumes from" in run.output
+        assert "Traceback" not in run.output
+    assert "reconnect_grace_s=0: the client does not wait for a restarted server" in at_once.output, (
+        at_once.output[-3000:]
+    )
+    assert "did not answer again within reconnect_grace_s=3 s" in patient.output, patient.output[-3000:]
+    assert "Restart the server, or raise reconnect_grace_s" in patient.output
+    # the grace bounds the wait: at least the grace, at most the grace plus closing (5 s) and exit
+    assert at_once_s < 20, at_once_s
+    assert 3 <= patient_s < 3 + 20, patient_s
+
+
+def test_critic_server_restarted_within_the_grace_lets_the_run_finish(tmp_path):
+    """The critic server is SIGKILLed mid-run and restarted on the same port; its newest checkpoint
+    is corrupt (a flipped byte), so it resumes from the one before, with a warning. The trainer
+    (reconnect_grace_s=120) waits, resends, and finishes; it reports that the critic went back."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    server = CriticServer(tmp_path / "critic")
+    run = Trainer(tmp_path / "run", prompts, server.port, 8, "remote.reconnect_grace_s=120")
+    restarted: list[CriticServer] = []
+    try:
+        wait_for(lambda: latest_step(server.ckpt_dir) >= 2, 240, "the critic's checkpoint 2")
+        kill_tree(server)
+        newest = server.ckpt_dir / f"step_{latest_step(server.ckpt_dir)}"
+        weights = newest / "critic" / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        weights.write_bytes(bytes(data))
+        restarted.append(CriticServer(server.ckpt_dir, port=server.port))
+        resumed_at = int(restarted[0].wait_ready())
+        assert run.wait() == 0, run.output[-3000:]
+    finally:
+        for p in (server, run, *restarted):
+            kill_tree(p)
+    assert resumed_at == int(newest.name.removeprefix("step_")) - 1
+    assert f"skipping checkpoint {newest}: critic/model.safetensors does not match its checksum" in (
+        restarted[0].output
+    )
+    assert "waiting up to reconnect_grace_s=120 s" in run.output and "answers again" in run.output
+    assert "not an exact continuation" in run.output  # the critic lost what it trained after resumed_at
+    rows = read_jsonl(run.out / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert (run.out / "actor" / "model.safetensors").is_file()

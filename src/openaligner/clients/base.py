@@ -18,7 +18,7 @@ may be resent depends on whether running it twice is harmless:
   any lost connection;
 * a request that is not idempotent (``critic_train``: one more optimizer pass) is resent only
   when the server cannot have kept its effect: the connection was refused before anything was
-  sent, or it dropped after sending and, right after, nothing listens on the port any more — the
+  sent, or it dropped after sending and, within 2 s, nothing listens on the port any more — the
   server process is gone, and with it everything it had not saved, this request's training
   included (servers save only when asked, and the critic client sends a save only after the last
   train was answered). A restarted server resumes from its last checkpoint and has never seen the
@@ -102,6 +102,9 @@ class _Connection:
 
 
 _SENTINEL = None
+
+_GONE_WITHIN_S = 2.0
+"""After a dropped connection, how long a server may take to stop listening and still count as gone."""
 
 
 class TritonHTTPClient:
@@ -305,7 +308,7 @@ class TritonHTTPClient:
         grace = self.reconnect_grace_s
         if grace <= 0:
             raise lost.error
-        if lost.sent and not job.idempotent and not self._nothing_listening():
+        if lost.sent and not job.idempotent and not self._went_away(min(grace, _GONE_WITHIN_S)):
             raise ServerUnavailableError(
                 f"{self.where(job.model)} dropped the connection while the request was in flight "
                 f"({lost.cause}), but the server is still up: it may have run the request already, and "
@@ -344,15 +347,25 @@ class TritonHTTPClient:
         with self._lock:
             self._outage = None
 
-    def _nothing_listening(self) -> bool:
-        """Whether a TCP connection to the server is refused right now (its process is gone)."""
-        try:
-            with socket.create_connection((self.host, self.port), timeout=min(2.0, self.request_timeout_s)):
+    def _went_away(self, within_s: float) -> bool:
+        """Whether a TCP connection to the server is refused at some moment in the next ``within_s``.
+
+        A refused connection means no process listens on the port: the server that had the
+        request is gone. A dying server may still accept connections for a moment after its
+        connections dropped, hence the window rather than one try.
+        """
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                with socket.create_connection((self.host, self.port), timeout=min(1.0, within_s)):
+                    pass
+            except ConnectionRefusedError:
+                return True
+            except OSError:  # no answer or another failure: the server may still be there
+                pass
+            if time.monotonic() >= deadline:
                 return False
-        except ConnectionRefusedError:
-            return True
-        except OSError:  # no answer or another failure: the server may still be there
-            return False
+            time.sleep(0.02)
 
     def _connect(self) -> Any:
         import tritonclient.http as triton_http

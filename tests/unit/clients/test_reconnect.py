@@ -30,7 +30,8 @@ class RestartableServer:
 
     ``ok`` an answer; ``drop`` the connection closed unanswered, the server staying up
     (``drop_once``: then ``ok``); ``crash`` the server stops listening, then the connection is
-    closed unanswered (a killed process).
+    closed unanswered (a killed process); ``crash_slowly`` the same, but the server stops
+    listening 0.3 s after the drop (a process still dying).
     """
 
     def __init__(self, port: int = 0) -> None:
@@ -76,6 +77,8 @@ class RestartableServer:
                     return
                 if outer.mode == "crash":
                     outer.stop()  # nothing listens any more when the client sees the drop
+                if outer.mode == "crash_slowly":  # still listening for a moment after the drop
+                    threading.Timer(0.3, outer.stop).start()
                 if outer.mode == "drop_once":
                     outer.mode = "ok"
                 self.close_connection = True
@@ -186,6 +189,14 @@ def test_train_lost_with_its_server_is_resent_once_it_is_back(server):
         server.restart(after_s=0.5)
         assert send(client, 7, idempotent=False) == 7
     assert server.received == [7, 7]
+
+
+def test_train_lost_with_a_server_that_stops_listening_only_later_is_resent(server):
+    with client_for(server.port, grace=20) as client:
+        server.mode = "crash_slowly"
+        server.restart(after_s=1.0)
+        assert send(client, 8, idempotent=False) == 8
+    assert server.received == [8, 8]
 
 
 def test_train_dropped_by_a_server_still_up_is_not_resent(server):
