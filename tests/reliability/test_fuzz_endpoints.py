@@ -321,7 +321,8 @@ def lying_binary_size(draw: Any, ep: Endpoint) -> Case:
     arrays = ep.valid(_rng(draw), draw)
     if draw(st.booleans()):  # the body holds more or fewer bytes than the inputs declare
         body, headers = binary_body(arrays, ep.parameters)
-        cut = draw(st.integers(1, 16))
+        binary = sum(a.nbytes for a in arrays.values())
+        cut = draw(st.integers(1, min(16, binary)))  # within the binary part: the JSON stays whole
         body = body[:-cut] if draw(st.booleans()) else body + b"\0" * cut
         return Case("lying binary size", body, ("the body carries", "binary_data_size add up to"), headers)
     name = draw(st.sampled_from(sorted(arrays)))

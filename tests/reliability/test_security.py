@@ -1,10 +1,15 @@
 """Security properties of the served endpoints, checked on real servers.
 
+Most tests use the deployed servers (``openaligner serve-reward`` / ``serve-critic`` subprocesses,
+the critic's token taken from ``$OPENALIGNER_TOKEN``); one in-process reward server is bound to
+every interface with a small body limit.
+
 * Bind address: loopback by default — every listening socket of the deployed servers' process
-  trees is on 127.0.0.1 — and a warning when a non-loopback address is bound.
-* Shared secret: with a token set (config or ``$OPENALIGNER_TOKEN``), ``critic_train`` and
-  ``critic_save`` refuse a missing or wrong token with a clear error and change nothing; the
-  right token works; ``critic_infer`` stays open; the token is never echoed or logged.
+  trees is on 127.0.0.1 — and a warning when a non-loopback address is bound (Triton itself then
+  still listens on loopback only, behind the HTTP front).
+* Shared secret: ``critic_train`` and ``critic_save`` refuse a missing or wrong token with a clear
+  error and change nothing (same values, no files); the right token trains and saves;
+  ``critic_infer`` needs none; the token is never echoed or logged.
 * No client-chosen paths: ``critic_save`` declares no path input, refuses extra inputs and ignores
   request parameters; checkpoints land only in the configured directory.
 * Size limits: rows per request, sequence length (the model's position limit by default, as
@@ -33,14 +38,11 @@ from support import (
     Memory,
     array_json,
     binary_body,
-    critic_server,
     files_under,
     infer_path,
     json_body,
     post,
     reward_server,
-    same_state,
-    snapshot,
     tensor,
     valid_infer_body,
 )
@@ -55,7 +57,6 @@ from openaligner.servers.triton import TritonHost
 
 pytestmark = pytest.mark.reliability
 
-ENV_TOKEN = "env-s3cret-token"
 BODY_LIMIT = 64 * 1024
 
 
@@ -109,30 +110,34 @@ def save_body(parameters: dict | None, extra: dict[str, np.ndarray] | None = Non
 
 
 # ---------------------------------------------------------------------------- servers
-@pytest.fixture(scope="module")
-def sandbox(tmp_path_factory):
-    """A directory holding the checkpoint directory and the paths a client might try to write."""
-    return tmp_path_factory.mktemp("security")
+class Recorder(logging.Handler):
+    """Keeps the log records it sees."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 @pytest.fixture(scope="module")
-def critic(tiny, sandbox):
-    """A critic server whose token comes from ``$OPENALIGNER_TOKEN`` (none in its config)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(TOKEN_ENV, ENV_TOKEN)
-        server = critic_server(tiny, free_port(), sandbox / "ckpt", token=None)
-    assert server.cfg.token is None and server.token == ENV_TOKEN
-    server.start()
-    yield server
+def exposed_reward(tiny):
+    """A reward server bound to every interface with a small body limit, and the warnings its
+    start logged."""
+    server = reward_server(tiny, free_port(), host="0.0.0.0", max_request_bytes=BODY_LIMIT)
+    recorder, logger = Recorder(), logging.getLogger("openaligner.servers")
+    logger.addHandler(recorder)
+    try:
+        server.start()
+    finally:
+        logger.removeHandler(recorder)
+    yield server, [r.getMessage() for r in recorder.records]
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def small_body_reward(tiny):
-    server = reward_server(tiny, free_port(), max_request_bytes=BODY_LIMIT)
-    server.start()
-    yield server
-    server.stop()
+def critic_values(port: int) -> dict[str, np.ndarray]:
+    return post(port, infer_path("critic_infer"), valid_infer_body()).outputs()
 
 
 # ---------------------------------------------------------------------------- bind address
@@ -170,77 +175,74 @@ def test_non_loopback_addresses_are_warned_about(host, caplog):
     assert "no authentication" in caplog.text
 
 
-def test_a_server_bound_to_all_interfaces_warns_and_serves(tiny, caplog):
-    server = reward_server(tiny, free_port(), host="0.0.0.0")
-    with caplog.at_level(logging.WARNING, logger="openaligner.servers.triton"):
-        server.start()
-    try:
-        assert "which is reachable from other machines" in caplog.text
-        assert reward_infer(server.port).shape == (2, 1)
-        assert server.triton is not None and server.triton.triton_port is not None
-        # Triton itself stays on loopback behind the front, whatever the served address
-        sockets = listening_sockets(os.getpid())
-        assert ("0.0.0.0", server.port) in sockets and ("127.0.0.1", server.triton.triton_port) in sockets
-    finally:
-        server.stop()
+def test_a_server_bound_to_all_interfaces_warns_and_keeps_triton_on_loopback(exposed_reward):
+    server, warnings = exposed_reward
+    assert any(
+        f"binding 0.0.0.0:{server.port}, which is reachable from other machines" in w for w in warnings
+    )
+    assert reward_infer(server.port).shape == (2, 1)
+    assert server.triton is not None and server.triton.triton_port is not None
+    sockets = listening_sockets(os.getpid())
+    assert ("0.0.0.0", server.port) in sockets and ("127.0.0.1", server.triton.triton_port) in sockets
 
 
 # ---------------------------------------------------------------------------- token
-def test_train_and_save_without_the_token_are_refused_and_change_nothing(critic, sandbox):
-    state, files = snapshot(critic), files_under(sandbox)
+def test_train_and_save_without_the_token_are_refused_and_change_nothing(cli_servers):
+    port = cli_servers.critic_port
+    values, files = critic_values(port), files_under(cli_servers.critic_ckpt)
     for model, (body, headers) in (("critic_train", train_body(None)), ("critic_save", save_body(None))):
-        answer = post(critic.cfg.port, infer_path(model), body, headers)
+        answer = post(port, infer_path(model), body, headers)
         assert answer.status >= 400
         assert f"{model}: this endpoint needs the server's token (request parameter '{TOKEN_PARAMETER}')" in (
             answer.error
         )
         assert f"${TOKEN_ENV}" in answer.error  # says where the token comes from
-    assert same_state(state, snapshot(critic)) and files_under(sandbox) == files
+    assert_same_values(values, critic_values(port))
+    assert files_under(cli_servers.critic_ckpt) == files
 
 
-@pytest.mark.parametrize("wrong", ["", "x", ENV_TOKEN + "x", ENV_TOKEN.upper(), ENV_TOKEN[:-1], 12345, True])
-def test_a_wrong_token_is_refused_changes_nothing_and_is_not_echoed(critic, sandbox, wrong, caplog):
-    state, files = snapshot(critic), files_under(sandbox)
-    with caplog.at_level(logging.DEBUG):
-        for model, (body, headers) in (
-            ("critic_train", train_body({TOKEN_PARAMETER: wrong})),
-            ("critic_save", save_body({TOKEN_PARAMETER: wrong})),
-        ):
-            answer = post(critic.cfg.port, infer_path(model), body, headers)
-            assert answer.status >= 400 and f"{model}: the request's token does not match the server's" in (
-                answer.error
-            )
-            assert ENV_TOKEN not in answer.error
-    assert same_state(state, snapshot(critic)) and files_under(sandbox) == files
-    assert ENV_TOKEN not in caplog.text
-
-
-def test_the_right_token_trains_and_saves_and_infer_needs_none(critic, sandbox, caplog):
-    before = post(critic.cfg.port, infer_path("critic_infer"), valid_infer_body())  # no token
-    assert before.status == 200
-    state = snapshot(critic)
-    with caplog.at_level(logging.DEBUG):
-        trained = post(critic.cfg.port, infer_path("critic_train"), *train_body({TOKEN_PARAMETER: ENV_TOKEN}))
-        assert trained.status == 200, trained.error
-        assert critic.step == state["step"] + 1 and not same_state(state, snapshot(critic))
-        saved = post(critic.cfg.port, infer_path("critic_save"), *save_body({TOKEN_PARAMETER: ENV_TOKEN}))
-        assert saved.status == 200, saved.error
-    assert (sandbox / "ckpt" / f"step_{critic.step}").is_dir()
-    assert ENV_TOKEN not in caplog.text
-
-
-def test_the_deployed_critic_takes_its_token_from_the_environment(cli_servers):
+@pytest.mark.parametrize("wrong", ["", "x", "TOKEN+x", "TOKEN.upper", "TOKEN[:-1]", 12345, True])
+def test_a_wrong_token_is_refused_changes_nothing_and_is_not_echoed(cli_servers, wrong):
     port, token = cli_servers.critic_port, cli_servers.token
-    refused = post(port, infer_path("critic_train"), *train_body(None))
-    assert refused.status >= 400 and "needs the server's token" in refused.error
-    accepted = post(port, infer_path("critic_train"), *train_body({TOKEN_PARAMETER: token}))
-    assert accepted.status == 200, accepted.error
+    wrong = {"TOKEN+x": token + "x", "TOKEN.upper": token.upper(), "TOKEN[:-1]": token[:-1]}.get(wrong, wrong)
+    values, files = critic_values(port), files_under(cli_servers.critic_ckpt)
+    for model, (body, headers) in (
+        ("critic_train", train_body({TOKEN_PARAMETER: wrong})),
+        ("critic_save", save_body({TOKEN_PARAMETER: wrong})),
+    ):
+        answer = post(port, infer_path(model), body, headers)
+        assert answer.status >= 400 and f"{model}: the request's token does not match the server's" in (
+            answer.error
+        )
+        assert token not in answer.error
+    assert_same_values(values, critic_values(port))
+    assert files_under(cli_servers.critic_ckpt) == files
+
+
+def test_the_right_token_trains_and_saves_and_infer_needs_none(cli_servers):
+    port, token, ckpt = cli_servers.critic_port, cli_servers.token, cli_servers.critic_ckpt
+    before = critic_values(port)  # infer: no token
+    trained = post(port, infer_path("critic_train"), *train_body({TOKEN_PARAMETER: token}))
+    assert trained.status == 200, trained.error
+    after = critic_values(port)
+    assert not np.array_equal(after["values"], before["values"])  # the critic learned
+    np.testing.assert_array_equal(after["rewards"], before["rewards"])  # the reward model did not
+    saved = post(port, infer_path("critic_save"), *save_body({TOKEN_PARAMETER: token}))
+    assert saved.status == 200, saved.error
+    step = int(json.loads(saved.body)["outputs"][1]["data"][0])
+    assert (ckpt / f"step_{step}").is_dir()
     assert "need the token" in cli_servers.critic.output  # the start-up line says so
+    assert token not in cli_servers.critic.output  # and the secret itself is never logged
+
+
+def assert_same_values(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> None:
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
 
 
 # ---------------------------------------------------------------------------- paths
-def test_critic_save_declares_no_path_input(critic):
-    conn = http.client.HTTPConnection("127.0.0.1", critic.cfg.port, timeout=10)
+def test_critic_save_declares_no_path_input(cli_servers):
+    conn = http.client.HTTPConnection("127.0.0.1", cli_servers.critic_port, timeout=10)
     try:
         conn.request("GET", "/v2/models/critic_save")
         metadata = json.loads(conn.getresponse().read())
@@ -249,44 +251,42 @@ def test_critic_save_declares_no_path_input(critic):
     assert [i["name"] for i in metadata["inputs"]] == ["dummy_var"]
 
 
-def test_critic_save_refuses_path_inputs_and_ignores_path_parameters(critic, sandbox):
-    trained = post(critic.cfg.port, infer_path("critic_train"), *train_body({TOKEN_PARAMETER: ENV_TOKEN}))
+def test_critic_save_refuses_path_inputs_and_ignores_path_parameters(cli_servers, tmp_path):
+    port, token, ckpt = cli_servers.critic_port, cli_servers.token, cli_servers.critic_ckpt
+    trained = post(port, infer_path("critic_train"), *train_body({TOKEN_PARAMETER: token}))
     assert trained.status == 200, trained.error  # a new step, so that a save writes new files
-    evil = sandbox / "evil"
-    targets = [evil / "ckpt", sandbox / "escape", Path("/tmp") / f"openaligner-evil-{critic.cfg.port}"]
-    files = files_under(sandbox)
+    evil = tmp_path / "evil"
+    targets = [evil / "ckpt", ckpt.parent / "escape", Path("/tmp") / f"openaligner-evil-{port}"]
+    watched = [tmp_path, ckpt.parent]
+    files = set().union(*(files_under(d) for d in watched))
     for name in ("path", "checkpoint_dir", "dir", "filename"):
         for target in targets:
             extra = {name: np.array([str(target).encode()], dtype=object)}
-            answer = post(
-                critic.cfg.port, infer_path("critic_save"), *save_body({TOKEN_PARAMETER: ENV_TOKEN}, extra)
-            )
+            answer = post(port, infer_path("critic_save"), *save_body({TOKEN_PARAMETER: token}, extra))
             assert (
                 answer.status == 400 and f"'{name}'" in answer.error and "expected 1 inputs" in answer.error
             )
-    assert files_under(sandbox) == files
-    step_dirs = set((sandbox / "ckpt").glob("step_*"))
-    parameters = {TOKEN_PARAMETER: ENV_TOKEN, "path": str(targets[0]), "checkpoint_dir": "../../escape"}
+    assert set().union(*(files_under(d) for d in watched)) == files
+    step_dirs = set(ckpt.glob("step_*"))
+    parameters = {TOKEN_PARAMETER: token, "path": str(targets[0]), "checkpoint_dir": "../../escape"}
     parameters |= {"dir": str(targets[2]), "output_dir": str(evil)}
-    saved = post(critic.cfg.port, infer_path("critic_save"), *save_body(parameters))
+    saved = post(port, infer_path("critic_save"), *save_body(parameters))
     assert saved.status == 200, saved.error
     assert not any(t.exists() for t in targets) and not evil.exists()
-    new = files_under(sandbox) - files
-    assert new and all((sandbox / "ckpt") in p.parents for p in new), sorted(new)
-    assert (sandbox / "ckpt" / f"step_{critic.step}") in set((sandbox / "ckpt").glob("step_*")) - step_dirs
+    new = set().union(*(files_under(d) for d in watched)) - files
+    assert new and all(ckpt in p.parents for p in new), sorted(new)
+    assert len(set(ckpt.glob("step_*")) - step_dirs) == 1
 
 
 # ---------------------------------------------------------------------------- size limits
-def test_too_many_rows_are_refused_and_the_server_goes_on(critic):
+def test_too_many_rows_are_refused_and_the_server_goes_on(exposed_reward):
+    server, _ = exposed_reward
     rows = MAX_BATCH + 1
     tokens, lengths = np.full((rows, 4), 5, np.int64), np.full((rows, 1), 4, np.int64)
-    answer = post(
-        critic.cfg.port,
-        infer_path("critic_infer"),
-        json_body([array_json("tokens", tokens), array_json("sequence_lengths", lengths)]),
-    )
-    assert answer.status == 400 and f"batch-size must be <= {MAX_BATCH} for 'critic_infer'" in answer.error
-    assert post(critic.cfg.port, infer_path("critic_infer"), valid_infer_body()).status == 200
+    body = json_body([array_json("tokens", tokens), array_json("sequence_lengths", lengths)])
+    answer = post(server.port, infer_path("reward_model"), body)
+    assert answer.status == 400 and f"batch-size must be <= {MAX_BATCH} for 'reward_model'" in answer.error
+    assert reward_infer(server.port).shape == (2, 1)
 
 
 def test_the_deployed_servers_limit_sequences_to_the_models_positions(cli_servers):
@@ -303,8 +303,8 @@ def test_the_deployed_servers_limit_sequences_to_the_models_positions(cli_server
         assert post(port, infer_path(model), valid_infer_body()).status == 200
 
 
-def test_a_body_over_the_limit_is_refused_before_it_is_read(small_body_reward):
-    port = small_body_reward.port
+def test_a_body_over_the_limit_is_refused_before_it_is_read(exposed_reward):
+    port = exposed_reward[0].port
     before = reward_infer(port)
     width = BODY_LIMIT // 2  # ", 5" is 3 bytes a token
     big = json_body(
@@ -335,10 +335,10 @@ def declared_length_answer(port: int, declared: int) -> tuple[int, str]:
         conn.close()
 
 
-def test_a_declared_length_over_the_default_limit_is_refused_at_once(cli_servers, small_body_reward):
+def test_a_declared_length_over_the_limit_is_refused_at_once(cli_servers, exposed_reward):
     status, error = declared_length_answer(cli_servers.reward_port, DEFAULT_MAX_REQUEST_BYTES + 1)
     assert status == 413 and f"{DEFAULT_MAX_REQUEST_BYTES + 1} bytes, over this server's limit" in error
-    status, error = declared_length_answer(small_body_reward.port, 10 * 2**30)
+    status, error = declared_length_answer(exposed_reward[0].port, 10 * 2**30)
     assert status == 413 and f"limit of {BODY_LIMIT} bytes" in error
     assert reward_infer(cli_servers.reward_port).shape == (2, 1)
 
