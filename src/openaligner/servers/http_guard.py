@@ -11,11 +11,10 @@ This module owns the checks that stop such requests before Triton sees them
 (:func:`check_infer_request`: body framing, JSON structure, empty tensors, declared shapes against
 the values actually sent) and the small reverse proxy that applies them with a body size limit
 (:class:`HTTPGuard`): it listens on the served address, Triton on a private loopback port behind
-it. It answers refusals as Triton
-does (a JSON ``{"error": ...}`` with a 4xx status), forwards ``GET``/``HEAD`` under ``/v2`` and
-``POST .../infer`` unchanged, and refuses every other route (Triton's model-control and
-shared-memory routes stay private). Must not know what an endpoint computes, nor how Triton is
-started.
+it. It answers refusals as Triton does (a JSON ``{"error": ...}`` with a 4xx status), forwards
+``GET``/``HEAD`` under ``/v2`` and ``POST .../infer`` unchanged, and refuses every other route
+(Triton's model-control and shared-memory routes stay private) and compressed bodies (never
+inflated). Must not know what an endpoint computes, nor how Triton is started.
 """
 
 from __future__ import annotations
