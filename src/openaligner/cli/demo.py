@@ -332,6 +332,8 @@ def _run_command(command: str, yaml_path: Path) -> None:
     from openaligner.cli.main import main
 
     rc = main([command, str(yaml_path)])
+    if rc in (130, 143):  # the command was stopped by SIGINT or SIGTERM (train-ppo says so itself)
+        raise KeyboardInterrupt
     if rc != 0:
         raise RuntimeError(f"`openaligner {command} {yaml_path}` failed with exit code {rc}")
 

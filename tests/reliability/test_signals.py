@@ -1,0 +1,92 @@
+"""SIGINT and SIGTERM: `serve-reward`, `serve-critic` and `train-ppo` exit promptly with the
+documented code and leave no process behind (tritonserver and its Python backends included).
+
+Exit codes: the servers exit 0 on either signal (stopping is how a server's run ends); train-ppo
+exits 130 on SIGINT and 143 on SIGTERM (128 + the signal: the run did not finish), after saying
+which checkpoint the same command resumes from. "Ctrl-C" is SIGINT to the whole process group, as
+a terminal sends it, so every child gets it too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from fault_procs import CriticServer, RewardServer, Trainer, kill_tree, stop_cleanly, wait_for, write_prompts
+from procs import Served, alive, descendants
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+
+EXIT_WITHIN_S = 30.0  # a stop waits at most server.exit_timeout_s (3 s) for calls in progress
+
+
+def ctrl_c(served: Served, within_s: float = EXIT_WITHIN_S) -> tuple[int, float]:
+    """SIGINT to the process group (a terminal's Ctrl-C); (exit code, seconds) once nothing is left."""
+    tree = descendants(served.proc.pid)
+    started = time.monotonic()
+    os.killpg(served.proc.pid, signal.SIGINT)
+    code = served.proc.wait(timeout=within_s)
+    took = time.monotonic() - started
+    wait_for(lambda: not any(alive(p) for p in tree), 10, "the process group to exit")
+    return code, took
+
+
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM"])
+def test_reward_server_stops_cleanly(how):
+    server = RewardServer()
+    try:
+        server.wait_ready()
+        assert "tritonserver" in descendants(server.proc.pid).values()
+        code, took = ctrl_c(server) if how == "Ctrl-C" else stop_cleanly(server, signal.SIGTERM)
+    finally:
+        kill_tree(server)
+    assert code == 0, server.output[-3000:]
+    assert took < EXIT_WITHIN_S
+    assert "reward model server stopped" in server.output
+    assert "Traceback" not in server.output
+
+
+def test_ctrl_c_stops_the_trainer_then_the_critic_server(tmp_path):
+    server = CriticServer(tmp_path / "critic")
+    run = Trainer(tmp_path / "run", write_prompts(tmp_path / "prompts.jsonl"), server.port, 500)
+    try:
+        wait_for(lambda: run.latest_step() >= 2, 240, "the run to checkpoint")
+        trainer_code, trainer_s = ctrl_c(run)
+        server_code, server_s = ctrl_c(server)
+    finally:
+        kill_tree(run)
+        kill_tree(server)
+    assert trainer_code == 130, run.output[-3000:]
+    assert "openaligner train-ppo: stopped by SIGINT; the same command resumes from" in run.output
+    assert "Traceback" not in run.output
+    assert server_code == 0, server.output[-3000:]
+    assert "SIGINT received: stopping" in server.output and "critic server stopped at step" in server.output
+    assert trainer_s < EXIT_WITHIN_S and server_s < EXIT_WITHIN_S
+
+
+def test_sigterm_stops_a_trainer_waiting_on_a_stuck_critic_server_then_the_server(tmp_path):
+    """The critic server is frozen (SIGSTOP) mid-run, so the trainer waits on an answer that will
+    not come (request_timeout_s is 600 s); SIGTERM still ends it within seconds."""
+    server = CriticServer(tmp_path / "critic")
+    run = Trainer(tmp_path / "run", write_prompts(tmp_path / "prompts.jsonl"), server.port, 500)
+    try:
+        wait_for(lambda: run.latest_step() >= 2, 240, "the run to checkpoint")
+        os.killpg(server.proc.pid, signal.SIGSTOP)
+        frozen_at = run.latest_step()
+        time.sleep(1.5)
+        assert run.latest_step() == frozen_at and run.proc.poll() is None  # it waits
+        trainer_code, trainer_s = stop_cleanly(run, signal.SIGTERM)
+        os.killpg(server.proc.pid, signal.SIGCONT)
+        server_code, server_s = stop_cleanly(server, signal.SIGTERM)
+    finally:
+        kill_tree(run)
+        kill_tree(server)
+    assert trainer_code == 143, run.output[-3000:]
+    assert f"stopped by SIGTERM; the same command resumes from {run.checkpoints / f'step_{frozen_at}'}" in (
+        run.output
+    )
+    assert server_code == 0, server.output[-3000:]
+    assert "SIGTERM received: stopping" in server.output
+    assert trainer_s < EXIT_WITHIN_S and server_s < EXIT_WITHIN_S
