@@ -61,6 +61,9 @@ class CriticServerSettings:
     max_train_rows: int = 16384  # most rows per critic_train request
     max_sequence_length: int | None = None  # longest accepted sequence; default: the model's position limit
     token: str | None = None  # secret for critic_train/critic_save; null: $OPENALIGNER_TOKEN, else open
+    max_request_bytes: int = (
+        256 * 2**20
+    )  # largest HTTP request body in bytes (256 MiB); larger ones get HTTP 413
     exit_timeout_s: int = 3  # at stop, how long calls in progress may take to finish
     heartbeat_s: float = 60.0  # idle heartbeat to the other ranks, keeping them within the pg timeout
     log_file: str | None = None  # tritonserver's log file; default: a temporary file removed at stop
@@ -76,6 +79,8 @@ class CriticServerSettings:
             raise ValueError("server.max_batch_size and server.max_train_rows must be >= 1")
         if self.heartbeat_s <= 0:
             raise ValueError("server.heartbeat_s must be > 0")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"server.max_request_bytes must be >= 1, got {self.max_request_bytes}")
 
 
 @dataclass
@@ -205,6 +210,7 @@ def run(cfg: ServeCriticConfig) -> int:
             max_sequence_length=max_len,
             token=s.token,
             heartbeat_s=s.heartbeat_s,
+            max_request_bytes=s.max_request_bytes,
             exit_timeout_s=s.exit_timeout_s,
             log_file=s.log_file,
         )

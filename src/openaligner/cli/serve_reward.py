@@ -49,6 +49,9 @@ class RewardServerSettings:
     max_queue_delay_microseconds: int = 2000  # how long Triton holds a request for others to merge with
     max_batch_size: int = 1024  # most rows per request and per formed batch
     max_sequence_length: int | None = None  # longest accepted sequence; default: the model's position limit
+    max_request_bytes: int = (
+        256 * 2**20
+    )  # largest HTTP request body in bytes (256 MiB); larger ones get HTTP 413
     exit_timeout_s: int = 3  # at stop, how long calls in progress may take to finish
     heartbeat_s: float = 60.0  # idle heartbeat to the other ranks, keeping them within the pg timeout
     log_file: str | None = None  # tritonserver's log file; default: a temporary file removed at stop
@@ -64,6 +67,8 @@ class RewardServerSettings:
             raise ValueError("server.max_batch_size must be >= 1")
         if self.heartbeat_s <= 0:
             raise ValueError("server.heartbeat_s must be > 0")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"server.max_request_bytes must be >= 1, got {self.max_request_bytes}")
 
 
 @dataclass
@@ -126,6 +131,7 @@ def run(cfg: ServeRewardConfig) -> int:
             max_sequence_length=max_len,
             max_batch_size=s.max_batch_size,
             heartbeat_s=s.heartbeat_s,
+            max_request_bytes=s.max_request_bytes,
             exit_timeout_s=s.exit_timeout_s,
             log_file=s.log_file,
         )

@@ -40,6 +40,7 @@ def test_registered_and_loads_with_overrides():
         (["model.tiny=true", "optim.scheduler=step"], "optim.scheduler must be one of"),
         (["model.tiny=true", "train.loss_clip_val=-1"], "train.loss_clip_val"),
         (["model.tiny=true", "optim.min_lr=1.0"], "optim.min_lr"),
+        (["model.tiny=true", "server.max_request_bytes=0"], "server.max_request_bytes must be >= 1"),
     ],
 )
 def test_bad_values_name_the_key(overrides, needle):
@@ -52,3 +53,10 @@ def test_learning_rate_schedule():
     assert [round(cos(s), 3) for s in (0, 2, 3, 8, 13, 100)] == [0.25, 0.75, 1.0, 0.55, 0.1, 0.1]
     const = lr_factor(CriticOptimSettings(lr=1.0, min_lr=0.0, warmup_steps=0, scheduler="constant"))
     assert const(0) == const(10_000) == 1.0
+
+
+def test_request_body_limit_default_is_the_servers():
+    from openaligner.cli.serve_critic import CriticServerSettings as settings
+    from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
+
+    assert settings().max_request_bytes == DEFAULT_MAX_REQUEST_BYTES

@@ -28,8 +28,16 @@ def test_reference_yaml_loads_with_a_model_choice():
         (["model.tiny=true", "model.dtype=int8"], "model.dtype must be one of"),
         (["model.tiny=true", "model.reward_mean=1.0"], "both model.reward_mean and model.reward_std"),
         (["model.tiny=true", "server.inference_micro_batch_size=[0]"], "inference_micro_batch_size"),
+        (["model.tiny=true", "server.max_request_bytes=0"], "server.max_request_bytes must be >= 1"),
     ],
 )
 def test_bad_values_name_the_key(overrides, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         load_config(SCHEMA, YAML, overrides)
+
+
+def test_request_body_limit_default_is_the_servers():
+    from openaligner.cli.serve_reward import RewardServerSettings as settings
+    from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
+
+    assert settings().max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
