@@ -194,7 +194,11 @@ class TritonHTTPClient:
         )
 
     def _poll_ready(self, models: Sequence[str], deadline: float) -> str | None:
-        """None once every model is ready; else, at ``deadline``, what was last seen."""
+        """None once every model is ready; else, at ``deadline``, what was last seen.
+
+        Raises:
+            ClientClosedError: the client was closed meanwhile.
+        """
         import tritonclient.http as triton_http
 
         reason = "no attempt finished"
@@ -202,6 +206,12 @@ class TritonHTTPClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return reason
+            if self._closed:  # nobody waits for the answer any more
+                raise ClientClosedError(
+                    f"{self.where(models[0])}: client closed while waiting for the server",
+                    url=self.url,
+                    model=models[0],
+                )
             step = max(0.05, min(1.0, remaining))
             try:
                 client = triton_http.InferenceServerClient(

@@ -18,7 +18,7 @@ import pytest
 
 from openaligner.clients.base import TritonHTTPClient
 from openaligner.clients.critic import RemoteCriticConfig
-from openaligner.clients.errors import ServerTimeoutError, ServerUnavailableError
+from openaligner.clients.errors import ClientClosedError, ServerTimeoutError, ServerUnavailableError
 from openaligner.clients.reward import RemoteRMConfig
 from openaligner.config import ConfigError, load_config
 
@@ -217,6 +217,22 @@ def test_idempotent_request_dropped_by_a_server_still_up_is_resent(server):
         server.mode = "drop_once"
         assert send(client, 5) == 5
     assert server.received == [5, 5]
+
+
+def test_close_ends_a_wait_for_the_server(server):
+    client = client_for(server.port, grace=600)
+    assert send(client, 1) == 1
+    server.stop()
+    future = client.submit(MODEL, {"x": np.array([2], np.int64)}, lambda o: int(o["y"][0]))
+    wait_until = time.monotonic() + 10
+    while client._outage is None and time.monotonic() < wait_until:  # the worker is now waiting
+        time.sleep(0.01)
+    client.close(timeout_s=0.5)
+    with pytest.raises(ClientClosedError):
+        future.result(timeout=5)
+    for worker in client._workers:  # the wait ends with the client, not with the grace
+        worker.join(timeout=10)
+        assert not worker.is_alive()
 
 
 @pytest.mark.parametrize("schema", [RemoteCriticConfig, RemoteRMConfig])
