@@ -350,7 +350,9 @@ class TritonHTTPClient:
                 model=job.model,
             )
         LOGGER.info(
-            "%s answers again after %.1f s; resending the request", self.where(job.model), now - started
+            "%s answers again after %.1f s; resending the request",
+            self.where(job.model),
+            time.monotonic() - started,
         )
 
     def _end_outage(self) -> None:
