@@ -182,6 +182,7 @@ def run(steps: int, threads: int) -> dict[str, Any]:
         "benchmark": "trl_ppo_step",
         "steps_measured": len(measured),
         "median_step_s": round(step_s, 3),
+        "min_step_s": round(min(p["step_s"] for p in measured), 3),
         "tokens_per_s": round(ROLLOUTS * (PROMPT_TOKENS + NEW_TOKENS) / step_s, 1),
         "phase_median_s": {
             k: round(statistics.median(p[k] for p in measured), 3)

@@ -114,6 +114,10 @@ class PPOTrainer:
         config_yaml: the resolved run config, stored in every checkpoint.
         response_scorer: optional ``(prompts, responses) → per-sample scores`` on decoded text
             (e.g. a task's gold scorer); its mean is logged as ``rollout/score`` and ``val/score``.
+        update_threads: torch threads for the actor update while the critic server trains, or
+            ``None`` to leave the thread count alone. When the critic server shares this
+            machine's cores, ``cores − server threads`` keeps the two from oversubscribing them
+            (an OpenMP pool that loses a core to another process stalls at every barrier).
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class PPOTrainer:
         config_yaml: str = "",
         progress: bool = True,
         response_scorer: Callable[[list[str], list[str]], list[float]] | None = None,
+        update_threads: int | None = None,
     ) -> None:
         cfg.check_world_size(dp.world_size())
         self.cfg = cfg
@@ -152,6 +157,9 @@ class PPOTrainer:
         self.config_yaml = config_yaml
         self.progress = progress and dp.rank() == 0
         self.response_scorer = response_scorer
+        if update_threads is not None and update_threads < 1:
+            raise ValueError(f"update_threads must be ≥ 1 or None, got {update_threads}")
+        self.update_threads = update_threads
         if response_scorer is not None and decode is None:
             raise ValueError("response_scorer needs decode (token ids → text)")
 
@@ -238,7 +246,7 @@ class PPOTrainer:
         # (5) critic training runs on the server while the actor trains
         self._send_critic_train(global_data)
         # (6) actor update
-        with self._timer("train"):
+        with self._timer("train"), self._threads_beside_critic_train():
             metrics |= self.run_training(global_data)
         # the critic must finish before the next step's values are requested
         with self._timer("critic_train_wait"):
@@ -428,6 +436,19 @@ class PPOTrainer:
             }
             payload["mask"] = data.mask
             self._pending_critic_train = self.rm_critic.train(payload)
+
+    @contextmanager
+    def _threads_beside_critic_train(self) -> Iterator[None]:
+        """``update_threads`` torch threads while a ``critic_train`` is in flight."""
+        if self.update_threads is None or self._pending_critic_train is None:
+            yield
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.update_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def _wait_critic_train(self) -> dict[str, float]:
         pending, self._pending_critic_train = self._pending_critic_train, None

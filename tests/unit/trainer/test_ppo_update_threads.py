@@ -1,0 +1,110 @@
+"""PPOTrainer(update_threads=…): the actor update runs with that many torch threads while the
+critic trains, and the caller's thread count is back afterwards."""
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from openaligner.config import load_config
+from openaligner.io.metrics import MetricsLogger
+from openaligner.models.actor import GPTActorModel
+from openaligner.models.builders import TinySize, build_tiny_causal_lm
+from openaligner.trainer.ppo import PPOTrainer, RunTimer
+from openaligner.trainer.ppo_config import PPOConfig
+from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
+
+SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, max_positions=64)
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class ZeroCritic:
+    """Zero rewards and values; ``critic_train`` answers at once."""
+
+    def infer_rm_critic(self, batch):
+        tokens = batch["response_tokens"]
+        return _Done((torch.zeros(tokens.shape[0]), torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
+
+    def train(self, data):
+        f = Future()
+        f.set_result({"loss": 0.0})
+        return f
+
+    def save(self):
+        f = Future()
+        f.set_result(0)
+        return f
+
+
+def _trainer(tmp_path, update_threads):
+    cfg = load_config(
+        PPOConfig,
+        None,
+        [
+            "num_rollout_samples=8",
+            "rollout_micro_batch_size=8",
+            "global_batch_size=8",
+            "micro_batch_size=4",
+            "length.max_length=4",
+            "val_check_interval=0",
+            "save_interval=0",
+            "max_steps=2",
+        ],
+    )
+    actor = GPTActorModel(build_tiny_causal_lm("gpt2", SIZE, seed=0))
+    prompts = [[3 + i, 4, 5] for i in range(16)]
+    trainer = PPOTrainer(
+        cfg=cfg,
+        model=actor,
+        optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3),
+        scheduler=None,
+        train_dataloader_builder=PromptLoader(prompts, cfg.num_rollout_samples, 0, shuffle=True),
+        val_dataloader_builder=None,
+        collate_fn=make_prompt_collate(actor.pad_id),
+        rm_critic=ZeroCritic(),
+        batch_iterator_cls=MicroBatchIterator,
+        logger=MetricsLogger(tmp_path / "logs", tensorboard=False),
+        ckpt_callback=None,
+        run_timer=RunTimer(None),
+        progress=False,
+        update_threads=update_threads,
+    )
+    seen: list[int] = []
+    run_training = trainer.run_training
+
+    def recording(data):
+        seen.append(torch.get_num_threads())
+        return run_training(data)
+
+    trainer.run_training = recording  # type: ignore[method-assign]
+    return trainer, seen
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize(("update_threads", "expected"), [(1, 1), (None, 2)])
+def test_update_runs_with_update_threads_and_restores(tmp_path, update_threads, expected):
+    trainer, seen = _trainer(tmp_path, update_threads)
+    history = trainer.fit()
+    assert len(history) == 2
+    assert seen == [expected, expected]
+    assert torch.get_num_threads() == 2
+
+
+def test_update_threads_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="update_threads"):
+        _trainer(tmp_path, 0)
