@@ -33,19 +33,24 @@ def ctrl_c(served: Served, within_s: float = EXIT_WITHIN_S) -> tuple[int, float]
     return code, took
 
 
-@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM"])
-def test_reward_server_stops_cleanly(how):
-    server = RewardServer()
+def test_reward_server_stops_cleanly_on_ctrl_c_and_on_sigterm():
+    servers = {"Ctrl-C": RewardServer(), "SIGTERM": RewardServer()}  # started side by side
     try:
-        server.wait_ready()
-        assert "tritonserver" in descendants(server.proc.pid).values()
-        code, took = ctrl_c(server) if how == "Ctrl-C" else stop_cleanly(server, signal.SIGTERM)
+        for server in servers.values():
+            server.wait_ready()
+            assert "tritonserver" in descendants(server.proc.pid).values()
+        stopped = {
+            "Ctrl-C": ctrl_c(servers["Ctrl-C"]),
+            "SIGTERM": stop_cleanly(servers["SIGTERM"], signal.SIGTERM),
+        }
     finally:
-        kill_tree(server)
-    assert code == 0, server.output[-3000:]
-    assert took < EXIT_WITHIN_S
-    assert "reward model server stopped" in server.output
-    assert "Traceback" not in server.output
+        for server in servers.values():
+            kill_tree(server)
+    for how, (code, took) in stopped.items():
+        output = servers[how].output
+        assert code == 0, (how, output[-3000:])
+        assert took < EXIT_WITHIN_S, (how, took)
+        assert "reward model server stopped" in output and "Traceback" not in output, (how, output[-3000:])
 
 
 def test_ctrl_c_stops_the_trainer_then_the_critic_server(tmp_path):
