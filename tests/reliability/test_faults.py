@@ -27,7 +27,7 @@ from openaligner.io import checkpoint as checkpoint_module
 from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
 from openaligner.io.metrics import read_jsonl
 
-pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+pytestmark = pytest.mark.reliability  # the tests with real server and trainer processes are also `slow`
 
 
 def _critic_step_of(trainer_checkpoint: Path) -> int:
@@ -51,6 +51,7 @@ def _same_weights(a: Path, b: Path) -> None:
 
 
 # --------------------------------------------------------------------------- trainer killed (-9)
+@pytest.mark.slow
 def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted_run(tmp_path):
     """kill -9 of train-ppo right after checkpoint 2 (of a 6-step run); the critic server is
     restarted from its own checkpoint of that step, the trainer with the same command.
@@ -317,6 +318,7 @@ def test_corrupt_latest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path,
 
 
 # --------------------------------------------------------------------------- critic server killed
+@pytest.mark.slow
 def test_critic_server_killed_and_not_restarted_stops_the_trainer_naming_the_server(tmp_path):
     """Two runs share a critic server that is SIGKILLed (its whole process group) mid-run and not
     restarted: with the default reconnect_grace_s=0 the trainer stops at once; with 3 s it stops
@@ -351,6 +353,7 @@ def test_critic_server_killed_and_not_restarted_stops_the_trainer_naming_the_ser
     assert 3 <= patient_s < 3 + 20, patient_s
 
 
+@pytest.mark.slow
 def test_critic_server_restarted_within_the_grace_lets_the_run_finish(tmp_path):
     """The critic server is SIGKILLed mid-run and restarted on the same port; its newest checkpoint
     is corrupt (a flipped byte), so it resumes from the one before, with a warning. The trainer
