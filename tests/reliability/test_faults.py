@@ -218,7 +218,11 @@ KILL_POINTS = [
 ]
 
 
-@pytest.mark.parametrize(("where", "step", "expected"), KILL_POINTS, ids=[k[0] for k in KILL_POINTS])
+@pytest.mark.parametrize(
+    ("where", "step", "expected"),
+    KILL_POINTS,
+    ids=[k[0].replace(", ", "-").replace(" ", "-") for k in KILL_POINTS],
+)
 def test_sigkill_during_a_checkpoint_write_leaves_a_complete_checkpoint(
     tmp_path, caplog, where, step, expected
 ):
@@ -294,6 +298,7 @@ def test_sigkill_at_random_moments_of_repeated_saves_never_loses_the_last_comple
         ("delete a file", "missing file optimizer.pt"),
         ("garble the manifest", "unreadable manifest"),
     ],
+    ids=["flipped-byte", "truncated", "missing-file", "garbled-manifest"],
 )
 def test_corrupt_latest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path, caplog, damage, reason):
     root = tmp_path / "ckpt"
