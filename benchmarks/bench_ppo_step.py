@@ -7,9 +7,9 @@ canonical GPT-2 (n_layer=4, n_embd=256, n_head=4, vocab 512, n_positions=256, ra
 epoch, KL coefficient 0.05, lr 1e-5. The critic (combined with the reward model) is served by
 ``openaligner serve-critic`` in a child process, on this machine, over HTTP; the actor is
 :class:`PPOTrainer` in this process with ``torch.set_num_threads(--threads)``, dropping to
-``--update-threads`` (default: threads − server threads) for the actor update while the critic
-trains on the same cores; rollouts are generated ``--rollout-micro-batch`` prompts at a time (64,
-as TRL does by default).
+``--overlap-threads`` (default: threads − server threads) for the log-prob passes and the update
+while the server works on the same cores (``server_overlap_threads``); rollouts are generated
+``--rollout-micro-batch`` prompts at a time (64, as TRL does by default).
 
 Then, unless ``--peer none``, the same workload on Hugging Face TRL's PPO trainer
 (``bench_trl_ppo.py``, in a child process of ``--peer-python``, which needs the ``bench`` extra:
@@ -92,7 +92,7 @@ def _start_critic(
 
 
 def run_openaligner(
-    steps: int, threads: int, server_threads: int, rollout_micro_batch: int, update_threads: int | None
+    steps: int, threads: int, server_threads: int, rollout_micro_batch: int, overlap_threads: int | None
 ) -> dict[str, Any]:
     """``steps`` PPO steps of PPOTrainer against a served critic; the result dict (module doc)."""
     torch.set_num_threads(threads)
@@ -153,7 +153,7 @@ def run_openaligner(
                     ckpt_callback=None,
                     run_timer=RunTimer(None),
                     progress=False,
-                    update_threads=update_threads,
+                    server_overlap_threads=overlap_threads,
                 )
                 history = trainer.fit()
         finally:
@@ -182,7 +182,7 @@ def run_openaligner(
         "threads": threads,
         "server_threads": server_threads,
         "rollout_micro_batch": rollout_micro_batch,
-        "update_threads": update_threads,
+        "server_overlap_threads": overlap_threads,
     }
 
 
@@ -211,10 +211,10 @@ def main() -> None:
     parser.add_argument("--server-threads", type=int, default=1)
     parser.add_argument("--rollout-micro-batch", type=int, default=64, help="prompts per generation call")
     parser.add_argument(
-        "--update-threads",
+        "--overlap-threads",
         type=int,
         default=None,
-        help="actor threads while the critic trains (default: threads - server threads; 0: unchanged)",
+        help="actor threads while the server works (default: threads - server threads; 0: unchanged)",
     )
     parser.add_argument("--peer", choices=("trl", "none"), default="trl")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter with the bench extra")
@@ -222,15 +222,15 @@ def main() -> None:
     ns = parser.parse_args()
     import transformers
 
-    update_threads = (
-        max(1, ns.threads - ns.server_threads) if ns.update_threads is None else ns.update_threads or None
+    overlap_threads = (
+        max(1, ns.threads - ns.server_threads) if ns.overlap_threads is None else ns.overlap_threads or None
     )
 
     peaks = [matmul_peak_flop_per_s(ns.threads)]
     rounds = []
     for _ in range(ns.rounds):
         ours = run_openaligner(
-            ns.steps, ns.threads, ns.server_threads, ns.rollout_micro_batch, update_threads
+            ns.steps, ns.threads, ns.server_threads, ns.rollout_micro_batch, overlap_threads
         )
         peer = run_peer(ns.peer_python, ns.steps, ns.threads) if ns.peer == "trl" else None
         rounds.append((ours, peer))

@@ -114,10 +114,11 @@ class PPOTrainer:
         config_yaml: the resolved run config, stored in every checkpoint.
         response_scorer: optional ``(prompts, responses) → per-sample scores`` on decoded text
             (e.g. a task's gold scorer); its mean is logged as ``rollout/score`` and ``val/score``.
-        update_threads: torch threads for the actor update while the critic server trains, or
-            ``None`` to leave the thread count alone. When the critic server shares this
-            machine's cores, ``cores − server threads`` keeps the two from oversubscribing them
-            (an OpenMP pool that loses a core to another process stalls at every barrier).
+        server_overlap_threads: torch threads for the actor's log-prob passes while reward/critic
+            requests are in flight and for its update while the critic trains, or ``None`` to
+            leave the thread count alone. When the servers share this machine's cores,
+            ``cores − server threads`` keeps the processes from oversubscribing them (an OpenMP
+            pool that loses a core to another process stalls at every barrier).
     """
 
     def __init__(
@@ -138,7 +139,7 @@ class PPOTrainer:
         config_yaml: str = "",
         progress: bool = True,
         response_scorer: Callable[[list[str], list[str]], list[float]] | None = None,
-        update_threads: int | None = None,
+        server_overlap_threads: int | None = None,
     ) -> None:
         cfg.check_world_size(dp.world_size())
         self.cfg = cfg
@@ -157,9 +158,9 @@ class PPOTrainer:
         self.config_yaml = config_yaml
         self.progress = progress and dp.rank() == 0
         self.response_scorer = response_scorer
-        if update_threads is not None and update_threads < 1:
-            raise ValueError(f"update_threads must be ≥ 1 or None, got {update_threads}")
-        self.update_threads = update_threads
+        if server_overlap_threads is not None and server_overlap_threads < 1:
+            raise ValueError(f"server_overlap_threads must be ≥ 1 or None, got {server_overlap_threads}")
+        self.server_overlap_threads = server_overlap_threads
         if response_scorer is not None and decode is None:
             raise ValueError("response_scorer needs decode (token ids → text)")
 
@@ -246,7 +247,7 @@ class PPOTrainer:
         # (5) critic training runs on the server while the actor trains
         self._send_critic_train(global_data)
         # (6) actor update
-        with self._timer("train"), self._threads_beside_critic_train():
+        with self._timer("train"), self._threads_beside_server(self._pending_critic_train is not None):
             metrics |= self.run_training(global_data)
         # the critic must finish before the next step's values are requested
         with self._timer("critic_train_wait"):
@@ -318,13 +319,14 @@ class PPOTrainer:
         prompt_lengths = torch.cat([o["prompt_lengths"] for o in outs])
         is_end = torch.cat([o["is_end"] for o in outs]).bool()
         phase = "validation" if is_validation else "logprobs"
-        with self._timer(phase):
+        server_busy = bool(futures)  # the reward/critic requests are being answered meanwhile
+        with self._timer(phase), self._threads_beside_server(server_busy):
             logprobs = self.model.get_inference_log_probs(
                 tokens, lengths, self.cfg.forward_micro_batch_size
             ).cpu()
         init_logprobs = None
         if not is_validation and self.compute_init_policy_kl:
-            with self._timer("init_logprobs"):
+            with self._timer("init_logprobs"), self._threads_beside_server(server_busy):
                 init_logprobs = self.model.get_init_policy_logprobs(
                     tokens, lengths, self.cfg.forward_micro_batch_size
                 ).cpu()
@@ -438,13 +440,13 @@ class PPOTrainer:
             self._pending_critic_train = self.rm_critic.train(payload)
 
     @contextmanager
-    def _threads_beside_critic_train(self) -> Iterator[None]:
-        """``update_threads`` torch threads while a ``critic_train`` is in flight."""
-        if self.update_threads is None or self._pending_critic_train is None:
+    def _threads_beside_server(self, server_busy: bool) -> Iterator[None]:
+        """``server_overlap_threads`` torch threads for the block when ``server_busy``."""
+        if self.server_overlap_threads is None or not server_busy:
             yield
             return
         before = torch.get_num_threads()
-        torch.set_num_threads(self.update_threads)
+        torch.set_num_threads(self.server_overlap_threads)
         try:
             yield
         finally:

@@ -1,5 +1,6 @@
-"""PPOTrainer(update_threads=…): the actor update runs with that many torch threads while the
-critic trains, and the caller's thread count is back afterwards."""
+"""PPOTrainer(server_overlap_threads=…): the log-prob passes run with that many torch threads while
+reward/critic requests are in flight, the update while the critic trains, and the caller's thread
+count is back afterwards."""
 
 from concurrent.futures import Future
 
@@ -43,7 +44,7 @@ class ZeroCritic:
         return f
 
 
-def _trainer(tmp_path, update_threads):
+def _trainer(tmp_path, server_overlap_threads):
     cfg = load_config(
         PPOConfig,
         None,
@@ -74,16 +75,20 @@ def _trainer(tmp_path, update_threads):
         ckpt_callback=None,
         run_timer=RunTimer(None),
         progress=False,
-        update_threads=update_threads,
+        server_overlap_threads=server_overlap_threads,
     )
-    seen: list[int] = []
-    run_training = trainer.run_training
+    seen: dict[str, list[int]] = {}
 
-    def recording(data):
-        seen.append(torch.get_num_threads())
-        return run_training(data)
+    def recording(name, fn):
+        def call(*args, **kwargs):
+            seen.setdefault(name, []).append(torch.get_num_threads())
+            return fn(*args, **kwargs)
 
-    trainer.run_training = recording  # type: ignore[method-assign]
+        return call
+
+    trainer.run_training = recording("update", trainer.run_training)  # type: ignore[method-assign]
+    for name in ("infer", "get_inference_log_probs", "get_init_policy_logprobs"):
+        setattr(actor, name, recording(name, getattr(actor, name)))
     return trainer, seen
 
 
@@ -96,15 +101,20 @@ def two_threads():
 
 
 @pytest.mark.usefixtures("two_threads")
-@pytest.mark.parametrize(("update_threads", "expected"), [(1, 1), (None, 2)])
-def test_update_runs_with_update_threads_and_restores(tmp_path, update_threads, expected):
-    trainer, seen = _trainer(tmp_path, update_threads)
+@pytest.mark.parametrize(("server_overlap_threads", "expected"), [(1, 1), (None, 2)])
+def test_overlapped_phases_run_with_server_overlap_threads(tmp_path, server_overlap_threads, expected):
+    trainer, seen = _trainer(tmp_path, server_overlap_threads)
     history = trainer.fit()
     assert len(history) == 2
-    assert seen == [expected, expected]
+    assert seen == {
+        "infer": [2, 2],  # generation has the server idle
+        "get_inference_log_probs": [expected, expected],
+        "get_init_policy_logprobs": [expected, expected],
+        "update": [expected, expected],
+    }
     assert torch.get_num_threads() == 2
 
 
-def test_update_threads_must_be_positive(tmp_path):
-    with pytest.raises(ValueError, match="update_threads"):
+def test_server_overlap_threads_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="server_overlap_threads"):
         _trainer(tmp_path, 0)
