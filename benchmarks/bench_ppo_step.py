@@ -27,6 +27,7 @@ pair and as the median over the pairs. Prints one JSON object. Usage:
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -226,7 +227,9 @@ def main() -> None:
         max(1, ns.threads - ns.server_threads) if ns.overlap_threads is None else ns.overlap_threads or None
     )
 
-    peaks = [matmul_peak_flop_per_s(ns.threads)]
+    # The update runs on overlap_threads cores while the critic trains: its peak is measured too.
+    peak_threads = sorted({ns.threads, overlap_threads or ns.threads})
+    peaks = {t: [matmul_peak_flop_per_s(t)] for t in peak_threads}
     rounds = []
     for _ in range(ns.rounds):
         ours = run_openaligner(
@@ -234,17 +237,23 @@ def main() -> None:
         )
         peer = run_peer(ns.peer_python, ns.steps, ns.threads) if ns.peer == "trl" else None
         rounds.append((ours, peer))
-    peaks.append(matmul_peak_flop_per_s(ns.threads))
-    peak = max(peaks)
+    for t in peak_threads:
+        peaks[t].append(matmul_peak_flop_per_s(t))
+    peak = {t: max(p) for t, p in peaks.items()}
 
     result: dict[str, Any] = {
         "benchmark": "ppo_step",
-        "matmul_peak_gflop_per_s": round(peak / 1e9, 1),
-        "matmul_peak_each_gflop_per_s": [round(p / 1e9, 1) for p in peaks],
+        "matmul_peak_gflop_per_s": {f"{t}_threads": round(p / 1e9, 1) for t, p in peak.items()},
+        "matmul_peak_start_end_gflop_per_s": {
+            f"{t}_threads": [round(x / 1e9, 1) for x in p] for t, p in peaks.items()
+        },
         "rounds": [],
     }
     for ours, peer in rounds:
-        ours["actor_update_peak_fraction"] = round(ours["actor_update_gflop_per_s"] * 1e9 / peak, 3)
+        achieved = ours["actor_update_gflop_per_s"] * 1e9
+        ours["actor_update_peak_fraction"] = {
+            f"of_{t}_thread_peak": round(achieved / p, 3) for t, p in peak.items()
+        }
         entry: dict[str, Any] = {"openaligner": ours}
         if peer is not None:
             entry["trl"] = peer
@@ -260,7 +269,11 @@ def main() -> None:
         "platform": platform.platform(),
         "python": platform.python_version(),
     }
-    result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
+    result["versions"] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "nvidia-pytriton": importlib.metadata.version("nvidia-pytriton"),
+    }
     print(json.dumps(result, indent=1))
 
 
