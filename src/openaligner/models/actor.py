@@ -350,8 +350,8 @@ def _fused_tanh_gelu(model: nn.Module) -> Iterator[None]:
 
     transformers' ``gelu_new`` is written as eight elementwise tensor ops (and as many saved
     tensors for backward); ``F.gelu(approximate="tanh")`` is the same function in one kernel
-    each way, within 2.4e-7 in float32, and takes a tenth of the actor update's time off. Only
-    the scoring and training forwards use it; generation runs the model as it is.
+    each way, within 2.4e-7 in float32; on CPU that is about 8 % of the actor update. Only the
+    scoring and training forwards use it; generation runs the model as it is.
     """
     swapped = [
         (parent, name, child)
