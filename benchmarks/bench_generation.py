@@ -6,17 +6,27 @@ tokens each, no stop, temperature 1.0 (plain sampling: no top-k, no top-p); medi
 runs after one warm-up; ``torch.set_num_threads(2)``. The runs of the engines are interleaved so
 that load from other processes hits all of them alike.
 
+Engines: ``openaligner_infer`` (``GPTActorModel.infer``: the GPT-2 decoder), ``openaligner_hf_forward``
+(the same sampling loop through the model's Hugging Face forward, ``fast_path=False``: what every
+other architecture gets), and Hugging Face ``generate`` with its default dynamic cache and with
+``cache_implementation="static"``.
+
 A second, non-canonical scenario ("early_stop") gives the same engines 8 stop ids (1.6 % of the
 vocabulary), so responses end at different lengths (about 60 % end before 64 tokens); it is
 timed per batch since the engines draw different samples.
 
-Prints one JSON object. Usage: ``python benchmarks/bench_generation.py [--repeats 3] [--threads 2]``.
+``--profile`` adds, per engine, the top operators of one more canonical run by self CPU time
+(``torch.profiler``).
+
+Prints one JSON object. Usage:
+``python benchmarks/bench_generation.py [--repeats 3] [--threads 2] [--profile]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -28,7 +38,7 @@ import transformers
 
 from openaligner.models.actor import GPTActorModel
 from openaligner.models.builders import WORKLOAD_SIZE, build_tiny_causal_lm
-from openaligner.models.generation import SamplingParams
+from openaligner.models.generation import SamplingParams, generate
 
 BATCH, PROMPT_TOKENS, NEW_TOKENS = 64, 32, 64
 STOP_IDS = tuple(range(100, 108))
@@ -39,11 +49,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile", action="store_true", help="add the top operators of each engine")
+    parser.add_argument("--top", type=int, default=12, help="operators listed per engine with --profile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
 
-    model = build_tiny_causal_lm("gpt2", WORKLOAD_SIZE, seed=0).to(device)
+    model = build_tiny_causal_lm("gpt2", WORKLOAD_SIZE, seed=0)
+    torch.nn.Module.to(model, device)
     prompts = torch.randint(
         3, WORKLOAD_SIZE.vocab_size, (BATCH, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0)
     ).to(device)
@@ -60,10 +73,20 @@ def main() -> None:
 
         return go
 
+    def run_hf_forward(stop_ids: tuple[int, ...]) -> Callable[[], int]:
+        params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, stop_token_ids=stop_ids)
+
+        def go() -> int:
+            g = torch.Generator(device).manual_seed(1)
+            out = generate(model, prompts, lengths, params, pad_id=actor.pad_id, generator=g, fast_path=False)
+            return int((out.response_lengths - out.prompt_lengths).sum())
+
+        return go
+
     def run_hf(cache: str | None, stop_ids: tuple[int, ...]) -> Callable[[], int]:
         def go() -> int:
             with torch.no_grad():
-                out = model.generate(
+                out = model.generate(  # type: ignore[operator]
                     prompts,
                     attention_mask=torch.ones_like(prompts),
                     do_sample=True,
@@ -90,6 +113,8 @@ def main() -> None:
         "device": str(device),
         "threads": args.threads,
         "repeats": args.repeats,
+        "cpu_count": os.cpu_count(),
+        "load_average_before": [round(x, 2) for x in os.getloadavg()],
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -100,10 +125,14 @@ def main() -> None:
     for scenario, stop_ids in (("canonical", ()), ("early_stop", STOP_IDS)):
         engines = {
             "openaligner_infer": run_infer(stop_ids),
+            "openaligner_hf_forward": run_hf_forward(stop_ids),
             "hf_generate": run_hf(None, stop_ids),
             "hf_generate_static_cache": run_hf("static", stop_ids),
         }
         result[scenario] = _measure(engines, args.repeats, device)
+        if args.profile and scenario == "canonical":
+            result["profile"] = {name: _profile(fn, args.top) for name, fn in engines.items()}
+    result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(result, indent=2))
 
 
@@ -136,6 +165,31 @@ def _measure(engines: dict[str, Callable[[], int]], repeats: int, device: torch.
         statistics.median(times["hf_generate_static_cache"]) / infer_s, 3
     )
     return out
+
+
+def _profile(fn: Callable[[], int], top: int) -> dict[str, object]:
+    """One run under ``torch.profiler``: total and the ``top`` operators by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    wall = time.perf_counter() - start
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total_us = sum(e.self_cpu_time_total for e in events)
+    return {
+        "wall_s_profiled": round(wall, 4),
+        "self_cpu_total_ms": round(total_us / 1e3, 1),
+        "ops": [
+            {
+                "name": e.key,
+                "self_ms": round(e.self_cpu_time_total / 1e3, 1),
+                "share": round(e.self_cpu_time_total / total_us, 3),
+                "calls": e.count,
+            }
+            for e in events[:top]
+        ],
+    }
 
 
 def _sync(device: torch.device) -> None:

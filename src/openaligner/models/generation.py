@@ -13,11 +13,12 @@ right-padded layout: row ``i`` holds its prompt, immediately followed by its res
 token included), then ``pad_id`` up to the width ``S = max(response_lengths)``.
 
 Decoders. A plain ``GPT2LMHeadModel`` in eval mode is stepped by :class:`_GPT2Decoder`, which calls
-the model's own weights and activation directly with a KV cache of plain tensors: the same
-arithmetic as the Hugging Face forward without its per-call work (mask construction, cache
-objects, output dataclasses), which costs more than the math for small models. Every other model
-(other architectures, PEFT wrappers, modules with hooks, training mode) goes through the model's
-own forward with a Hugging Face cache (:class:`_HFDecoder`).
+the model's own weights and activation directly with a KV cache of plain tensors: the Hugging Face
+block's arithmetic (attention may sum in another order, so logits agree to float rounding)
+without the per-call work of its forward (mask construction, cache objects, output dataclasses),
+which costs more than the math for small models. Every other model (other architectures, PEFT
+wrappers, modules with hooks or replaced layers, training mode) goes through the model's own
+forward with a Hugging Face cache (:class:`_HFDecoder`).
 """
 
 from __future__ import annotations
@@ -358,7 +359,7 @@ def make_decoder(
 
 
 def gpt2_fast_path_supported(model: nn.Module) -> bool:
-    """Whether :class:`_GPT2Decoder` computes exactly what ``model``'s forward computes.
+    """Whether :class:`_GPT2Decoder` computes what ``model``'s forward computes.
 
     True only for a ``GPT2LMHeadModel`` itself (not a subclass or a PEFT wrapper) in eval mode,
     without cross-attention or upcast-reordered attention, whose layers are the stock modules
@@ -374,6 +375,8 @@ def gpt2_fast_path_supported(model: nn.Module) -> bool:
     stock = [(transformer.wte, nn.Embedding), (transformer.wpe, nn.Embedding), (model.lm_head, nn.Linear)]
     if any(type(module) is not kind for module, kind in stock) or _gpt2_layers(model) is None:
         return False
+    if transformer.wte.max_norm is not None or transformer.wpe.max_norm is not None:
+        return False  # the embedding's forward would renormalise rows
     if _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks:
         return False
     return not any(
@@ -446,7 +449,8 @@ class _GPT2Decoder:
     model's activation module, ``layer_norm``, SDPA), minus the per-call work of the Hugging Face
     forward: 4-D mask construction, cache objects, hook and output plumbing. Keys and values are
     [B, H, T, D] per layer; a step writes one column (every row appends in the same column of the
-    left-padded buffer) and attends over the columns written so far only.
+    left-padded buffer) and attends over the columns written so far only, where a Hugging Face
+    static cache masks the unwritten ones (the sums differ only in rounding).
     """
 
     def __init__(self, model: GPT2LMHeadModel, attention: torch.Tensor, total: int) -> None:
@@ -542,7 +546,8 @@ class _NotStock(Exception):
 
 
 def _stock(module: object, kind: type[_M]) -> _M:
-    if type(module) is not kind or not isinstance(module, kind):
+    """``module`` if its type is exactly ``kind`` (a subclass may compute something else)."""
+    if type(module) is not kind or not isinstance(module, kind):  # isinstance: for the type checker
         raise _NotStock(f"{type(module).__name__} is not {kind.__name__}")
     return module
 
