@@ -61,7 +61,7 @@ def _trainer(actor: Any, work: Path) -> Any:
     return PPOTrainer(
         cfg=cfg,
         model=actor,
-        optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-5),
+        optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-5, fused=True),  # as train-ppo
         scheduler=None,
         train_dataloader_builder=PromptLoader(prompts, ROLLOUTS, 0, True),
         val_dataloader_builder=None,

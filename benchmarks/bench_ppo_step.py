@@ -135,7 +135,7 @@ def run_openaligner(
                 ],
             )
             actor = GPTActorModel(build_tiny_causal_lm("gpt2", WORKLOAD_SIZE, seed=0))
-            optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5)
+            optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5, fused=True)  # as train-ppo
             remote = RemoteCriticConfig(
                 critic=CriticAddress(port=port), pad_to_length=PROMPT_TOKENS + NEW_TOKENS
             )
