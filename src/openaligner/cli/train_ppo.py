@@ -66,6 +66,8 @@ class ExpConfig:
     wandb_project: str | None = None  # log to this W&B project when wandb is installed
     progress: bool = True  # progress bar on rank 0
     task_scorer: str | None = None  # a built-in task's gold scorer logged as rollout/score (e.g. sorting)
+    # torch threads while the servers compute on the same cores (log-prob passes, update); null: unchanged
+    server_overlap_threads: int | None = None
 
 
 @dataclass
@@ -80,6 +82,10 @@ class TrainPPOConfig:
     exp: ExpConfig = field(default_factory=ExpConfig)
 
     def __post_init__(self) -> None:
+        if self.exp.server_overlap_threads is not None and self.exp.server_overlap_threads < 1:
+            raise ValueError(
+                f"exp.server_overlap_threads must be >= 1 or null, got {self.exp.server_overlap_threads}"
+            )
         if self.exp.task_scorer is not None:
             from openaligner.tasks import TASK_SCORERS
 
@@ -285,6 +291,7 @@ def _train(cfg: TrainPPOConfig) -> int:
                 config_yaml=config_to_yaml(cfg),
                 progress=cfg.exp.progress,
                 response_scorer=task_scorer(cfg.exp.task_scorer) if cfg.exp.task_scorer else None,
+                server_overlap_threads=cfg.exp.server_overlap_threads,
             )
             if latest is not None:
                 trainer.load_checkpoint(latest)

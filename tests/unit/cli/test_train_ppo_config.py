@@ -1,0 +1,20 @@
+"""train-ppo's schema refuses bad values by key name."""
+
+from pathlib import Path
+
+import pytest
+
+from openaligner.cli.train_ppo import SCHEMA
+from openaligner.config import ConfigError, load_config
+
+YAML = Path(__file__).resolve().parents[3] / "configs" / "train_ppo.yaml"
+REQUIRED = ["data.train_path=x.jsonl"]
+
+
+def test_server_overlap_threads_is_read_and_checked():
+    assert load_config(SCHEMA, YAML, [*REQUIRED]).exp.server_overlap_threads is None
+    assert (
+        load_config(SCHEMA, YAML, [*REQUIRED, "exp.server_overlap_threads=1"]).exp.server_overlap_threads == 1
+    )
+    with pytest.raises(ConfigError, match=r"exp\.server_overlap_threads must be >= 1"):
+        load_config(SCHEMA, YAML, [*REQUIRED, "exp.server_overlap_threads=0"])
