@@ -23,6 +23,7 @@ forward with a Hugging Face cache (:class:`_HFDecoder`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
@@ -38,6 +39,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     StaticCache,
 )
+from transformers.activations import NewGELUActivation
 from transformers.cache_utils import Cache
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP, GPT2Attention, GPT2Block
 from transformers.pytorch_utils import Conv1D
@@ -439,6 +441,7 @@ class _GPT2Layer:
     ln_2: nn.LayerNorm
     c_fc: Conv1D  # [E, F]
     act: nn.Module  # the configured activation (``gelu_new`` by default)
+    act_is_gelu_new: bool  # ``act`` is transformers' stock ``gelu_new``: run as :func:`_gelu_new_`
     mlp_proj: Conv1D  # [F, E]
 
 
@@ -468,6 +471,11 @@ class _GPT2Decoder:
         shape = (attention.shape[0], self.heads, total, self.head_dim)
         self.keys = [self.wte.new_empty(shape) for _ in self.layers]
         self.values = [self.wte.new_empty(shape) for _ in self.layers]
+        # The largest per-layer activations (query/key/value [N, 3E], the MLP's [N, F] and the
+        # GELU's scratch; N = rows x new tokens), reused by every layer and step: fresh tensors of
+        # this size cost page faults whenever the C allocator has given their memory back to the
+        # OS, which it does between steps.
+        self._buffers: dict[str, torch.Tensor] = {}
         # [B, 1, 1, T] bool, True where a key may be attended to; None when no row is padded.
         valid = attention.bool()
         self.key_mask: torch.Tensor | None = None if bool(valid.all()) else valid[:, None, None, :]
@@ -523,7 +531,8 @@ class _GPT2Decoder:
         batch, width, embed = x.shape
         end = start + width
         h = _layer_norm(layer.ln_1, x).view(-1, embed)
-        qkv = _conv1d(layer.c_attn, h).view(batch, width, 3, self.heads, self.head_dim)
+        qkv = _conv1d(layer.c_attn, h, out=self._buffer("qkv", h.shape[0], layer.c_attn.nf))
+        qkv = qkv.view(batch, width, 3, self.heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, D]
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
@@ -531,8 +540,20 @@ class _GPT2Decoder:
             q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, is_causal=causal, scale=layer.scaling
         )
         x = _conv1d(layer.attn_proj, a.transpose(1, 2).reshape(-1, embed)).view(batch, width, embed) + x
-        h = layer.act(_conv1d(layer.c_fc, _layer_norm(layer.ln_2, x).view(-1, embed)))
+        h = _layer_norm(layer.ln_2, x).view(-1, embed)
+        h = _conv1d(layer.c_fc, h, out=self._buffer("fc", h.shape[0], layer.c_fc.nf))
+        if layer.act_is_gelu_new:
+            h = _gelu_new_(h, self._buffer("gelu", h.shape[0], layer.c_fc.nf))
+        else:
+            h = layer.act(h)
         return x + _conv1d(layer.mlp_proj, h).view(batch, width, embed)
+
+    def _buffer(self, name: str, rows: int, width: int) -> torch.Tensor:
+        """A [rows, width] view of buffer ``name``, which is sized for the most rows asked so far."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != width:
+            buffer = self._buffers[name] = self.wte.new_empty(rows, width)
+        return buffer[:rows]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(_layer_norm(self.ln_f, x), self.lm_head.weight, self.lm_head.bias)
@@ -569,6 +590,7 @@ def _gpt2_layers(model: GPT2LMHeadModel) -> list[_GPT2Layer] | None:
                     ln_2=_stock(block.ln_2, nn.LayerNorm),
                     c_fc=_stock(mlp.c_fc, Conv1D),
                     act=mlp.act,
+                    act_is_gelu_new=_is_stock_gelu_new(mlp.act),
                     mlp_proj=_stock(mlp.c_proj, Conv1D),
                 )
             )
@@ -577,13 +599,39 @@ def _gpt2_layers(model: GPT2LMHeadModel) -> list[_GPT2Layer] | None:
     return layers
 
 
+def _is_stock_gelu_new(act: nn.Module) -> bool:
+    """``act`` is transformers' ``NewGELUActivation`` with its own forward (not a hub kernel)."""
+    forward = getattr(type(act), "forward", None)
+    return (
+        type(act) is NewGELUActivation
+        and "forward" not in vars(act)
+        and getattr(forward, "__module__", None) == "transformers.activations"
+    )
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_new_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """``NewGELUActivation()(x)`` written into ``scratch`` (same shape), overwriting ``x``.
+
+    The module's eight elementwise operations with the same operands in the same order (only
+    commuted), so the result is bit-identical; but in place, without the module's seven fresh
+    [N, F] temporaries.
+    """
+    y = torch.pow(x, 3.0, out=scratch)
+    y.mul_(0.044715).add_(x).mul_(_SQRT_2_OVER_PI).tanh_().add_(1.0)
+    return y.mul_(x.mul_(0.5))
+
+
 def _layer_norm(module: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
 
 
-def _conv1d(module: Conv1D, x: torch.Tensor) -> torch.Tensor:
-    """``Conv1D.forward`` on 2-D input [N, in] → [N, out] (the same ``addmm``)."""
-    return torch.addmm(module.bias, x, module.weight)
+def _conv1d(module: Conv1D, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``Conv1D.forward`` on 2-D input [N, in] → [N, out] (the same ``addmm``), optionally into
+    ``out``."""
+    return torch.addmm(module.bias, x, module.weight, out=out)
 
 
 def _stop_string_hits(

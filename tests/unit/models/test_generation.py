@@ -104,9 +104,15 @@ def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache, fast_path
     assert made[0].compactions  # finished rows were dropped from the cache on the way
 
 
-def test_gpt2_decoder_logits_match_the_model_forward(tiny):
-    """Prefill and every step against a full forward of the left-padded sequence so far."""
+@pytest.mark.parametrize("activation", ["gelu_new", "relu"])
+def test_gpt2_decoder_logits_match_the_model_forward(tiny, activation):
+    """Prefill and every step against a full forward of the left-padded sequence so far, with
+    the in-place ``gelu_new`` and with any other activation module."""
+    from transformers.activations import ACT2FN
+
     model = tiny.causal_lm("gpt2")
+    for block in model.transformer.h:
+        block.mlp.act = ACT2FN[activation]
     prompts, lengths = _prompts(tiny.size.vocab_size)
     p_max, new = int(lengths.max()), 5
     buf, attention = generation._left_pad(prompts, lengths, p_max, p_max + new, pad_id=0)
@@ -125,6 +131,18 @@ def test_gpt2_decoder_logits_match_the_model_forward(tiny):
     for j, logits in enumerate(got):
         assert torch.allclose(logits, full[:, p_max - 1 + j], atol=1e-5, rtol=1e-5)
     assert not valid.all()  # the padded (masked) path was exercised
+
+
+def test_in_place_gelu_new_is_bit_identical_to_the_module():
+    from transformers.activations import NewGELUActivation
+
+    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0)) * 3
+    x[0, :4] = torch.tensor([0.0, -1e-30, 1e-30, 40.0])  # zero, tiny values, saturated tanh
+    expected = NewGELUActivation()(x)
+    got = generation._gelu_new_(x.clone(), torch.empty_like(x))
+    assert torch.equal(got, expected)
+    assert generation._is_stock_gelu_new(NewGELUActivation())
+    assert not generation._is_stock_gelu_new(torch.nn.GELU(approximate="tanh"))
 
 
 def _modified_gpt2(tiny, how):
