@@ -15,8 +15,8 @@ A second, non-canonical scenario ("early_stop") gives the same engines 8 stop id
 vocabulary), so responses end at different lengths (about 60 % end before 64 tokens); it is
 timed per batch since the engines draw different samples.
 
-``--profile`` adds, per engine, the top operators of one more canonical run by self CPU time
-(``torch.profiler``).
+``--profile`` adds, per engine, the top operators by self CPU time (``torch.profiler``), averaged
+over ``--profile-runs`` more canonical runs per engine (interleaved like the timed runs).
 
 Prints one JSON object. Usage:
 ``python benchmarks/bench_generation.py [--repeats 3] [--threads 2] [--profile]``.
@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--profile", action="store_true", help="add the top operators of each engine")
     parser.add_argument("--top", type=int, default=12, help="operators listed per engine with --profile")
+    parser.add_argument("--profile-runs", type=int, default=3, help="profiled runs per engine")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -131,7 +132,7 @@ def main() -> None:
         }
         result[scenario] = _measure(engines, args.repeats, device)
         if args.profile and scenario == "canonical":
-            result["profile"] = {name: _profile(fn, args.top) for name, fn in engines.items()}
+            result["profile"] = _profile(engines, args.profile_runs, args.top)
     result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(result, indent=2))
 
@@ -174,29 +175,42 @@ def _measure(engines: dict[str, Callable[[], int]], repeats: int, device: torch.
     return out
 
 
-def _profile(fn: Callable[[], int], top: int) -> dict[str, object]:
-    """One run under ``torch.profiler``: total and the ``top`` operators by self CPU time."""
+def _profile(engines: dict[str, Callable[[], int]], runs: int, top: int) -> dict[str, object]:
+    """Per engine, ``runs`` runs under ``torch.profiler`` (interleaved): the median wall time and
+    the ``top`` operators by self CPU time, averaged per run."""
     from torch.profiler import ProfilerActivity, profile
 
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    wall = time.perf_counter() - start
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total_us = sum(e.self_cpu_time_total for e in events)
-    return {
-        "wall_s_profiled": round(wall, 4),
-        "self_cpu_total_ms": round(total_us / 1e3, 1),
-        "ops": [
-            {
-                "name": e.key,
-                "self_ms": round(e.self_cpu_time_total / 1e3, 1),
-                "share": round(e.self_cpu_time_total / total_us, 3),
-                "calls": e.count,
-            }
-            for e in events[:top]
-        ],
-    }
+    walls: dict[str, list[float]] = {name: [] for name in engines}
+    self_us: dict[str, dict[str, float]] = {name: {} for name in engines}
+    calls: dict[str, dict[str, int]] = {name: {} for name in engines}
+    for _ in range(runs):
+        for name, fn in engines.items():
+            start = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+            walls[name].append(time.perf_counter() - start)
+            for event in prof.key_averages():
+                self_us[name][event.key] = self_us[name].get(event.key, 0.0) + event.self_cpu_time_total
+                calls[name][event.key] = calls[name].get(event.key, 0) + event.count
+    out: dict[str, object] = {}
+    for name in engines:
+        total_us = sum(self_us[name].values())
+        ranked = sorted(self_us[name].items(), key=lambda item: item[1], reverse=True)
+        out[name] = {
+            "profiled_runs": runs,
+            "wall_s_median": round(statistics.median(walls[name]), 4),
+            "self_cpu_ms_per_run": round(total_us / runs / 1e3, 1),
+            "ops": [
+                {
+                    "name": key,
+                    "self_ms_per_run": round(us / runs / 1e3, 1),
+                    "share": round(us / total_us, 3),
+                    "calls_per_run": calls[name][key] // runs,
+                }
+                for key, us in ranked[:top]
+            ],
+        }
+    return out
 
 
 def _sync(device: torch.device) -> None:
