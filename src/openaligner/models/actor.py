@@ -57,7 +57,8 @@ class GPTActorModel:
             (or, for a PEFT model, uses ``model`` with its adapters disabled); ``False`` keeps no
             initial policy (KL coefficient 0). Pass the SFT model explicitly when resuming, so the
             reference stays the original policy.
-        cache: KV cache kind for generation (``static`` or ``dynamic``).
+        cache: KV cache kind for generation through the HF forward (``static`` or ``dynamic``); plain
+            GPT-2 models take the fast decoder, which keeps its own preallocated cache.
     """
 
     def __init__(
