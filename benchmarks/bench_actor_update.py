@@ -86,6 +86,7 @@ def _rollout(actor: Any) -> Any:
     advantages = torch.randn(ROLLOUTS, seq - 1, generator=g) * mask
     return PPOData(
         response_tokens=tokens,
+        prompt_lengths=torch.full((ROLLOUTS,), PROMPT_TOKENS),
         is_end=torch.zeros(ROLLOUTS, dtype=torch.bool),
         mask=mask,
         prev_logprobs=actor.get_inference_log_probs(tokens),

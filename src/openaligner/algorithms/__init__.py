@@ -17,7 +17,14 @@ from openaligner.algorithms.losses import (
     ppo_policy_loss,
     value_loss,
 )
-from openaligner.algorithms.masked import masked_mean, masked_mean_var, masked_sum, masked_var, masked_whiten
+from openaligner.algorithms.masked import (
+    masked_mean,
+    masked_mean_var,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    select_valid,
+)
 from openaligner.algorithms.rewards import response_mask, shape_rewards
 
 __all__ = [
@@ -42,6 +49,7 @@ __all__ = [
     "next_token_logprobs",
     "ppo_policy_loss",
     "response_mask",
+    "select_valid",
     "shape_rewards",
     "td_errors",
     "value_loss",

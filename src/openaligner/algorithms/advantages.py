@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from openaligner.algorithms.masked import select_valid
+
 
 def td_errors(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """One-step TD errors ``δ_t = r_t + γ·V_{t+1} − V_t`` on masked values and rewards.
@@ -14,9 +16,8 @@ def td_errors(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, g
     ``V_{T}`` (after the last column) is 0, and since values are masked first the value after a
     sample's last valid token is 0 as well: the episode ends there. Shapes: [B, S-1] in and out.
     """
-    m = mask.to(values.dtype)
-    v = values * m
-    r = rewards * m
+    v = select_valid(values, mask)
+    r = select_valid(rewards, mask)
     next_v = torch.nn.functional.pad(v[:, 1:], (0, 1))
     return r + gamma * next_v - v
 
@@ -36,7 +37,9 @@ def gae(
     Returns:
         ``(advantages, returns)``, both [B, S-1]. ``returns`` uses the masked values. Positions
         outside the mask hold finite values that callers mask; changing ``values`` or
-        ``rewards`` there never changes the valid positions.
+        ``rewards`` there — even to inf or NaN — never changes the valid positions (masked
+        positions are selected away before the matmul, which would otherwise spread a NaN
+        along the row).
 
     Vectorised as one matmul with the upper-triangular discount matrix ``D[k, t] = (γλ)^{k−t}``
     (k ≥ t), which equals :func:`gae_reference` to float rounding. Worked example: values
@@ -50,7 +53,7 @@ def gae(
     # float64 powers: (γλ)^lag underflows gracefully to 0 instead of becoming inf·0 = NaN.
     discount = torch.where(lag >= 0, base.pow(lag.clamp(min=0).to(torch.float64)), 0.0)
     advantages = delta @ discount.to(delta.dtype)
-    returns = advantages + values * mask.to(values.dtype)
+    returns = advantages + select_valid(values, mask)
     return advantages, returns
 
 
@@ -58,9 +61,8 @@ def gae_reference(
     values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain backwards loop that :func:`gae` must equal (NeMo-Aligner's formulation)."""
-    m = mask.to(values.dtype)
-    v = values * m
-    r = rewards * m
+    v = select_valid(values, mask)
+    r = select_valid(rewards, mask)
     width = v.shape[-1]
     advantages = torch.zeros_like(v)
     running = torch.zeros_like(v[:, 0])

@@ -14,6 +14,10 @@ KLKind = Literal["k1", "abs", "k2", "k3"]
 KL_KINDS: tuple[str, ...] = ("k1", "abs", "k2", "k3")
 
 
+K3_MAX_LOG_RATIO = 20.0
+"""|log-ratio| beyond which the k3 estimator is evaluated at the bound (keeps it finite)."""
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate from sampled-token log-probs (Schulman, "Approximating KL", 2020).
 
@@ -22,7 +26,10 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
     - ``k1``: Δ (unbiased, can be negative per token),
     - ``abs``: |Δ| (NeMo-Aligner's ``use_absolute_kl=True`` default),
     - ``k2``: ½Δ² (low variance, biased),
-    - ``k3``: exp(−Δ) − 1 + Δ (unbiased, always ≥ 0).
+    - ``k3``: exp(−Δ) − 1 + Δ (unbiased, always ≥ 0), with Δ clamped to [−K3_MAX_LOG_RATIO,
+      K3_MAX_LOG_RATIO] first: exp(−Δ) overflows float32 for Δ < −88 (and float16 for Δ < −11),
+      and one inf would make the whole reward inf. The clamp is exact for |Δ| ≤ 20, where the
+      estimate is already above 4.8e8 nats.
 
     Returns a tensor shaped like ``logprobs``.
     """
@@ -35,6 +42,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
         return 0.5 * delta.square()
     if kind == "k3":
         # expm1 keeps precision when Δ is small, which is the common case near the initial policy.
+        delta = delta.clamp(-K3_MAX_LOG_RATIO, K3_MAX_LOG_RATIO)
         return torch.expm1(-delta) + delta
     raise ValueError(f"unknown KL estimator {kind!r}; expected one of {', '.join(KL_KINDS)}")
 

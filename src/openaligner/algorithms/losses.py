@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from openaligner.algorithms.masked import masked_mean, masked_var
+from openaligner.algorithms.masked import masked_mean, masked_var, select_valid
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean"]
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean")
@@ -92,15 +92,18 @@ def ppo_policy_loss(
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
 
     Returns:
-        ``(loss, stats)``. With no valid token the loss is 0 with zero gradient.
+        ``(loss, stats)``. With no valid token the loss is 0 with zero gradient. Values outside
+        the mask (even inf/NaN log-probs or advantages) change neither the loss, its gradient
+        nor the stats: they are selected away before any arithmetic.
     """
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     m = mask.to(logprobs.dtype)
     loss_mask = m * is_end.to(m.dtype).unsqueeze(-1) if is_end is not None else m
+    advantages = select_valid(advantages, m)
 
-    log_ratio = logprobs - old_logprobs
+    log_ratio = select_valid(logprobs - old_logprobs, m)
     ratio = torch.exp(log_ratio)
     ratio_clamped = ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
     pg = torch.maximum(-advantages * ratio, -advantages * ratio_clamped)
@@ -114,7 +117,7 @@ def ppo_policy_loss(
     loss = pg_loss
     entropy_mean = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     if entropy is not None:
-        entropy_mean = aggregate(entropy, loss_mask, aggregation)
+        entropy_mean = aggregate(select_valid(entropy, m), loss_mask, aggregation)
         loss = loss - entropy_coef * entropy_mean
 
     with torch.no_grad():
@@ -162,8 +165,12 @@ def value_loss(
         mask: [B, S-1].
 
     Returns:
-        ``(loss, stats)``.
+        ``(loss, stats)``. Positions outside the mask never change the loss, its gradient or
+        the stats (selected away first, so inf/NaN there stays harmless).
     """
+    values = select_valid(values, mask)
+    old_values = select_valid(old_values, mask)
+    returns = select_valid(returns, mask)
     unclipped = (values - returns).square()
     if clip is not None and clip > 0:
         clipped_values = old_values + (values - old_values).clamp(-clip, clip)

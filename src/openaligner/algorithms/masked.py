@@ -1,6 +1,9 @@
 """Masked statistics: mean, variance and whitening over the valid positions of a tensor.
 
 Owns the one mask convention of the project (1 = valid, 0 = ignored; any float/bool/int dtype).
+Masked positions are dropped by *selection* (``torch.where``), never by multiplying with the mask:
+``inf · 0`` and ``NaN · 0`` are NaN, so a non-finite value at an ignored position (padding, an
+overflowed log-prob) would otherwise poison the whole statistic.
 Knows nothing of models, configs or torch.distributed: cross-rank statistics take a ``reduce``
 callable (for example an all-reduce SUM) so that this module stays pure.
 """
@@ -19,10 +22,19 @@ def _as_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return mask.to(dtype=like.dtype if like.is_floating_point() else torch.float32)
 
 
+def select_valid(x: torch.Tensor, mask: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """``x`` where ``mask`` is non-zero, ``fill`` elsewhere (broadcast together).
+
+    Unlike ``x * mask`` this keeps ignored positions finite whatever ``x`` holds there, and
+    gives them zero gradient.
+    """
+    return torch.where(mask != 0, x, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of ``x`` over positions where ``mask`` is 1; ``x`` and ``mask`` broadcast together."""
-    m = _as_mask(mask, x)
-    return (x * m).sum() if dim is None else (x * m).sum(dim=dim)
+    picked = select_valid(x, mask)
+    return picked.sum() if dim is None else picked.sum(dim=dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -40,9 +52,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     """
     m = _as_mask(mask, x)
     if dim is None:
-        return (x * m).sum() / m.sum().clamp_min(1.0)
+        return masked_sum(x, m) / torch.broadcast_to(m, x.shape).sum().clamp_min(1.0)
     m = torch.broadcast_to(m, x.shape)
-    return (x * m).sum(dim=dim) / m.sum(dim=dim).clamp_min(1.0)
+    return masked_sum(x, m, dim=dim) / m.sum(dim=dim).clamp_min(1.0)
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = False) -> torch.Tensor:
@@ -70,10 +82,10 @@ def masked_mean_var(
     """
     reduce = reduce if reduce is not None else _identity
     m = torch.broadcast_to(_as_mask(mask, x), x.shape)
-    sums = reduce(torch.stack([(x * m).sum(), m.sum()]).detach().to(torch.float64))
+    sums = reduce(torch.stack([masked_sum(x, m), m.sum()]).detach().to(torch.float64))
     count = sums[1].clamp_min(1.0)
     mean = (sums[0] / count).to(x.dtype)
-    sq = reduce((((x - mean) ** 2) * m).sum().detach().to(torch.float64).reshape(1))[0]
+    sq = reduce(masked_sum((x - mean) ** 2, m).detach().to(torch.float64).reshape(1))[0]
     denom = (sums[1] - 1).clamp_min(1.0) if unbiased else count
     return mean, (sq / denom).to(x.dtype)
 

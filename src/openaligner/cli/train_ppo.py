@@ -5,7 +5,8 @@ from the config, resumes automatically from the latest complete checkpoint, and 
 :class:`PPOTrainer`. Under ``torchrun`` every rank runs this; rank 0 logs and saves.
 
 Exit codes: 0 when the run finished (or reached ``max_time_per_run``, after saving); 1 when a
-server failed or could not be reached (the message names host:port and model); 130 on SIGINT and
+server failed or could not be reached (the message names host:port and model; under torchrun
+every rank stops at once), or the actor's gradients were inf/NaN too many steps in a row; 130 on SIGINT and
 143 on SIGTERM, which stop the run at once without saving — the next run of the same command
 resumes from the last checkpoint. Resuming also rewinds ``logs/metrics.jsonl`` and
 ``logs/tables.jsonl`` to the checkpoint's step, so steps that are run again appear once.
@@ -198,7 +199,13 @@ def _train(cfg: TrainPPOConfig) -> int:
     from openaligner.models.source import check_vocab, load_causal_lm, pick_device, resolve_tokenizer
     from openaligner.tasks import task_scorer
     from openaligner.trainer import distributed as dp
-    from openaligner.trainer.ppo import PPOTrainer, RunTimer, max_time_s
+    from openaligner.trainer.ppo import (
+        NonFiniteTrainingError,
+        PeerFailedError,
+        PPOTrainer,
+        RunTimer,
+        max_time_s,
+    )
     from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -296,7 +303,7 @@ def _train(cfg: TrainPPOConfig) -> int:
             if latest is not None:
                 trainer.load_checkpoint(latest)
             trainer.fit()
-    except ClientError as e:
+    except (ClientError, PeerFailedError, NonFiniteTrainingError) as e:
         stopped = (
             f" The run stopped at step {trainer.step}; {_resume_note(out)}." if trainer is not None else ""
         )

@@ -23,8 +23,10 @@ Conventions:
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,7 +35,16 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from transformers.activations import NewGELUActivation
 
 from openaligner.algorithms import entropy_from_logits, next_token_logprobs, ppo_policy_loss
-from openaligner.models.generation import CacheKind, SamplingParams, generate
+from openaligner.models.generation import (
+    CacheKind,
+    SamplingParams,
+    config_eos_ids,
+    default_eos_ids,
+    generate,
+    mask_early_stops,
+)
+
+log = logging.getLogger(__name__)
 
 
 class GPTActorModel:
@@ -41,9 +52,13 @@ class GPTActorModel:
 
     Args:
         model: any ``AutoModelForCausalLM`` (GPT-2, Llama, ...), optionally a PEFT/LoRA model.
-        tokenizer: used only to decode responses for ``stop_strings``.
-        sampling: default sampling parameters for :meth:`infer` (``stop_token_ids=None`` means
-            the model's ``eos_token_id``; ``()`` means no stop id).
+        tokenizer: the policy's tokenizer: its EOS id is the default stop id (the token SFT
+            appends to every response), and it decodes responses for ``stop_strings``.
+        sampling: the sampling parameters of :meth:`infer`; the log-prob passes and the loss
+            score tokens under the same distribution (temperature, early stop-id ban of
+            ``min_new_tokens``). ``stop_token_ids=None`` is resolved here to the tokenizer's EOS
+            id (the model config's without a tokenizer); ``()`` means no stop id. A trainer
+            owning the sampling settings assigns :attr:`sampling` (see :meth:`set_sampling`).
         pad_id: id written after each response in ``response_tokens``; default the EOS id (as
             NeMo-Aligner does), else 0.
         forward_micro_batch_size: rows per forward pass in the no-grad log-prob passes
@@ -82,9 +97,13 @@ class GPTActorModel:
         model.eval()
         self.model = model
         self.tokenizer = tokenizer
-        eos = _eos_id(model)
-        self.sampling = sampling or SamplingParams()
-        self.pad_id = pad_id if pad_id is not None else (eos if eos is not None else 0)
+        self.eos_ids = default_eos_ids(model, tokenizer)
+        """The EOS id(s) responses end with by default (the tokenizer's, else the model config's)."""
+        _warn_if_eos_differs(model, tokenizer)
+        self.eos_id: int | None = self.eos_ids[0] if self.eos_ids else None
+        self.sampling = SamplingParams()
+        self.set_sampling(sampling or SamplingParams())
+        self.pad_id = pad_id if pad_id is not None else (self.eos_id if self.eos_id is not None else 0)
         self.forward_micro_batch_size = forward_micro_batch_size
         self.clip_eps = clip_eps
         self.clip_eps_high = clip_eps_high
@@ -139,6 +158,16 @@ class GPTActorModel:
         """The trainable parameters of the policy (what the optimizer should update)."""
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def set_sampling(self, sampling: SamplingParams) -> None:
+        """Use ``sampling`` for rollouts and for every log-prob pass from now on.
+
+        ``stop_token_ids=None`` becomes the EOS id(s) of :func:`default_eos_ids`, so that the
+        early-stop ban of ``min_new_tokens`` is applied to exactly the ids generation bans.
+        """
+        if sampling.stop_token_ids is None:
+            sampling = replace(sampling, stop_token_ids=tuple(self.eos_ids))
+        self.sampling = sampling
+
     # ------------------------------------------------------------------ rollouts
     def infer(
         self,
@@ -151,7 +180,9 @@ class GPTActorModel:
         Args:
             inference_batch: ``text`` (or ``tokens``) [B, P] int64 right-padded prompts (values
                 beyond a row's length are ignored) and ``length`` [B] int64 prompt lengths.
-            sampling: overrides the default sampling parameters for this call.
+            sampling: overrides the actor's sampling parameters for this call only (e.g. greedy
+                evaluation); the log-prob passes always use :attr:`sampling`, so rollouts for
+                training must not override it.
             generator: a seeded ``torch.Generator`` on the model's device makes sampling
                 reproducible.
 
@@ -191,6 +222,7 @@ class GPTActorModel:
         response_tokens: torch.Tensor,
         response_lengths: torch.Tensor | None = None,
         forward_micro_batch_size: int | None = None,
+        prompt_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Log-probs of each next token under the current policy.
 
@@ -198,12 +230,18 @@ class GPTActorModel:
             response_tokens: [B, S] int64, right-padded.
             response_lengths: [B] valid tokens per row (default: all S).
             forward_micro_batch_size: rows per forward pass (default: the actor's setting).
+            prompt_lengths: [B] prompt tokens per row; required when ``min_new_tokens`` > 0
+                (with stop ids), so that stop ids are banned where sampling banned them.
 
         Returns:
             [B, S-1] float32; position ``t`` is ``log p(token[t+1] | tokens[:t+1])`` at the
-            sampling temperature. Positions at or past ``response_lengths - 1`` are unspecified.
+            sampling temperature (and with the stop ids banned before ``min_new_tokens``
+            response tokens when ``prompt_lengths`` is given). Positions at or past
+            ``response_lengths - 1`` are unspecified.
         """
-        return self._batched_logprobs(self.model, response_tokens, response_lengths, forward_micro_batch_size)
+        return self._batched_logprobs(
+            self.model, response_tokens, response_lengths, forward_micro_batch_size, prompt_lengths
+        )
 
     @torch.no_grad()
     def get_init_policy_logprobs(
@@ -211,6 +249,7 @@ class GPTActorModel:
         response_tokens: torch.Tensor,
         response_lengths: torch.Tensor | None = None,
         forward_micro_batch_size: int | None = None,
+        prompt_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Like :meth:`get_inference_log_probs`, under the frozen initial policy. [B, S-1]."""
         if self.init_policy is None:
@@ -219,7 +258,7 @@ class GPTActorModel:
             )
         with self._init_policy_context():
             return self._batched_logprobs(
-                self.init_policy, response_tokens, response_lengths, forward_micro_batch_size
+                self.init_policy, response_tokens, response_lengths, forward_micro_batch_size, prompt_lengths
             )
 
     # ------------------------------------------------------------------ loss
@@ -235,7 +274,8 @@ class GPTActorModel:
             batch: ``response_tokens`` [B, S] int64, ``advantages`` [B, S-1], ``mask`` [B, S-1]
                 (1 on response positions), ``prev_logprobs`` [B, S-1] (rollout-time log-probs),
                 ``is_end`` [B] bool (samples that did not end get no policy gradient); optional
-                ``response_lengths`` [B] for the attention mask.
+                ``response_lengths`` [B] for the attention mask; ``prompt_lengths`` [B], required
+                when the sampling has ``min_new_tokens`` > 0 (see :meth:`get_inference_log_probs`).
 
         Returns:
             ``(loss, metrics)``: a scalar loss tensor and floats ``loss``, ``pg_loss``,
@@ -248,6 +288,7 @@ class GPTActorModel:
         # loss; the output head and log-softmax skip them.
         first = _first_scored_position(mask)
         logits = self._logits(self.model, tokens, batch.get("response_lengths"), keep=tokens.shape[1] - first)
+        logits = self._sampled_distribution(logits, first, batch.get("prompt_lengths"))
         temperature = self.sampling.logprob_temperature
         logprobs = next_token_logprobs(logits, tokens[:, first:], temperature)  # [B, S-1-first]
         with nullcontext() if self.entropy_coef > 0 else torch.no_grad():
@@ -299,12 +340,27 @@ class GPTActorModel:
             return ctx
         return nullcontext()
 
+    def _sampled_distribution(
+        self, logits: torch.Tensor, first_position: int, prompt_lengths: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``logits`` [B, T, V] (column 0 computed at ``first_position``) as sampling saw them."""
+        params = self.sampling
+        if params.min_new_tokens == 0 or not params.stop_token_ids:
+            return logits
+        if prompt_lengths is None:
+            raise ValueError(
+                f"min_new_tokens={params.min_new_tokens} bans the stop ids early in each response; "
+                "scoring needs prompt_lengths [B] to apply the same ban"
+            )
+        return mask_early_stops(logits, first_position, prompt_lengths, params)
+
     def _batched_logprobs(
         self,
         model: nn.Module,
         tokens: torch.Tensor,
         lengths: torch.Tensor | None,
         micro_batch_size: int | None,
+        prompt_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         tokens = tokens.to(self.device)
         step = micro_batch_size or self.forward_micro_batch_size or max(1, tokens.shape[0])
@@ -314,6 +370,8 @@ class GPTActorModel:
             chunk = tokens[i : i + step]
             chunk_lengths = lengths[i : i + step] if lengths is not None else None
             logits = self._logits(model, chunk, chunk_lengths)
+            chunk_prompts = prompt_lengths[i : i + step] if prompt_lengths is not None else None
+            logits = self._sampled_distribution(logits, 0, chunk_prompts)
             parts.append(next_token_logprobs(logits, chunk, temperature).float())
         if not parts:
             return torch.zeros((0, max(0, tokens.shape[1] - 1)), dtype=torch.float32, device=self.device)
@@ -376,11 +434,20 @@ def _first_scored_position(mask: torch.Tensor) -> int:
     return int(scored[0]) if scored.numel() else 0
 
 
-def _eos_id(model: PreTrainedModel) -> int | None:
-    eos = getattr(model.config, "eos_token_id", None)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos if isinstance(eos, int) else None
+def _warn_if_eos_differs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    """Warn when the tokenizer's EOS id is not among the model config's ``eos_token_id``."""
+    if tokenizer is None or tokenizer.eos_token_id is None:
+        return
+    config_ids = config_eos_ids(model)
+    if config_ids and int(tokenizer.eos_token_id) not in config_ids:
+        log.warning(
+            "the tokenizer's EOS id %d (%r) is not the model config's eos_token_id %s: responses end "
+            "on the tokenizer's EOS (the token SFT appends), plus any configured stop ids; fix the "
+            "model's config.json (eos_token_id) if the model was trained to end otherwise",
+            int(tokenizer.eos_token_id),
+            tokenizer.eos_token,
+            config_ids[0] if len(config_ids) == 1 else config_ids,
+        )
 
 
 def _is_peft(model: nn.Module) -> bool:

@@ -57,7 +57,8 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus sampling: smallest set with cumulative probability ≥ top_p; 1 disables
     max_new_tokens: int = 64  # response length limit (stop token included)
     min_new_tokens: int = 0  # stop ids are banned and stop strings ignored before this many new tokens
-    stop_token_ids: tuple[int, ...] | None = None  # a response ends after one of these ids; None: model's EOS
+    # a response ends after one of these ids; None: the tokenizer's EOS (see resolve_stop_ids)
+    stop_token_ids: tuple[int, ...] | None = None
     stop_strings: tuple[str, ...] = ()  # ... or when its decoded text contains one
 
     def __post_init__(self) -> None:
@@ -112,7 +113,7 @@ def generate(
         params: sampling parameters.
         pad_id: id written after each response.
         generator: seeded generator on the model's device for reproducible sampling.
-        tokenizer: needed only for ``params.stop_strings``.
+        tokenizer: decodes responses for ``params.stop_strings``; its EOS id is the default stop id.
         cache: Hugging Face KV cache of the general path: ``"static"`` (preallocated; fastest) or
             ``"dynamic"`` (grows per step; for models whose attention does not support a static
             cache). The GPT-2 decoder keeps its own preallocated cache and ignores it.
@@ -163,7 +164,7 @@ def _sample_loop(
     decoder = make_decoder(model, attention, total, cache, fast_path)
     logits = decoder.prefill(buf[:, :p_max], positions)
 
-    stop_ids = torch.tensor(resolve_stop_ids(params, model), dtype=torch.long, device=device)
+    stop_ids = torch.tensor(resolve_stop_ids(params, model, tokenizer), dtype=torch.long, device=device)
     # Without stop ids or strings no row can end early: the per-step stop checks (and their
     # device syncs) are skipped and every row runs max_new_tokens.
     can_stop = stop_ids.numel() > 0 or bool(params.stop_strings)
@@ -210,14 +211,73 @@ def _sample_loop(
     return Generation(tokens=tokens, response_lengths=response_lengths, prompt_lengths=lengths, is_end=is_end)
 
 
-def resolve_stop_ids(params: SamplingParams, model: PreTrainedModel) -> list[int]:
-    """The stop ids in effect: ``params.stop_token_ids``, or the model's EOS id(s) when ``None``."""
+def resolve_stop_ids(
+    params: SamplingParams, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None
+) -> list[int]:
+    """The stop ids in effect: ``params.stop_token_ids`` when set, else the default EOS rule.
+
+    The default (``stop_token_ids=None``) is the tokenizer's EOS id — the token SFT appends to
+    every response, so the one a fine-tuned policy learned to end with — and only without a
+    tokenizer (or one without EOS) the model config's ``eos_token_id`` (one id or a list).
+    """
     if params.stop_token_ids is not None:
         return sorted(set(params.stop_token_ids))
+    return default_eos_ids(model, tokenizer)
+
+
+def default_eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> list[int]:
+    """The tokenizer's EOS id, else the model config's ``eos_token_id`` id(s), else none."""
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return [int(tokenizer.eos_token_id)]
+    return config_eos_ids(model)
+
+
+def config_eos_ids(model: PreTrainedModel) -> list[int]:
+    """``model.config.eos_token_id`` as a sorted list of ids (empty when unset)."""
     eos = getattr(model.config, "eos_token_id", None)
     if eos is None:
         return []
-    return sorted(set(eos)) if isinstance(eos, list) else [int(eos)]
+    return sorted({int(e) for e in eos}) if isinstance(eos, list) else [int(eos)]
+
+
+def mask_early_stops(
+    logits: torch.Tensor,
+    first_position: int,
+    prompt_lengths: torch.Tensor,
+    params: SamplingParams,
+) -> torch.Tensor:
+    """The distribution sampling drew from under ``min_new_tokens``: stop ids banned early.
+
+    :func:`generate` gives the stop ids probability 0 while a response has fewer than
+    ``min_new_tokens`` tokens; log-probs scored on the unmasked logits would then differ from
+    the sampling distribution (the PPO ratio would be off-policy at those tokens). This applies
+    the same ban to scoring logits.
+
+    Args:
+        logits: [B, T, V] where column ``c`` predicts the token at position
+            ``first_position + c + 1`` of right-padded prompt + response rows.
+        first_position: the position of the token column 0 was computed at.
+        prompt_lengths: [B] prompt tokens per row.
+        params: the sampling parameters used for the rollout; ``params.stop_token_ids`` must be
+            resolved (not ``None``).
+
+    Returns:
+        ``logits`` (float32) with the stop ids set to −1e30 where the predicted token is one of
+        the first ``min_new_tokens`` response tokens — a finite value, so that entropies and
+        gradients stay finite, and far below any real logit even after temperature scaling.
+        ``logits`` unchanged when nothing is banned.
+    """
+    stop_ids = params.stop_token_ids or ()
+    if params.min_new_tokens == 0 or not stop_ids:
+        return logits
+    device = logits.device
+    predicted = torch.arange(logits.shape[1], device=device) + first_position + 1  # [T]
+    index = predicted.unsqueeze(0) - prompt_lengths.to(device).unsqueeze(-1)  # [B, T] response index
+    early = (index >= 0) & (index < params.min_new_tokens)  # [B, T]
+    is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
+    is_stop[torch.tensor(sorted(set(stop_ids)), device=device)] = True
+    ban = early.unsqueeze(-1) & is_stop  # [B, T, V]
+    return logits.float().masked_fill(ban, -1e30)
 
 
 def select_tokens(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -33,7 +34,6 @@ import torch
 from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance
 from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
 from openaligner.io.metrics import MetricsLogger
-from openaligner.models.generation import SamplingParams
 from openaligner.trainer import distributed as dp
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
@@ -42,6 +42,10 @@ from openaligner.trainer.rollout import Collate, pad_and_stack
 log = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state.json"
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """The actor's gradients were inf/NaN in too many optimizer steps in a row."""
 
 
 class RMCriticFuture(Protocol):
@@ -167,6 +171,10 @@ class PPOTrainer:
         self.step = 0
         self.consumed_samples = 0
         self.ppo_optimization_step = 0
+        self.nonfinite_in_a_row = 0
+        """Actor optimizer steps skipped for an inf/NaN gradient since the last finite one."""
+        self.nonfinite_steps = 0
+        """Actor optimizer steps skipped for an inf/NaN gradient in the whole run."""
         self.steps_per_epoch = int(train_dataloader_builder.steps_per_epoch)
         self.max_steps = self.steps_per_epoch * cfg.max_epochs
         if cfg.max_steps >= 0:
@@ -176,20 +184,13 @@ class PPOTrainer:
             if cfg.adaptive_kl
             else FixedKLController(cfg.initial_policy_kl_penalty)
         )
-        self.sampling = SamplingParams(
-            greedy=cfg.sampling.use_greedy,
-            temperature=cfg.sampling.temperature,
-            top_k=cfg.sampling.top_k,
-            top_p=cfg.sampling.top_p,
-            max_new_tokens=cfg.length.max_length,
-            min_new_tokens=cfg.length.min_length,
-            stop_token_ids=tuple(cfg.sampling.stop_token_ids)
-            if cfg.sampling.stop_token_ids is not None
-            else None,
-            stop_strings=tuple(cfg.sampling.end_strings),
-        )
+        # The config is the one source of the sampling settings: the actor samples rollouts with
+        # them and scores every log-prob (rollout, initial policy, loss) under the same distribution.
+        model.set_sampling(cfg.sampling_params(model.eos_ids))
         self._timer = _PhaseTimer()
         self._pending_critic_train: Future[Any] | None = None
+        self._critic_train_in_flight = False
+        """On every rank: a ``critic_train`` was sent (by rank 0) and its answer not yet shared."""
         self.critic_step: int | None = None
         """The critic server's optimizer steps after the last ``critic_train`` answered."""
         self.critic_steps_per_train: int | None = None
@@ -230,7 +231,7 @@ class PPOTrainer:
                     break
         finally:
             bar.close()
-            self._wait_critic_train()
+            self._drain_critic_train()
         return self.history
 
     def _one_step(self) -> dict[str, float]:
@@ -247,7 +248,7 @@ class PPOTrainer:
         # (5) critic training runs on the server while the actor trains
         self._send_critic_train(global_data)
         # (6) actor update
-        with self._timer("train"), self._threads_beside_server(self._pending_critic_train is not None):
+        with self._timer("train"), self._threads_beside_server(self._critic_train_in_flight):
             metrics |= self.run_training(global_data)
         # the critic must finish before the next step's values are requested
         with self._timer("critic_train_wait"):
@@ -292,9 +293,9 @@ class PPOTrainer:
         metrics["value/explained_variance"] = ev
         metrics["rollout/kl_coef"] = self.kl_controller.value
         if isinstance(self.kl_controller, AdaptiveKLController):
-            # Ziegler et al. measure the sequence-level KL: token mean × mean response length.
-            seq_kl = stats["init_policy_kl"].item() * float(data.mask.sum(-1).float().mean())
-            self.kl_controller.update(seq_kl, self.cfg.num_rollout_samples)
+            # Ziegler et al. track the sequence-level KL: the mean over every rank's samples of each
+            # sample's summed KL (a global statistic, so that every rank keeps the same β).
+            self.kl_controller.update(float(stats["sequence_kl"]), self.cfg.num_rollout_samples)
         return data, metrics
 
     def _run_inference(
@@ -307,9 +308,7 @@ class PPOTrainer:
             micro_batches = self.batch_iterator_cls(prompts, micro_batch_size, self.collate_fn)
             for i, mb in enumerate(micro_batches):
                 gen = self._generator(i, is_validation)
-                out = self.model.infer(
-                    {k: v.to(self.model.device) for k, v in mb.items()}, self.sampling, gen
-                )
+                out = self.model.infer({k: v.to(self.model.device) for k, v in mb.items()}, generator=gen)
                 out = {k: v.cpu() for k, v in out.items()}
                 futures.append(self.rm_critic.infer_rm_critic(out))  # overlaps the next generation
                 outs.append(out)
@@ -322,13 +321,13 @@ class PPOTrainer:
         server_busy = bool(futures)  # the reward/critic requests are being answered meanwhile
         with self._timer(phase), self._threads_beside_server(server_busy):
             logprobs = self.model.get_inference_log_probs(
-                tokens, lengths, self.cfg.forward_micro_batch_size
+                tokens, lengths, self.cfg.forward_micro_batch_size, prompt_lengths
             ).cpu()
         init_logprobs = None
         if not is_validation and self.compute_init_policy_kl:
             with self._timer("init_logprobs"), self._threads_beside_server(server_busy):
                 init_logprobs = self.model.get_init_policy_logprobs(
-                    tokens, lengths, self.cfg.forward_micro_batch_size
+                    tokens, lengths, self.cfg.forward_micro_batch_size, prompt_lengths
                 ).cpu()
         with self._timer("validation" if is_validation else "critic_wait"):
             results = [f.result() for f in futures]
@@ -419,6 +418,7 @@ class PPOTrainer:
         with self._timer("gather"):
             return PPOData(
                 response_tokens=dp.all_gather_rows(data.response_tokens, pad_value=int(self.model.pad_id)),
+                prompt_lengths=dp.all_gather_rows(data.prompt_lengths),
                 is_end=dp.all_gather_rows(data.is_end.to(torch.uint8)).bool(),
                 mask=dp.all_gather_rows(data.mask),
                 prev_logprobs=dp.all_gather_rows(data.prev_logprobs),
@@ -435,9 +435,10 @@ class PPOTrainer:
                 "response_tokens": data.response_tokens,
                 "returns": data.returns,
                 "values": data.values,
+                "mask": data.mask,
             }
-            payload["mask"] = data.mask
             self._pending_critic_train = self.rm_critic.train(payload)
+        self._critic_train_in_flight = True
 
     @contextmanager
     def _threads_beside_server(self, server_busy: bool) -> Iterator[None]:
@@ -453,15 +454,32 @@ class PPOTrainer:
             torch.set_num_threads(before)
 
     def _wait_critic_train(self) -> dict[str, float]:
-        pending, self._pending_critic_train = self._pending_critic_train, None
-        if pending is None:
+        """The last ``critic_train`` answer as ``value/*`` metrics, on every rank ({} if none).
+
+        Every rank calls this at the same points; rank 0 awaits the future and shares the
+        outcome, so that a failed request stops every rank at once (instead of leaving the
+        others blocked in their next collective until its timeout).
+        """
+        if not self._critic_train_in_flight:
             return {}
-        result = pending.result()
+        self._critic_train_in_flight = False
+        pending, self._pending_critic_train = self._pending_critic_train, None
+        result = on_rank0_shared(lambda: pending.result() if pending is not None else None, "critic_train")
         if isinstance(result, dict):
             if "critic_step" in result:
                 self._follow_critic_step(int(result["critic_step"]))
             return {f"value/{k}": float(v) for k, v in result.items()}
-        return {"value/loss": float(result)}
+        return {"value/loss": float(result)} if result is not None else {}
+
+    def _drain_critic_train(self) -> None:
+        """On the way out (no collectives: other ranks may be elsewhere), let a request finish."""
+        pending, self._pending_critic_train = self._pending_critic_train, None
+        self._critic_train_in_flight = False
+        if pending is not None and not pending.done():
+            try:
+                pending.result()
+            except Exception as e:  # the run is already ending; its own error is the one to report
+                log.warning("critic_train still in flight at exit failed: %s", e)
 
     def _follow_critic_step(self, step: int) -> None:
         """Record the critic server's step; warn when it does not continue from the last answer."""
@@ -514,6 +532,7 @@ class PPOTrainer:
                     loss, metrics = self.model.get_loss_and_metrics(
                         {
                             "response_tokens": mb.response_tokens,
+                            "prompt_lengths": mb.prompt_lengths,
                             "advantages": mb.advantages,
                             "mask": mb.mask,
                             "prev_logprobs": mb.prev_logprobs,
@@ -524,26 +543,54 @@ class PPOTrainer:
                     for k, v in metrics.items():
                         step_metrics[k] += v / n_micro
                 dp.average_gradients(params)
-                if c.gradient_clip_val > 0:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, c.gradient_clip_val)
+                max_norm = c.gradient_clip_val if c.gradient_clip_val > 0 else float("inf")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                # The same on every rank (gradients are averaged first), so all ranks skip alike.
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                    if self.scheduler is not None:
+                        self.scheduler.step()
+                    self.ppo_optimization_step += 1
+                    self.nonfinite_in_a_row = 0
                 else:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
-                self.optimizer.step()
-                if self.scheduler is not None:
-                    self.scheduler.step()
-                self.ppo_optimization_step += 1
-                step_metrics["grad_norm"] = float(grad_norm)
+                    self._skip_nonfinite_step(grad_norm)
+                    step_metrics["skipped_steps"] += 1.0
+                step_metrics["grad_norm"] = grad_norm
                 step_metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
                 for k, v in step_metrics.items():
                     sums[k] += v
                 count += 1
         self.optimizer.zero_grad(set_to_none=True)
+        sums.setdefault("skipped_steps", 0.0)
         averaged = (
             dp.all_reduce_sum(torch.tensor([sums[k] for k in sorted(sums)], dtype=torch.float64)) / world
         )
         out = {f"policy/{k}": float(v) / count for k, v in zip(sorted(sums), averaged, strict=True)}
+        out["policy/skipped_steps"] = sums["skipped_steps"]  # a count, not a mean
         out["policy/optim_step"] = float(self.ppo_optimization_step)
         return out
+
+    def _skip_nonfinite_step(self, grad_norm: float) -> None:
+        """Leave the weights, optimizer and schedule as they are; stop after too many in a row."""
+        self.nonfinite_in_a_row += 1
+        self.nonfinite_steps += 1
+        limit = self.cfg.max_nonfinite_steps_in_a_row
+        log.warning(
+            "PPO step %d: the actor's gradient norm is %s; optimizer step skipped (%d in a row, limit %d)",
+            self.step,
+            grad_norm,
+            self.nonfinite_in_a_row,
+            limit,
+        )
+        if self.nonfinite_in_a_row >= limit:
+            raise NonFiniteTrainingError(
+                f"the actor's gradient was inf/NaN in {self.nonfinite_in_a_row} optimizer steps in a row "
+                f"(trainer.max_nonfinite_steps_in_a_row={limit}), so training stopped instead of going on "
+                "without learning. Usual causes: a learning rate too high for the model, fp16 without "
+                "loss scaling, or a reward/critic server returning inf/NaN. Lower optim.lr or "
+                "trainer.gradient_clip_val, check the rollout/rewards and value/ metrics, and resume from "
+                "the last checkpoint"
+            )
 
     # ------------------------------------------------------------------ (7) validation, logs
     def run_validation(self) -> dict[str, float]:
@@ -572,17 +619,27 @@ class PPOTrainer:
             "consumed_samples": self.consumed_samples,
             "epoch": self.epoch,
             "ppo_optimization_step": self.ppo_optimization_step,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "nonfinite_steps": self.nonfinite_steps,
             "kl_controller": self.kl_controller.state_dict(),
             "critic_step": self.critic_step,
             "critic_steps_per_train": self.critic_steps_per_train,
         }
 
     def save(self, metrics: dict[str, float]) -> None:
-        """Checkpoint the actor and, in the same step, the critic (through ``critic_save``)."""
+        """Checkpoint the actor and, in the same step, the critic (through ``critic_save``).
+
+        Rank 0 writes both; any failure there (the server, the disk) is shared with every rank,
+        which all raise at once.
+        """
         self._wait_critic_train()
-        critic_saved = self.rm_critic.save() if dp.rank() == 0 else None
         rngs = dp.gather_objects(rng_state())
-        if dp.rank() == 0 and self.ckpt_callback is not None:
+        on_rank0_shared(lambda: self._save_on_rank0(metrics, rngs), "checkpoint")
+        dp.barrier()
+
+    def _save_on_rank0(self, metrics: dict[str, float], rngs: list[Any]) -> None:
+        critic_saved = self.rm_critic.save()
+        if self.ckpt_callback is not None:
 
             def write(d: Path) -> None:
                 self.model.save_pretrained(d / "actor")
@@ -595,18 +652,16 @@ class PPOTrainer:
 
             monitored = {k: v for k, v in metrics.items() if k.startswith("val/")}
             self.ckpt_callback.save(self.step, write, {k.replace("/", "_"): v for k, v in monitored.items()})
-        if critic_saved is not None:
-            saved = critic_saved.result()
-            step = saved.get("step") if isinstance(saved, dict) else None
-            if step is not None and self.critic_step is not None and int(step) != self.critic_step:
-                log.warning(
-                    "checkpoint step_%d: the critic server saved critic step %s, but this run's critic is "
-                    "at step %d; resuming from this checkpoint will not be an exact continuation",
-                    self.step,
-                    step,
-                    self.critic_step,
-                )
-        dp.barrier()
+        saved = critic_saved.result()
+        step = saved.get("step") if isinstance(saved, dict) else None
+        if step is not None and self.critic_step is not None and int(step) != self.critic_step:
+            log.warning(
+                "checkpoint step_%d: the critic server saved critic step %s, but this run's critic is "
+                "at step %d; resuming from this checkpoint will not be an exact continuation",
+                self.step,
+                step,
+                self.critic_step,
+            )
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore the actor, optimizer, scheduler, trainer state and RNGs from ``path``."""
@@ -627,6 +682,8 @@ class PPOTrainer:
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])
         self.ppo_optimization_step = int(state["ppo_optimization_step"])
+        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+        self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.critic_step = state.get("critic_step")
         self.critic_steps_per_train = state.get("critic_steps_per_train")
@@ -640,6 +697,34 @@ class PPOTrainer:
                 "restart serve-critic from its checkpoint.dir when train-ppo restarts",
                 self.critic_step,
             )
+
+
+class PeerFailedError(RuntimeError):
+    """Raised on the other ranks when rank 0's server request or checkpoint write failed."""
+
+
+def on_rank0_shared(fn: Callable[[], Any], what: str) -> Any:
+    """``fn()`` run on rank 0, its result (or failure) shared with every rank.
+
+    On rank 0 a failure re-raises the original exception; the other ranks raise
+    :class:`PeerFailedError` with its message. All ranks must call this at the same point.
+    """
+    outcome: tuple[bool, Any] | None = None
+    error: BaseException | None = None
+    if dp.rank() == 0:
+        try:
+            outcome = (True, fn())
+        except Exception as e:  # shared below, then re-raised
+            error = e
+            outcome = (False, f"{type(e).__name__}: {e}")
+    outcome = dp.broadcast_object(outcome)
+    assert outcome is not None
+    ok, value = outcome
+    if error is not None:
+        raise error
+    if not ok:
+        raise PeerFailedError(f"rank 0's {what} failed, so this rank stops too: {value}")
+    return value
 
 
 def derive_seed(*parts: int) -> int:

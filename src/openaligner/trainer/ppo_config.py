@@ -7,27 +7,33 @@ naming the key and the fix. Below the trainer's constructor only plain values ar
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from openaligner.algorithms import KL_KINDS, LOSS_AGGREGATIONS
+
+if TYPE_CHECKING:
+    from openaligner.models.generation import SamplingParams
 
 
 @dataclass
 class SamplingConfig:
-    """Rollout sampling (log-probs use the same temperature)."""
+    """Rollout sampling: the one source of the actor's sampling settings (its log-probs score the
+    distribution sampled from: same temperature, same early stop-id ban)."""
 
     use_greedy: bool = False  # argmax decoding instead of sampling
     temperature: float = 1.0  # logits are divided by this when sampling and when scoring
-    top_k: int = 0  # keep the k most likely tokens; 0 disables
-    top_p: float = 1.0  # nucleus sampling threshold; 1 disables
-    stop_token_ids: list[int] | None = None  # ids that end a response; null = the tokenizer's EOS
+    top_k: int = 0  # must stay 0 for training: log-probs are of the full distribution
+    top_p: float = 1.0  # must stay 1 for training: log-probs are of the full distribution
+    stop_token_ids: list[int] | None = None  # ids that end a response besides the tokenizer's EOS
     end_strings: list[str] = field(default_factory=list)  # strings that end a response
 
 
 @dataclass
 class LengthConfig:
     max_length: int = 64  # maximum new tokens per response (stop token included)
-    min_length: int = 1  # minimum new tokens before a stop token may end the response
+    min_length: int = 1  # stop ids are banned (in sampling and in the log-probs) before this many tokens
 
 
 @dataclass
@@ -63,6 +69,7 @@ class PPOConfig:
     loss_aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean
     gate_unfinished: bool = True  # samples that never ended get no policy gradient (NeMo-Aligner)
     gradient_clip_val: float = 1.0  # actor gradient-norm clip; 0 disables
+    max_nonfinite_steps_in_a_row: int = 3  # stop after this many inf/NaN-gradient (skipped) steps in a row
     ppo_epochs: int = 1  # passes over each rollout (NeMo-Aligner: 1)
     critic_warmup_steps: int = 0  # extra critic-only rollouts before the first actor update
     # ---- batch sizes (all global, i.e. summed over data-parallel ranks)
@@ -84,6 +91,24 @@ class PPOConfig:
         if self.kl_estimator is not None:
             return self.kl_estimator
         return "abs" if self.use_absolute_kl else "k1"
+
+    def sampling_params(self, eos_ids: Sequence[int]) -> SamplingParams:
+        """The rollout sampling parameters; responses stop on ``eos_ids`` (the tokenizer's EOS)
+        plus ``sampling.stop_token_ids``."""
+        # Imported here: loading the config (e.g. `--print-config`) need not import transformers.
+        from openaligner.models.generation import SamplingParams
+
+        s = self.sampling
+        return SamplingParams(
+            greedy=s.use_greedy,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            max_new_tokens=self.length.max_length,
+            min_new_tokens=self.length.min_length,
+            stop_token_ids=tuple(sorted({*eos_ids, *(s.stop_token_ids or ())})),
+            stop_strings=tuple(s.end_strings),
+        )
 
     @property
     def val_samples(self) -> int:
@@ -153,6 +178,8 @@ def _check_ppo(c: PPOConfig) -> None:
         bad("max_epochs", "must be ≥ 1")
     if c.ppo_epochs < 1:
         bad("ppo_epochs", "must be ≥ 1")
+    if c.max_nonfinite_steps_in_a_row < 1:
+        bad("max_nonfinite_steps_in_a_row", "must be ≥ 1 (steps with an inf/NaN gradient are always skipped)")
     if c.critic_warmup_steps < 0:
         bad("critic_warmup_steps", "must be ≥ 0")
     for key in ("num_rollout_samples", "rollout_micro_batch_size", "global_batch_size", "micro_batch_size"):
@@ -174,8 +201,16 @@ def _check_ppo(c: PPOConfig) -> None:
         )
     if c.sampling.temperature <= 0:
         bad("sampling.temperature", "must be > 0; use sampling.use_greedy=true for argmax")
-    if not 0 < c.sampling.top_p <= 1 or c.sampling.top_k < 0:
-        bad("sampling.top_p", "top_p must lie in (0, 1] and top_k ≥ 0")
+    if c.sampling.top_k != 0 or c.sampling.top_p != 1.0:
+        key = "sampling.top_k" if c.sampling.top_k != 0 else "sampling.top_p"
+        bad(
+            key,
+            f"top_k={c.sampling.top_k}, top_p={c.sampling.top_p}: PPO scores rollouts with log-probs of the "
+            "full softmax (at the sampling temperature), so sampling from a truncated distribution would "
+            "make every ratio and KL estimate wrong without any error (NeMo-Aligner issue #46). Use "
+            "top_k=0 and top_p=1.0 for training, and lower sampling.temperature to sample more "
+            "conservatively",
+        )
     if c.length.max_length < 1 or not 0 <= c.length.min_length <= c.length.max_length:
         bad("length.min_length", "need 0 ≤ min_length ≤ max_length and max_length ≥ 1")
     parse_duration_s(c.max_time_per_run)

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from openaligner.algorithms import gae, kl_penalty, masked_mean, masked_mean_var, response_mask, shape_rewards
+from openaligner.algorithms import (
+    gae,
+    kl_penalty,
+    masked_mean,
+    masked_mean_var,
+    masked_sum,
+    response_mask,
+    shape_rewards,
+)
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -40,6 +48,7 @@ class PPOData:
     """What the actor update and the critic update consume; all [B, S-1] except tokens/is_end."""
 
     response_tokens: torch.Tensor  # [B, S]
+    prompt_lengths: torch.Tensor  # [B] int64 (the actor bans stop ids where sampling did)
     is_end: torch.Tensor  # [B] bool
     mask: torch.Tensor  # [B, S-1] float, 1 on response positions
     prev_logprobs: torch.Tensor  # [B, S-1]
@@ -75,8 +84,9 @@ def compute_ppo_data(
 
     Metrics (global over ranks through ``reduce``; computed before whitening):
     ``init_policy_kl`` and ``rewards_with_kl`` are means over samples of each sample's token
-    mean under the mask; ``{advantages,returns,values}_{mean,std}`` are the masked mean and
-    uncorrected standard deviation over all valid tokens.
+    mean under the mask; ``sequence_kl`` is the mean over samples of each sample's summed KL
+    (what the adaptive KL controller tracks); ``{advantages,returns,values}_{mean,std}`` are the
+    masked mean and uncorrected standard deviation over all valid tokens.
     """
     reduce = reduce if reduce is not None else _identity
     width = batch.logprobs.shape[-1]
@@ -96,11 +106,18 @@ def compute_ppo_data(
     )
     advantages, returns = gae(batch.values, token_rewards, mask, gamma, lam)
 
-    per_sample = torch.stack([masked_mean(kl, mask, dim=-1), masked_mean(token_rewards, mask, dim=-1)])
+    per_sample = torch.stack(
+        [
+            masked_mean(kl, mask, dim=-1),
+            masked_mean(token_rewards, mask, dim=-1),
+            masked_sum(kl, mask, dim=-1),
+        ]
+    )
     sums = reduce(torch.cat([per_sample.sum(dim=-1), torch.tensor([float(len(batch))])]).double())
     metrics: dict[str, torch.Tensor] = {
-        "init_policy_kl": sums[0] / sums[2],
-        "rewards_with_kl": sums[1] / sums[2],
+        "init_policy_kl": sums[0] / sums[3],
+        "rewards_with_kl": sums[1] / sums[3],
+        "sequence_kl": sums[2] / sums[3],
     }
     stats = {
         name: masked_mean_var(tensor, mask, reduce=reduce)
@@ -117,6 +134,7 @@ def compute_ppo_data(
 
     data = PPOData(
         response_tokens=batch.response_tokens,
+        prompt_lengths=batch.prompt_lengths,
         is_end=batch.is_end,
         mask=mask,
         prev_logprobs=batch.logprobs,
