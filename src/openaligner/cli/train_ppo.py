@@ -264,7 +264,7 @@ def _train(cfg: TrainPPOConfig) -> int:
         # update on CPU (docs/benchmarks.md).
         fused=True,
     )
-    steps = min(train_loader.steps_per_epoch * c.max_epochs, c.max_steps if c.max_steps >= 0 else 1 << 62)
+    steps = c.total_steps(train_loader.steps_per_epoch)
     total_optim_steps = steps * c.ppo_epochs * (c.num_rollout_samples // c.global_batch_size)
     scheduler = build_scheduler(optimizer, cfg.optim, total_optim_steps)
     ckpt = CheckpointManager(out / "checkpoints", keep_last=cfg.exp.keep_last, best_metric="val_rewards")

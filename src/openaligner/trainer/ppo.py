@@ -176,9 +176,7 @@ class PPOTrainer:
         self.nonfinite_steps = 0
         """Actor optimizer steps skipped for an inf/NaN gradient in the whole run."""
         self.steps_per_epoch = int(train_dataloader_builder.steps_per_epoch)
-        self.max_steps = self.steps_per_epoch * cfg.max_epochs
-        if cfg.max_steps >= 0:
-            self.max_steps = min(self.max_steps, cfg.max_steps)
+        self.max_steps = cfg.total_steps(self.steps_per_epoch)
         self.kl_controller: FixedKLController | AdaptiveKLController = (
             AdaptiveKLController(cfg.initial_policy_kl_penalty, cfg.kl_target, cfg.kl_horizon)
             if cfg.adaptive_kl
@@ -201,7 +199,8 @@ class PPOTrainer:
     # ------------------------------------------------------------------ properties
     @property
     def epoch(self) -> int:
-        return self.step // self.steps_per_epoch
+        """Whole passes over the prompts so far (critic warm-up rollouts draw prompts too)."""
+        return self.consumed_samples // (self.steps_per_epoch * self.cfg.num_rollout_samples)
 
     @property
     def compute_init_policy_kl(self) -> bool:
@@ -265,12 +264,13 @@ class PPOTrainer:
         """One rollout of ``num_rollout_samples`` prompts → PPO data and rollout metrics."""
         assert self._train_iter is not None, "generate_rollouts runs inside fit()"
         prompts = next(self._train_iter)
+        epoch = self.epoch  # the pass these prompts come from
         batch, metrics = self._run_inference(prompts, self.cfg.rollout_micro_batch_size, is_validation=False)
         self.consumed_samples += int(metrics["rollout/rollout_size"])
         data, ppo_metrics = self.generate_ppo_data(batch)
         metrics |= ppo_metrics
         metrics["rollout/consumed_samples"] = float(self.consumed_samples)
-        metrics["rollout/epoch"] = float(self.epoch + 1)
+        metrics["rollout/epoch"] = float(epoch + 1)
         return data, metrics
 
     def generate_ppo_data(self, rollout_batch: RolloutBatch) -> tuple[PPOData, dict[str, float]]:

@@ -110,6 +110,12 @@ class PPOConfig:
             stop_strings=tuple(s.end_strings),
         )
 
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """PPO steps of a run: ``max_steps``, bounded by ``max_epochs`` passes over the prompts
+        (``steps_per_epoch`` batches each), of which critic warm-up rollouts draw some too."""
+        by_epochs = max(0, steps_per_epoch * self.max_epochs - self.critic_warmup_steps)
+        return by_epochs if self.max_steps < 0 else min(by_epochs, self.max_steps)
+
     @property
     def val_samples(self) -> int:
         return self.num_val_samples if self.num_val_samples is not None else self.num_rollout_samples

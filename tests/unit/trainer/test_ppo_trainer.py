@@ -1,118 +1,20 @@
-"""PPOTrainer on a tiny actor with an in-memory stand-in for the reward/critic client.
-
-The stand-in scores a response by its share of one target token and returns zero values; the
-real servers are exercised by the integration tests.
-"""
+"""PPOTrainer on a tiny actor with an in-memory stand-in for the reward/critic client."""
 
 import json
 import logging
 from concurrent.futures import Future
 
 import pytest
-import torch
+from ppo_fakes import TargetTokenScorer, count_target, make_trainer, ppo_cfg
 
 from openaligner.config import ConfigError, load_config
-from openaligner.io.checkpoint import CheckpointManager
-from openaligner.io.metrics import MetricsLogger
-from openaligner.models.actor import GPTActorModel
-from openaligner.models.builders import TinySize, build_tiny_causal_lm
-from openaligner.trainer.ppo import PPOTrainer, RunTimer
 from openaligner.trainer.ppo_config import PPOConfig
-from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
-
-TARGET = 7
-SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, max_positions=64)
-
-
-class _Done:
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
-class TargetTokenScorer:
-    """Reward = share of TARGET among response tokens; values = 0; records critic calls."""
-
-    def __init__(self):
-        self.train_calls = 0
-        self.save_calls = 0
-
-    def infer_rm_critic(self, batch):
-        tokens, lengths, prompts = (
-            batch["response_tokens"],
-            batch["response_lengths"],
-            batch["prompt_lengths"],
-        )
-        pos = torch.arange(tokens.shape[1])
-        resp = (pos >= prompts[:, None]) & (pos < lengths[:, None])
-        rewards = ((tokens == TARGET) & resp).sum(-1) / resp.sum(-1).clamp_min(1)
-        return _Done((rewards.float(), torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
-
-    def train(self, data):
-        assert set(data) == {"response_tokens", "returns", "values", "mask"}
-        self.train_calls += 1
-        f = Future()
-        f.set_result({"loss": float((data["returns"] * data["mask"]).abs().sum())})
-        return f
-
-    def save(self):
-        self.save_calls += 1
-        f = Future()
-        f.set_result(0)
-        return f
-
-
-def _count_target(prompts, responses):
-    return [r.split().count(str(TARGET)) for r in responses]
-
-
-def _trainer(tmp_path, cfg: PPOConfig, seed=0, client=None, scorer=None):
-    torch.manual_seed(seed)
-    model = build_tiny_causal_lm("gpt2", SIZE, seed=seed)
-    actor = GPTActorModel(model, clip_eps=cfg.ratio_eps)
-    prompts = [[3 + (i % 20), 4 + (i % 7), 5] for i in range(32)]
-    opt = torch.optim.AdamW(actor.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return PPOTrainer(
-        cfg=cfg,
-        model=actor,
-        optimizer=opt,
-        scheduler=sched,
-        train_dataloader_builder=PromptLoader(prompts, cfg.num_rollout_samples, cfg.seed, shuffle=True),
-        val_dataloader_builder=PromptLoader(prompts[:8], cfg.val_samples, cfg.seed, shuffle=False),
-        collate_fn=make_prompt_collate(actor.pad_id),
-        rm_critic=client or TargetTokenScorer(),
-        batch_iterator_cls=MicroBatchIterator,
-        logger=MetricsLogger(tmp_path / "logs", tensorboard=False),
-        ckpt_callback=CheckpointManager(tmp_path / "ckpt"),
-        run_timer=RunTimer(None),
-        decode=lambda ids: " ".join(map(str, ids)),
-        progress=False,
-        response_scorer=scorer,
-    )
-
-
-def _cfg(**over) -> PPOConfig:
-    base = [
-        "num_rollout_samples=16",
-        "rollout_micro_batch_size=8",
-        "global_batch_size=8",
-        "micro_batch_size=4",
-        "length.max_length=6",
-        "val_check_interval=2",
-        "save_interval=2",
-        "num_val_samples=8",
-        "initial_policy_kl_penalty=0.01",
-        "sampling.stop_token_ids=[1]",
-    ]
-    return load_config(PPOConfig, None, base + [f"{k}={v}" for k, v in over.items()])
 
 
 def test_fit_logs_reference_metrics_and_trains_critic(tmp_path):
     client = TargetTokenScorer()
-    t = _trainer(tmp_path, _cfg(max_steps=2, critic_warmup_steps=1), client=client, scorer=_count_target)
+    cfg = ppo_cfg(max_steps=2, max_epochs=2, critic_warmup_steps=1)
+    t = make_trainer(tmp_path, cfg, client=client, scorer=count_target)
     history = t.fit()
     assert len(history) == 2
     m = history[-1]
@@ -146,6 +48,8 @@ def test_fit_logs_reference_metrics_and_trains_critic(tmp_path):
     # warm-up: one extra critic-only rollout at step 0, then one per step; warm-up prompts count
     assert client.train_calls == 3
     assert m["rollout/consumed_samples"] == 48
+    # 32 prompts = 2 batches per pass: warm-up and step 1 draw pass 1, step 2 the start of pass 2
+    assert [h["rollout/epoch"] for h in history] == [1.0, 2.0]
     # 16 samples / global batch 8 = 2 optimizer steps per PPO step
     assert m["policy/optim_step"] == 4
     # the first minibatch of a step sees the rollout policy exactly: ratio starts at 1
@@ -154,10 +58,10 @@ def test_fit_logs_reference_metrics_and_trains_critic(tmp_path):
 
 
 def test_resume_matches_uninterrupted_run(tmp_path):
-    straight = _trainer(tmp_path / "a", _cfg(max_steps=4, max_epochs=2)).fit()
-    first = _trainer(tmp_path / "b", _cfg(max_steps=2, max_epochs=2))
+    straight = make_trainer(tmp_path / "a", ppo_cfg(max_steps=4, max_epochs=2)).fit()
+    first = make_trainer(tmp_path / "b", ppo_cfg(max_steps=2, max_epochs=2))
     first.fit()
-    resumed = _trainer(tmp_path / "b", _cfg(max_steps=4, max_epochs=2))
+    resumed = make_trainer(tmp_path / "b", ppo_cfg(max_steps=4, max_epochs=2))
     latest = resumed.ckpt_callback.latest()
     assert latest is not None and latest.name == "step_2"
     resumed.load_checkpoint(latest)
@@ -172,9 +76,9 @@ def test_resume_matches_uninterrupted_run(tmp_path):
 
 def test_resume_across_epoch_boundary(tmp_path):
     # 32 prompts / 16 per step = 2 steps per epoch; stop at the boundary and resume into epoch 2
-    straight = _trainer(tmp_path / "a", _cfg(max_steps=3, max_epochs=2)).fit()
-    _trainer(tmp_path / "b", _cfg(max_steps=2, max_epochs=2)).fit()
-    resumed = _trainer(tmp_path / "b", _cfg(max_steps=3, max_epochs=2))
+    straight = make_trainer(tmp_path / "a", ppo_cfg(max_steps=3, max_epochs=2)).fit()
+    make_trainer(tmp_path / "b", ppo_cfg(max_steps=2, max_epochs=2)).fit()
+    resumed = make_trainer(tmp_path / "b", ppo_cfg(max_steps=3, max_epochs=2))
     resumed.load_checkpoint(resumed.ckpt_callback.latest())
     (m,) = resumed.fit()
     assert m["rollout/epoch"] == 2.0
@@ -183,7 +87,7 @@ def test_resume_across_epoch_boundary(tmp_path):
 
 
 def test_policy_learns_target_token(tmp_path):
-    cfg = _cfg(
+    cfg = ppo_cfg(
         max_steps=12,
         max_epochs=6,
         val_check_interval=0,
@@ -191,7 +95,7 @@ def test_policy_learns_target_token(tmp_path):
         initial_policy_kl_penalty=0.0,
         gate_unfinished="false",
     )
-    history = _trainer(tmp_path, cfg).fit()
+    history = make_trainer(tmp_path, cfg).fit()
     early = sum(m["rollout/rewards"] for m in history[:3]) / 3
     late = sum(m["rollout/rewards"] for m in history[-3:]) / 3
     assert late > early + 0.1, (early, late)
@@ -241,11 +145,11 @@ class SteppingCritic(TargetTokenScorer):
 
 def test_checkpoint_records_the_critic_step_and_a_resume_checks_it(tmp_path, caplog):
     critic = SteppingCritic()
-    _trainer(tmp_path / "run", _cfg(max_steps=2, max_epochs=2), client=critic).fit()
+    make_trainer(tmp_path / "run", ppo_cfg(max_steps=2, max_epochs=2), client=critic).fit()
     state = json.loads((tmp_path / "run" / "ckpt" / "step_2" / "trainer_state.json").read_text())
     assert state["critic_step"] == 4 and state["critic_steps_per_train"] == 2
     # resumed with the critic server restarted from the critic saved with step_2: no warning
-    resumed = _trainer(tmp_path / "run", _cfg(max_steps=3, max_epochs=2), client=critic)
+    resumed = make_trainer(tmp_path / "run", ppo_cfg(max_steps=3, max_epochs=2), client=critic)
     resumed.load_checkpoint(resumed.ckpt_callback.latest())
     assert resumed.critic_step == 4
     with caplog.at_level(logging.WARNING):
@@ -253,9 +157,9 @@ def test_checkpoint_records_the_critic_step_and_a_resume_checks_it(tmp_path, cap
     assert "expected" not in caplog.text and resumed.critic_step == 6
     # resumed while the critic server kept training (not restarted): the run says so
     critic.restart(at=10)
-    again = _trainer(
+    again = make_trainer(
         tmp_path / "run",
-        _cfg(max_steps=4, max_epochs=2, save_interval=0, val_check_interval=0),
+        ppo_cfg(max_steps=4, max_epochs=2, save_interval=0, val_check_interval=0),
         client=critic,
     )
     again.load_checkpoint(again.ckpt_callback.latest())
@@ -267,8 +171,8 @@ def test_checkpoint_records_the_critic_step_and_a_resume_checks_it(tmp_path, cap
 
 def test_critic_server_restarted_mid_run_is_reported_and_the_run_goes_on(tmp_path, caplog):
     critic = SteppingCritic()
-    t = _trainer(
-        tmp_path, _cfg(max_steps=4, max_epochs=2, save_interval=0, val_check_interval=0), client=critic
+    t = make_trainer(
+        tmp_path, ppo_cfg(max_steps=4, max_epochs=2, save_interval=0, val_check_interval=0), client=critic
     )
     original = critic.train
 
@@ -283,3 +187,11 @@ def test_critic_server_restarted_mid_run_is_reported_and_the_run_goes_on(tmp_pat
     assert len(history) == 4
     assert "critic step 4 after this step's critic_train, expected 6" in caplog.text
     assert [m["value/critic_step"] for m in history] == [2.0, 4.0, 4.0, 6.0]
+
+
+def test_warmup_rollouts_count_toward_max_epochs(tmp_path):
+    # one pass = 2 batches; the warm-up draws one, so one pass leaves one PPO step
+    client = TargetTokenScorer()
+    history = make_trainer(tmp_path, ppo_cfg(max_epochs=1, critic_warmup_steps=1), client=client).fit()
+    assert len(history) == 1 and history[0]["rollout/consumed_samples"] == 32
+    assert history[0]["rollout/epoch"] == 1.0

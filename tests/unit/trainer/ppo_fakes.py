@@ -1,0 +1,108 @@
+"""Shared fakes for the PPOTrainer tests: a tiny actor and an in-memory reward/critic client.
+
+The stand-in scores a response by its share of one target token and returns zero values; the
+real servers are exercised by the integration tests.
+"""
+
+from concurrent.futures import Future
+
+import torch
+
+from openaligner.config import load_config
+from openaligner.io.checkpoint import CheckpointManager
+from openaligner.io.metrics import MetricsLogger
+from openaligner.models.actor import GPTActorModel
+from openaligner.models.builders import TinySize, build_tiny_causal_lm
+from openaligner.trainer.ppo import PPOTrainer, RunTimer
+from openaligner.trainer.ppo_config import PPOConfig
+from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
+
+TARGET = 7
+SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, max_positions=64)
+
+
+class Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class TargetTokenScorer:
+    """Reward = share of TARGET among response tokens; values = 0; records critic calls."""
+
+    def __init__(self):
+        self.train_calls = 0
+        self.save_calls = 0
+
+    def infer_rm_critic(self, batch):
+        tokens, lengths, prompts = (
+            batch["response_tokens"],
+            batch["response_lengths"],
+            batch["prompt_lengths"],
+        )
+        pos = torch.arange(tokens.shape[1])
+        resp = (pos >= prompts[:, None]) & (pos < lengths[:, None])
+        rewards = ((tokens == TARGET) & resp).sum(-1) / resp.sum(-1).clamp_min(1)
+        return Done((rewards.float(), torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
+
+    def train(self, data):
+        assert set(data) == {"response_tokens", "returns", "values", "mask"}
+        self.train_calls += 1
+        f = Future()
+        f.set_result({"loss": float((data["returns"] * data["mask"]).abs().sum())})
+        return f
+
+    def save(self):
+        self.save_calls += 1
+        f = Future()
+        f.set_result(0)
+        return f
+
+
+def count_target(prompts, responses):
+    return [r.split().count(str(TARGET)) for r in responses]
+
+
+def make_trainer(tmp_path, cfg: PPOConfig, seed=0, client=None, scorer=None, actor=None, prompts=None):
+    torch.manual_seed(seed)
+    if actor is None:
+        actor = GPTActorModel(build_tiny_causal_lm("gpt2", SIZE, seed=seed), clip_eps=cfg.ratio_eps)
+    if prompts is None:
+        prompts = [[3 + (i % 20), 4 + (i % 7), 5] for i in range(32)]
+    opt = torch.optim.AdamW(actor.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return PPOTrainer(
+        cfg=cfg,
+        model=actor,
+        optimizer=opt,
+        scheduler=sched,
+        train_dataloader_builder=PromptLoader(prompts, cfg.num_rollout_samples, cfg.seed, shuffle=True),
+        val_dataloader_builder=PromptLoader(prompts[:8], cfg.val_samples, cfg.seed, shuffle=False),
+        collate_fn=make_prompt_collate(actor.pad_id),
+        rm_critic=client or TargetTokenScorer(),
+        batch_iterator_cls=MicroBatchIterator,
+        logger=MetricsLogger(tmp_path / "logs", tensorboard=False),
+        ckpt_callback=CheckpointManager(tmp_path / "ckpt"),
+        run_timer=RunTimer(None),
+        decode=lambda ids: " ".join(map(str, ids)),
+        progress=False,
+        response_scorer=scorer,
+    )
+
+
+def ppo_cfg(**over) -> PPOConfig:
+    base = [
+        "num_rollout_samples=16",
+        "rollout_micro_batch_size=8",
+        "global_batch_size=8",
+        "micro_batch_size=4",
+        "length.max_length=6",
+        "val_check_interval=2",
+        "save_interval=2",
+        "num_val_samples=8",
+        "initial_policy_kl_penalty=0.01",
+        "sampling.stop_token_ids=[1]",
+    ]
+    return load_config(PPOConfig, None, base + [f"{k}={v}" for k, v in over.items()])
