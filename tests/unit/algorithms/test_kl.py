@@ -53,3 +53,17 @@ def test_adaptive_controller_moves_toward_target():
     d = AdaptiveKLController(1.0, target=6.0, horizon=10_000)
     d.load_state_dict(state)
     assert d.value == c.value
+
+
+def test_k3_stays_finite_for_huge_log_ratios():
+    # Δ = logp − ref = −200: exp(200) overflows float32; the estimator is evaluated at Δ = −20
+    logp = torch.tensor([[-200.0, -30.0, -1.0, 0.0]])
+    ref = torch.zeros(1, 4)
+    k3 = kl_penalty(logp, ref, "k3")
+    assert torch.isfinite(k3).all()
+    bound = math.expm1(20.0) - 20.0
+    assert k3[0, 0].item() == pytest.approx(bound, rel=1e-6)
+    assert k3[0, 1].item() == pytest.approx(bound, rel=1e-6)
+    # exact inside the bound
+    assert k3[0, 2].item() == pytest.approx(math.expm1(1.0) - 1.0, rel=1e-6)
+    assert k3[0, 3].item() == 0.0

@@ -123,7 +123,7 @@ def test_explained_variance():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(0, 10_000), st.floats(-100, 100))
+@given(st.integers(0, 10_000), st.floats(-100, 100) | st.sampled_from([math.inf, -math.inf, math.nan]))
 def test_losses_ignore_padded_positions(seed, junk):
     g = torch.Generator().manual_seed(seed)
     shape = (3, 6)
@@ -138,3 +138,35 @@ def test_losses_ignore_padded_positions(seed, junk):
     v1, _ = value_loss(new, old, adv, mask, 0.2)
     v2, _ = value_loss(new.masked_fill(pad, junk), old, adv.masked_fill(pad, junk), mask, 0.2)
     assert torch.allclose(v1, v2)
+
+
+@pytest.mark.parametrize("junk", [math.inf, -math.inf, math.nan, 1e4])
+def test_nonfinite_values_at_masked_positions_leave_loss_gradient_and_stats_finite(junk):
+    # e.g. rollout log-probs are unspecified past a row's length: exp(new − old) may overflow there
+    g = torch.Generator().manual_seed(0)
+    new = torch.randn(2, 5, generator=g, dtype=torch.float64)
+    old, adv = torch.randn(2, 5, generator=g, dtype=torch.float64), torch.randn(2, 5, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float64)
+    pad = ~mask.bool()
+    clean = new.clone().requires_grad_(True)
+    dirty = new.clone().requires_grad_(True)
+    l1, s1 = ppo_policy_loss(clean, old, adv.double(), mask, 0.2, entropy=clean.abs(), entropy_coef=0.1)
+    l2, s2 = ppo_policy_loss(
+        dirty,
+        old.masked_fill(pad, -junk),
+        adv.double().masked_fill(pad, junk),
+        mask,
+        0.2,
+        entropy=dirty.abs().masked_fill(pad, junk),
+        entropy_coef=0.1,
+    )
+    l1.backward()
+    l2.backward()
+    assert torch.equal(l1, l2) and torch.equal(clean.grad, dirty.grad)
+    for field in ("clip_fraction", "approx_kl", "ratio_mean", "ratio_clamped_mean", "entropy"):
+        assert torch.equal(getattr(s1, field), getattr(s2, field)), field
+    values = new.clone().requires_grad_(True)
+    v, vs = value_loss(values, old, adv.double().masked_fill(pad, junk), mask, 0.2)
+    v.backward()
+    assert torch.isfinite(v) and torch.isfinite(values.grad).all()
+    assert torch.isfinite(vs.explained_variance) and torch.isfinite(vs.returns_mean)

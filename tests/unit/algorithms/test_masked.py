@@ -1,3 +1,5 @@
+import math
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -63,8 +65,12 @@ def test_whitening_gives_mean_zero_var_one(data):
     assert abs(masked_var(w, mask).item() - 1.0) < 1e-5
 
 
+# Junk at ignored positions includes inf and NaN: masks select, they never multiply (inf·0 = NaN).
+JUNK = st.floats(-1e3, 1e3) | st.sampled_from([math.inf, -math.inf, math.nan])
+
+
 @settings(max_examples=60, deadline=None)
-@given(masked_batches, st.floats(-1e3, 1e3))
+@given(masked_batches, JUNK)
 def test_padded_positions_never_change_statistics(data, junk):
     values, bits, shape = data
     x = torch.tensor(values, dtype=torch.float64).reshape(shape)
@@ -72,7 +78,18 @@ def test_padded_positions_never_change_statistics(data, junk):
     y = torch.where(mask.bool(), x, torch.full_like(x, junk))
     assert torch.allclose(masked_mean(x, mask), masked_mean(y, mask))
     assert torch.allclose(masked_var(x, mask), masked_var(y, mask))
-    assert torch.allclose(masked_whiten(x, mask) * mask, masked_whiten(y, mask) * mask)
+    assert torch.allclose(masked_mean_var(x, mask)[1], masked_mean_var(y, mask)[1])
+    valid = mask.bool()
+    assert torch.allclose(masked_whiten(x, mask)[valid], masked_whiten(y, mask)[valid])
+
+
+def test_nan_at_a_masked_position_keeps_the_mean_and_its_gradient_finite():
+    x = torch.tensor([[1.0, 2.0, float("nan"), float("inf")]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 0]])
+    mean = masked_mean(x, mask)
+    mean.backward()
+    assert mean.item() == 1.5
+    assert x.grad.tolist() == [[0.5, 0.5, 0.0, 0.0]]
 
 
 def _two_rank_reduce(other_x, other_mask):

@@ -20,24 +20,33 @@ from openaligner.trainer.ppo import NonFiniteTrainingError
 
 
 class RecordingActor(GPTActorModel):
-    """Records each log-prob pass: its inputs, its answer and the scoring model's weights then."""
+    """Records each log-prob pass: its inputs, its answer and the scoring model's weights then,
+    with the prompt lengths of the rollouts generated before it."""
 
     calls: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.nn.Module]]
+    prompt_lengths: list[torch.Tensor]
 
-    def get_inference_log_probs(self, tokens, lengths=None, mbs=None, prompt_lengths=None):
-        out = super().get_inference_log_probs(tokens, lengths, mbs, prompt_lengths)
-        self.calls.append(("policy", tokens, lengths, prompt_lengths, out, copy.deepcopy(self.model)))
+    def infer(self, *args, **kwargs):
+        out = super().infer(*args, **kwargs)
+        self.prompt_lengths.append(out["prompt_lengths"].cpu())
         return out
 
-    def get_init_policy_logprobs(self, tokens, lengths=None, mbs=None, prompt_lengths=None):
-        out = super().get_init_policy_logprobs(tokens, lengths, mbs, prompt_lengths)
-        self.calls.append(("init", tokens, lengths, prompt_lengths, out, self.init_policy))
+    def get_inference_log_probs(self, tokens, lengths=None, *args):
+        out = super().get_inference_log_probs(tokens, lengths, *args)
+        prompts = torch.cat(self.prompt_lengths)
+        self.calls.append(("policy", tokens, lengths, prompts, out, copy.deepcopy(self.model)))
+        return out
+
+    def get_init_policy_logprobs(self, tokens, lengths=None, *args):
+        out = super().get_init_policy_logprobs(tokens, lengths, *args)
+        prompts = torch.cat(self.prompt_lengths)
+        self.calls.append(("init", tokens, lengths, prompts, out, self.init_policy))
         return out
 
 
 def _recording_actor(seed=0):
     actor = RecordingActor(build_tiny_causal_lm("gpt2", SIZE, seed=seed))
-    actor.calls = []
+    actor.calls, actor.prompt_lengths = [], []
     return actor
 
 
