@@ -1,11 +1,14 @@
 """Runs a tiny PPOTrainer for 2 steps on 1 process or under torchrun; writes rank 0's metrics as JSON.
 
-Used by test_ppo_distributed.py: ``python ppo_dp_worker.py OUT`` or
-``torchrun --nproc_per_node 2 ppo_dp_worker.py OUT``.
+Used by test_ppo_distributed.py: ``python ppo_dp_worker.py OUT [FAIL_AT]`` or
+``torchrun --nproc_per_node 2 ppo_dp_worker.py OUT [FAIL_AT]``. With ``FAIL_AT`` = N the N-th
+``critic_train`` answer is an error; every rank then writes ``OUT.rank<r>`` (the error it stopped
+with and when) and exits 3.
 """
 
 import json
 import sys
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -31,7 +34,15 @@ class _Done:
         return self.value
 
 
+class CriticTrainFailed(RuntimeError):
+    pass
+
+
 class Scorer:
+    def __init__(self, fail_at: int | None = None):
+        self.fail_at = fail_at
+        self.train_calls = 0
+
     def infer_rm_critic(self, batch):
         tokens, lengths, prompts = (
             batch["response_tokens"],
@@ -45,7 +56,11 @@ class Scorer:
         return _Done((rewards.float(), values))
 
     def train(self, data):
+        self.train_calls += 1
         f = Future()
+        if self.train_calls == self.fail_at:
+            f.set_exception(CriticTrainFailed("critic_train answered 400: bad request"))
+            return f
         f.set_result(
             {"loss": float((data["returns"] * data["mask"]).sum()), "rows": float(len(data["mask"]))}
         )
@@ -57,7 +72,7 @@ class Scorer:
         return f
 
 
-def main(out: Path) -> None:
+def main(out: Path, fail_at: int | None = None) -> None:
     torch.set_num_threads(1)
     dp.init_from_env()
     cfg = load_config(
@@ -74,6 +89,10 @@ def main(out: Path) -> None:
             "max_steps=2",
             "max_epochs=2",
             "initial_policy_kl_penalty=0.05",
+            # adaptive β with a short horizon: any rank-local statistic would split β across ranks
+            "adaptive_kl=true",
+            "kl_target=0.01",
+            "kl_horizon=20",
             "sampling.stop_token_ids=[1]",
             "gate_unfinished=false",
         ],
@@ -92,7 +111,7 @@ def main(out: Path) -> None:
         train_dataloader_builder=PromptLoader(prompts, 16, cfg.seed, True, dp.rank(), dp.world_size()),
         val_dataloader_builder=None,
         collate_fn=make_prompt_collate(actor.pad_id),
-        rm_critic=Scorer(),
+        rm_critic=Scorer(fail_at),
         batch_iterator_cls=MicroBatchIterator,
         logger=MetricsLogger(
             out.parent / f"logs-{dp.world_size()}", tensorboard=False, enabled=dp.rank() == 0
@@ -101,12 +120,24 @@ def main(out: Path) -> None:
         run_timer=RunTimer(None),
         progress=False,
     )
+    if fail_at is not None:
+        started = time.monotonic()
+        try:
+            trainer.fit()
+        except Exception as e:
+            report = {"error": type(e).__name__, "message": str(e), "after_s": time.monotonic() - started}
+            Path(f"{out}.rank{dp.rank()}").write_text(json.dumps(report))
+            sys.exit(3)
+        raise AssertionError("the failed critic_train did not stop the run")
     history = trainer.fit()
     weights = torch.cat([p.detach().reshape(-1) for p in actor.parameters()])
+    betas = dp.gather_objects(trainer.kl_controller.value)
     if dp.rank() == 0:
-        out.write_text(json.dumps({"history": history, "weights_sum": float(weights.double().sum())}))
+        out.write_text(
+            json.dumps({"history": history, "weights_sum": float(weights.double().sum()), "betas": betas})
+        )
     dp.barrier()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None)
