@@ -420,15 +420,18 @@ def _evaluate(run_dir: Path, cfg: DemoConfig, rm_port: int) -> dict[str, dict[st
     ppo = GPTActorModel.from_pretrained(run_dir / "ppo" / "actor", init_policy=False)
     sampled = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=1)
     greedy = SamplingParams(greedy=True, max_new_tokens=MAX_NEW_TOKENS)
+    for scorer in (sft, ppo):  # the KL below scores the distribution sampled from
+        scorer.set_sampling(sampled)
     rm_cfg = RemoteRMConfig(ip=cfg.host, port=rm_port, pad_to_length=64)
     results: dict[str, dict[str, float]] = {}
     with RemoteGPTRMClient(rm_cfg) as rm:
         for name, actor in (("sft", sft), ("ppo", ppo)):
-            out = actor.infer(batch, sampled, torch.Generator().manual_seed(cfg.seed + 17))
+            out = actor.infer(batch, generator=torch.Generator().manual_seed(cfg.seed + 17))
             texts = _responses(out, tokenizer)
             lengths = out["response_lengths"]
-            logp = actor.get_inference_log_probs(out["response_tokens"], lengths)
-            logp_sft = sft.get_inference_log_probs(out["response_tokens"], lengths)
+            tokens, prompt_lengths = out["response_tokens"], out["prompt_lengths"]
+            logp = actor.get_inference_log_probs(tokens, lengths, None, prompt_lengths)
+            logp_sft = sft.get_inference_log_probs(tokens, lengths, None, prompt_lengths)
             mask = _mask(out)
             kl = ((logp - logp_sft) * mask).sum(-1).mean().item()
             greedy_out = actor.infer(batch, greedy)

@@ -55,7 +55,7 @@ class CriticServerSettings:
     combine_rm_and_critic_server: bool = True  # also serve rewards (critic_infer returns values and rewards)
     inference_micro_batch_size: list[int] = field(default_factory=lambda: [4])  # preferred infer rows/rank
     model_forward_micro_batch_size: int = 4  # infer rows per forward pass on one rank
-    strip_sequence_length_to_multiple: int | None = None  # strip infer padding columns to a multiple
+    strip_sequence_length_to_multiple: int | None = None  # compute width multiple (null: longest row)
     max_queue_delay_microseconds: int = 2000  # how long Triton holds an infer request to merge it
     max_batch_size: int = 1024  # most rows per infer request and per formed batch
     max_train_rows: int = 16384  # most rows per critic_train request

@@ -45,7 +45,7 @@ class RewardServerSettings:
     model_name: str = "reward_model"  # Triton model name that clients ask for
     inference_micro_batch_size: list[int] = field(default_factory=lambda: [4])  # preferred rows per rank
     model_forward_micro_batch_size: int = 4  # rows per forward pass on one rank
-    strip_sequence_length_to_multiple: int | None = None  # strip padding columns to a multiple of this
+    strip_sequence_length_to_multiple: int | None = None  # compute width multiple (null: longest row)
     max_queue_delay_microseconds: int = 2000  # how long Triton holds a request for others to merge with
     max_batch_size: int = 1024  # most rows per request and per formed batch
     max_sequence_length: int | None = None  # longest accepted sequence; default: the model's position limit

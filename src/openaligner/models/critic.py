@@ -32,7 +32,10 @@ class CriticModel(ScalarHeadModel):
     def infer(
         self, tokens: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int | None = None
     ) -> torch.Tensor:
-        """Values for serving: eval mode, no grad, padding beyond ``max(lengths)`` skipped.
+        """Values for serving: eval mode, no grad, computed at the width ``S`` given.
+
+        The caller decides the compute width (the servers strip padding columns to a multiple
+        of ``strip_sequence_length_to_multiple`` first).
 
         Args:
             tokens: [B, S] int64, right-padded (any pad id).
@@ -47,13 +50,12 @@ class CriticModel(ScalarHeadModel):
         out = torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
         if tokens.shape[0] == 0:
             return out
-        width = int(lengths.max())
         step = micro_batch_size or tokens.shape[0]
         was_training = self.training
         self.eval()
         try:
             for i in range(0, tokens.shape[0], step):
-                out[i : i + step, :width] = self.forward(tokens[i : i + step, :width], lengths[i : i + step])
+                out[i : i + step] = self.forward(tokens[i : i + step], lengths[i : i + step])
         finally:
             self.train(was_training)
         valid = torch.arange(tokens.shape[1], device=self.device) < lengths.unsqueeze(-1)

@@ -160,7 +160,10 @@ class RewardModel(ScalarHeadModel):
     def infer(
         self, tokens: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int | None = None
     ) -> torch.Tensor:
-        """Rewards for serving: eval mode, no grad, padding beyond ``max(lengths)`` skipped.
+        """Rewards for serving: eval mode, no grad, computed at the width ``S`` given.
+
+        The caller decides the compute width (the servers strip padding columns to a multiple
+        of ``strip_sequence_length_to_multiple`` first, see :func:`strip_columns`).
 
         Args:
             tokens: [B, S] int64, right-padded (any pad id).
@@ -173,13 +176,12 @@ class RewardModel(ScalarHeadModel):
         tokens, lengths = check_scalar_inputs(tokens, lengths, self.device)
         if tokens.shape[0] == 0:
             return torch.zeros(0, dtype=torch.float32, device=self.device)
-        width = int(lengths.max())
         step = micro_batch_size or tokens.shape[0]
         was_training = self.training
         self.eval()
         try:
             parts = [
-                self.forward(tokens[i : i + step, :width], lengths[i : i + step])
+                self.forward(tokens[i : i + step], lengths[i : i + step])
                 for i in range(0, tokens.shape[0], step)
             ]
         finally:

@@ -38,16 +38,18 @@ def merge_rows(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
 def strip_columns(tokens: torch.Tensor, lengths: torch.Tensor, multiple: int | None) -> torch.Tensor:
     """Drop trailing padding columns, keeping a width that is a multiple of ``multiple``.
 
-    The new width is ``ceil(max(lengths) / multiple) * multiple``, never wider than ``S``; with
-    ``multiple=None`` nothing is stripped. A few distinct widths keep kernels warm and cache-
-    friendly while most padding is skipped.
+    The new width — the width the model computes at — is ``ceil(max(lengths) / multiple) *
+    multiple``, never wider than ``S``; ``multiple=None`` strips to exactly ``max(lengths)`` (the
+    fewest FLOPs). A multiple gives a few distinct widths, which keeps kernels (and CUDA
+    graphs, compiled shapes) warm while most padding is still skipped.
 
-    Example: lengths [3, 5], S = 16, multiple 4 → width 8.
+    Example: lengths [3, 5], S = 16: multiple 4 → width 8; None → width 5.
     """
-    if multiple is None or tokens.shape[0] == 0:
+    if tokens.shape[0] == 0:
         return tokens
     longest = int(lengths.max())
-    width = -(-longest // multiple) * multiple
+    step = multiple or 1
+    width = -(-longest // step) * step
     return tokens[:, :width] if width < tokens.shape[1] else tokens
 
 

@@ -105,7 +105,7 @@ class CriticServerConfig:
     micro_batch_size: int = 1  # training rows per forward/backward on one rank
     inference_micro_batch_size: int | list[int] = 4  # preferred infer rows per rank (Triton batcher)
     max_queue_delay_microseconds: int = 2000  # how long Triton holds an infer request to merge it
-    strip_sequence_length_to_multiple: int | None = None  # strip infer padding columns to this multiple
+    strip_sequence_length_to_multiple: int | None = None  # compute width multiple (null: longest row)
     max_batch_size: int = 1024  # most rows per infer request and per formed batch
     max_train_rows: int = 16384  # most rows per train request
     max_sequence_length: int | None = None  # longest accepted sequence; None: the critic's position limit

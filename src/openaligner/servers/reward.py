@@ -158,7 +158,8 @@ class RewardEndpoint:
         max_sequence_length: longest accepted sequence; None skips the check.
         max_batch_size: most rows per request.
         forward_micro_batch_size: rows per forward pass on one rank.
-        strip_sequence_length_to_multiple: strip padding columns to this multiple; None keeps them.
+        strip_sequence_length_to_multiple: compute at a width that is a multiple of this; None: the
+            longest row (see :func:`strip_columns`).
         dp_size: number of ranks sharing the batch.
     """
 
@@ -247,7 +248,7 @@ class RewardModelServer(ServerLifecycle):
         inference_micro_batch_size: preferred rows per rank in a formed batch (int or list);
             Triton's preferred batch sizes are these times the number of ranks.
         model_forward_micro_batch_size: rows per ``infer_fn`` call.
-        strip_sequence_length_to_multiple: strip padding columns to this multiple (None: keep).
+        strip_sequence_length_to_multiple: compute width multiple (None: the longest row).
         max_queue_delay_microseconds: how long Triton holds a request to merge it with others.
         host: address to bind (loopback by default; others are warned about).
         vocab_size: refuse token ids outside ``[0, vocab_size)``; None skips the check.

@@ -389,12 +389,14 @@ class PPOTrainer:
         return metrics
 
     def _decode_rollouts(self, b: RolloutBatch) -> tuple[list[str], list[str]]:
-        """Prompt and response texts (the stop token is not part of the response text)."""
+        """Prompt and response texts (a stop token id is not part of the response text; the last
+        token of a response a stop *string* ended is)."""
         assert self.decode is not None
+        stop_ids = set(self.model.sampling.stop_token_ids or ())
         prompts, responses = [], []
         for i in range(len(b)):
             p, end = int(b.prompt_lengths[i]), int(b.response_lengths[i])
-            if bool(b.is_end[i]):
+            if bool(b.is_end[i]) and int(b.response_tokens[i, end - 1]) in stop_ids:
                 end -= 1
             prompts.append(self.decode(b.response_tokens[i, :p].tolist()))
             responses.append(self.decode(b.response_tokens[i, p:end].tolist()))

@@ -1,5 +1,7 @@
 """Batch shaping: worked examples, and the property that shaping never changes any row's answer."""
 
+import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,7 +38,7 @@ def test_strip_columns_to_multiple():
     tokens = torch.zeros(2, 16, dtype=torch.long)
     lengths = torch.tensor([3, 5])
     assert strip_columns(tokens, lengths, 4).shape == (2, 8)  # ceil(5 / 4) * 4
-    assert strip_columns(tokens, lengths, None).shape == (2, 16)
+    assert strip_columns(tokens, lengths, None).shape == (2, 5)  # exactly the longest row
     assert strip_columns(tokens, torch.tensor([15, 1]), 8).shape == (2, 16)  # never widens
 
 
@@ -91,3 +93,30 @@ def test_shaping_never_changes_a_rows_answer(sizes, mbs, dp, strip, seed):
     answers = split_rows(_row_answer(tokens, lengths), [t.shape[0] for t, _ in parts])
     for (t, n), got in zip(parts, answers, strict=True):
         assert torch.equal(got, _row_answer(t, n))
+
+
+@pytest.mark.parametrize(("multiple", "width"), [(4, 8), (None, 5)])
+def test_models_compute_at_the_stripped_width(tiny, multiple, width):
+    """strip_sequence_length_to_multiple sets the width the reward model and critic compute at."""
+    from openaligner.servers.critic import CriticInferEndpoint
+    from openaligner.servers.reward import RewardEndpoint
+
+    rm, critic = tiny.reward_model(), tiny.critic()
+    seen: list[int] = []
+    for model in (rm, critic):
+        model.backbone.register_forward_pre_hook(
+            lambda _m, args, kwargs: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+        )
+    tokens = np.full((2, 16), 5, dtype=np.int64)
+    request = {"tokens": tokens, "sequence_lengths": np.array([[3], [5]], dtype=np.int64)}
+    reward = RewardEndpoint(rm.infer, strip_sequence_length_to_multiple=multiple)
+    values = CriticInferEndpoint(
+        lambda t, n: (critic.infer(t, n), None), combined=False, strip_sequence_length_to_multiple=multiple
+    )
+    (r,) = reward.run([reward.validate(request)])
+    (v,) = values.run([values.validate(request)])
+    assert seen == [width, width]
+    # stripping changes no answer: same as the forward over the exact rows
+    exact = torch.tensor(tokens[:, :5])
+    assert np.allclose(r["rewards"].reshape(-1), rm.infer(exact, torch.tensor([3, 5])).numpy(), atol=1e-5)
+    assert v["values"].shape == (2, 16) and np.allclose(v["values"][:, 5:], 0.0)

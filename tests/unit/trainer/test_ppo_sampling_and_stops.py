@@ -142,6 +142,35 @@ def test_responses_end_on_the_tokenizer_eos_when_the_model_config_says_otherwise
     assert all(m["policy/loss"] != 0.0 for m in history)
 
 
+def test_a_response_ended_by_a_stop_string_keeps_its_last_token_in_the_text(tmp_path):
+    tokenizer = build_char_tokenizer("abcd")
+    size = TinySize(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, num_heads=2, max_positions=64)
+    actor = GPTActorModel(build_tiny_causal_lm("gpt2", size, seed=0), tokenizer)
+    scorer, texts = RecordingScorer(), []
+
+    def score(prompts, responses):
+        texts.extend(responses)
+        return [0.0] * len(responses)
+
+    cfg = ppo_cfg(
+        max_steps=1, val_check_interval=0, save_interval=0, **{"sampling.end_strings": '["b"]'}
+    )
+    prompts = [[tokenizer.bos_token_id, 4 + i % 4] for i in range(32)]
+    make_trainer(tmp_path, cfg, actor=actor, client=scorer, prompts=prompts, scorer=score).fit()
+    is_end = torch.cat([b["is_end"] for b in scorer.batches])
+    last = torch.cat(
+        [b["response_tokens"][range(len(b["is_end"])), b["response_lengths"] - 1] for b in scorer.batches]
+    )
+    b_id, eos = tokenizer.convert_tokens_to_ids("b"), tokenizer.eos_token_id
+    by_string = is_end & (last == b_id)
+    assert by_string.any() and (is_end & (last == eos)).any()
+    for i in range(len(texts)):
+        if by_string[i]:
+            assert texts[i].endswith(str(b_id)), texts[i]  # the "b" stays in the text
+        elif is_end[i]:
+            assert not texts[i].endswith(f" {eos}")  # the EOS id does not
+
+
 def test_configured_stop_ids_add_to_the_tokenizer_eos():
     cfg = ppo_cfg(**{"sampling.stop_token_ids": "[5,9]"})
     assert cfg.sampling_params([1]).stop_token_ids == (1, 5, 9)
