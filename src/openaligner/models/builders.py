@@ -1,4 +1,4 @@
-"""Builders for tiny, seeded, randomly initialised models (GPT-2 and Llama architectures).
+"""Builders for tiny, seeded, randomly initialised models (GPT-2, Llama, GPT-NeoX and Mixtral).
 
 Owns the one definition of "a tiny model" shared by tests, configs, docs and benchmarks, and the
 special-token ids those models use (the local tokenizers' ``<pad>`` = 0, ``<eos>`` = 1,
@@ -19,7 +19,9 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     GPT2Config,
+    GPTNeoXConfig,
     LlamaConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedModel,
 )
@@ -28,8 +30,8 @@ from openaligner.models.critic import CriticModel
 from openaligner.models.reward import RewardModel
 from openaligner.models.tokenizers import BOS_ID, EOS_ID, PAD_ID
 
-TinyArch = Literal["gpt2", "llama"]
-TINY_ARCHS: tuple[str, ...] = ("gpt2", "llama")
+TinyArch = Literal["gpt2", "llama", "gpt_neox", "mixtral"]
+TINY_ARCHS: tuple[str, ...] = ("gpt2", "llama", "gpt_neox", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class TinySize:
     num_layers: int = 2  # transformer blocks
     num_heads: int = 4  # attention heads; must divide hidden_size
     max_positions: int = 256  # longest sequence (prompt + response)
-    intermediate_size: int | None = None  # MLP width; default 4*hidden (GPT-2) or 2*hidden (Llama)
+    intermediate_size: int | None = None  # MLP width; default 4*hidden (GPT-2, GPT-NeoX), else 2*hidden
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -57,7 +59,12 @@ WORKLOAD_SIZE = TinySize(vocab_size=512, hidden_size=256, num_layers=4, num_head
 
 
 def tiny_config(arch: TinyArch = "gpt2", size: TinySize = TinySize()) -> PretrainedConfig:
-    """A ``GPT2Config`` or ``LlamaConfig`` of ``size`` with pad/eos/bos = 0/1/2 and no dropout."""
+    """The config of a tiny ``arch`` model of ``size`` with pad/eos/bos = 0/1/2 and no dropout.
+
+    ``gpt_neox`` is Pythia's layout (an untied ``embed_out`` head, parallel residual, partial
+    rotary); ``mixtral`` is a sparse mixture of experts (4 experts, 2 per token), whose experts
+    ``transformers`` 5 fuses in the module but stores one by one on disk.
+    """
     if arch == "gpt2":
         return GPT2Config(
             vocab_size=size.vocab_size,
@@ -82,6 +89,38 @@ def tiny_config(arch: TinyArch = "gpt2", size: TinySize = TinySize()) -> Pretrai
             num_attention_heads=size.num_heads,
             num_key_value_heads=max(1, size.num_heads // 2),
             max_position_embeddings=size.max_positions,
+            tie_word_embeddings=False,
+            pad_token_id=PAD_ID,
+            eos_token_id=EOS_ID,
+            bos_token_id=BOS_ID,
+        )
+    if arch == "gpt_neox":
+        return GPTNeoXConfig(
+            vocab_size=size.vocab_size,
+            hidden_size=size.hidden_size,
+            intermediate_size=size.intermediate_size or 4 * size.hidden_size,
+            num_hidden_layers=size.num_layers,
+            num_attention_heads=size.num_heads,
+            max_position_embeddings=size.max_positions,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tie_word_embeddings=False,
+            pad_token_id=PAD_ID,
+            eos_token_id=EOS_ID,
+            bos_token_id=BOS_ID,
+        )
+    if arch == "mixtral":
+        return MixtralConfig(
+            vocab_size=size.vocab_size,
+            hidden_size=size.hidden_size,
+            intermediate_size=size.intermediate_size or 2 * size.hidden_size,
+            num_hidden_layers=size.num_layers,
+            num_attention_heads=size.num_heads,
+            num_key_value_heads=max(1, size.num_heads // 2),
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=size.max_positions,
+            attention_dropout=0.0,
             tie_word_embeddings=False,
             pad_token_id=PAD_ID,
             eos_token_id=EOS_ID,

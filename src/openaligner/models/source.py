@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "to
 @dataclass
 class ModelSourceConfig:
     path: str | None = None  # local Hugging Face model directory; when set, the tiny.* keys are ignored
-    tiny: str = "gpt2"  # built-in random model when path is unset: gpt2 or llama
+    tiny: str = "gpt2"  # built-in random model when path is unset: gpt2, llama, gpt_neox or mixtral
     tiny_vocab_size: int = 0  # tiny model vocabulary; 0 = the tokenizer's length
     tiny_hidden_size: int = 64  # tiny model width
     tiny_num_layers: int = 2  # tiny model transformer blocks
@@ -49,7 +50,7 @@ class ModelSourceConfig:
     @property
     def tiny_arch(self) -> TinyArch:
         """``tiny`` as the builders' architecture name (validated above)."""
-        return "llama" if self.tiny == "llama" else "gpt2"
+        return cast(TinyArch, self.tiny)
 
     def tiny_size(self, vocab_size: int) -> TinySize:
         """The tiny model's dimensions; ``vocab_size`` fills in ``tiny_vocab_size=0``."""

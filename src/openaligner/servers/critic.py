@@ -39,6 +39,7 @@ from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.critic import CriticModel
 from openaligner.models.reward import RewardModel
+from openaligner.models.weights import load_weights_into
 from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
 from openaligner.servers.distributed import Collective, Opcode, Rank0Dispatcher
 from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
@@ -810,15 +811,7 @@ class CriticServerTrainer(ServerLifecycle):
 
     def load_checkpoint(self, path: Path) -> None:
         """Critic weights, optimizer, scheduler and step from a directory :meth:`write_checkpoint` made."""
-        from safetensors.torch import load_file
-
-        weights = load_file(str(path / CRITIC_DIR / "model.safetensors"), device=str(self.model.device))
-        missing, unexpected = self.model.hf_model.load_state_dict(weights, strict=False)
-        if unexpected or missing:
-            raise ValueError(
-                f"checkpoint {path} does not match the critic (missing {sorted(missing)[:3]}, unexpected "
-                f"{sorted(unexpected)[:3]}); was model.path changed since it was written?"
-            )
+        load_weights_into(self.model, path / CRITIC_DIR)
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.model.device))
         if self.scheduler is not None and (path / "scheduler.pt").is_file():
             self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))

@@ -34,6 +34,7 @@ import torch
 from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance
 from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
 from openaligner.io.metrics import MetricsLogger
+from openaligner.models.weights import load_weights_into
 from openaligner.trainer import distributed as dp
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
@@ -667,16 +668,7 @@ class PPOTrainer:
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore the actor, optimizer, scheduler, trainer state and RNGs from ``path``."""
-        from safetensors.torch import load_file
-
-        weights = load_file(str(path / "actor" / "model.safetensors"), device=str(self.model.device))
-        missing, unexpected = self.model.model.load_state_dict(weights, strict=False)
-        # Tied weights (e.g. GPT-2's lm_head) are stored once; anything else missing is an error.
-        tied = {k for k in missing if k.endswith("lm_head.weight")}
-        if set(missing) - tied or unexpected:
-            raise RuntimeError(
-                f"{path}: checkpoint does not match the actor: missing {missing}, unexpected {unexpected}"
-            )
+        load_weights_into(self.model.model, path / "actor")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.model.device))
         if self.scheduler is not None and (path / "scheduler.pt").is_file():
             self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))

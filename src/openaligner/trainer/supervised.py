@@ -32,6 +32,7 @@ from openaligner.data.jsonl import read_records, split_holdout
 from openaligner.data.prompts import EpochSampler
 from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
 from openaligner.io.metrics import MetricsLogger
+from openaligner.models.weights import load_weights_into
 
 log = logging.getLogger(__name__)
 
@@ -293,10 +294,7 @@ class SupervisedTrainer(Generic[T]):
         path = self.checkpoints.latest() if self.resume else None
         if path is None:
             return False
-        from safetensors.torch import load_file
-
-        weights = load_file(str(path / "model" / "model.safetensors"), device=str(self.device))
-        _load_weights(self.objective.module, weights)
+        load_weights_into(self.objective.module, path / "model")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
         set_rng_state(torch.load(path / "rng.pt", weights_only=False))
@@ -349,22 +347,3 @@ class SupervisedTrainer(Generic[T]):
 def _short(name: str) -> str:
     """Progress-bar label of a metric: ``train/loss`` → ``loss``, ``val/loss`` → ``val_loss``."""
     return name.removeprefix("train/").replace("/", "_")
-
-
-def _load_weights(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Load a saved Hugging Face state dict into ``module``, whose keys may carry a wrapper prefix
-    (``hf_model.``); keys absent from the file must be tied to loaded ones (e.g. GPT-2's lm_head)."""
-    own = module.state_dict()
-    if not set(weights) <= set(own):
-        weights = {"hf_model." + k: v for k, v in weights.items()}
-    unexpected = set(weights) - set(own)
-    if unexpected:
-        raise ValueError(
-            f"checkpoint weights do not match the model ({sorted(unexpected)[:3]} ...); "
-            "was the model source changed since the checkpoint was written?"
-        )
-    module.load_state_dict(weights, strict=False)
-    loaded_ptrs = {own[k].data_ptr() for k in weights}
-    untied = [k for k in set(own) - set(weights) if own[k].data_ptr() not in loaded_ptrs]
-    if untied:
-        raise ValueError(f"checkpoint lacks weights {sorted(untied)[:3]} ...")

@@ -5,12 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openaligner.models.builders import TinySize, build_tiny_causal_lm, build_tiny_reward_model, tiny_config
+from openaligner.models.builders import (
+    TINY_ARCHS,
+    TinySize,
+    build_tiny_causal_lm,
+    build_tiny_reward_model,
+    build_tiny_sequence_classifier,
+    tiny_config,
+)
+from openaligner.models.source import ModelSourceConfig
 
 SMALL = TinySize(vocab_size=40, hidden_size=32, num_layers=1, num_heads=2)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_same_seed_same_weights_other_seed_other_weights(arch):
     a, b, c = (build_tiny_causal_lm(arch, SMALL, seed=s) for s in (0, 0, 1))
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
@@ -26,13 +34,23 @@ def test_building_leaves_the_global_rng_alone():
     assert torch.equal(torch.rand(3), expected)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_special_ids_and_sizes(arch):
     config = tiny_config(arch, SMALL)
     assert (config.pad_token_id, config.eos_token_id, config.bos_token_id) == (0, 1, 2)
     model = build_tiny_causal_lm(arch, SMALL)
     assert model.get_input_embeddings().weight.shape == (40, 32)
     assert not model.training
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "mixtral"])
+def test_new_architectures_build_both_roles_from_the_config_name(arch):
+    source = ModelSourceConfig(tiny=arch)
+    assert source.tiny_arch == arch
+    classifier = build_tiny_sequence_classifier(source.tiny_arch, SMALL)
+    assert classifier.config.num_labels == 1 and classifier.score.weight.shape == (1, 32)
+    if arch == "mixtral":
+        assert (classifier.config.num_local_experts, classifier.config.num_experts_per_tok) == (4, 2)
 
 
 def test_invalid_sizes_are_refused():

@@ -2,6 +2,7 @@
 
 import copy
 import json
+from functools import partial
 
 import numpy as np
 import pytest
@@ -21,8 +22,10 @@ from openaligner.servers.protocol import TOKEN_ENV, TOKEN_PARAMETER
 from openaligner.servers.validation import RequestError, UnauthorizedError
 
 
-def make_trainer(tiny, tmp_path=None, *, combined=True, gbs=4, mbs=2, lr=1e-2, clip=0.2, sgd=False, **cfg):
-    critic = tiny.critic()
+def make_trainer(
+    tiny, tmp_path=None, *, combined=True, gbs=4, mbs=2, lr=1e-2, clip=0.2, sgd=False, arch="gpt2", **cfg
+):
+    critic = tiny.critic(arch)
     if sgd:  # plain SGD keeps gradient round-off visible at its own size (Adam's first step is ~sign(g))
         optimizer: torch.optim.Optimizer = torch.optim.SGD(critic.parameters(), lr=lr)
     else:
@@ -318,6 +321,43 @@ def test_save_then_a_new_trainer_resumes_step_weights_and_optimizer(tiny, tmp_pa
     # both continue identically
     for t in (trainer, again):
         t.run_training(**train_inputs(tokens, torch.ones(4, 11), torch.zeros(4, 11), mask))
+    assert same_weights(weights(trainer), weights(again))
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "mixtral"])
+def test_resume_continues_exactly_for_architectures_with_converted_keys(tiny, tmp_path, arch):
+    """Two training requests straight vs. one, save, a new server resumes at construction, one
+    more: bitwise equal weights (on CPU the same float operations run in the same order). Mixtral's
+    experts are fused in the module but saved one by one."""
+    tokens, _lengths, mask = batch(rows=4)
+    requests = [train_inputs(tokens, torch.full((4, 11), r), torch.zeros(4, 11), mask) for r in (1.0, -1.0)]
+    straight = make_trainer(tiny, combined=False, arch=arch)
+    for r in requests:
+        straight.run_training(**r)
+    first = make_trainer(tiny, tmp_path, combined=False, arch=arch)
+    first.run_training(**requests[0])
+    first.save()
+    resumed = make_trainer(tiny, tmp_path, combined=False, arch=arch)
+    assert resumed.step == first.step == 1
+    resumed.run_training(**requests[1])
+    assert same_weights(weights(resumed), weights(straight))
+
+
+def test_resume_from_a_sharded_critic_directory(tiny, tmp_path):
+    """A critic saved in shards (``model.safetensors.index.json``, as large models are) resumes
+    and continues exactly."""
+    trainer = make_trainer(tiny, tmp_path, combined=False)
+    hf = trainer.model.hf_model
+    hf.save_pretrained = partial(type(hf).save_pretrained, hf, max_shard_size="50KB")
+    tokens, _lengths, mask = batch(rows=4)
+    inputs = train_inputs(tokens, torch.ones(4, 11), torch.zeros(4, 11), mask)
+    trainer.run_training(**inputs)
+    trainer.save()
+    assert (tmp_path / "step_1" / "critic" / "model.safetensors.index.json").is_file()
+    again = make_trainer(tiny, tmp_path, combined=False)
+    assert again.step == 1 and same_weights(weights(again), weights(trainer))
+    for t in (trainer, again):
+        t.run_training(**inputs)
     assert same_weights(weights(trainer), weights(again))
 
 

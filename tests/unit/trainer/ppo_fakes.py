@@ -6,6 +6,7 @@ real servers are exercised by the integration tests.
 
 from concurrent.futures import Future
 
+import pytest
 import torch
 
 from openaligner.config import load_config
@@ -65,10 +66,27 @@ def count_target(prompts, responses):
     return [r.split().count(str(TARGET)) for r in responses]
 
 
-def make_trainer(tmp_path, cfg: PPOConfig, seed=0, client=None, scorer=None, actor=None, prompts=None):
+def make_trainer(
+    tmp_path,
+    cfg: PPOConfig,
+    seed=0,
+    client=None,
+    scorer=None,
+    actor=None,
+    prompts=None,
+    arch="gpt2",
+    lora_rank=0,
+):
+    """A PPOTrainer on a tiny ``arch`` actor (LoRA adapters of ``lora_rank`` when > 0, via peft),
+    or on ``actor`` when given."""
     torch.manual_seed(seed)
     if actor is None:
-        actor = GPTActorModel(build_tiny_causal_lm("gpt2", SIZE, seed=seed), clip_eps=cfg.ratio_eps)
+        model = build_tiny_causal_lm(arch, SIZE, seed=seed)
+        if lora_rank:  # a LoRA actor (peft); its initial policy is the model with adapters disabled
+            peft = pytest.importorskip("peft")
+            lora = peft.LoraConfig(r=lora_rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+            model = peft.get_peft_model(model, lora)
+        actor = GPTActorModel(model, clip_eps=cfg.ratio_eps)
     if prompts is None:
         prompts = [[3 + (i % 20), 4 + (i % 7), 5] for i in range(32)]
     opt = torch.optim.AdamW(actor.parameters(), lr=3e-3)
