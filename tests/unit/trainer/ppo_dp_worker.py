@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
+from ppo_fakes import Done, target_share
 
 from openaligner.config import load_config
 from openaligner.io.metrics import MetricsLogger
@@ -22,16 +23,6 @@ from openaligner.trainer import distributed as dp
 from openaligner.trainer.ppo import PPOTrainer, RunTimer
 from openaligner.trainer.ppo_config import PPOConfig
 from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
-
-TARGET = 7
-
-
-class _Done:
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
 
 
 class CriticTrainFailed(RuntimeError):
@@ -44,16 +35,8 @@ class Scorer:
         self.train_calls = 0
 
     def infer_rm_critic(self, batch):
-        tokens, lengths, prompts = (
-            batch["response_tokens"],
-            batch["response_lengths"],
-            batch["prompt_lengths"],
-        )
-        pos = torch.arange(tokens.shape[1])
-        resp = (pos >= prompts[:, None]) & (pos < lengths[:, None])
-        rewards = ((tokens == TARGET) & resp).sum(-1) / resp.sum(-1).clamp_min(1)
-        values = 0.1 * (tokens[:, 1:] % 3).float()  # values that depend on the tokens
-        return _Done((rewards.float(), values))
+        values = 0.1 * (batch["response_tokens"][:, 1:] % 3).float()  # values that depend on the tokens
+        return Done((target_share(batch), values))
 
     def train(self, data):
         self.train_calls += 1

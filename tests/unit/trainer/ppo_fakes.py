@@ -30,6 +30,14 @@ class Done:
         return self.value
 
 
+def target_share(batch) -> torch.Tensor:
+    """[B] float: the share of TARGET among each row's response tokens (a rollout batch's keys)."""
+    tokens, lengths, prompts = batch["response_tokens"], batch["response_lengths"], batch["prompt_lengths"]
+    pos = torch.arange(tokens.shape[1])
+    resp = (pos >= prompts[:, None]) & (pos < lengths[:, None])
+    return (((tokens == TARGET) & resp).sum(-1) / resp.sum(-1).clamp_min(1)).float()
+
+
 class TargetTokenScorer:
     """Reward = share of TARGET among response tokens; values = 0; records critic calls."""
 
@@ -38,15 +46,8 @@ class TargetTokenScorer:
         self.save_calls = 0
 
     def infer_rm_critic(self, batch):
-        tokens, lengths, prompts = (
-            batch["response_tokens"],
-            batch["response_lengths"],
-            batch["prompt_lengths"],
-        )
-        pos = torch.arange(tokens.shape[1])
-        resp = (pos >= prompts[:, None]) & (pos < lengths[:, None])
-        rewards = ((tokens == TARGET) & resp).sum(-1) / resp.sum(-1).clamp_min(1)
-        return Done((rewards.float(), torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
+        tokens = batch["response_tokens"]
+        return Done((target_share(batch), torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
 
     def train(self, data):
         assert set(data) == {"response_tokens", "returns", "values", "mask"}

@@ -6,6 +6,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from ppo_fakes import Done
 
 from openaligner.config import load_config
 from openaligner.io.metrics import MetricsLogger
@@ -18,20 +19,12 @@ from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_p
 SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, max_positions=64)
 
 
-class _Done:
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
 class ZeroCritic:
     """Zero rewards and values; ``critic_train`` answers at once."""
 
     def infer_rm_critic(self, batch):
         tokens = batch["response_tokens"]
-        return _Done((torch.zeros(tokens.shape[0]), torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
+        return Done((torch.zeros(tokens.shape[0]), torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
 
     def train(self, data):
         f = Future()
