@@ -2,6 +2,10 @@
 
 Each command module exposes ``SCHEMA`` (its config dataclass) and ``run(cfg) -> int``. Modules are
 imported lazily so that ``openaligner --help`` stays fast and a command only loads what it uses.
+
+A run that cannot work is refused in one place: a ``ConfigError`` from loading the config, or a
+``StartupError`` from the command's own start-up checks (data files, the model's position limit,
+...), is printed as ``openaligner <command>: <message>`` and the exit code is 2.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from openaligner.config import ConfigError, config_to_yaml, load_config
+from openaligner.config import ConfigError, describe_config, load_config
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -59,14 +63,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[ns.command][0])
     path, overrides = split_config_args(ns.args)
     try:
+        if ns.print_config:
+            return _print_config(ns.command, module.SCHEMA, path, overrides)
         cfg = load_config(module.SCHEMA, path, overrides)
-    except ConfigError as e:
+        return int(module.run(cfg) or 0)
+    except ConfigError as e:  # StartupError included
         print(f"openaligner {ns.command}: {e}", file=sys.stderr)
         return 2
-    if ns.print_config:
-        print(config_to_yaml(cfg), end="")
-        return 0
-    return int(module.run(cfg) or 0)
+
+
+def _print_config(command: str, schema: type, path: str | None, overrides: Sequence[str]) -> int:
+    """Print the resolved config; mandatory values still missing show as ``???`` and are named."""
+    text, missing = describe_config(schema, path, overrides)
+    print(text, end="")
+    if missing:
+        print(f"openaligner {command}: still to set before a run: {', '.join(missing)}", file=sys.stderr)
+    return 0
 
 
 def _quiet_libraries() -> None:

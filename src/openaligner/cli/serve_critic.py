@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openaligner.cli.serve_reward import _device, _init_distributed, _install_signal_handlers
+from openaligner.cli.serve_reward import _device, _init_distributed, _install_signal_handlers, sequence_limit
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _SCHEDULERS = ("constant", "cosine", "linear")
@@ -155,6 +155,7 @@ def run(cfg: ServeCriticConfig) -> int:
 
     from openaligner.io.checkpoint import CheckpointManager
     from openaligner.io.metrics import MetricsLogger
+    from openaligner.models.positions import position_limit
     from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
     from openaligner.servers.reward import make_tokenize_func
 
@@ -175,11 +176,8 @@ def run(cfg: ServeCriticConfig) -> int:
         if threads is not None:
             torch.set_num_threads(threads)
         critic, reward_model, tokenizer = _load(cfg, device)
-        hf_config = critic.hf_model.config
-        positions = getattr(hf_config, "n_positions", None) or getattr(
-            hf_config, "max_position_embeddings", None
-        )
-        max_len = cfg.server.max_sequence_length or positions
+        limits = [position_limit(m.hf_model.config) for m in (critic, reward_model) if m is not None]
+        max_len = sequence_limit(cfg.server.max_sequence_length, limits)
         tokenize = make_tokenize_func(tokenizer, max_length=max_len) if tokenizer is not None else None
         o, t, s = cfg.optim, cfg.train, cfg.server
         optimizer = torch.optim.AdamW(

@@ -90,6 +90,7 @@ def run(cfg: ServeRewardConfig) -> int:
     import torch
     import torch.distributed as dist
 
+    from openaligner.models.positions import position_limit
     from openaligner.servers.reward import RewardModelServer, make_tokenize_func
 
     rank = int(os.environ.get("RANK", "0"))
@@ -111,10 +112,7 @@ def run(cfg: ServeRewardConfig) -> int:
             torch.set_num_threads(threads)
         model, tokenizer = _load(cfg.model, device)
         hf_config = model.hf_model.config
-        positions = getattr(hf_config, "n_positions", None) or getattr(
-            hf_config, "max_position_embeddings", None
-        )
-        max_len = cfg.server.max_sequence_length or positions
+        max_len = sequence_limit(cfg.server.max_sequence_length, [position_limit(hf_config)])
         tokenize = make_tokenize_func(tokenizer, max_length=max_len) if tokenizer is not None else None
         s = cfg.server
         server = RewardModelServer(
@@ -151,6 +149,25 @@ def run(cfg: ServeRewardConfig) -> int:
     finally:
         if initialised_here and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def sequence_limit(configured: int | None, model_limits: list[int | None]) -> int | None:
+    """The longest sequence to accept: ``server.max_sequence_length``, else the models' position
+    limit (None: no limit known).
+
+    Raises:
+        StartupError: ``configured`` is beyond a model's positions.
+    """
+    from openaligner.config import StartupError
+
+    known = [n for n in model_limits if n is not None]
+    limit = min(known) if known else None
+    if configured is not None and limit is not None and configured > limit:
+        raise StartupError(
+            f"server.max_sequence_length={configured} is beyond the model's {limit} positions; "
+            f"lower it to at most {limit}, or null for the model's limit"
+        )
+    return configured or limit
 
 
 def _init_distributed() -> bool:

@@ -6,7 +6,9 @@ from the config, resumes automatically from the latest complete checkpoint, and 
 
 Exit codes: 0 when the run finished (or reached ``max_time_per_run``, after saving); 1 when a
 server failed or could not be reached (the message names host:port and model; under torchrun
-every rank stops at once), or the actor's gradients were inf/NaN too many steps in a row; 130 on SIGINT and
+every rank stops at once), or the actor's gradients were inf/NaN too many steps in a row; 2 when
+the run is refused at start-up, before any weights load or a server is contacted (prompt files,
+too few prompts for one batch, ``data.seq_length`` beyond the actor's positions); 130 on SIGINT and
 143 on SIGTERM, which stop the run at once without saving — the next run of the same command
 resumes from the last checkpoint. Resuming also rewinds ``logs/metrics.jsonl`` and
 ``logs/tables.jsonl`` to the checkpoint's step, so steps that are run again appear once.
@@ -18,7 +20,7 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -26,7 +28,16 @@ from types import FrameType
 import torch
 
 from openaligner.clients.critic import RemoteCriticConfig
-from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
+from openaligner.config import StartupError, as_startup_error
+from openaligner.data.jsonl import DataFileError
+from openaligner.data.prompts import PromptDataset, build_prompt_dataset, read_prompt_texts
+from openaligner.models.source import (
+    ModelSourceConfig,
+    SourceError,
+    TokenizerSourceConfig,
+    position_limit_key,
+    source_position_limit,
+)
 from openaligner.trainer.ppo_config import PPOConfig
 
 log = logging.getLogger("openaligner.train_ppo")
@@ -34,7 +45,7 @@ log = logging.getLogger("openaligner.train_ppo")
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5  # AdamW learning rate
+    lr: float = 1e-5  # AdamW learning rate (> 0)
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     eps: float = 1e-8  # AdamW epsilon
@@ -43,6 +54,10 @@ class OptimConfig:
     min_lr: float = 0.0  # cosine floor
 
     def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0 (e.g. 1e-5), got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need 0 <= optim.min_lr <= optim.lr={self.lr}, got min_lr={self.min_lr}")
         if self.scheduler not in ("constant", "cosine"):
             raise ValueError(f"optim.scheduler must be 'constant' or 'cosine', got {self.scheduler!r}")
         if len(self.betas) != 2:
@@ -54,7 +69,7 @@ class DataConfig:
     train_path: str = "???"  # JSONL with {"prompt": ...} per line, or a datasets directory
     val_path: str | None = None  # validation prompts; null = the first num_val_samples training prompts
     prompt_key: str = "prompt"  # field holding the prompt text
-    seq_length: int = 256  # longest prompt + response; longer prompts are dropped and counted
+    seq_length: int = 256  # longest prompt + response (≤ the actor's positions); longer prompts are dropped
     add_bos: bool = True  # prepend the tokenizer's BOS id to each prompt (as train-sft does by default)
 
 
@@ -188,11 +203,89 @@ def _step_of(line: str) -> float:
         return float("inf")
 
 
+def check_seq_length(cfg: TrainPPOConfig) -> None:
+    """Refuse ``data.seq_length`` beyond the actor's positions, read from its ``config.json`` (or
+    ``actor.tiny_max_positions``) before any weights load.
+
+    Raises:
+        StartupError: naming data.seq_length, the limit and the key it comes from.
+    """
+    with as_startup_error(SourceError):
+        limit = source_position_limit(cfg.actor, key="actor")
+    if limit is not None and cfg.data.seq_length > limit:
+        raise StartupError(
+            f"data.seq_length={cfg.data.seq_length} is beyond the actor's {limit} positions "
+            f"({position_limit_key(cfg.actor, 'actor')}); lower data.seq_length to at most {limit} (prompts "
+            f"get data.seq_length − trainer.length.max_length={cfg.trainer.length.max_length} tokens)"
+        )
+
+
+def load_prompt_sets(
+    cfg: TrainPPOConfig, encode: Callable[[str], list[int]]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The training prompts and the validation prompts (``trainer.num_val_samples`` of them), as
+    token ids; prompts longer than ``data.seq_length − trainer.length.max_length`` are dropped.
+
+    Raises:
+        StartupError: a prompt file is missing, unreadable, empty or has a bad line; or too few
+            prompts remain for one rollout batch (or, with validation on, one validation batch).
+    """
+    c, d = cfg.trainer, cfg.data
+    max_prompt = d.seq_length - c.length.max_length
+
+    def read(key: str, path: str) -> PromptDataset:
+        try:
+            texts = read_prompt_texts(path, d.prompt_key)
+        except DataFileError as e:
+            raise StartupError(
+                f'{key}={e}; {key} must name a JSONL file with one {{"{d.prompt_key}": ...}} per line '
+                "(data.prompt_key) or a datasets directory"
+            ) from None
+        return build_prompt_dataset(texts, encode, max_prompt)
+
+    train = read("data.train_path", d.train_path)
+    _require_prompts(train, "data.train_path", "trainer.num_rollout_samples", c.num_rollout_samples, cfg)
+    val = read("data.val_path", d.val_path) if d.val_path else train
+    if c.val_check_interval > 0:
+        _require_prompts(
+            val,
+            "data.val_path" if d.val_path else "data.train_path",
+            "trainer.num_val_samples",
+            c.val_samples,
+            cfg,
+            " (null: trainer.num_rollout_samples)" if c.num_val_samples is None else "",
+        )
+    return train.prompts, val.prompts[: c.val_samples]
+
+
+def _require_prompts(
+    prompts: PromptDataset, key: str, need_key: str, need: int, cfg: TrainPPOConfig, need_note: str = ""
+) -> None:
+    """Refuse ``prompts`` (read from ``key``) when fewer than one batch of ``need`` remain."""
+    if len(prompts) >= need:
+        return
+    length = cfg.trainer.length.max_length
+    limit = f"{cfg.data.seq_length - length} tokens = data.seq_length − trainer.length.max_length ({length})"
+    if len(prompts) == 0 and prompts.dropped_too_long:
+        empty = f" ({prompts.dropped_empty} more were empty)" if prompts.dropped_empty else ""
+        raise StartupError(
+            f"all {prompts.dropped_too_long} prompts in {key} are longer than {limit}, so every one was "
+            f"dropped{empty}; raise data.seq_length or lower trainer.length.max_length"
+        )
+    reasons = [f"{prompts.dropped_too_long} longer than {limit}"] if prompts.dropped_too_long else []
+    reasons += [f"{prompts.dropped_empty} empty"] if prompts.dropped_empty else []
+    dropped = prompts.dropped_too_long + prompts.dropped_empty
+    note = f" ({dropped} were dropped: {', '.join(reasons)})" if dropped else ""
+    raise StartupError(
+        f"{key} has {len(prompts)} prompts{note}, fewer than one batch of {need_key}={need}{need_note}; "
+        f"add prompts or lower {need_key}"
+    )
+
+
 def _train(cfg: TrainPPOConfig) -> int:
     from openaligner.clients.critic import RemoteGPTRMCriticClient
     from openaligner.clients.errors import ClientError
     from openaligner.config import config_to_yaml
-    from openaligner.data.prompts import build_prompt_dataset, read_prompt_texts
     from openaligner.io.checkpoint import CheckpointManager
     from openaligner.io.metrics import MetricsLogger
     from openaligner.models.actor import GPTActorModel
@@ -215,12 +308,26 @@ def _train(cfg: TrainPPOConfig) -> int:
     torch.manual_seed(c.seed + rank)
     out = Path(cfg.exp.output_dir)
 
-    tokenizer = resolve_tokenizer(cfg.actor, cfg.tokenizer)
+    # Start-up checks (StartupError: exit 2) come before any weights load or server is contacted.
+    check_seq_length(cfg)
+    with as_startup_error(SourceError):
+        tokenizer = resolve_tokenizer(cfg.actor, cfg.tokenizer, key="actor")
+    bos = [tokenizer.bos_token_id] if cfg.data.add_bos and tokenizer.bos_token_id is not None else []
+
+    def encode(text: str) -> list[int]:
+        return bos + list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    train_prompts, val_prompts = load_prompt_sets(cfg, encode)
+
     device = pick_device(cfg.device)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", torch.cuda.current_device())
     model = load_causal_lm(cfg.actor, len(tokenizer), device)
-    check_vocab(tokenizer, model)
+    with as_startup_error(SourceError):
+        check_vocab(tokenizer, model, key="actor")
     actor = GPTActorModel(
         model,
         tokenizer,
@@ -233,25 +340,10 @@ def _train(cfg: TrainPPOConfig) -> int:
         init_policy=None if c.initial_policy_kl_penalty > 0 else False,
     )
 
-    bos = [tokenizer.bos_token_id] if cfg.data.add_bos and tokenizer.bos_token_id is not None else []
-
-    def encode(text: str) -> list[int]:
-        return bos + list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(ids: Sequence[int]) -> str:
-        return str(tokenizer.decode(list(ids), skip_special_tokens=True))
-
-    max_prompt = cfg.data.seq_length - c.length.max_length
-    train_texts = read_prompt_texts(cfg.data.train_path, cfg.data.prompt_key)
-    train_set = build_prompt_dataset(train_texts, encode, max_prompt)
-    val_texts = (
-        read_prompt_texts(cfg.data.val_path, cfg.data.prompt_key) if cfg.data.val_path else train_set.texts
-    )
-    val_set = build_prompt_dataset(val_texts[: c.val_samples], encode, max_prompt)
-    train_loader = PromptLoader(train_set.prompts, c.num_rollout_samples, c.seed, True, rank, world)
+    train_loader = PromptLoader(train_prompts, c.num_rollout_samples, c.seed, True, rank, world)
     val_loader = None
     if c.val_check_interval > 0:
-        val_loader = PromptLoader(val_set.prompts, c.val_samples, c.seed, False, rank, world)
+        val_loader = PromptLoader(val_prompts, c.val_samples, c.seed, False, rank, world)
 
     beta1, beta2 = cfg.optim.betas
     optimizer = torch.optim.AdamW(

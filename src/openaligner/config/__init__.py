@@ -4,6 +4,22 @@ Owns loading, merging, validation errors and saving resolved configs. Schemas fo
 live next to the code that consumes them; constructors receive plain values, never this module.
 """
 
-from openaligner.config.loading import ConfigError, config_to_yaml, load_config, save_config
+from openaligner.config.loading import (
+    ConfigError,
+    StartupError,
+    as_startup_error,
+    config_to_yaml,
+    describe_config,
+    load_config,
+    save_config,
+)
 
-__all__ = ["ConfigError", "config_to_yaml", "load_config", "save_config"]
+__all__ = [
+    "ConfigError",
+    "StartupError",
+    "as_startup_error",
+    "config_to_yaml",
+    "describe_config",
+    "load_config",
+    "save_config",
+]

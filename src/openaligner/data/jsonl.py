@@ -14,31 +14,50 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+class DataFileError(ValueError):
+    """A data file that cannot be used: missing, not a file, unreadable, empty, or with a bad line.
+    ``str()`` names the file (and line), then the problem: ``data.jsonl does not exist``,
+    ``data.jsonl:3: not valid JSON (...)``."""
+
+    def __init__(self, path: Path, problem: str, lineno: int | None = None) -> None:
+        where = f"{path}:{lineno}:" if lineno is not None else str(path)
+        super().__init__(f"{where} {problem}")
+
+
 def read_records(path: str | Path, keys: Sequence[str]) -> list[dict[str, str]]:
     """Every non-blank line of ``path`` as a dict holding (at least) ``keys``, values as strings.
 
     Raises:
-        ValueError: the file is missing, a line is not a JSON object, or a key is absent.
+        DataFileError: the file is missing, not a file, unreadable (permissions, not UTF-8) or
+            holds no record, or a line is not a JSON object with ``keys``.
     """
     p = Path(path)
+    if not p.exists():
+        raise DataFileError(p, "does not exist")
     if not p.is_file():
-        raise ValueError(f"data file {p} does not exist")
+        raise DataFileError(p, "is not a file")
     records = []
-    with p.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            missing = [k for k in keys if not isinstance(record, dict) or k not in record]
-            if missing:
-                raise ValueError(
-                    f"{p}:{lineno}: expected an object with fields {list(keys)}; missing {missing}"
-                )
-            records.append({k: str(record[k]) for k in keys})
+    try:
+        with p.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    records.append(_record(p, lineno, line, keys))
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataFileError(p, f"cannot be read ({type(e).__name__}: {e})") from None
+    if not records:
+        raise DataFileError(p, "is empty (no JSON line)")
     return records
+
+
+def _record(p: Path, lineno: int, line: str, keys: Sequence[str]) -> dict[str, str]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataFileError(p, f"not valid JSON ({e.msg})", lineno) from None
+    missing = [k for k in keys if not isinstance(record, dict) or k not in record]
+    if missing:
+        raise DataFileError(p, f"expected an object with fields {list(keys)}; missing {missing}", lineno)
+    return {k: str(record[k]) for k in keys}
 
 
 def split_holdout(items: Sequence[T], fraction: float, seed: int) -> tuple[list[T], list[T]]:

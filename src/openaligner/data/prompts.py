@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from openaligner.data.jsonl import read_records
+from openaligner.data.jsonl import DataFileError, read_records
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +33,29 @@ class PromptDataset:
 
 
 def read_prompt_texts(path: str | Path, key: str = "prompt") -> list[str]:
-    """Prompt strings from a JSONL file or a ``datasets`` directory saved with ``save_to_disk``."""
+    """Prompt strings from a JSONL file or a ``datasets`` directory saved with ``save_to_disk``.
+
+    Raises:
+        DataFileError: the file or directory cannot be read, has no prompt, or lacks ``key``.
+    """
     p = Path(path)
-    if p.is_dir():
-        try:
-            import datasets
-        except ImportError as e:
-            raise ValueError(
-                f"{p} is a directory; reading a datasets directory needs `pip install datasets`"
-            ) from e
+    if not p.is_dir():
+        return [r[key] for r in read_records(p, [key])]
+    try:
+        import datasets
+    except ImportError:
+        raise DataFileError(
+            p, "is a directory; reading a datasets directory needs `pip install datasets`"
+        ) from None
+    try:
         ds = datasets.load_from_disk(str(p))
-        if key not in ds.column_names:
-            raise ValueError(f"{p}: no column {key!r}; columns are {ds.column_names}")
-        return [str(x) for x in ds[key]]
-    return [r[key] for r in read_records(p, [key])]
+    except (OSError, ValueError) as e:
+        raise DataFileError(p, f"is not a datasets directory saved with save_to_disk ({e})") from None
+    if key not in ds.column_names:
+        raise DataFileError(p, f"has no column {key!r}; columns are {ds.column_names}")
+    if len(ds) == 0:
+        raise DataFileError(p, "is empty (no rows)")
+    return [str(x) for x in ds[key]]
 
 
 def build_prompt_dataset(

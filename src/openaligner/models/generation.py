@@ -44,6 +44,8 @@ from transformers.cache_utils import Cache
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP, GPT2Attention, GPT2Block
 from transformers.pytorch_utils import Conv1D
 
+from openaligner.models.positions import position_limit
+
 CacheKind = Literal["static", "dynamic"]
 
 
@@ -338,21 +340,13 @@ def _check_prompts(
         )
     if int(lengths.min()) < 1 or int(lengths.max()) > prompts.shape[1]:
         raise ValueError(f"prompt lengths must lie in [1, {prompts.shape[1]}], got {lengths.tolist()}")
-    limit = _max_positions(model)
+    limit = position_limit(model.config)
     needed = int(lengths.max()) + params.max_new_tokens
     if limit is not None and needed > limit:
         raise ValueError(
             f"longest prompt ({int(lengths.max())}) + max_new_tokens ({params.max_new_tokens}) = {needed} "
             f"exceeds the model's {limit} positions; lower max_new_tokens or filter long prompts"
         )
-
-
-def _max_positions(model: PreTrainedModel) -> int | None:
-    for name in ("n_positions", "max_position_embeddings"):
-        value = getattr(model.config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
 
 
 def _left_pad(

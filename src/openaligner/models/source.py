@@ -2,17 +2,24 @@
 
 The config dataclasses every command shares (SFT, RM, servers, PPO) and the functions that turn
 them into a tokenizer, a causal LM, a reward model or a critic. Nothing is downloaded.
+
+A command holds a model source under its own key (``model`` in train-sft, ``actor`` in
+train-ppo), so the sections' load-time messages write ``{section}`` where that key belongs and the
+config loader fills it in; functions called later take the key as ``key``. Problems found after
+loading raise :class:`SourceError`, which the commands report as a start-up refusal.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import cast
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from openaligner.models.builders import (
     TINY_ARCHS,
@@ -22,10 +29,16 @@ from openaligner.models.builders import (
     build_tiny_sequence_classifier,
 )
 from openaligner.models.critic import CriticModel
+from openaligner.models.positions import position_limit
 from openaligner.models.reward import RewardModel
 from openaligner.models.tokenizers import build_char_tokenizer, load_tokenizer
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+class SourceError(ValueError):
+    """A model or tokenizer source that cannot be used, found after the config loaded; the message
+    names the key, the value and the fix."""
 
 
 @dataclass
@@ -40,11 +53,14 @@ class ModelSourceConfig:
     tiny_seed: int = 0  # seed of the tiny model's random initialisation
 
     def __post_init__(self) -> None:
+        # {section}: this section's key in the command's schema (model, actor, ...), see above
         if self.path is None and self.tiny not in TINY_ARCHS:
-            raise ValueError(f"model.tiny must be one of {TINY_ARCHS} (or set model.path), got {self.tiny!r}")
+            raise ValueError(
+                f"{{section}}.tiny must be one of {TINY_ARCHS} (or set {{section}}.path), got {self.tiny!r}"
+            )
         if self.path is not None and not (Path(self.path) / "config.json").is_file():
             raise ValueError(
-                f"model.path={self.path!r} is not a Hugging Face model directory (no config.json)"
+                f"{{section}}.path={self.path!r} is not a Hugging Face model directory (no config.json)"
             )
 
     @property
@@ -72,32 +88,68 @@ class TokenizerSourceConfig:
 
     def __post_init__(self) -> None:
         if self.builtin != "char":
-            raise ValueError(f"tokenizer.builtin must be 'char', got {self.builtin!r}")
+            raise ValueError(f"{{section}}.builtin must be 'char', got {self.builtin!r}")
         if self.path is not None and not Path(self.path).is_dir():
-            raise ValueError(f"tokenizer.path={self.path!r} is not a directory")
+            raise ValueError(f"{{section}}.path={self.path!r} is not a directory")
 
 
-def resolve_tokenizer(model: ModelSourceConfig, tokenizer: TokenizerSourceConfig) -> PreTrainedTokenizerBase:
+def resolve_tokenizer(
+    model: ModelSourceConfig, tokenizer: TokenizerSourceConfig, key: str = "model"
+) -> PreTrainedTokenizerBase:
     """``tokenizer.path``, else the tokenizer saved with ``model.path``, else the built-in one
-    (only for tiny models: a real model needs its own tokenizer)."""
+    (only for tiny models: a real model needs its own tokenizer). ``key`` names ``model`` in
+    messages (e.g. ``actor``).
+
+    Raises:
+        SourceError: ``model.path`` holds no tokenizer and ``tokenizer.path`` is unset.
+    """
     if tokenizer.path is not None:
         return load_tokenizer(tokenizer.path)
     if model.path is not None:
         if any((Path(model.path) / f).is_file() for f in _TOKENIZER_FILES):
             return load_tokenizer(model.path)
-        raise ValueError(f"model.path={model.path!r} holds no tokenizer; set tokenizer.path")
+        raise SourceError(f"{key}.path={model.path!r} holds no tokenizer; set tokenizer.path")
     return build_char_tokenizer()
 
 
-def check_vocab(tokenizer: PreTrainedTokenizerBase, model: nn.Module) -> None:
-    """Refuse a tokenizer whose ids ``model`` (a HF model) cannot embed."""
+def check_vocab(tokenizer: PreTrainedTokenizerBase, model: nn.Module, key: str = "model") -> None:
+    """Refuse (:class:`SourceError`) a tokenizer whose ids ``model`` (a HF model, from the source
+    at ``key``) cannot embed."""
     embedding = getattr(model, "get_input_embeddings")()  # noqa: B009 (untyped HF API)
     model_vocab_size = int(embedding.weight.shape[0])
     if len(tokenizer) > model_vocab_size:
-        raise ValueError(
+        raise SourceError(
             f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {model_vocab_size}; "
-            "use a matching tokenizer (or raise model.tiny_vocab_size)"
+            f"use a matching tokenizer (or raise {key}.tiny_vocab_size)"
         )
+
+
+def source_position_limit(src: ModelSourceConfig, key: str = "model") -> int | None:
+    """The longest sequence the model ``src`` names can take, read without loading weights: from
+    ``config.json`` (through ``AutoConfig``, so that architecture defaults apply; as plain JSON for
+    an architecture transformers does not know), or ``tiny_max_positions``. None: no stated limit.
+
+    Raises:
+        SourceError: ``config.json`` is not valid JSON.
+    """
+    if src.path is None:
+        return src.tiny_max_positions
+    try:
+        return position_limit(AutoConfig.from_pretrained(src.path, local_files_only=True))
+    except (OSError, ValueError, KeyError):
+        pass
+    config_file = Path(src.path) / "config.json"
+    try:
+        return position_limit(SimpleNamespace(**json.loads(config_file.read_text())))
+    except (OSError, ValueError, TypeError) as e:
+        raise SourceError(
+            f"{key}.path={src.path!r}: its config.json cannot be read as a model config ({e})"
+        ) from None
+
+
+def position_limit_key(src: ModelSourceConfig, key: str = "model") -> str:
+    """Where the limit of :func:`source_position_limit` comes from, as the user would set it."""
+    return f"{key}.path" if src.path is not None else f"{key}.tiny_max_positions"
 
 
 def pick_device(name: str) -> torch.device:

@@ -38,6 +38,7 @@ from openaligner.algorithms import masked_mean_var, value_loss
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.critic import CriticModel
+from openaligner.models.positions import position_limit
 from openaligner.models.reward import RewardModel
 from openaligner.models.weights import load_weights_into
 from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
@@ -380,17 +381,6 @@ def pad_to_multiple(request: TrainRequest, multiple: int) -> TrainRequest:
     )
 
 
-def position_limit(model: torch.nn.Module) -> int | None:
-    """The longest sequence ``model`` (a scalar-head model around a Hugging Face one) can take:
-    its config's ``n_positions`` or ``max_position_embeddings``; None when it declares neither."""
-    config = getattr(getattr(model, "hf_model", None), "config", None)
-    for name in ("n_positions", "max_position_embeddings"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def trained_width(mask: torch.Tensor) -> int:
     """Tokens a forward needs for ``mask`` [n, S-1]: up to the last valid position (0 if none)."""
     used = mask.any(0).nonzero()
@@ -469,7 +459,7 @@ class CriticServerTrainer(ServerLifecycle):
         self._init_lifecycle()
 
         vocab_size = int(model.hf_model.config.vocab_size)
-        limits = [position_limit(m) for m in (model, self.reward_model) if m is not None]
+        limits = [position_limit(m.hf_model.config) for m in (model, self.reward_model) if m is not None]
         known = [n for n in limits if n is not None]
         self.max_sequence_length = cfg.max_sequence_length or (min(known) if known else None)
         """Longest accepted sequence: the config's, else the models' position limit (None: unknown)."""

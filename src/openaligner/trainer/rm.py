@@ -16,11 +16,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from openaligner.config import as_startup_error
 from openaligner.data.preference import PreferencePair, build_preference_pairs, collate_pairs
 from openaligner.models.builders import build_tiny_reward_model
 from openaligner.models.reward import RewardModel
 from openaligner.models.source import (
     ModelSourceConfig,
+    SourceError,
     TokenizerSourceConfig,
     check_vocab,
     pick_device,
@@ -32,7 +34,8 @@ from openaligner.trainer.supervised import (
     OptimConfig,
     SupervisedTrainer,
     load_train_val_records,
-    max_positions,
+    require_full_batch,
+    resolve_max_length,
     special_id,
 )
 
@@ -44,7 +47,9 @@ class RMDataConfig:
     train_path: str = "???"  # JSONL with {"prompt": ..., "chosen": ..., "rejected": ...} per line
     val_path: str | None = None  # validation JSONL; unset = hold out val_fraction of train_path
     val_fraction: float = 0.1  # share of train_path held out for validation when val_path is unset
-    max_length: int = 0  # longest prompt + response in tokens (longer pairs are dropped); 0 = model limit
+    max_length: int = (
+        0  # longest prompt + response (≤ the model's positions; longer are dropped); 0 = its limit
+    )
     add_bos: bool = True  # prepend the tokenizer's BOS id to the prompt
     add_eos: bool = True  # append the EOS id to each response (as the PPO actor's responses end)
 
@@ -97,23 +102,28 @@ class RMObjective:
 def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
     """Resolve sources, read and tokenize pairs, and wire the trainer (no training yet)."""
     torch.manual_seed(cfg.trainer.seed)  # also seeds a freshly initialised head
-    tokenizer = resolve_tokenizer(cfg.model, cfg.tokenizer)
+    # data and length are checked before any weights load: a refused run costs nothing
+    max_length = resolve_max_length(cfg.data.max_length, cfg.model)
+    records, val_records = load_train_val_records(
+        cfg.data.train_path, cfg.data.val_path, KEYS, cfg.data.val_fraction, cfg.trainer.seed
+    )
+    with as_startup_error(SourceError):
+        tokenizer = resolve_tokenizer(cfg.model, cfg.tokenizer)
     if cfg.model.path is not None:
         model = RewardModel.from_pretrained(cfg.model.path)
     else:
         size = cfg.model.tiny_size(len(tokenizer))
         model = build_tiny_reward_model(cfg.model.tiny_arch, size, cfg.model.tiny_seed)
-    check_vocab(tokenizer, model.hf_model)
-    max_length = cfg.data.max_length or max_positions(model.hf_model.config)
-    records, val_records = load_train_val_records(
-        cfg.data.train_path, cfg.data.val_path, KEYS, cfg.data.val_fraction, cfg.trainer.seed
-    )
+    with as_startup_error(SourceError):
+        check_vocab(tokenizer, model.hf_model)
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     bos, eos = special_id(tokenizer, "bos", cfg.data.add_bos), special_id(tokenizer, "eos", cfg.data.add_eos)
     train = build_preference_pairs(records, encode, max_length, bos, eos)
+    held_out = len(val_records) if cfg.data.val_path is None else 0
+    require_full_batch(len(train), len(records), held_out, max_length, cfg.trainer.global_batch_size, "pairs")
     val = build_preference_pairs(val_records, encode, max_length, bos, eos)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return SupervisedTrainer(

@@ -15,10 +15,12 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from openaligner.algorithms import next_token_logprobs, response_mask
+from openaligner.config import as_startup_error
 from openaligner.data.sft import SFTExample, build_sft_examples, collate_sft
 from openaligner.models.builders import build_tiny_causal_lm
 from openaligner.models.source import (
     ModelSourceConfig,
+    SourceError,
     TokenizerSourceConfig,
     check_vocab,
     pick_device,
@@ -30,7 +32,8 @@ from openaligner.trainer.supervised import (
     OptimConfig,
     SupervisedTrainer,
     load_train_val_records,
-    max_positions,
+    require_full_batch,
+    resolve_max_length,
     special_id,
 )
 
@@ -40,7 +43,9 @@ class SFTDataConfig:
     train_path: str = "???"  # JSONL with {"prompt": ..., "response": ...} per line
     val_path: str | None = None  # validation JSONL; unset = hold out val_fraction of train_path
     val_fraction: float = 0.1  # share of train_path held out for validation when val_path is unset
-    max_length: int = 0  # longest prompt + response in tokens (longer examples are dropped); 0 = model limit
+    max_length: int = (
+        0  # longest prompt + response (≤ the model's positions; longer are dropped); 0 = its limit
+    )
     add_bos: bool = True  # prepend the tokenizer's BOS id to the prompt
     add_eos: bool = True  # append the EOS id to the response (so the model learns to stop)
 
@@ -87,16 +92,8 @@ class SFTObjective:
 def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
     """Resolve sources, read and tokenize data, and wire the trainer (no training yet)."""
     torch.manual_seed(cfg.trainer.seed)
-    tokenizer = resolve_tokenizer(cfg.model, cfg.tokenizer)
-    model: PreTrainedModel
-    if cfg.model.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, local_files_only=True)
-    else:
-        model = build_tiny_causal_lm(
-            cfg.model.tiny_arch, cfg.model.tiny_size(len(tokenizer)), cfg.model.tiny_seed
-        )
-    check_vocab(tokenizer, model)
-    max_length = cfg.data.max_length or max_positions(model.config)
+    # data and length are checked before any weights load: a refused run costs nothing
+    max_length = resolve_max_length(cfg.data.max_length, cfg.model)
     records, val_records = load_train_val_records(
         cfg.data.train_path,
         cfg.data.val_path,
@@ -104,12 +101,27 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
         cfg.data.val_fraction,
         cfg.trainer.seed,
     )
+    with as_startup_error(SourceError):
+        tokenizer = resolve_tokenizer(cfg.model, cfg.tokenizer)
+    model: PreTrainedModel
+    if cfg.model.path is not None:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, local_files_only=True)
+    else:
+        model = build_tiny_causal_lm(
+            cfg.model.tiny_arch, cfg.model.tiny_size(len(tokenizer)), cfg.model.tiny_seed
+        )
+    with as_startup_error(SourceError):
+        check_vocab(tokenizer, model)
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     bos, eos = special_id(tokenizer, "bos", cfg.data.add_bos), special_id(tokenizer, "eos", cfg.data.add_eos)
     train = build_sft_examples(records, encode, max_length, bos, eos)
+    held_out = len(val_records) if cfg.data.val_path is None else 0
+    require_full_batch(
+        len(train), len(records), held_out, max_length, cfg.trainer.global_batch_size, "examples"
+    )
     val = build_sft_examples(val_records, encode, max_length, bos, eos)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return SupervisedTrainer(

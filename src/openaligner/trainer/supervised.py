@@ -28,10 +28,17 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from openaligner.algorithms.schedules import lr_factor
-from openaligner.data.jsonl import read_records, split_holdout
+from openaligner.config import StartupError, as_startup_error
+from openaligner.data.jsonl import DataFileError, read_records, split_holdout
 from openaligner.data.prompts import EpochSampler
 from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
 from openaligner.io.metrics import MetricsLogger
+from openaligner.models.source import (
+    ModelSourceConfig,
+    SourceError,
+    position_limit_key,
+    source_position_limit,
+)
 from openaligner.models.weights import load_weights_into
 
 log = logging.getLogger(__name__)
@@ -107,20 +114,84 @@ def special_id(tokenizer: PreTrainedTokenizerBase, name: str, enabled: bool) -> 
 def load_train_val_records(
     train_path: str, val_path: str | None, keys: Sequence[str], val_fraction: float, seed: int
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """Training and validation records: ``val_path`` when given, else a seeded holdout of ``train_path``."""
-    records = read_records(train_path, keys)
+    """Training and validation records: ``val_path`` when given, else a seeded holdout of ``train_path``.
+
+    Raises:
+        StartupError: naming ``data.train_path`` or ``data.val_path``, when that file is missing,
+            unreadable, empty or has a bad line.
+    """
+    records = _read_data_file("data.train_path", train_path, keys)
     if val_path is not None:
-        return records, read_records(val_path, keys)
+        return records, _read_data_file("data.val_path", val_path, keys)
     return split_holdout(records, val_fraction, seed)
 
 
-def max_positions(config: object) -> int:
-    """The longest sequence a Hugging Face model config allows."""
-    for name in ("n_positions", "max_position_embeddings"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    raise ValueError("the model config states no maximum length; set data.max_length")
+def _read_data_file(key: str, path: str, keys: Sequence[str]) -> list[dict[str, str]]:
+    try:
+        return read_records(path, keys)
+    except DataFileError as e:
+        fields = ", ".join(f'"{k}": ...' for k in keys)
+        raise StartupError(
+            f"{key}={e}; {key} must name a JSONL file with one {{{fields}}} per line"
+        ) from None
+
+
+def resolve_max_length(max_length: int, source: ModelSourceConfig) -> int:
+    """``data.max_length``, or the model's position limit when it is 0, read from the ``model``
+    source without loading weights.
+
+    Raises:
+        StartupError: ``max_length`` is beyond the model's positions, or 0 for a model that states
+            no position limit.
+    """
+    with as_startup_error(SourceError):
+        limit = source_position_limit(source)
+    where = position_limit_key(source)
+    if limit is None:
+        if max_length == 0:
+            raise StartupError(
+                f"data.max_length=0 means the model's position limit, but {where} states no position "
+                "limit (no n_positions or max_position_embeddings); set data.max_length"
+            )
+        return max_length
+    if max_length > limit:
+        raise StartupError(
+            f"data.max_length={max_length} is beyond the model's {limit} positions ({where}); lower "
+            f"data.max_length to at most {limit} (0 = the model's limit)"
+        )
+    return max_length or limit
+
+
+def require_full_batch(
+    kept: int, read: int, held_out: int, max_length: int, global_batch_size: int, unit: str
+) -> None:
+    """Refuse a training set that cannot fill one global batch, saying where the rest went.
+
+    Args:
+        kept: training ``unit``s (examples, pairs) left after dropping long or empty ones.
+        read: training ``unit``s read; held_out: those held out of ``data.train_path`` for
+            validation (``data.val_fraction``).
+
+    Raises:
+        StartupError: ``kept < global_batch_size``.
+    """
+    if kept >= global_batch_size:
+        return
+    if kept == 0 and read > 0:
+        raise StartupError(
+            f"all {read} {unit} to train on in data.train_path were dropped as longer than "
+            f"data.max_length={max_length} tokens or empty; raise data.max_length (0 = the model's limit) "
+            "or shorten the data"
+        )
+    notes = (
+        [f"{read - kept} dropped as longer than data.max_length={max_length} or empty"] if kept < read else []
+    )
+    notes += [f"{held_out} held out for validation (data.val_fraction)"] if held_out else []
+    raise StartupError(
+        f"data.train_path leaves {kept} {unit} to train on{' (' + '; '.join(notes) + ')' if notes else ''}, "
+        f"fewer than one batch of trainer.global_batch_size={global_batch_size}; lower "
+        "trainer.global_batch_size (and trainer.micro_batch_size) or add data"
+    )
 
 
 # ---------------------------------------------------------------------- the loop

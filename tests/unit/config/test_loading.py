@@ -2,7 +2,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from openaligner.config import ConfigError, config_to_yaml, load_config
+from openaligner.config import ConfigError, config_to_yaml, describe_config, load_config
 
 
 @dataclass
@@ -47,3 +47,44 @@ def test_bad_configs_name_the_key(overrides, needle):
 def test_missing_file_is_reported(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(Schema, tmp_path / "missing.yaml")
+
+
+@dataclass
+class Shared:
+    """A section two schemas hold under different keys."""
+
+    size: int = 1  # must be >= 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"{{section}}.size must be >= 1, got {self.size}; set {{section}}.size=1")
+
+
+@dataclass
+class Nest:
+    shared: Shared = field(default_factory=Shared)
+
+
+@dataclass
+class TwoUses:
+    first: Shared = field(default_factory=Shared)
+    second: Nest = field(default_factory=Nest)
+    name: str = "???"  # mandatory
+
+
+def test_shared_section_errors_name_the_key_the_user_wrote():
+    with pytest.raises(ConfigError, match=r"^first\.size must be >= 1, got 0; set first\.size=1$"):
+        load_config(TwoUses, None, ["name=x", "first.size=0"])
+    with pytest.raises(
+        ConfigError, match=r"^second\.shared\.size must be >= 1, got -2; set second\.shared\.size"
+    ):
+        load_config(TwoUses, None, ["name=x", "second.shared.size=-2"])
+
+
+def test_describe_config_shows_missing_values_and_still_checks_complete_sections():
+    text, missing = describe_config(TwoUses, None, [])
+    assert "name: ???" in text and missing == ["name"]
+    with pytest.raises(ConfigError, match=r"second\.shared\.size must be"):
+        describe_config(TwoUses, None, ["second.shared.size=0"])
+    text, missing = describe_config(TwoUses, None, ["name=x", "first.size=3"])
+    assert missing == [] and "size: 3" in text
