@@ -119,6 +119,8 @@ class PPOTrainer:
             leave the thread count alone. When the servers share this machine's cores,
             ``cores − server threads`` keeps the processes from oversubscribing them (an OpenMP
             pool that loses a core to another process stalls at every barrier).
+        grad_scaler: the actor's loss scaler (``Precision.grad_scaler()``: dynamic under
+            ``fp16-mixed``, where a step whose gradients overflowed is skipped); ``None``: none.
     """
 
     def __init__(
@@ -140,6 +142,7 @@ class PPOTrainer:
         progress: bool = True,
         response_scorer: Callable[[list[str], list[str]], list[float]] | None = None,
         server_overlap_threads: int | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         cfg.check_world_size(dp.world_size())
         self.cfg = cfg
@@ -161,6 +164,7 @@ class PPOTrainer:
         if server_overlap_threads is not None and server_overlap_threads < 1:
             raise ValueError(f"server_overlap_threads must be ≥ 1 or None, got {server_overlap_threads}")
         self.server_overlap_threads = server_overlap_threads
+        self.grad_scaler = grad_scaler or torch.amp.GradScaler(enabled=False)
         if response_scorer is not None and decode is None:
             raise ValueError("response_scorer needs decode (token ids → text)")
 
@@ -520,20 +524,24 @@ class PPOTrainer:
                             "is_end": mb.is_end if c.gate_unfinished else torch.ones_like(mb.is_end),
                         }
                     )
-                    (loss / n_micro).backward()
+                    self.grad_scaler.scale(loss / n_micro).backward()
                     for k, v in metrics.items():
                         step_metrics[k] += v / n_micro
                 dp.average_gradients(params)
+                self.grad_scaler.unscale_(self.optimizer)
                 if c.gradient_clip_val > 0:
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, c.gradient_clip_val)
                 else:
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
-                self.optimizer.step()
+                self.grad_scaler.step(self.optimizer)  # skipped when fp16 gradients overflowed
+                self.grad_scaler.update()
                 if self.scheduler is not None:
                     self.scheduler.step()
                 self.ppo_optimization_step += 1
                 step_metrics["grad_norm"] = float(grad_norm)
                 step_metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+                if self.grad_scaler.is_enabled():
+                    step_metrics["loss_scale"] = float(self.grad_scaler.get_scale())
                 for k, v in step_metrics.items():
                     sums[k] += v
                 count += 1
