@@ -17,12 +17,19 @@ import torch
 import torch.nn.functional as F
 
 from openaligner.data.preference import PreferencePair, build_preference_pairs, collate_pairs
-from openaligner.models.builders import build_tiny_reward_model
+from openaligner.models.precision import (
+    MASTER_DTYPE,
+    Precision,
+    check_precision,
+    check_save_dtype,
+    resolve_save_dtype,
+)
 from openaligner.models.reward import RewardModel
 from openaligner.models.source import (
     ModelSourceConfig,
     TokenizerSourceConfig,
     check_vocab,
+    load_reward_model,
     pick_device,
     resolve_tokenizer,
 )
@@ -61,8 +68,14 @@ class RMConfig:
     output_dir: str = "runs/rm"  # final HF reward model + tokenizer, checkpoints/ and metrics.jsonl
     resume: bool = True  # continue from the newest complete checkpoint in output_dir
     device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:1, ...
+    precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
+    save_dtype: str = "auto"  # final model dtype: auto (as model.path is stored, fp32 tiny), fp32, bf16, fp16
     progress: bool = True  # tqdm progress bar
     tensorboard: bool = False  # also write TensorBoard events under output_dir/tensorboard
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision, "precision")
+        check_save_dtype(self.save_dtype, "save_dtype")
 
 
 class RMObjective:
@@ -90,19 +103,16 @@ class RMObjective:
         }
         return loss, count, sums
 
-    def save(self, directory: Path) -> None:
-        self.module.save_pretrained(directory)
+    def save(self, directory: Path, dtype: torch.dtype | None = None) -> None:
+        self.module.save_pretrained(directory, dtype)
 
 
 def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
     """Resolve sources, read and tokenize pairs, and wire the trainer (no training yet)."""
     torch.manual_seed(cfg.trainer.seed)  # also seeds a freshly initialised head
     tokenizer = resolve_tokenizer(cfg.model, cfg.tokenizer)
-    if cfg.model.path is not None:
-        model = RewardModel.from_pretrained(cfg.model.path)
-    else:
-        size = cfg.model.tiny_size(len(tokenizer))
-        model = build_tiny_reward_model(cfg.model.tiny_arch, size, cfg.model.tiny_seed)
+    device = pick_device(cfg.device)
+    model = load_reward_model(cfg.model, len(tokenizer), device, dtype=MASTER_DTYPE)
     check_vocab(tokenizer, model.hf_model)
     max_length = cfg.data.max_length or max_positions(model.hf_model.config)
     records, val_records = load_train_val_records(
@@ -125,8 +135,10 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
         cfg.optim,
         cfg.output_dir,
         tokenizer,
-        pick_device(cfg.device),
+        device,
         resume=cfg.resume,
         progress=cfg.progress,
         tensorboard=cfg.tensorboard,
+        precision=Precision.resolve(cfg.precision, device),
+        save_dtype=resolve_save_dtype(cfg.save_dtype, cfg.model.path),
     )
