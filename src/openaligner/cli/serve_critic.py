@@ -19,7 +19,6 @@ from typing import Any
 
 from openaligner.cli.serve_reward import _device, _init_distributed, _install_signal_handlers, sequence_limit
 
-_DTYPES = ("float32", "bfloat16", "float16")
 _SCHEDULERS = ("constant", "cosine", "linear")
 
 
@@ -29,14 +28,15 @@ class CriticModelSource:
     tokenizer_path: str | None = None  # tokenizer for `sentences` requests; default: model.path if it has one
     tiny: bool = False  # serve the tiny seeded GPT-2 test model (char tokenizer) instead of model.path
     seed: int = 0  # seed of the tiny model
-    dtype: str = "float32"  # backbone dtype: float32, bfloat16 or float16 (the head stays float32)
     device: str = "auto"  # auto: this rank's CUDA device when there is one, else cpu
+    precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
     reward_mean: float | None = None  # with reward_std: rewards and values are served as (x - mean) / std
     reward_std: float | None = None  # with reward_mean: the same standardization enters the critic loss
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        from openaligner.models.precision import check_precision  # here: it loads transformers
+
+        check_precision(self.precision, "model.precision")
         if (self.reward_mean is None) != (self.reward_std is None):
             raise ValueError("set both model.reward_mean and model.reward_std, or neither")
         if self.reward_std is not None and self.reward_std <= 0:
@@ -156,6 +156,7 @@ def run(cfg: ServeCriticConfig) -> int:
     from openaligner.io.checkpoint import CheckpointManager
     from openaligner.io.metrics import MetricsLogger
     from openaligner.models.positions import position_limit
+    from openaligner.models.precision import Precision
     from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
     from openaligner.servers.reward import make_tokenize_func
 
@@ -175,7 +176,9 @@ def run(cfg: ServeCriticConfig) -> int:
             threads = max(1, (os.cpu_count() or 2) - 1)  # leave a core to Triton and its python backend
         if threads is not None:
             torch.set_num_threads(threads)
-        critic, reward_model, tokenizer = _load(cfg, device)
+        precision = Precision.resolve(cfg.model.precision, device)
+        log.info("precision: %s on %s", precision.name, device)
+        critic, reward_model, tokenizer = _load(cfg, device, precision)
         limits = [position_limit(m.hf_model.config) for m in (critic, reward_model) if m is not None]
         max_len = sequence_limit(cfg.server.max_sequence_length, limits)
         tokenize = make_tokenize_func(tokenizer, max_length=max_len) if tokenizer is not None else None
@@ -224,6 +227,7 @@ def run(cfg: ServeCriticConfig) -> int:
             model_forward_micro_batch_size=s.model_forward_micro_batch_size,
             reward_model=reward_model,
             resume=cfg.checkpoint.resume,
+            precision=precision,
         )
         _install_signal_handlers(server, log)
         if server.collective.is_leader:
@@ -264,18 +268,18 @@ def lr_factor(o: CriticOptimSettings) -> Any:
     return factor
 
 
-def _load(cfg: ServeCriticConfig, device: Any) -> tuple[Any, Any, Any]:
+def _load(cfg: ServeCriticConfig, device: Any, precision: Any) -> tuple[Any, Any, Any]:
     """The critic (on ``device``), the frozen reward model (combined mode, else None) and the
     tokenizer (None when there is none). The reward model always comes from its directory (or the
-    tiny seed), never from a critic checkpoint: it stays the original reward model."""
-    import torch
-
+    tiny seed), never from a critic checkpoint: it stays the original reward model. The critic is
+    trained, so it holds float32 masters; the reward model is cast to ``precision``'s inference
+    dtype."""
     from openaligner.models.critic import CriticModel
+    from openaligner.models.precision import MASTER_DTYPE
     from openaligner.models.reward import RewardModel
     from openaligner.models.tokenizers import load_tokenizer
 
     src = cfg.model
-    dtype = getattr(torch, src.dtype)
     standardization = None
     if src.reward_mean is not None and src.reward_std is not None:
         standardization = (src.reward_mean, src.reward_std)
@@ -288,16 +292,18 @@ def _load(cfg: ServeCriticConfig, device: Any) -> tuple[Any, Any, Any]:
 
         tokenizer = build_char_tokenizer()
         size = TinySize(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, num_heads=4)
-        hf = build_tiny_sequence_classifier("gpt2", size, seed=src.seed).to(dtype)
+        hf = build_tiny_sequence_classifier("gpt2", size, seed=src.seed)
         critic = CriticModel(copy.deepcopy(hf), standardization=standardization)
         if combined:
-            reward_model = RewardModel(hf, standardization=standardization)
+            reward_model = RewardModel(hf.to(precision.inference_dtype), standardization=standardization)
     else:
         assert src.path is not None
-        critic = CriticModel.from_pretrained(src.path, dtype=dtype, standardization=standardization)
+        critic = CriticModel.from_pretrained(src.path, dtype=MASTER_DTYPE, standardization=standardization)
         if combined:
             rm_path = cfg.reward_model.path or src.path
-            reward_model = RewardModel.from_pretrained(rm_path, dtype=dtype, standardization=standardization)
+            reward_model = RewardModel.from_pretrained(
+                rm_path, dtype=precision.inference_dtype, standardization=standardization
+            )
         tok_dir = src.tokenizer_path or src.path
         try:
             tokenizer = load_tokenizer(tok_dir)

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-_DTYPES = ("float32", "bfloat16", "float16")
-
 
 @dataclass
 class RewardModelSource:
@@ -24,14 +22,15 @@ class RewardModelSource:
     tokenizer_path: str | None = None  # tokenizer for `sentences` requests; default: model.path if it has one
     tiny: bool = False  # serve the tiny seeded GPT-2 test model (char tokenizer) instead of model.path
     seed: int = 0  # seed of the tiny model
-    dtype: str = "float32"  # backbone dtype: float32, bfloat16 or float16 (the head stays float32)
     device: str = "auto"  # auto: this rank's CUDA device when there is one, else cpu
+    precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
     reward_mean: float | None = None  # with reward_std: serve (reward - mean) / std
     reward_std: float | None = None  # with reward_mean: serve (reward - mean) / std
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        from openaligner.models.precision import check_precision  # here: it loads transformers
+
+        check_precision(self.precision, "model.precision")
         if (self.reward_mean is None) != (self.reward_std is None):
             raise ValueError("set both model.reward_mean and model.reward_std, or neither")
         if self.reward_std is not None and self.reward_std <= 0:
@@ -91,6 +90,7 @@ def run(cfg: ServeRewardConfig) -> int:
     import torch.distributed as dist
 
     from openaligner.models.positions import position_limit
+    from openaligner.models.precision import Precision
     from openaligner.servers.reward import RewardModelServer, make_tokenize_func
 
     rank = int(os.environ.get("RANK", "0"))
@@ -110,13 +110,15 @@ def run(cfg: ServeRewardConfig) -> int:
             threads = max(1, (os.cpu_count() or 2) - 1)
         if threads is not None:
             torch.set_num_threads(threads)
-        model, tokenizer = _load(cfg.model, device)
+        precision = Precision.resolve(cfg.model.precision, device)
+        log.info("precision: %s on %s", precision.name, device)
+        model, tokenizer = _load(cfg.model, device, precision.inference_dtype)
         hf_config = model.hf_model.config
         max_len = sequence_limit(cfg.server.max_sequence_length, [position_limit(hf_config)])
         tokenize = make_tokenize_func(tokenizer, max_length=max_len) if tokenizer is not None else None
         s = cfg.server
         server = RewardModelServer(
-            infer_fn=model.infer,
+            infer_fn=precision.autocast_fn(model.infer),
             tokenize_func=tokenize,
             model_name=s.model_name,
             port=s.port,
@@ -195,16 +197,13 @@ def _device(name: str) -> Any:
     return torch.device("cpu")
 
 
-def _load(source: RewardModelSource, device: Any) -> tuple[Any, Any]:
-    """The reward model (eval mode, on ``device``) and its tokenizer (None when there is none)."""
-    import torch
-
+def _load(source: RewardModelSource, device: Any, dtype: Any) -> tuple[Any, Any]:
+    """The reward model (eval mode, on ``device``, backbone in ``dtype``: the precision's inference
+    dtype) and its tokenizer (None when there is none)."""
     from openaligner.models.reward import RewardModel
     from openaligner.models.tokenizers import load_tokenizer
 
     tokenizer: Any = None
-
-    dtype = getattr(torch, source.dtype)
     standardization = None
     if source.reward_mean is not None and source.reward_std is not None:
         standardization = (source.reward_mean, source.reward_std)

@@ -31,6 +31,7 @@ from openaligner.clients.critic import RemoteCriticConfig
 from openaligner.config import StartupError, as_startup_error
 from openaligner.data.jsonl import DataFileError
 from openaligner.data.prompts import PromptDataset, build_prompt_dataset, read_prompt_texts
+from openaligner.models.precision import check_precision, check_save_dtype
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
@@ -76,6 +77,7 @@ class DataConfig:
 @dataclass
 class ExpConfig:
     output_dir: str = "runs/ppo"  # logs, checkpoints and the final actor go here
+    save_dtype: str = "auto"  # final actor dtype: auto (as actor.path is stored, fp32 tiny), fp32, bf16, fp16
     keep_last: int = 2  # checkpoints kept besides the best one (0 keeps all)
     resume: bool = True  # continue from the latest complete checkpoint in output_dir
     tensorboard: bool = True  # also write TensorBoard events
@@ -91,6 +93,7 @@ class TrainPPOConfig:
     actor: ModelSourceConfig = field(default_factory=ModelSourceConfig)  # the SFT policy to train
     tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # the actor's tokenizer
     device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:1, ... (torchrun: cuda:LOCAL_RANK)
+    precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
     trainer: PPOConfig = field(default_factory=PPOConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -98,6 +101,8 @@ class TrainPPOConfig:
     exp: ExpConfig = field(default_factory=ExpConfig)
 
     def __post_init__(self) -> None:
+        check_precision(self.precision, "precision")
+        check_save_dtype(self.exp.save_dtype, "exp.save_dtype")
         if self.exp.server_overlap_threads is not None and self.exp.server_overlap_threads < 1:
             raise ValueError(
                 f"exp.server_overlap_threads must be >= 1 or null, got {self.exp.server_overlap_threads}"
@@ -289,6 +294,7 @@ def _train(cfg: TrainPPOConfig) -> int:
     from openaligner.io.checkpoint import CheckpointManager
     from openaligner.io.metrics import MetricsLogger
     from openaligner.models.actor import GPTActorModel
+    from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
     from openaligner.models.source import check_vocab, load_causal_lm, pick_device, resolve_tokenizer
     from openaligner.tasks import task_scorer
     from openaligner.trainer import distributed as dp
@@ -325,7 +331,10 @@ def _train(cfg: TrainPPOConfig) -> int:
     device = pick_device(cfg.device)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", torch.cuda.current_device())
-    model = load_causal_lm(cfg.actor, len(tokenizer), device)
+    precision = Precision.resolve(cfg.precision, device)
+    save_dtype = resolve_save_dtype(cfg.exp.save_dtype, cfg.actor.path)
+    log.info("precision: %s on %s", precision.name, device)
+    model = load_causal_lm(cfg.actor, len(tokenizer), device, dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model, key="actor")
     actor = GPTActorModel(
@@ -338,6 +347,7 @@ def _train(cfg: TrainPPOConfig) -> int:
         entropy_coef=c.entropy_bonus,
         loss_aggregation=c.loss_aggregation,
         init_policy=None if c.initial_policy_kl_penalty > 0 else False,
+        precision=precision,
     )
 
     train_loader = PromptLoader(train_prompts, c.num_rollout_samples, c.seed, True, rank, world)
@@ -391,6 +401,7 @@ def _train(cfg: TrainPPOConfig) -> int:
                 progress=cfg.exp.progress,
                 response_scorer=task_scorer(cfg.exp.task_scorer) if cfg.exp.task_scorer else None,
                 server_overlap_threads=cfg.exp.server_overlap_threads,
+                grad_scaler=precision.grad_scaler(),
             )
             if latest is not None:
                 trainer.load_checkpoint(latest)
@@ -404,7 +415,7 @@ def _train(cfg: TrainPPOConfig) -> int:
     finally:
         logger.close()
     if rank == 0:
-        actor.save_pretrained(out / "actor")
-        log.info("final actor written to %s", out / "actor")
+        actor.save_pretrained(out / "actor", dtype=save_dtype)
+        log.info("final actor written to %s (%s)", out / "actor", str(save_dtype).removeprefix("torch."))
     dp.barrier()
     return 0

@@ -18,6 +18,13 @@ Conventions:
   after a row's length is masked out of attention and never changes valid positions.
 * Log-probs are next-token aligned, [B, S-1]: position ``t`` scores token ``t+1``, with the
   logits divided by the sampling temperature.
+* Precision (:mod:`openaligner.models.precision`): the policy holds float32 master weights;
+  generation and the scoring and training forwards run under the precision's autocast (the
+  backward, which the trainer runs, follows the forward's dtypes). The initial policy is a float32
+  copy scored under the same autocast, so that at step 0 its log-probs equal the policy's bit for
+  bit and the KL penalty starts at exactly 0 (a bf16-cast copy would differ by ~1e-3 per token, a
+  bias the absolute KL estimator never averages out). Under a mixed precision the rollout and
+  training log-probs of the same weights agree to the compute dtype's rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from openaligner.models.generation import (
     generate,
     mask_early_stops,
 )
+from openaligner.models.precision import Precision, save_pretrained_as
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +81,11 @@ class GPTActorModel:
             initial policy (KL coefficient 0). Pass the SFT model explicitly when resuming, so the
             reference stays the original policy.
         cache: KV cache kind for generation through the HF forward (``static`` or ``dynamic``); plain
-            GPT-2 models take the fast decoder, which keeps its own preallocated cache.
+            GPT-2 models take the fast decoder, which keeps its own preallocated cache. Under a
+            mixed precision generation uses ``dynamic``: Hugging Face's static cache takes one dtype
+            from the keys, and under autocast Llama-style rotary embeddings give float32 keys but
+            bfloat16 values.
+        precision: the autocast every forward runs under (default ``fp32``: none).
     """
 
     def __init__(
@@ -91,6 +103,7 @@ class GPTActorModel:
         loss_aggregation: str = "token_mean",
         init_policy: PreTrainedModel | bool | None = None,
         cache: CacheKind = "static",
+        precision: Precision | None = None,
     ) -> None:
         if forward_micro_batch_size is not None and forward_micro_batch_size < 1:
             raise ValueError(f"forward_micro_batch_size must be ≥ 1, got {forward_micro_batch_size}")
@@ -111,6 +124,7 @@ class GPTActorModel:
         self.entropy_coef = entropy_coef
         self.loss_aggregation = loss_aggregation
         self.cache: CacheKind = cache
+        self.precision = precision if precision is not None else Precision()
         self.init_policy: PreTrainedModel | None = self._make_init_policy(init_policy)
 
     # ------------------------------------------------------------------ construction, I/O
@@ -135,10 +149,11 @@ class GPTActorModel:
             nn.Module.to(model, torch.device(device))
         return cls(model, **kwargs)  # type: ignore[arg-type]
 
-    def save_pretrained(self, directory: str | Path) -> None:
+    def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write the policy as a Hugging Face directory (``config.json`` + ``model.safetensors``;
-        plus the tokenizer files when a tokenizer is attached)."""
-        self.model.save_pretrained(str(directory))
+        plus the tokenizer files when a tokenizer is attached), with the weights as ``dtype``
+        (None: as they are, i.e. the masters)."""
+        save_pretrained_as(self.model, directory, dtype)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(directory))
 
@@ -198,16 +213,17 @@ class GPTActorModel:
             )
         params = sampling or self.sampling
         self.model.eval()
-        out = generate(
-            self.model,
-            inference_batch[key],
-            inference_batch["length"],
-            params,
-            pad_id=self.pad_id,
-            generator=generator,
-            tokenizer=self.tokenizer,
-            cache=self.cache,
-        )
+        with self.precision.autocast():
+            out = generate(
+                self.model,
+                inference_batch[key],
+                inference_batch["length"],
+                params,
+                pad_id=self.pad_id,
+                generator=generator,
+                tokenizer=self.tokenizer,
+                cache="dynamic" if self.precision.mixed else self.cache,
+            )
         return {
             "response_tokens": out.tokens,
             "response_lengths": out.response_lengths,
@@ -377,19 +393,18 @@ class GPTActorModel:
             return torch.zeros((0, max(0, tokens.shape[1] - 1)), dtype=torch.float32, device=self.device)
         return torch.cat(parts)
 
-    @staticmethod
     def _logits(
-        model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None, keep: int = 0
+        self, model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None, keep: int = 0
     ) -> torch.Tensor:
-        """Logits [B, S, V] of right-padded ``tokens`` [B, S]; with ``keep`` > 0 only those of the
-        last ``keep`` positions, [B, keep, V]."""
+        """Logits [B, S, V] of right-padded ``tokens`` [B, S] (in the compute dtype: callers take
+        log-probs in float32); with ``keep`` > 0 only those of the last ``keep`` positions, [B, keep, V]."""
         if lengths is None:
             attention = torch.ones_like(tokens)
         else:
             col = torch.arange(tokens.shape[1], device=tokens.device)
             attention = (col < lengths.to(tokens.device).unsqueeze(-1)).long()
         kwargs = {"logits_to_keep": keep} if 0 < keep < tokens.shape[1] else {}
-        with _fused_tanh_gelu(model):
+        with _fused_tanh_gelu(model), self.precision.autocast():
             out = model(input_ids=tokens, attention_mask=attention, use_cache=False, **kwargs)
         logits = out.logits
         assert isinstance(logits, torch.Tensor)

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
+from openaligner.models.precision import save_pretrained_as
+
 Standardization = tuple[float, float]
 """Fixed ``(mean, std)``: ``infer`` returns ``(r - mean) / std``."""
 
@@ -90,10 +92,12 @@ class ScalarHeadModel(nn.Module):
         return hidden
 
     def apply_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head in float32: [..., H] → [...]."""
+        """The head in float32: [..., H] → [...], also inside an autocast region (which would
+        otherwise round the rewards and values to the compute dtype's 8 or 11 significant bits)."""
         w = self.head.weight.float()
         b = self.head.bias.float() if self.head.bias is not None else None
-        return F.linear(hidden.float(), w, b).squeeze(-1)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return F.linear(hidden.float(), w, b).squeeze(-1)
 
     def standardize(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the fixed standardization, if any."""
@@ -102,9 +106,11 @@ class ScalarHeadModel(nn.Module):
         mean, std = self.standardization
         return (x - mean) / std
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write a Hugging Face directory (``config.json`` + ``model.safetensors``)."""
-        self.hf_model.save_pretrained(str(directory))
+    def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write a Hugging Face directory (``config.json`` + ``model.safetensors``), with the
+        weights as ``dtype`` (None: as they are; see
+        :func:`openaligner.models.precision.save_pretrained_as`)."""
+        save_pretrained_as(self.hf_model, directory, dtype)
 
     @classmethod
     def from_pretrained(

@@ -30,6 +30,7 @@ from openaligner.models.builders import (
 )
 from openaligner.models.critic import CriticModel
 from openaligner.models.positions import position_limit
+from openaligner.models.precision import MASTER_DTYPE
 from openaligner.models.reward import RewardModel
 from openaligner.models.tokenizers import build_char_tokenizer, load_tokenizer
 
@@ -159,15 +160,21 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_causal_lm(src: ModelSourceConfig, vocab_size: int, device: torch.device) -> PreTrainedModel:
-    """The causal LM ``src`` names (tiny ones sized to ``vocab_size`` unless set), eval mode."""
+def load_causal_lm(
+    src: ModelSourceConfig, vocab_size: int, device: torch.device, dtype: torch.dtype = MASTER_DTYPE
+) -> PreTrainedModel:
+    """The causal LM ``src`` names (tiny ones sized to ``vocab_size`` unless set), eval mode.
+
+    Its weights are ``dtype`` whatever the checkpoint was stored in: float32 by default, the master
+    weights a trained model needs (:mod:`openaligner.models.precision`).
+    """
     model: PreTrainedModel
     if src.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(src.path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(src.path, local_files_only=True, dtype=dtype)
     else:
         model = build_tiny_causal_lm(src.tiny_arch, src.tiny_size(vocab_size), seed=src.tiny_seed)
     # nn.Module.to: transformers' typed wrapper of .to rejects a device argument under mypy.
-    nn.Module.to(model, device)
+    nn.Module.to(model, device, dtype)
     return model.eval()
 
 
@@ -176,13 +183,15 @@ def load_reward_model(
     vocab_size: int,
     device: torch.device,
     standardization: tuple[float, float] | None = None,
+    dtype: torch.dtype = MASTER_DTYPE,
 ) -> RewardModel:
-    """A :class:`RewardModel` from ``src`` (an HF directory in the reward/critic layout, or tiny)."""
+    """A :class:`RewardModel` from ``src`` (an HF directory in the reward/critic layout, or tiny);
+    backbone in ``dtype`` (float32 master weights by default), head in float32."""
     if src.path is not None:
-        model = RewardModel.from_pretrained(src.path, standardization=standardization)
+        model = RewardModel.from_pretrained(src.path, dtype=dtype, standardization=standardization)
     else:
         hf = build_tiny_sequence_classifier(src.tiny_arch, src.tiny_size(vocab_size), seed=src.tiny_seed)
-        model = RewardModel(hf, standardization=standardization)
+        model = RewardModel(nn.Module.to(hf, dtype=dtype), standardization=standardization)
     return model.to(device).eval()
 
 
@@ -191,11 +200,13 @@ def load_critic(
     vocab_size: int,
     device: torch.device,
     standardization: tuple[float, float] | None = None,
+    dtype: torch.dtype = MASTER_DTYPE,
 ) -> CriticModel:
-    """A :class:`CriticModel` from ``src``; a reward-model directory initialises the critic."""
+    """A :class:`CriticModel` from ``src``; a reward-model directory initialises the critic.
+    Backbone in ``dtype`` (float32 master weights by default), head in float32."""
     if src.path is not None:
-        model = CriticModel.from_pretrained(src.path, standardization=standardization)
+        model = CriticModel.from_pretrained(src.path, dtype=dtype, standardization=standardization)
     else:
         hf = build_tiny_sequence_classifier(src.tiny_arch, src.tiny_size(vocab_size), seed=src.tiny_seed)
-        model = CriticModel(hf, standardization=standardization)
+        model = CriticModel(nn.Module.to(hf, dtype=dtype), standardization=standardization)
     return model.to(device).eval()

@@ -12,6 +12,11 @@ Combined mode (the default, as NeMo-Aligner): the same server also answers rewar
 :class:`RewardModel` kept next to the critic. Both are resident at once — twice the weights in
 memory, in exchange for no weight swapping and a reward model that training can never touch.
 
+Precision (:mod:`openaligner.models.precision`): the critic holds float32 master weights and
+optimizer state; its training and inference forwards run under the precision's autocast and its
+backward through the precision's loss scaler. The reward model is whatever dtype it was loaded in
+(the compute dtype) and runs under the same autocast. Checkpoints hold the masters.
+
 Shapes: ``tokens`` [N, S] int64; ``returns``, ``prev_values``, ``mask`` [N, S-1] float32, next-token
 aligned — position t holds the critic's value at token t, and the values trained are
 ``critic(tokens)[:, :-1]``.
@@ -39,6 +44,7 @@ from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.critic import CriticModel
 from openaligner.models.positions import position_limit
+from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
 from openaligner.models.weights import load_weights_into
 from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
@@ -93,6 +99,8 @@ LOGGER = logging.getLogger(__name__)
 CRITIC_DIR = "critic"
 """Checkpoint sub-directory holding the critic as a Hugging Face directory (safetensors)."""
 STATE_FILE = "critic_state.json"
+_NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
+"""A pass-through loss scaler (``step`` is ``optimizer.step()``)."""
 
 
 @dataclass
@@ -411,6 +419,8 @@ class CriticServerTrainer(ServerLifecycle):
         reward_model: the frozen reward model served in combined mode (required there).
         collective: the world; default: the torch.distributed default group, or a world of one.
         resume: load the latest complete checkpoint of ``ckpt_callback`` at construction.
+        precision: autocast of every forward and loss scaling of the critic's backward (default
+            ``fp32``: neither).
     """
 
     _describe = "the critic server"
@@ -430,6 +440,7 @@ class CriticServerTrainer(ServerLifecycle):
         reward_model: RewardModel | None = None,
         collective: Collective | None = None,
         resume: bool = True,
+        precision: Precision | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -451,6 +462,8 @@ class CriticServerTrainer(ServerLifecycle):
         if self.reward_model is not None:
             self.reward_model.eval().requires_grad_(False)
         self.forward_micro_batch_size = model_forward_micro_batch_size
+        self.precision = precision if precision is not None else Precision()
+        self.scaler = self.precision.grad_scaler()
         self.token = cfg.token or os.environ.get(TOKEN_ENV) or None
         self.step = 0
         self.lock = threading.Lock()
@@ -592,7 +605,7 @@ class CriticServerTrainer(ServerLifecycle):
                 return values, None
             return values, self.reward_model.infer(tokens, lengths, micro_batch_size=mbs).to(c.device)
 
-        values, rewards = c.run_guarded(forward)
+        values, rewards = c.run_guarded(self.precision.autocast_fn(forward))
         return c.gather_rows(values), (c.gather_rows(rewards) if rewards is not None else None)
 
     # -- TRAIN ---------------------------------------------------------------------------------
@@ -641,15 +654,22 @@ class CriticServerTrainer(ServerLifecycle):
             sums = c.run_guarded(partial(self._accumulate, local, total, kept))
             sums = c.all_reduce_sum_(sums.to(c.device))
             self._all_reduce_grads()
+            # A step of mask-0 rows only has no gradient, and a loss scaler cannot step or update
+            # without having checked one for overflow: that step goes without it.
+            scaler = self.scaler if any(p.grad is not None for p in self._params) else _NO_SCALER
+            scaler.unscale_(self.optimizer)
             norm = self._clip_gradients()
             lr = self._lr()
             if np.isfinite(norm):
-                self.optimizer.step()
+                scaler.step(self.optimizer)
                 if self.scheduler is not None:
                     self.scheduler.step()
                 self.step += 1
+            elif scaler.is_enabled():  # fp16: the loss scale was too high; update() lowers it
+                LOGGER.info("critic step %d: fp16 gradients overflowed; step skipped", self.step)
             else:  # inputs are checked finite, so only an overflow in the model gets here
                 LOGGER.warning("critic step %d: gradient norm is %s; step skipped", self.step, norm)
+            scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
             loss = float(sums[0])
             clipped += sums[1:3]
@@ -696,10 +716,11 @@ class CriticServerTrainer(ServerLifecycle):
             returns = local.returns[i : i + mbs, :width]
             prev = local.prev_values[i : i + mbs, :width]
             # values at tokens 0..width-1 = critic(tokens)[:, :-1] restricted to those positions
-            values = self.model.standardize(self.model(local.tokens[i : i + mbs, :width]))
-            loss, stats = value_loss(values, prev, returns, mask, self.cfg.loss_clip_val)
+            with self.precision.autocast():
+                values = self.model.standardize(self.model(local.tokens[i : i + mbs, :width]))
+                loss, stats = value_loss(values, prev, returns, mask, self.cfg.loss_clip_val)
             tokens = mask.sum().to(torch.float64)
-            (loss * (tokens / weight_denominator).to(loss.dtype)).backward()
+            self.scaler.scale(loss * (tokens / weight_denominator).to(loss.dtype)).backward()
             sums += torch.stack(
                 [
                     loss.detach().to(torch.float64).cpu() * tokens.cpu() / weight_denominator.cpu(),

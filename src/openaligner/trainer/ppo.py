@@ -124,6 +124,8 @@ class PPOTrainer:
             leave the thread count alone. When the servers share this machine's cores,
             ``cores − server threads`` keeps the processes from oversubscribing them (an OpenMP
             pool that loses a core to another process stalls at every barrier).
+        grad_scaler: the actor's loss scaler (``Precision.grad_scaler()``: dynamic under
+            ``fp16-mixed``, where a step whose gradients overflowed is skipped); ``None``: none.
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class PPOTrainer:
         progress: bool = True,
         response_scorer: Callable[[list[str], list[str]], list[float]] | None = None,
         server_overlap_threads: int | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         cfg.check_world_size(dp.world_size())
         self.cfg = cfg
@@ -166,6 +169,7 @@ class PPOTrainer:
         if server_overlap_threads is not None and server_overlap_threads < 1:
             raise ValueError(f"server_overlap_threads must be ≥ 1 or None, got {server_overlap_threads}")
         self.server_overlap_threads = server_overlap_threads
+        self.grad_scaler = grad_scaler or torch.amp.GradScaler(enabled=False)
         if response_scorer is not None and decode is None:
             raise ValueError("response_scorer needs decode (token ids → text)")
 
@@ -542,15 +546,16 @@ class PPOTrainer:
                             "is_end": mb.is_end if c.gate_unfinished else torch.ones_like(mb.is_end),
                         }
                     )
-                    (loss / n_micro).backward()
+                    self.grad_scaler.scale(loss / n_micro).backward()
                     for k, v in metrics.items():
                         step_metrics[k] += v / n_micro
                 dp.average_gradients(params)
+                self.grad_scaler.unscale_(self.optimizer)  # a no-op unless fp16 loss scaling is on
                 max_norm = c.gradient_clip_val if c.gradient_clip_val > 0 else float("inf")
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
                 # The same on every rank (gradients are averaged first), so all ranks skip alike.
                 if math.isfinite(grad_norm):
-                    self.optimizer.step()
+                    self.grad_scaler.step(self.optimizer)
                     if self.scheduler is not None:
                         self.scheduler.step()
                     self.ppo_optimization_step += 1
@@ -558,8 +563,11 @@ class PPOTrainer:
                 else:
                     self._skip_nonfinite_step(grad_norm)
                     step_metrics["skipped_steps"] += 1.0
+                self.grad_scaler.update()  # fp16: lowers the scale after an overflow
                 step_metrics["grad_norm"] = grad_norm
                 step_metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+                if self.grad_scaler.is_enabled():
+                    step_metrics["loss_scale"] = float(self.grad_scaler.get_scale())
                 for k, v in step_metrics.items():
                     sums[k] += v
                 count += 1
@@ -574,9 +582,18 @@ class PPOTrainer:
         return out
 
     def _skip_nonfinite_step(self, grad_norm: float) -> None:
-        """Leave the weights, optimizer and schedule as they are; stop after too many in a row."""
-        self.nonfinite_in_a_row += 1
+        """Leave the weights, optimizer and schedule as they are; stop after too many in a row.
+
+        Under fp16 loss scaling an overflow is routine while the scale is still high (the
+        scaler halves it after each): such steps are skipped and counted in
+        ``policy/skipped_steps`` but not toward the limit until the scale has fallen below 1,
+        where the gradients are non-finite on their own.
+        """
         self.nonfinite_steps += 1
+        if self.grad_scaler.is_enabled() and self.grad_scaler.get_scale() >= 1.0:
+            log.info("PPO step %d: fp16 gradients overflowed; step skipped, loss scale lowered", self.step)
+            return
+        self.nonfinite_in_a_row += 1
         limit = self.cfg.max_nonfinite_steps_in_a_row
         log.warning(
             "PPO step %d: the actor's gradient norm is %s; optimizer step skipped (%d in a row, limit %d)",

@@ -18,13 +18,20 @@ import torch.nn.functional as F
 
 from openaligner.config import as_startup_error
 from openaligner.data.preference import PreferencePair, build_preference_pairs, collate_pairs
-from openaligner.models.builders import build_tiny_reward_model
+from openaligner.models.precision import (
+    MASTER_DTYPE,
+    Precision,
+    check_precision,
+    check_save_dtype,
+    resolve_save_dtype,
+)
 from openaligner.models.reward import RewardModel
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
     TokenizerSourceConfig,
     check_vocab,
+    load_reward_model,
     pick_device,
     resolve_tokenizer,
 )
@@ -66,8 +73,14 @@ class RMConfig:
     output_dir: str = "runs/rm"  # final HF reward model + tokenizer, checkpoints/ and metrics.jsonl
     resume: bool = True  # continue from the newest complete checkpoint in output_dir
     device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:1, ...
+    precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
+    save_dtype: str = "auto"  # final model dtype: auto (as model.path is stored, fp32 tiny), fp32, bf16, fp16
     progress: bool = True  # tqdm progress bar
     tensorboard: bool = False  # also write TensorBoard events under output_dir/tensorboard
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision, "precision")
+        check_save_dtype(self.save_dtype, "save_dtype")
 
 
 class RMObjective:
@@ -95,8 +108,8 @@ class RMObjective:
         }
         return loss, count, sums
 
-    def save(self, directory: Path) -> None:
-        self.module.save_pretrained(directory)
+    def save(self, directory: Path, dtype: torch.dtype | None = None) -> None:
+        self.module.save_pretrained(directory, dtype)
 
 
 def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
@@ -109,11 +122,8 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
     )
     with as_startup_error(SourceError):
         tokenizer = resolve_tokenizer(cfg.model, cfg.tokenizer)
-    if cfg.model.path is not None:
-        model = RewardModel.from_pretrained(cfg.model.path)
-    else:
-        size = cfg.model.tiny_size(len(tokenizer))
-        model = build_tiny_reward_model(cfg.model.tiny_arch, size, cfg.model.tiny_seed)
+    device = pick_device(cfg.device)
+    model = load_reward_model(cfg.model, len(tokenizer), device, dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model.hf_model)
 
@@ -135,8 +145,10 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
         cfg.optim,
         cfg.output_dir,
         tokenizer,
-        pick_device(cfg.device),
+        device,
         resume=cfg.resume,
         progress=cfg.progress,
         tensorboard=cfg.tensorboard,
+        precision=Precision.resolve(cfg.precision, device),
+        save_dtype=resolve_save_dtype(cfg.save_dtype, cfg.model.path),
     )

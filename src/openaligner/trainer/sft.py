@@ -12,17 +12,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from openaligner.algorithms import next_token_logprobs, response_mask
 from openaligner.config import as_startup_error
 from openaligner.data.sft import SFTExample, build_sft_examples, collate_sft
-from openaligner.models.builders import build_tiny_causal_lm
+from openaligner.models.precision import (
+    MASTER_DTYPE,
+    Precision,
+    check_precision,
+    check_save_dtype,
+    resolve_save_dtype,
+    save_pretrained_as,
+)
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
     TokenizerSourceConfig,
     check_vocab,
+    load_causal_lm,
     pick_device,
     resolve_tokenizer,
 )
@@ -60,8 +68,14 @@ class SFTConfig:
     output_dir: str = "runs/sft"  # final HF model + tokenizer, checkpoints/ and metrics.jsonl
     resume: bool = True  # continue from the newest complete checkpoint in output_dir
     device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:1, ...
+    precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
+    save_dtype: str = "auto"  # final model dtype: auto (as model.path is stored, fp32 tiny), fp32, bf16, fp16
     progress: bool = True  # tqdm progress bar
     tensorboard: bool = False  # also write TensorBoard events under output_dir/tensorboard
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision, "precision")
+        check_save_dtype(self.save_dtype, "save_dtype")
 
 
 class SFTObjective:
@@ -85,8 +99,8 @@ class SFTObjective:
         nll = -(logprobs * mask).sum()
         return nll, mask.sum(), {"loss": nll.detach()}
 
-    def save(self, directory: Path) -> None:
-        self.module.save_pretrained(str(directory))
+    def save(self, directory: Path, dtype: torch.dtype | None = None) -> None:
+        save_pretrained_as(self.module, directory, dtype)
 
 
 def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
@@ -103,13 +117,8 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
     )
     with as_startup_error(SourceError):
         tokenizer = resolve_tokenizer(cfg.model, cfg.tokenizer)
-    model: PreTrainedModel
-    if cfg.model.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, local_files_only=True)
-    else:
-        model = build_tiny_causal_lm(
-            cfg.model.tiny_arch, cfg.model.tiny_size(len(tokenizer)), cfg.model.tiny_seed
-        )
+    device = pick_device(cfg.device)
+    model = load_causal_lm(cfg.model, len(tokenizer), device, dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model)
 
@@ -133,8 +142,10 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
         cfg.optim,
         cfg.output_dir,
         tokenizer,
-        pick_device(cfg.device),
+        device,
         resume=cfg.resume,
         progress=cfg.progress,
         tensorboard=cfg.tensorboard,
+        precision=Precision.resolve(cfg.precision, device),
+        save_dtype=resolve_save_dtype(cfg.save_dtype, cfg.model.path),
     )

@@ -7,6 +7,11 @@ accumulation over micro-batches, validation, tqdm progress, metrics, resumable c
 RNG, written atomically by :class:`openaligner.io.checkpoint.CheckpointManager`) and the final
 Hugging Face export into ``output_dir``. What is being learned comes from an
 :class:`Objective`; this module knows nothing of SFT or preference losses.
+
+Precision (:mod:`openaligner.models.precision`): the objective's module holds the float32 master
+weights; its loss is computed under the precision's autocast and backpropagated through the
+precision's loss scaler. Checkpoints hold the masters (exact resume); the final export is
+written in ``save_dtype``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from openaligner.data.jsonl import DataFileError, read_records, split_holdout
 from openaligner.data.prompts import EpochSampler
 from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
 from openaligner.io.metrics import MetricsLogger
+from openaligner.models.precision import Precision
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
@@ -208,7 +214,8 @@ class Objective(Protocol):
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]: ...
 
-    def save(self, directory: Path) -> None: ...
+    def save(self, directory: Path, dtype: torch.dtype | None = None) -> None:
+        """Write the module as a Hugging Face directory, weights as ``dtype`` (None: as they are)."""
 
 
 @dataclass
@@ -228,6 +235,9 @@ class SupervisedTrainer(Generic[T]):
         tokenizer: saved with the final model and every checkpoint.
         output_dir: final model, ``checkpoints/`` and ``metrics.jsonl`` go here.
         resume: continue from the newest complete checkpoint in ``output_dir`` if there is one.
+        precision: autocast and loss scaling of the training and validation forwards (default
+            ``fp32``: neither).
+        save_dtype: dtype of the final export's weights (None: as trained, float32).
     """
 
     def __init__(
@@ -245,6 +255,8 @@ class SupervisedTrainer(Generic[T]):
         resume: bool = True,
         progress: bool = True,
         tensorboard: bool = False,
+        precision: Precision | None = None,
+        save_dtype: torch.dtype | None = None,
     ) -> None:
         self.objective = objective
         self.train_items, self.val_items = train_items, val_items
@@ -254,6 +266,9 @@ class SupervisedTrainer(Generic[T]):
         self.tokenizer = tokenizer
         self.device = device
         self.resume, self.progress, self.tensorboard = resume, progress, tensorboard
+        self.precision = precision if precision is not None else Precision()
+        self.scaler = self.precision.grad_scaler()
+        self.save_dtype = save_dtype
         self.sampler = EpochSampler(len(train_items), loop.global_batch_size, loop.seed)
         if self.sampler.steps_per_epoch == 0:
             raise ValueError(
@@ -303,7 +318,7 @@ class SupervisedTrainer(Generic[T]):
         finally:
             bar.close()
             logger.close()
-        self.export(self.output_dir)  # 5. final Hugging Face model + tokenizer
+        self.export(self.output_dir, dtype=self.save_dtype)  # 5. final Hugging Face model + tokenizer
         return history
 
     def _train_step(self, indices: list[int]) -> dict[str, float]:
@@ -313,18 +328,21 @@ class SupervisedTrainer(Generic[T]):
         sums: dict[str, float] = defaultdict(float)
         units = 0.0
         for batch in self._micro_batches(indices, self.loop.micro_batch_size):
-            loss_sum, count, metric_sums = self.objective.loss(batch)
-            loss_sum.backward()  # gradients of sums; divided by the global unit count below
+            with self.precision.autocast():
+                loss_sum, count, metric_sums = self.objective.loss(batch)
+            self.scaler.scale(loss_sum).backward()  # gradients of sums; divided by the unit count below
             units += float(count)
             for k, v in metric_sums.items():
                 sums[k] += float(v)
+        self.scaler.unscale_(self.optimizer)
         scale = 1.0 / max(units, 1.0)
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(scale)
         grad_norm = self._clip()
         lr = float(self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)  # skipped when fp16 gradients overflowed
+        self.scaler.update()
         self.scheduler.step()
         metrics = {f"train/{k}": v * scale for k, v in sums.items()}
         metrics |= {
@@ -332,6 +350,8 @@ class SupervisedTrainer(Generic[T]):
             "train/lr": lr,
             "timing/step_s": time.perf_counter() - start,
         }
+        if self.scaler.is_enabled():
+            metrics["train/loss_scale"] = float(self.scaler.get_scale())
         return metrics
 
     @torch.no_grad()
@@ -342,7 +362,8 @@ class SupervisedTrainer(Generic[T]):
         units = 0.0
         indices = list(range(len(self.val_items)))
         for batch in self._micro_batches(indices, self.loop.val_micro_batch_size, train=False):
-            _, count, metric_sums = self.objective.loss(batch)
+            with self.precision.autocast():
+                _, count, metric_sums = self.objective.loss(batch)
             units += float(count)
             for k, v in metric_sums.items():
                 sums[k] += float(v)
@@ -373,17 +394,18 @@ class SupervisedTrainer(Generic[T]):
         log.info("resumed from %s at step %d", path, self.state.step)
         return True
 
-    def export(self, directory: Path, atomic: bool = True) -> None:
-        """Save the model and tokenizer as a Hugging Face directory. With ``atomic`` the files are
-        written to a temporary sibling first and moved in one by one with ``os.replace``."""
+    def export(self, directory: Path, atomic: bool = True, dtype: torch.dtype | None = None) -> None:
+        """Save the model and tokenizer as a Hugging Face directory, weights as ``dtype`` (None: the
+        float32 masters, as checkpoints need). With ``atomic`` the files are written to a temporary
+        sibling first and moved in one by one with ``os.replace``."""
         if not atomic:
             directory.mkdir(parents=True, exist_ok=True)
-            self.objective.save(directory)
+            self.objective.save(directory, dtype)
             self.tokenizer.save_pretrained(str(directory))
             return
         tmp = directory / f".export-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.export(tmp, atomic=False)
+        self.export(tmp, atomic=False, dtype=dtype)
         for f in tmp.iterdir():
             os.replace(f, directory / f.name)
         tmp.rmdir()

@@ -25,7 +25,7 @@ def test_reference_yaml_loads_with_a_model_choice():
         ([], "exactly one of model.path"),
         (["model.tiny=true", "model.path=/x"], "exactly one of model.path"),
         (["model.tiny=true", "server.port=70000"], "server.port must be in 1..65535"),
-        (["model.tiny=true", "model.dtype=int8"], "model.dtype must be one of"),
+        (["model.tiny=true", "model.precision=int8"], "model.precision must be one of"),
         (["model.tiny=true", "model.reward_mean=1.0"], "both model.reward_mean and model.reward_std"),
         (["model.tiny=true", "server.inference_micro_batch_size=[0]"], "inference_micro_batch_size"),
         (["model.tiny=true", "server.max_request_bytes=0"], "server.max_request_bytes must be >= 1"),

@@ -77,6 +77,7 @@ def make_trainer(
     prompts=None,
     arch="gpt2",
     lora_rank=0,
+    grad_scaler=None,
 ):
     """A PPOTrainer on a tiny ``arch`` actor (LoRA adapters of ``lora_rank`` when > 0, via peft),
     or on ``actor`` when given."""
@@ -108,6 +109,7 @@ def make_trainer(
         decode=lambda ids: " ".join(map(str, ids)),
         progress=False,
         response_scorer=scorer,
+        grad_scaler=grad_scaler,
     )
 
 

@@ -221,3 +221,16 @@ def test_a_finite_step_resets_the_count(tmp_path):
     cfg = ppo_cfg(max_steps=3, max_epochs=2, val_check_interval=0, save_interval=0, gate_unfinished=False)
     history = make_trainer(tmp_path, cfg, actor=actor).fit()
     assert [m["policy/skipped_steps"] for m in history] == [2.0, 1.0, 1.0]
+
+
+def test_fp16_overflows_count_toward_the_limit_only_once_the_loss_scale_cannot_explain_them(tmp_path):
+    # a NaN loss under fp16 loss scaling: the scaler halves its scale after each skipped step
+    # (2^16 → below 1 in 17 steps); only then do the skips count toward the limit of 3
+    actor = NaNLossActor(build_tiny_causal_lm("gpt2", SIZE, seed=0))
+    actor.nan_micro_batches = set(range(1000))
+    cfg = ppo_cfg(max_steps=20, max_epochs=20, val_check_interval=0, save_interval=0, gate_unfinished=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    trainer = make_trainer(tmp_path, cfg, actor=actor, grad_scaler=scaler)
+    with pytest.raises(NonFiniteTrainingError):
+        trainer.fit()
+    assert trainer.nonfinite_steps == 17 + 3 and scaler.get_scale() < 1.0

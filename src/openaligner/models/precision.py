@@ -1,0 +1,195 @@
+"""Numerical precision: which dtype each model is kept, computed and saved in.
+
+Owns the one rule every command follows (``precision`` in its config; docs/models.md, Precision):
+
+* ``fp32``: every model is kept and computed in float32, whatever dtype its checkpoint was stored
+  in. No autocast, no loss scaling — bit for bit what the code did before mixed precision existed.
+* ``bf16-mixed`` / ``fp16-mixed``: a *trained* model keeps float32 master weights (so its AdamW
+  state is float32 too) and runs its forward and backward under ``torch.autocast`` in bfloat16 /
+  float16; float16 adds dynamic loss scaling (``torch.amp.GradScaler``: an optimizer step whose
+  gradients overflowed is skipped and the scale halved). An *inference-only* model (the reward
+  model behind serve-reward or serve-critic) is cast to the compute dtype and runs under the same
+  autocast.
+* ``auto``: ``bf16-mixed`` on a CUDA device with native bfloat16, else ``fp32`` (so on CPU nothing
+  changes numerically).
+
+Why masters: AdamW on bfloat16 weights rounds most updates away (an update below half a bf16 step
+of the weight, 2⁻⁹ to 2⁻⁸ of its magnitude, is lost), so training silently learns less.
+
+Saved dtypes: resume checkpoints hold the float32 masters (exact resume); a command's final
+Hugging Face export is written in its ``save_dtype`` (``auto``: the dtype the source checkpoint was
+stored in, float32 for the built-in tiny models) by :func:`save_pretrained_as`.
+
+Must not know about configs, trainers or servers: they resolve a setting once with
+:meth:`Precision.resolve` and pass the :class:`Precision` (or a dtype) down.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from functools import wraps
+from pathlib import Path
+from typing import Literal, ParamSpec, TypeVar
+
+import torch
+from transformers import PreTrainedModel
+
+PrecisionName = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16-mixed", "fp16-mixed")
+"""The values of a command's ``precision`` key."""
+SAVE_DTYPES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
+"""The values of a command's ``save_dtype`` key."""
+
+MASTER_DTYPE = torch.float32
+"""What trained weights (and so their optimizer state and resume checkpoints) are kept in."""
+
+_EXPLICIT: dict[str, PrecisionName] = {"fp32": "fp32", "bf16-mixed": "bf16-mixed", "fp16-mixed": "fp16-mixed"}
+_COMPUTE: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16-mixed": torch.bfloat16,
+    "fp16-mixed": torch.float16,
+}
+_SAVE: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# How Hugging Face config.json files name the floating dtypes (its "dtype" / legacy "torch_dtype").
+_HF_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def check_precision(value: str, key: str) -> None:
+    """Refuse a ``precision`` setting that is not one of :data:`PRECISIONS`, naming ``key``."""
+    if value not in PRECISIONS:
+        raise ValueError(
+            f"{key} must be one of {', '.join(PRECISIONS)}, got {value!r} "
+            "(auto: bf16-mixed on CUDA, fp32 elsewhere; see docs/models.md, Precision)"
+        )
+
+
+def check_save_dtype(value: str, key: str) -> None:
+    """Refuse a ``save_dtype`` setting that is not one of :data:`SAVE_DTYPES`, naming ``key``."""
+    if value not in SAVE_DTYPES:
+        raise ValueError(
+            f"{key} must be one of {', '.join(SAVE_DTYPES)}, got {value!r} "
+            "(auto: the dtype the source checkpoint was stored in)"
+        )
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A resolved precision on one kind of device.
+
+    Attributes:
+        name: ``fp32``, ``bf16-mixed`` or ``fp16-mixed`` (never ``auto``).
+        device_type: the autocast device type, e.g. ``cpu`` or ``cuda``.
+    """
+
+    name: PrecisionName = "fp32"
+    device_type: str = "cpu"
+
+    @classmethod
+    def resolve(cls, setting: str, device: torch.device) -> Precision:
+        """``setting`` (one of :data:`PRECISIONS`) for models on ``device``.
+
+        ``auto`` is ``bf16-mixed`` on a CUDA device whose hardware has bfloat16 (Ampere and later),
+        else ``fp32``: float16 needs loss scaling and can overflow, so it is never picked silently.
+        """
+        check_precision(setting, "precision")
+        if setting == "auto":
+            native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+            return cls("bf16-mixed" if native_bf16 else "fp32", device.type)
+        return cls(_EXPLICIT[setting], device.type)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether forwards run under autocast (and trained weights are masters of another dtype)."""
+        return self.name != "fp32"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype autocast computes matrix products in (float32 for ``fp32``)."""
+        return _COMPUTE[self.name]
+
+    @property
+    def inference_dtype(self) -> torch.dtype:
+        """What an inference-only model's weights are cast to: the compute dtype."""
+        return self.compute_dtype
+
+    def autocast(self) -> AbstractContextManager[object]:
+        """The context a forward (and its backward) runs in: ``torch.autocast`` when mixed, else a
+        no-op (``fp32`` must stay bit-identical to code that never heard of autocast)."""
+        if not self.mixed:
+            return nullcontext()
+        return torch.autocast(self.device_type, dtype=self.compute_dtype)
+
+    def autocast_fn(self, fn: Callable[P, R]) -> Callable[P, R]:
+        """``fn`` run under :meth:`autocast` (for a callable handed to a server); ``fn`` itself
+        under ``fp32``."""
+        if not self.mixed:
+            return fn
+
+        @wraps(fn)
+        def wrapped(*args: P.args, **kwargs: P.kwargs) -> R:
+            with self.autocast():
+                return fn(*args, **kwargs)
+
+        return wrapped
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """A loss scaler: dynamic under ``fp16-mixed``; a pass-through otherwise (``scale``
+        returns the loss unchanged, ``step`` is ``optimizer.step()``, ``update`` does nothing)."""
+        return torch.amp.GradScaler(self.device_type, enabled=self.name == "fp16-mixed")
+
+
+def stored_dtype(model_path: str | Path | None) -> torch.dtype:
+    """The dtype a Hugging Face directory's ``config.json`` says its weights are stored in
+    (``dtype``, or the older ``torch_dtype``); float32 when it says nothing or names no floating
+    dtype, and for ``None`` (a built-in tiny model, built in float32)."""
+    if model_path is None:
+        return torch.float32
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype")
+    return _HF_NAMES.get(str(name), torch.float32)
+
+
+def resolve_save_dtype(setting: str, model_path: str | Path | None) -> torch.dtype:
+    """The dtype a final export is written in: ``setting`` (one of :data:`SAVE_DTYPES`), where
+    ``auto`` is :func:`stored_dtype` of the source ``model_path`` — what came in goes out."""
+    check_save_dtype(setting, "save_dtype")
+    return stored_dtype(model_path) if setting == "auto" else _SAVE[setting]
+
+
+def save_pretrained_as(
+    model: PreTrainedModel, directory: str | Path, dtype: torch.dtype | None = None
+) -> None:
+    """``model.save_pretrained(directory)`` with its floating weights written as ``dtype`` (None:
+    as they are). The live model is not touched; tied weights stay tied (cast once), integer
+    buffers keep their dtype, and ``config.json`` states ``dtype`` so that loaders with
+    ``dtype="auto"`` read the weights back in it."""
+    if dtype is None or all(p.dtype == dtype for p in model.parameters()):
+        model.save_pretrained(str(directory))
+        return
+    cast: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t
+        key = (t.data_ptr(), t.dtype, tuple(t.shape))  # tied tensors share one cast copy
+        if key not in cast:
+            cast[key] = t.detach().to(dtype)
+        return cast[key]
+
+    state = {name: convert(t) for name, t in model.state_dict().items()}
+    model.save_pretrained(str(directory), state_dict=state)
+    # save_pretrained writes the live model's dtype into config.json; the file holds ``dtype``.
+    config_path = Path(directory) / "config.json"
+    config = json.loads(config_path.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

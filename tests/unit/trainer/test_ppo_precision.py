@@ -1,0 +1,127 @@
+"""Issue 13's acceptance check: a policy stored in bfloat16 learns as much as the same weights
+stored in float32 — the actor trains float32 master weights whatever the checkpoint's dtype.
+
+Three PPO steps at lr 1e-5 (one optimizer step each) through the loading code train-ppo uses
+(``load_causal_lm``) and :class:`PPOTrainer`, against an in-memory reward stand-in. Before fp32
+masters, AdamW on the bf16 weights rounded most updates away: 14.5 % of the weights changed
+against 99.7 % for the fp32-stored copy.
+"""
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from openaligner.config import load_config
+from openaligner.io.metrics import MetricsLogger
+from openaligner.models.actor import GPTActorModel
+from openaligner.models.builders import TinySize, build_tiny_causal_lm
+from openaligner.models.source import ModelSourceConfig, load_causal_lm
+from openaligner.trainer.ppo import PPOTrainer, RunTimer
+from openaligner.trainer.ppo_config import PPOConfig
+from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
+
+SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, max_positions=64)
+TARGET = 7
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class TargetTokenReward:
+    """Reward = count of TARGET in the sequence; values = 0; critic training is a no-op."""
+
+    def infer_rm_critic(self, batch):
+        tokens = batch["response_tokens"]
+        rewards = (tokens == TARGET).sum(-1).float()
+        return _Done((rewards, torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
+
+    def train(self, data):
+        f = Future()
+        f.set_result({"loss": 0.0})
+        return f
+
+    def save(self):
+        f = Future()
+        f.set_result(0)
+        return f
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """``bf16/``: a tiny Llama saved in bfloat16; ``fp32/``: the same weights saved in float32."""
+    root = tmp_path_factory.mktemp("stored")
+    model = build_tiny_causal_lm("llama", SIZE, seed=0).to(torch.bfloat16)
+    model.save_pretrained(root / "bf16")
+    model.float().save_pretrained(root / "fp32")
+    return root
+
+
+def share_changed_by_ppo(path, tmp_path, precision=None):
+    """Share of the policy's weights that 3 PPO steps change, and the trained policy's parameters."""
+    torch.manual_seed(0)
+    model = load_causal_lm(ModelSourceConfig(path=str(path)), SIZE.vocab_size, torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = load_config(
+        PPOConfig,
+        None,
+        [
+            "max_steps=3",
+            "num_rollout_samples=8",
+            "rollout_micro_batch_size=8",
+            "global_batch_size=8",
+            "micro_batch_size=4",
+            "length.max_length=6",
+            "val_check_interval=0",
+            "save_interval=0",
+            "gate_unfinished=false",
+        ],
+    )
+    extra = {} if precision is None else {"precision": precision}
+    actor = GPTActorModel(model, clip_eps=cfg.ratio_eps, **extra)
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5, fused=True)
+    prompts = [[3 + (i % 20), 4 + (i % 7), 5] for i in range(32)]
+    trainer = PPOTrainer(
+        cfg=cfg,
+        model=actor,
+        optimizer=optimizer,
+        scheduler=None,
+        train_dataloader_builder=PromptLoader(prompts, cfg.num_rollout_samples, cfg.seed, shuffle=True),
+        val_dataloader_builder=None,
+        collate_fn=make_prompt_collate(actor.pad_id),
+        rm_critic=TargetTokenReward(),
+        batch_iterator_cls=MicroBatchIterator,
+        logger=MetricsLogger(tmp_path / path.name, tensorboard=False),
+        ckpt_callback=None,
+        run_timer=RunTimer(None),
+        progress=False,
+        **({} if precision is None else {"grad_scaler": precision.grad_scaler()}),
+    )
+    trainer.fit()
+    params = list(model.parameters())
+    changed = sum(int((p.detach() != b.to(p.dtype)).sum()) for p, b in zip(params, before, strict=True))
+    return changed / sum(p.numel() for p in params), params, optimizer
+
+
+def test_a_bf16_stored_policy_changes_as_many_weights_as_its_fp32_stored_copy(stored, tmp_path):
+    from_bf16, params, optimizer = share_changed_by_ppo(stored / "bf16", tmp_path)
+    from_fp32, _, _ = share_changed_by_ppo(stored / "fp32", tmp_path)
+    assert from_fp32 > 0.9  # nearly every weight has a gradient and moves
+    assert from_bf16 >= from_fp32 - 0.03, f"bf16-stored changed {from_bf16:.1%}, fp32-stored {from_fp32:.1%}"
+    assert {p.dtype for p in params} == {torch.float32}  # master weights
+    assert {s["exp_avg"].dtype for s in optimizer.state.values()} == {torch.float32}
+
+
+def test_under_bf16_mixed_the_bf16_stored_policy_still_learns_as_much(stored, tmp_path):
+    from openaligner.models.precision import Precision
+
+    mixed = Precision.resolve("bf16-mixed", torch.device("cpu"))
+    from_bf16, params, _ = share_changed_by_ppo(stored / "bf16", tmp_path, mixed)
+    from_fp32, _, _ = share_changed_by_ppo(stored / "fp32", tmp_path)
+    assert from_bf16 >= from_fp32 - 0.03, f"bf16-mixed changed {from_bf16:.1%}, fp32 {from_fp32:.1%}"
+    assert {p.dtype for p in params} == {torch.float32}
