@@ -18,12 +18,14 @@ from openaligner.algorithms.losses import (
     value_loss,
 )
 from openaligner.algorithms.masked import (
+    Reduce,
     masked_mean,
     masked_mean_var,
     masked_sum,
     masked_var,
     masked_whiten,
     select_valid,
+    single_process,
 )
 from openaligner.algorithms.rewards import response_mask, shape_rewards
 
@@ -33,6 +35,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "PolicyLossStats",
+    "Reduce",
     "ValueLossStats",
     "aggregate",
     "entropy_from_logits",
@@ -51,6 +54,7 @@ __all__ = [
     "response_mask",
     "select_valid",
     "shape_rewards",
+    "single_process",
     "td_errors",
     "value_loss",
 ]

@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from openaligner.algorithms.masked import masked_mean, masked_var, select_valid
+from openaligner.algorithms.masked import Reduce, masked_mean, masked_mean_var, select_valid
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean"]
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean")
@@ -135,14 +135,19 @@ def ppo_policy_loss(
     return loss, stats
 
 
-def explained_variance(predictions: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def explained_variance(
+    predictions: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
     """``1 − Var(targets − predictions) / Var(targets)`` over valid positions (a scalar).
 
     1 is a perfect critic, 0 predicts no better than the mean, negative is worse. Returns NaN
-    when the targets have zero variance, as the quantity is undefined there.
+    when the targets have zero variance, as the quantity is undefined there. With ``reduce``
+    (see :func:`masked_mean_var`) the variances are global across processes.
+
+    Shapes: ``predictions``, ``targets`` and ``mask`` alike (e.g. [B, S-1]) → a 0-d tensor.
     """
-    var_t = masked_var(targets, mask)
-    var_r = masked_var(targets - predictions, mask)
+    _, var_t = masked_mean_var(targets, mask, reduce=reduce)
+    _, var_r = masked_mean_var(targets - predictions, mask, reduce=reduce)
     return torch.where(var_t > 0, 1.0 - var_r / var_t, torch.full_like(var_t, float("nan")))
 
 

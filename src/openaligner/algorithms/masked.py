@@ -18,6 +18,11 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a small 1-D tensor of partial sums across processes (identity on a single process)."""
 
 
+def single_process(t: torch.Tensor) -> torch.Tensor:
+    """The :data:`Reduce` of one process: its partial sums are already the global ones."""
+    return t
+
+
 def _as_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return mask.to(dtype=like.dtype if like.is_floating_point() else torch.float32)
 
@@ -80,7 +85,7 @@ def masked_mean_var(
     and must return their sums over all processes. With ``reduce=None`` this equals
     ``(masked_mean(x, mask), masked_var(x, mask, unbiased))``.
     """
-    reduce = reduce if reduce is not None else _identity
+    reduce = reduce if reduce is not None else single_process
     m = torch.broadcast_to(_as_mask(mask, x), x.shape)
     sums = reduce(torch.stack([masked_sum(x, m), m.sum()]).detach().to(torch.float64))
     count = sums[1].clamp_min(1.0)
@@ -108,7 +113,3 @@ def masked_whiten(
     mean, var = masked_mean_var(x, mask, reduce=reduce)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     return whitened if shift_mean else whitened + mean
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t

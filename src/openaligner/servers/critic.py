@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from openaligner.algorithms import masked_mean_var, value_loss
+from openaligner.algorithms import explained_variance, value_loss
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.critic import CriticModel
@@ -768,11 +768,7 @@ class CriticServerTrainer(ServerLifecycle):
             mask = torch.cat([m.reshape(-1) for _, _, m in kept]).cpu()
         else:  # this rank trained only padding; it still joins the reductions
             values = returns = mask = torch.zeros(1)
-        _, var_returns = masked_mean_var(returns, mask, reduce)
-        _, var_error = masked_mean_var(returns - values, mask, reduce)
-        if float(var_returns) <= 0:
-            return float("nan")
-        return float(1.0 - var_error / var_returns)
+        return float(explained_variance(values, returns, mask, reduce=reduce))
 
     # -- SAVE / resume -------------------------------------------------------------------------
     def _save_from_rank0(self) -> int:

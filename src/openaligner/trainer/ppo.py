@@ -294,8 +294,8 @@ class PPOTrainer:
         )
         metrics = {f"rollout/{k}": float(v) for k, v in stats.items()}
         # Explained variance of the rollout values against the returns they are trained toward.
-        ev = _global_explained_variance(rollout_batch.values, data.returns, data.mask)
-        metrics["value/explained_variance"] = ev
+        ev = explained_variance(rollout_batch.values, data.returns, data.mask, reduce=dp.all_reduce_sum)
+        metrics["value/explained_variance"] = float(ev)
         metrics["rollout/kl_coef"] = self.kl_controller.value
         if isinstance(self.kl_controller, AdaptiveKLController):
             # Ziegler et al. track the sequence-level KL: the mean over every rank's samples of each
@@ -742,18 +742,6 @@ def derive_seed(*parts: int) -> int:
     """A 63-bit seed that depends only on ``parts`` (unlike ``hash``, stable across processes)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def _global_explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    if dp.world_size() == 1:
-        return float(explained_variance(values, returns, mask))
-    m = mask.double()
-    r, d = returns.double() * m, (returns - values).double() * m
-    s = dp.all_reduce_sum(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()]))
-    n = float(s[0])
-    var_r = float(s[2]) / n - (float(s[1]) / n) ** 2
-    var_d = float(s[4]) / n - (float(s[3]) / n) ** 2
-    return 1.0 - var_d / var_r if var_r > 0 else float("nan")
 
 
 def _max_over_ranks(seconds: dict[str, float]) -> dict[str, float]:

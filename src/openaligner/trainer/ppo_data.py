@@ -8,12 +8,12 @@ identity on one process), so this module makes no distributed calls of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from openaligner.algorithms import (
+    Reduce,
     gae,
     kl_penalty,
     masked_mean,
@@ -21,9 +21,8 @@ from openaligner.algorithms import (
     masked_sum,
     response_mask,
     shape_rewards,
+    single_process,
 )
-
-Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -64,10 +63,6 @@ class PPOData:
         return PPOData(**{k: v[index] for k, v in self.__dict__.items()})
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 def compute_ppo_data(
     batch: RolloutBatch,
     *,
@@ -78,7 +73,7 @@ def compute_ppo_data(
     normalize_advantages: bool,
     missing_eos_penalty: float | None = None,
     score_clip: float | None = None,
-    reduce: Reduce | None = None,
+    reduce: Reduce = single_process,
 ) -> tuple[PPOData, dict[str, torch.Tensor]]:
     """KL-shaped rewards → mask → GAE → (global) whitening, plus NeMo-Aligner's rollout metrics.
 
@@ -88,7 +83,6 @@ def compute_ppo_data(
     (what the adaptive KL controller tracks); ``{advantages,returns,values}_{mean,std}`` are the
     masked mean and uncorrected standard deviation over all valid tokens.
     """
-    reduce = reduce if reduce is not None else _identity
     width = batch.logprobs.shape[-1]
     mask = response_mask(batch.prompt_lengths, batch.response_lengths, width, dtype=batch.logprobs.dtype)
     if batch.init_logprobs is not None:
