@@ -163,17 +163,20 @@ def _writer(root: Path, step: int, conn, where: str, keep_last: int) -> None:
 
         cm._sha256 = sha
     elif where in ("sealed, not renamed", "renamed, latest not updated"):
-        real_fsync = cm._fsync_dir
-        stop_on = 1 if where == "sealed, not renamed" else 2
-        fsyncs = []
+        real_fsync = cm._fsync
+
+        def sealed(p: Path) -> bool:  # the temporary directory, synced once its manifest is in
+            return p.name.startswith(".tmp-step_") and (p / "manifest.json").is_file()
+
+        def renamed(p: Path) -> bool:  # the root, synced after the rename into place
+            return p == root and (root / f"step_{step}").is_dir()
 
         def fsync(p: Path) -> None:
             real_fsync(p)
-            fsyncs.append(p)
-            if len(fsyncs) == stop_on:
+            if (sealed if where == "sealed, not renamed" else renamed)(p):
                 _stop_here(conn)
 
-        cm._fsync_dir = fsync
+        cm._fsync = fsync
     elif where == "replacing the same step":
         real_replace = os.replace
 
