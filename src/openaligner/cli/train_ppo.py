@@ -64,7 +64,7 @@ class DataConfig:
 class ExpConfig:
     output_dir: str = "runs/ppo"  # logs, checkpoints and the final actor go here
     keep_last: int = 2  # checkpoints kept besides the best one (0 keeps all)
-    resume: bool = True  # continue from the latest complete checkpoint in output_dir
+    resume: bool = True  # continue from the newest checkpoint whose critic the critic server holds
     tensorboard: bool = True  # also write TensorBoard events
     wandb_project: str | None = None  # log to this W&B project when wandb is installed
     progress: bool = True  # progress bar on rank 0
