@@ -202,8 +202,10 @@ def test_infer_train_infer_moves_values_toward_the_returns_and_keeps_the_rm(comb
         "grad_norm",
         "lr",
         "critic_step",
+        "critic_optimizer_steps",
     }
-    assert result["critic_step"] == step0 + 8 // GBS and result["loss"] > 0
+    assert result["critic_step"] == step0 + 8 // GBS == step0 + result["critic_optimizer_steps"]
+    assert result["loss"] > 0
     for _ in range(2):
         _, values = client.infer_rm_critic(batch).result()
         client.train(ppo_data(batch, values)).result()
@@ -418,6 +420,24 @@ def test_a_crash_during_save_keeps_the_previous_checkpoint(combined, client, ckp
     monkeypatch.undo()
     assert CheckpointManager(ckpt_dir).latest() == previous and verify_checkpoint(previous) is None
     assert client.save().result()["step"] == combined.step  # the server goes on, and saves again
+
+
+def test_restore_sends_the_server_back_to_a_saved_step_and_refuses_one_it_lacks(combined, client):
+    """What a resumed train-ppo does: critic_save with restore_step, over HTTP."""
+    batch = rollout(10, 4)
+    saved = client.save().result()["step"]
+    with combined.lock:
+        at_save = state(combined.model)
+    _, values = client.infer_rm_critic(batch).result()
+    client.train(ppo_data(batch, values)).result()
+    assert combined.step > saved
+    assert client.restore(saved).result() == {"status": 0, "step": saved}
+    assert combined.step == saved
+    with combined.lock:
+        assert equal_state(state(combined.model), at_save)
+    with pytest.raises(BadRequestError, match=r"cannot go back to critic step 999: there is no .*step_999; "):
+        client.restore(999).result()
+    assert combined.step == saved
 
 
 def test_client_close_with_requests_in_flight_returns_promptly(combined):

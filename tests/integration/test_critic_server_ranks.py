@@ -1,5 +1,6 @@
-"""Two gloo ranks serve the critic (rank 0 runs Triton, rank 1 follows FORWARD/TRAIN/SAVE/STOP) and
-answer like one in-process rank: the same values and rewards, the same training results."""
+"""Two gloo ranks serve the critic (rank 0 runs Triton, rank 1 follows FORWARD/TRAIN/SAVE/RESTORE/STOP)
+and answer like one in-process rank: the same values and rewards, the same training results; a
+restore_step sends both ranks back."""
 
 import time
 from datetime import timedelta
@@ -107,6 +108,9 @@ def test_two_ranks_answer_and_train_like_one(tmp_path):
             trained = client.train(train_data(batch, values, target=0.3)).result()
             rewards2, values2 = client.infer_rm_critic(batch).result()
             saved = client.save().result()
+            client.train(train_data(batch, values2, target=-0.5)).result()  # on to step 4
+            restored = client.restore(2).result()
+            _, values3 = client.infer_rm_critic(batch).result()
     finally:
         stop.set()
         deadline = time.monotonic() + 60
@@ -131,3 +135,6 @@ def test_two_ranks_answer_and_train_like_one(tmp_path):
     assert not torch.allclose(values2, values)
     torch.testing.assert_close(rewards2, rewards, atol=0, rtol=0)
     assert saved["step"] == 2 and (tmp_path / "step_2" / "critic" / "model.safetensors").is_file()
+    # each rank computes a share of the rows: equal values mean both went back to step 2
+    assert restored == {"status": 0, "step": 2}
+    torch.testing.assert_close(values3, values2, atol=0, rtol=0)

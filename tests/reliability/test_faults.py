@@ -23,6 +23,7 @@ import torch
 from fault_procs import CriticServer, Trainer, kill_tree, latest_step, wait_for, write_prompts
 from safetensors.torch import load_file
 
+from openaligner.clients.critic import CriticAddress, RemoteCriticConfig, RemoteGPTRMCriticClient
 from openaligner.io import checkpoint as checkpoint_module
 from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
 from openaligner.io.metrics import read_jsonl
@@ -51,14 +52,38 @@ def _same_weights(a: Path, b: Path) -> None:
 
 
 # --------------------------------------------------------------------------- trainer killed (-9)
-@pytest.mark.slow
-def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted_run(tmp_path):
-    """kill -9 of train-ppo right after checkpoint 2 (of a 6-step run); the critic server is
-    restarted from its own checkpoint of that step, the trainer with the same command.
+def _train_once_more(port: int, *, save: bool) -> None:
+    """One more critic_train the dead trainer's run would have sent, and (``save``) a durable
+    critic_save whose actor checkpoint is never published: a crash between the two halves."""
+    cfg = RemoteCriticConfig(critic=CriticAddress(port=port), init_timeout_s=60)
+    rows, width = 16, 8
+    data = {
+        "response_tokens": torch.ones(rows, width, dtype=torch.long),
+        "returns": torch.ones(rows, width - 1),
+        "values": torch.zeros(rows, width - 1),
+        "mask": torch.ones(rows, width - 1),
+    }
+    with RemoteGPTRMCriticClient(cfg) as client:
+        client.train(data).result()
+        if save:
+            client.save().result()
 
-    Exact resume needs both halves of the step: the actor checkpoint and the critic the critic
-    server saved in the same step (``trainer_state.json`` records its critic step). A critic
-    server that kept running has trained past it, so it is restarted too.
+
+@pytest.mark.slow
+@pytest.mark.parametrize("critic", ["restarted-a-checkpoint-ahead", "kept-running"])
+def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted_run(tmp_path, critic):
+    """kill -9 of train-ppo right after checkpoint 2 (of a 6-step run), then the same command again.
+
+    Exact resume needs both halves of step 2: the actor checkpoint and the critic the critic
+    server saved with it (``trainer_state.json`` records its critic step); the resumed trainer
+    sends the server back to that critic (``critic_save`` with ``restore_step``). The server is
+    ahead of it in both cases:
+
+    * ``restarted-a-checkpoint-ahead``: a machine crash. The critic server is killed too, and its
+      newest checkpoint is one whose actor half was never published (a crash between the two
+      halves; made here with one more train and save); restarted, it resumes from that one.
+    * ``kept-running``: only the trainer died; the server, never restarted, had trained on (one
+      more train, made here: the kill lands before the run's own next train reaches the server).
     """
     prompts = write_prompts(tmp_path / "prompts.jsonl")
     every_2 = "trainer.save_interval=2"  # two steps between checkpoints: the kill lands between them
@@ -76,13 +101,19 @@ def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted
             poll_s=0.005,
         )
         kill_tree(cut)
-        kill_tree(server)
         assert cut.latest_step() == 2, "the kill came too late: step 4 was already checkpointed"
         assert _critic_step_of(cut.checkpoints / "step_2") == latest_step(server.ckpt_dir) == 2
-
-        restarted.append(CriticServer(server.ckpt_dir, port=server.port))
+        if critic == "restarted-a-checkpoint-ahead":
+            kill_tree(server)
+            restarted.append(CriticServer(server.ckpt_dir, port=server.port))
+            assert restarted[-1].wait_ready() == "2"
+            _train_once_more(server.port, save=True)
+            kill_tree(restarted[-1])
+            restarted.append(CriticServer(server.ckpt_dir, port=server.port))
+            assert restarted[-1].wait_ready() == "3"  # ahead of the actor's step_2
+        else:
+            _train_once_more(server.port, save=False)  # at critic step 3, in memory only
         again = Trainer(cut.out, prompts, server.port, 6, every_2)  # the same command
-        assert restarted[0].wait_ready() == "2"  # resumed from its checkpoint of step 2
         assert again.wait() == 0, again.output[-3000:]
         assert ref.wait() == 0, ref.output[-3000:]
     finally:
@@ -103,6 +134,7 @@ def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted
         ref_server.ckpt_dir / "step_6" / "critic" / "model.safetensors",
         server.ckpt_dir / "step_6" / "critic" / "model.safetensors",
     )
+    assert "the critic server went back to critic step 2, saved with" in again.output
 
 
 # --------------------------------------------------------------------------- checkpoint writes killed
@@ -163,17 +195,20 @@ def _writer(root: Path, step: int, conn, where: str, keep_last: int) -> None:
 
         cm._sha256 = sha
     elif where in ("sealed, not renamed", "renamed, latest not updated"):
-        real_fsync = cm._fsync_dir
-        stop_on = 1 if where == "sealed, not renamed" else 2
-        fsyncs = []
+        real_fsync = cm._fsync
+
+        def sealed(p: Path) -> bool:  # the temporary directory, synced once its manifest is in
+            return p.name.startswith(".tmp-step_") and (p / "manifest.json").is_file()
+
+        def renamed(p: Path) -> bool:  # the root, synced after the rename into place
+            return p == root and (root / f"step_{step}").is_dir()
 
         def fsync(p: Path) -> None:
             real_fsync(p)
-            fsyncs.append(p)
-            if len(fsyncs) == stop_on:
+            if (sealed if where == "sealed, not renamed" else renamed)(p):
                 _stop_here(conn)
 
-        cm._fsync_dir = fsync
+        cm._fsync = fsync
     elif where == "replacing the same step":
         real_replace = os.replace
 

@@ -650,9 +650,24 @@ def save_other_input_only(draw: Any, ep: Endpoint) -> Case:
     return Case("dummy_var missing", body, (f"'{name}'", "unexpected inference input"), headers)
 
 
+@st.composite
+def save_restore_step_not_held(draw: Any, ep: Endpoint) -> Case:
+    # negative, or far beyond any step this module's server reaches: never a checkpoint it holds
+    step = draw(st.one_of(st.integers(-(2**63), -1), st.integers(10**6, 2**63 - 1)))
+    arrays = {"dummy_var": np.zeros(1, np.int64), "restore_step": np.array([step], np.int64)}
+    body, headers = _encode(draw, arrays, with_token())
+    return Case("restore_step not held", body, (f"cannot go back to critic step {step}: ",), headers)
+
+
 def save_families() -> list[st.SearchStrategy[Case]]:
     ep = CRITIC_SAVE
-    return [*every_endpoint(ep), save_wrong_shape(ep), save_other_input_only(ep), bad_token(ep)]
+    return [
+        *every_endpoint(ep),
+        save_wrong_shape(ep),
+        save_other_input_only(ep),
+        save_restore_step_not_held(ep),
+        bad_token(ep),
+    ]
 
 
 # ---------------------------------------------------------------------------- running a fuzz

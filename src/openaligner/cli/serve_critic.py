@@ -2,7 +2,8 @@
 
 Loads the critic (initialised from a reward-model Hugging Face directory, or the tiny seeded test
 model) and, in combined mode, a frozen copy of the reward model; builds the optimizer, scheduler,
-checkpoint manager and metrics logger; resumes from the latest complete checkpoint; and runs
+checkpoint manager and metrics logger; resumes from the latest complete checkpoint (or the one
+``checkpoint.resume_step`` names); and runs
 :class:`openaligner.servers.critic.CriticServerTrainer` until SIGINT or SIGTERM. Under ``torchrun``
 every rank holds a replica; rank 0 runs Triton and the others follow it. Prints the URL once the
 server answers and stops Triton (no process left behind) on either signal.
@@ -122,8 +123,15 @@ class CriticOptimSettings:
 @dataclass
 class CheckpointSettings:
     dir: str | None = None  # critic_save writes step_<N> here, start-up resumes; null: saving refused
-    keep_last: int = 2  # checkpoints kept (0 keeps all)
+    keep_last: int = 2  # checkpoints kept (0 keeps all); train-ppo resumes only from critics still kept
     resume: bool = True  # start from the latest complete checkpoint in dir
+    resume_step: int | None = (
+        None  # with resume: start from step_<N> instead of the latest (refused if incomplete)
+    )
+
+    def __post_init__(self) -> None:
+        if self.resume_step is not None and (self.dir is None or not self.resume):
+            raise ValueError("checkpoint.resume_step needs checkpoint.dir and checkpoint.resume=true")
 
 
 @dataclass
@@ -228,6 +236,7 @@ def run(cfg: ServeCriticConfig) -> int:
             reward_model=reward_model,
             resume=cfg.checkpoint.resume,
             precision=precision,
+            resume_step=cfg.checkpoint.resume_step,
         )
         _install_signal_handlers(server, log)
         if server.collective.is_leader:

@@ -1,14 +1,16 @@
 """``openaligner train-ppo [CONFIG] [key=value ...]``: the PPO actor, connected to the served critic/RM.
 
 Builds the actor, optimizer, scheduler, prompt loaders, client, logger and checkpoint manager
-from the config, resumes automatically from the latest complete checkpoint, and runs
-:class:`PPOTrainer`. Under ``torchrun`` every rank runs this; rank 0 logs and saves.
+from the config, resumes automatically from the newest complete checkpoint whose critic the
+critic server holds (sending the server back to that critic), and runs :class:`PPOTrainer`.
+Under ``torchrun`` every rank runs this; rank 0 logs and saves.
 
 Exit codes: 0 when the run finished (or reached ``max_time_per_run``, after saving); 1 when a
 server failed or could not be reached (the message names host:port and model; under torchrun
-every rank stops at once), or the actor's gradients were inf/NaN too many steps in a row; 2 when
-the run is refused at start-up, before any weights load or a server is contacted (prompt files,
-too few prompts for one batch, ``data.seq_length`` beyond the actor's positions); 130 on SIGINT and
+every rank stops at once), the critic server holds the critic of none of the checkpoints, or the
+actor's gradients were inf/NaN too many steps in a row; 2 when the run is refused at start-up,
+before any weights load or a server is contacted (prompt files, too few prompts for one batch,
+``data.seq_length`` beyond the actor's positions); 130 on SIGINT and
 143 on SIGTERM, which stop the run at once without saving — the next run of the same command
 resumes from the last checkpoint. Resuming also rewinds ``logs/metrics.jsonl`` and
 ``logs/tables.jsonl`` to the checkpoint's step, so steps that are run again appear once.
@@ -79,7 +81,7 @@ class ExpConfig:
     output_dir: str = "runs/ppo"  # logs, checkpoints and the final actor go here
     save_dtype: str = "auto"  # final actor dtype: auto (as actor.path is stored, fp32 tiny), fp32, bf16, fp16
     keep_last: int = 2  # checkpoints kept besides the best one (0 keeps all)
-    resume: bool = True  # continue from the latest complete checkpoint in output_dir
+    resume: bool = True  # continue from the newest checkpoint whose critic the critic server holds
     tensorboard: bool = True  # also write TensorBoard events
     wandb_project: str | None = None  # log to this W&B project when wandb is installed
     progress: bool = True  # progress bar on rank 0
@@ -174,8 +176,8 @@ def _resume_note(out: Path) -> str:
     if latest is None:
         return "no checkpoint was written yet, so the same command starts over"
     return (
-        f"the same command resumes from {latest} (restart the critic server too, so that it resumes "
-        f"from the critic checkpoint saved with it)"
+        f"the same command resumes from {latest} and sends the critic server back to the critic saved "
+        f"with it (restart serve-critic with the same checkpoint.dir if it is not running)"
     )
 
 
@@ -302,8 +304,10 @@ def _train(cfg: TrainPPOConfig) -> int:
         NonFiniteTrainingError,
         PeerFailedError,
         PPOTrainer,
+        ResumeError,
         RunTimer,
         max_time_s,
+        restore_newest_checkpoint,
     )
     from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
 
@@ -370,19 +374,25 @@ def _train(cfg: TrainPPOConfig) -> int:
     total_optim_steps = steps * c.ppo_epochs * (c.num_rollout_samples // c.global_batch_size)
     scheduler = build_scheduler(optimizer, cfg.optim, total_optim_steps)
     ckpt = CheckpointManager(out / "checkpoints", keep_last=cfg.exp.keep_last, best_metric="val_rewards")
-    latest = ckpt.latest() if cfg.exp.resume else None
-    if cfg.exp.resume and rank == 0:
-        resumed_step = int(latest.name.removeprefix("step_")) if latest is not None else 0
-        if dropped := rewind_logs(out / "logs", resumed_step):
-            log.info("dropped %d log record(s) after step %d: those steps run again", dropped, resumed_step)
-    logger = MetricsLogger(out / "logs", cfg.exp.tensorboard, cfg.exp.wandb_project, enabled=rank == 0)
 
     if cfg.remote.pad_to_length is None:
         # Requests of one fixed width merge in Triton's dynamic batcher (NeMo-Aligner's default).
         cfg.remote.pad_to_length = cfg.data.seq_length
     trainer: PPOTrainer | None = None
+    logger: MetricsLogger | None = None
     try:
         with RemoteGPTRMCriticClient(cfg.remote) as client:
+            # the newest step both halves have: the actor's checkpoint and the server's critic
+            latest = restore_newest_checkpoint(ckpt, client) if cfg.exp.resume else None
+            if cfg.exp.resume and rank == 0:  # before the logger opens the logs
+                resumed_step = int(latest.name.removeprefix("step_")) if latest is not None else 0
+                if dropped := rewind_logs(out / "logs", resumed_step):
+                    log.info(
+                        "dropped %d log record(s) after step %d: those steps run again", dropped, resumed_step
+                    )
+            logger = MetricsLogger(
+                out / "logs", cfg.exp.tensorboard, cfg.exp.wandb_project, enabled=rank == 0
+            )
             trainer = PPOTrainer(
                 cfg=c,
                 model=actor,
@@ -406,14 +416,15 @@ def _train(cfg: TrainPPOConfig) -> int:
             if latest is not None:
                 trainer.load_checkpoint(latest)
             trainer.fit()
-    except (ClientError, PeerFailedError, NonFiniteTrainingError) as e:
+    except (ClientError, PeerFailedError, NonFiniteTrainingError, ResumeError) as e:
         stopped = (
             f" The run stopped at step {trainer.step}; {_resume_note(out)}." if trainer is not None else ""
         )
         print(f"openaligner train-ppo: {e}{stopped}", file=sys.stderr, flush=True)
         return 1
     finally:
-        logger.close()
+        if logger is not None:
+            logger.close()
     if rank == 0:
         actor.save_pretrained(out / "actor", dtype=save_dtype)
         log.info("final actor written to %s (%s)", out / "actor", str(save_dtype).removeprefix("torch."))

@@ -1,6 +1,7 @@
 """Client of the critic server (and, when separate, the reward model server) for the PPO actor.
 
-Owns the actor-side view of ``critic_infer`` / ``critic_train`` / ``critic_save``: the config
+Owns the actor-side view of ``critic_infer`` / ``critic_train`` / ``critic_save`` (saving, and
+going back to a saved critic step on resume): the config
 (keys as NeMo-Aligner's ``remote_critic_rm``), turning rollout tensors into requests and answers
 back into torch, the shared-secret token sent with train and save, and the ordering rule that an
 infer or save sent after a train waits for that train's answer, so it sees the trained critic.
@@ -39,7 +40,9 @@ from openaligner.servers.protocol import (
     LOSS_MEAN,
     LR,
     MASK,
+    OPTIMIZER_STEPS,
     PREV_VALUES,
+    RESTORE_STEP,
     RETURNS,
     REWARD_DEFAULT_PORT,
     REWARD_MODEL_NAME,
@@ -278,7 +281,8 @@ class RemoteGPTRMCriticClient:
 
         Returns:
             A future of ``{"loss": loss_mean, "clip_fraction", "train_explained_variance",
-            "grad_norm", "lr", "critic_step"}`` (floats).
+            "grad_norm", "lr", "critic_step", "critic_optimizer_steps"}`` (floats): the server's
+            step after this request and the optimizer steps the request ran.
 
         Raises:
             BadRequestError: at once, when keys, shapes or values are wrong.
@@ -315,6 +319,7 @@ class RemoteGPTRMCriticClient:
                 "grad_norm": _scalar(outputs, GRAD_NORM.name, bad),
                 "lr": _scalar(outputs, LR.name, bad),
                 "critic_step": _scalar(outputs, STEP.name, bad),
+                "critic_optimizer_steps": _scalar(outputs, OPTIMIZER_STEPS.name, bad),
             }
 
         self._after_train()
@@ -330,8 +335,24 @@ class RemoteGPTRMCriticClient:
         """Ask the critic server to write a checkpoint (where is the server's choice).
 
         Returns:
-            A future of ``{"status": 0, "step": critic optimizer steps saved}``.
+            A future of ``{"status": 0, "step": critic optimizer steps saved}``, settled once the
+            checkpoint is durable on the server.
         """
+        return self._save({DUMMY_VAR.name: np.zeros(1, np.int64)})
+
+    def restore(self, step: int) -> Future[dict[str, int]]:
+        """Ask the critic server to go back to its own checkpoint of critic ``step``.
+
+        Returns:
+            A future of ``{"status": 0, "step": step}``; it fails with a
+            :class:`~openaligner.clients.errors.BadRequestError` naming the steps the server holds
+            when it has no complete checkpoint of ``step``.
+        """
+        return self._save(
+            {DUMMY_VAR.name: np.zeros(1, np.int64), RESTORE_STEP.name: np.array([step], np.int64)}
+        )
+
+    def _save(self, inputs: dict[str, np.ndarray]) -> Future[dict[str, int]]:
         model = self.cfg.critic.name.save
         bad = self._bad(model)
 
@@ -340,7 +361,6 @@ class RemoteGPTRMCriticClient:
             return {"status": int(status), "step": int(step)}
 
         self._after_train()
-        inputs = {DUMMY_VAR.name: np.zeros(1, np.int64)}
         return self._critic.submit(model, inputs, decode, self._token_parameter())
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -4,6 +4,10 @@ A checkpoint is a directory ``<root>/step_<N>`` written in a temporary sibling a
 place only once complete; a ``manifest.json`` written last lists every file with its size and
 SHA-256, so a directory that lost a file or holds a truncated one is detected and skipped with a
 warning. ``<root>/latest`` names the newest complete checkpoint and is replaced atomically.
+
+Durable, not only atomic: every file and directory of a checkpoint is fsynced before the rename
+that publishes it, the parent after the rename, and the ``latest`` pointer with its directory, so
+that after a power loss (not only a killed process) a published checkpoint holds its data.
 Owns file layout and crash safety; knows nothing of what the files contain.
 """
 
@@ -16,7 +20,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +42,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush ``path`` to the disk: a file's data, or a directory's entries (names created,
+    renamed or removed in it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -46,14 +52,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under ``root``, then every directory, the deepest first, ``root`` last."""
+    paths = sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True)
+    for p in paths:
+        if p.is_file():
+            _fsync(p)
+    for p in paths:
+        if p.is_dir():
+            _fsync(p)
+    _fsync(root)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that readers see the old or the new content, never a mix."""
+    """Replace ``path`` with ``text`` so that readers see the old or the new content, never a mix.
+
+    Durable once it returns: the new file is flushed before the rename and its directory after.
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tmp.open("w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync(path.parent)
 
 
 def verify_checkpoint(path: Path) -> str | None:
@@ -102,9 +124,12 @@ class CheckpointManager:
 
         ``write`` fills a fresh temporary directory; only after it returns are checksums
         recorded, the directory renamed into place and ``latest`` updated. A crash at any point
-        leaves the previous checkpoint and pointer intact.
+        leaves the previous checkpoint and pointer intact. When it returns the checkpoint is
+        durable: its files and directories, the rename and the pointer are fsynced.
         """
-        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.root.is_dir():
+            self.root.mkdir(parents=True)
+            _fsync(self.root.parent)
         final = self.root / f"step_{step}"
         tmp = self.root / f".tmp-step_{step}-{os.getpid()}"
         if tmp.exists():
@@ -116,9 +141,11 @@ class CheckpointManager:
             for p in sorted(tmp.rglob("*"))
             if p.is_file()
         }
+        # Data before the manifest that vouches for it: a power loss must not leave a manifest
+        # that names files the disk never received.
+        _fsync_tree(tmp)
         manifest = {"step": step, "metrics": metrics or {}, "files": files}
         write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-        _fsync_dir(tmp)
         if final.exists():
             # Re-saving a step (e.g. after a resume) replaces it; move the old one aside first so
             # the rename below is atomic.
@@ -126,7 +153,7 @@ class CheckpointManager:
             os.replace(final, trash)
             shutil.rmtree(trash, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync_dir(self.root)
+        _fsync(self.root)
         write_text_atomic(self.root / LATEST, final.name + "\n")
         self._prune()
         return final
@@ -144,6 +171,11 @@ class CheckpointManager:
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or ``None``; incomplete ones are skipped with a warning."""
+        return next(self.complete(), None)
+
+    def complete(self) -> Iterator[Path]:
+        """Complete checkpoints, newest first: the one ``latest`` names, then the others by step,
+        newest first. Each is verified when reached; incomplete ones are skipped with a warning."""
         pointer = self.root / LATEST
         candidates = [p for _, p in reversed(self.checkpoints())]
         if pointer.is_file():
@@ -152,9 +184,9 @@ class CheckpointManager:
         for path in candidates:
             problem = verify_checkpoint(path)
             if problem is None:
-                return path
-            log.warning("skipping checkpoint %s: %s", path, problem)
-        return None
+                yield path
+            else:
+                log.warning("skipping checkpoint %s: %s", path, problem)
 
     def metrics_of(self, path: Path) -> dict[str, Any]:
         return dict(json.loads((path / MANIFEST).read_text()).get("metrics", {}))

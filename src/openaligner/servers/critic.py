@@ -3,10 +3,12 @@
 Owns the three endpoints' logic (:class:`CriticInferEndpoint`, :class:`CriticTrainEndpoint`,
 :class:`CriticSaveEndpoint`: plain objects tested on in-memory arrays) and the server that runs
 them (:class:`CriticServerTrainer`): one lock around all three, the rank-0 / subscriber loop of
-:mod:`openaligner.servers.distributed` with the FORWARD, TRAIN and SAVE opcodes, data-parallel
-critic training, atomic checkpoints with resume, and the optional shared-secret token that
-guards training and saving. The value loss comes from :mod:`openaligner.algorithms`; transport
-from :mod:`openaligner.servers.triton`. Must not know about PPO, the actor or HTTP details.
+:mod:`openaligner.servers.distributed` with the FORWARD, TRAIN, SAVE and RESTORE opcodes,
+data-parallel critic training, atomic checkpoints with resume, going back to a checkpoint the
+trainer names (``critic_save`` with ``restore_step``), and the optional shared-secret token that
+guards training, saving and restoring. The value loss comes from :mod:`openaligner.algorithms`;
+transport from :mod:`openaligner.servers.triton`. Must not know about PPO, the actor or HTTP
+details.
 
 Combined mode (the default, as NeMo-Aligner): the same server also answers rewards from a frozen
 :class:`RewardModel` kept next to the critic. Both are resident at once — twice the weights in
@@ -40,7 +42,7 @@ import numpy as np
 import torch
 
 from openaligner.algorithms import explained_variance, value_loss
-from openaligner.io.checkpoint import CheckpointManager
+from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.critic import CriticModel
 from openaligner.models.positions import position_limit
@@ -71,7 +73,9 @@ from openaligner.servers.protocol import (
     LOSS_MEAN,
     LR,
     MASK,
+    OPTIMIZER_STEPS,
     PREV_VALUES,
+    RESTORE_STEP,
     RETURNS,
     REWARDS,
     STATUS,
@@ -259,6 +263,7 @@ class TrainResult:
             GRAD_NORM.name: np.array([self.grad_norm], np.float32),
             LR.name: np.array([self.lr], np.float32),
             STEP.name: np.array([self.step], np.int64),
+            OPTIMIZER_STEPS.name: np.array([self.optimizer_steps], np.int64),
         }
 
 
@@ -342,22 +347,46 @@ class CriticTrainEndpoint:
 
 
 class CriticSaveEndpoint:
-    """``critic_save`` (not batched): write a checkpoint; the client cannot choose where.
+    """``critic_save`` (not batched): write a checkpoint, or go back to one; the client cannot
+    choose where.
+
+    Without ``restore_step`` the server writes a checkpoint of its current step and answers once
+    it is durable. With ``restore_step`` it writes nothing: it loads its own checkpoint of that
+    critic step (weights, optimizer, scheduler, step), so that a resumed trainer continues with
+    the critic saved with its checkpoint; a step it does not hold complete is refused, naming the
+    steps it holds. Both are idempotent (sent twice, they leave the same state).
 
     Args:
         save: writes the checkpoint and returns the step it holds.
+        restore: loads the checkpoint of a critic step and returns that step.
+        restorable: ``None`` when the checkpoint of a step can be restored, else why not.
         enabled: False when the server has no checkpoint directory; requests are then refused.
     """
 
     inputs = CRITIC_SAVE_INPUTS
     outputs = CRITIC_SAVE_OUTPUTS
 
-    def __init__(self, save: Callable[[], int], *, enabled: bool, model_name: str = CRITIC_SAVE_NAME) -> None:
+    def __init__(
+        self,
+        save: Callable[[], int],
+        restore: Callable[[int], int],
+        restorable: Callable[[int], str | None],
+        *,
+        enabled: bool,
+        model_name: str = CRITIC_SAVE_NAME,
+    ) -> None:
         self.save = save
+        self.restore = restore
+        self.restorable = restorable
         self.enabled = enabled
         self.model_name = model_name
 
-    def validate(self, inputs: Mapping[str, np.ndarray]) -> None:
+    def validate(self, inputs: Mapping[str, np.ndarray]) -> int | None:
+        """The critic step to restore, or ``None`` to save.
+
+        Raises:
+            RequestError: no checkpoint directory, or a ``restore_step`` the server cannot restore.
+        """
         check_known_inputs(inputs, self.inputs)
         _check_whole(inputs, DUMMY_VAR)
         if not self.enabled:
@@ -365,11 +394,22 @@ class CriticSaveEndpoint:
                 "this critic server has no checkpoint directory, so nothing can be saved; start it with "
                 "checkpoint.dir=<directory>"
             )
+        if RESTORE_STEP.name not in inputs:
+            return None
+        array = _check_whole(inputs, RESTORE_STEP)
+        if array.size != 1:
+            raise RequestError(f"input '{RESTORE_STEP.name}': expected int64 [1], got {list(array.shape)}")
+        step = int(array[0])
+        problem = self.restorable(step)
+        if problem is not None:
+            name = RESTORE_STEP.name
+            raise RequestError(f"input '{name}': cannot go back to critic step {step}: {problem}")
+        return step
 
-    def run(self, requests: Sequence[None]) -> list[dict[str, np.ndarray]]:
+    def run(self, requests: Sequence[int | None]) -> list[dict[str, np.ndarray]]:
         answers = []
-        for _ in requests:
-            step = self.save()
+        for restore_step in requests:
+            step = self.save() if restore_step is None else self.restore(restore_step)
             answers.append({STATUS.name: np.array([0], np.int64), STEP.name: np.array([step], np.int64)})
         return answers
 
@@ -411,8 +451,8 @@ class CriticServerTrainer(ServerLifecycle):
         scheduler: stepped once per optimizer step; None keeps the learning rate.
         logger: receives ``train/loss``, ``train/grad_norm``, ``train/lr``, ``train/step_time_s``,
             ``train/clip_fraction`` per optimizer step (rank 0 only); None logs nothing.
-        ckpt_callback: where ``critic_save`` writes and where start-up resumes from; None
-            disables both (``critic_save`` is then refused).
+        ckpt_callback: where ``critic_save`` writes, restores from and where start-up resumes
+            from; None disables all three (``critic_save`` is then refused).
         tokenize_func: for ``sentences`` infer requests; None refuses them.
         gbs: rows per optimizer step (global batch, over all ranks).
         model_forward_micro_batch_size: infer rows per forward pass on one rank.
@@ -421,6 +461,8 @@ class CriticServerTrainer(ServerLifecycle):
         resume: load the latest complete checkpoint of ``ckpt_callback`` at construction.
         precision: autocast of every forward and loss scaling of the critic's backward (default
             ``fp32``: neither).
+        resume_step: with ``resume``, load the checkpoint of this critic step instead of the
+            latest; construction fails, naming the steps held, when it is not complete.
     """
 
     _describe = "the critic server"
@@ -441,6 +483,7 @@ class CriticServerTrainer(ServerLifecycle):
         collective: Collective | None = None,
         resume: bool = True,
         precision: Precision | None = None,
+        resume_step: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -493,9 +536,14 @@ class CriticServerTrainer(ServerLifecycle):
             max_rows=cfg.max_train_rows,
             max_sequence_length=self.max_sequence_length,
         )
-        self.save_endpoint = CriticSaveEndpoint(self._save_from_rank0, enabled=ckpt_callback is not None)
+        self.save_endpoint = CriticSaveEndpoint(
+            self._save_from_rank0,
+            self._restore_from_rank0,
+            self.restorable,
+            enabled=ckpt_callback is not None,
+        )
         if resume:
-            self.resume()
+            self.resume(resume_step)
         self._sync_replicas()
 
     # -- plain-callable entry points (what the endpoints do, without HTTP) -------------------
@@ -517,6 +565,14 @@ class CriticServerTrainer(ServerLifecycle):
         with self.lock:
             return self._save_from_rank0()
 
+    def restore(self, step: int) -> int:
+        """``critic_save`` with ``restore_step``: go back to the checkpoint of critic ``step``."""
+        inputs = {DUMMY_VAR.name: np.zeros(1, np.int64), RESTORE_STEP.name: np.array([step], np.int64)}
+        request = self.save_endpoint.validate(inputs)
+        assert request is not None
+        with self.lock:
+            return self._restore_from_rank0(request)
+
     # -- serving --------------------------------------------------------------------------------
     @property
     def url(self) -> str:
@@ -528,6 +584,7 @@ class CriticServerTrainer(ServerLifecycle):
             Opcode.FORWARD: self._forward_all_ranks,
             Opcode.TRAIN: self._train_all_ranks,
             Opcode.SAVE: self._save_all_ranks,
+            Opcode.RESTORE: self._restore_all_ranks,
         }
 
     def start(self) -> None:
@@ -803,18 +860,65 @@ class CriticServerTrainer(ServerLifecycle):
         LOGGER.info("critic checkpoint written to %s", path)
         return path
 
-    def resume(self) -> None:
-        """Load the latest complete checkpoint (rank 0 picks it; every rank loads the same one)."""
+    def _restore_from_rank0(self, step: int) -> int:
+        restored: int = self._call(Opcode.RESTORE, step)
+        return restored
+
+    def _restore_all_ranks(self, step: int | None) -> int:
+        """RESTORE on every rank: load rank 0's (validated) step; a failure is raised on all."""
         c = self.collective
-        step = -1
-        if c.is_leader and self.ckpt_callback is not None:
+        step = c.broadcast_int(step)
+        assert self.ckpt_callback is not None
+        path = self.ckpt_callback.root / f"step_{step}"
+        c.run_guarded(lambda: self.load_checkpoint(path))
+        return self.step
+
+    def restorable(self, step: int) -> str | None:
+        """``None`` when this server holds a complete checkpoint of critic ``step``, else why not
+        (naming the steps it holds)."""
+        if self.ckpt_callback is None:
+            return "this server has no checkpoint directory"
+        root = self.ckpt_callback.root
+        path = root / f"step_{step}"
+        if step < 0:
+            problem = "steps are >= 0"
+        elif not path.is_dir():
+            problem = f"there is no {path}"
+        else:
+            incomplete = verify_checkpoint(path)
+            if incomplete is None:
+                return None
+            problem = f"{path} is not complete ({incomplete})"
+        held = [s for s, _ in self.ckpt_callback.checkpoints()]
+        kept = self.ckpt_callback.keep_last
+        return (
+            f"{problem}; this server holds checkpoints of critic steps {held} under {root} "
+            f"(checkpoint.keep_last={kept} keeps {'every one' if kept <= 0 else f'the newest {kept}'})"
+        )
+
+    def resume(self, step: int | None = None) -> None:
+        """Load the latest complete checkpoint, or that of critic ``step`` (rank 0 picks it; every
+        rank loads the same one).
+
+        Raises:
+            ValueError: ``step`` was named and this server cannot restore it.
+        """
+        c = self.collective
+        refused = -2  # every rank learns that rank 0 refused, so that none waits in a collective
+        chosen, problem = -1, "refused on rank 0"
+        if c.is_leader and step is not None:
+            why = self.restorable(step)
+            chosen, problem = (step, problem) if why is None else (refused, why)
+        elif c.is_leader and self.ckpt_callback is not None:
             latest = self.ckpt_callback.latest()
             if latest is not None:
-                step = int(json.loads((latest / STATE_FILE).read_text())["step"])
-        step = c.broadcast_int(step)
-        if step < 0 or self.ckpt_callback is None:
+                chosen = int(json.loads((latest / STATE_FILE).read_text())["step"])
+        chosen = c.broadcast_int(chosen)
+        if chosen == refused:
+            raise ValueError(f"checkpoint.resume_step={step}: {problem}")
+        if chosen < 0 or self.ckpt_callback is None:
             return
-        self.load_checkpoint(self.ckpt_callback.root / f"step_{step}")
+        self.load_checkpoint(self.ckpt_callback.root / f"step_{chosen}")
 
     def load_checkpoint(self, path: Path) -> None:
         """Critic weights, optimizer, scheduler and step from a directory :meth:`write_checkpoint` made."""

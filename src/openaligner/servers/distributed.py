@@ -48,6 +48,8 @@ class Opcode(IntEnum):
     """One training pass on a broadcast batch (critic server)."""
     SAVE = 4
     """Write a checkpoint (critic server)."""
+    RESTORE = 5
+    """Load a checkpoint named by a broadcast step (critic server)."""
 
 
 Handler = Callable[[Any], Any]

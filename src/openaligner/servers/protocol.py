@@ -106,6 +106,9 @@ EXPLAINED_VARIANCE = _scalar(
 GRAD_NORM = _scalar("grad_norm", np.float32, "gradient norm before clipping, mean over the steps")
 LR = _scalar("lr", np.float32, "learning rate of the request's last step")
 STEP = _scalar("step", np.int64, "critic optimizer steps taken so far (all requests)")
+OPTIMIZER_STEPS = _scalar(
+    "optimizer_steps", np.int64, "optimizer steps this request ran (any skipped for an inf/NaN gradient too)"
+)
 
 CRITIC_TRAIN_INPUTS: tuple[TensorSpec, ...] = (TRAIN_TOKENS, RETURNS, PREV_VALUES, MASK)
 CRITIC_TRAIN_OUTPUTS: tuple[TensorSpec, ...] = (
@@ -115,12 +118,21 @@ CRITIC_TRAIN_OUTPUTS: tuple[TensorSpec, ...] = (
     GRAD_NORM,
     LR,
     STEP,
+    OPTIMIZER_STEPS,
 )
 
 DUMMY_VAR = _scalar("dummy_var", np.int64, "any value; there because a Triton model needs an input")
-STATUS = _scalar("status", np.int64, "0 = checkpoint written")
+RESTORE_STEP = TensorSpec(
+    "restore_step",
+    np.int64,
+    (1,),
+    optional=True,
+    doc="instead of saving, go back to the server's own checkpoint of this critic step",
+    wire="[1]",
+)
+STATUS = _scalar("status", np.int64, "0 = done: checkpoint written (or restored)")
 
-CRITIC_SAVE_INPUTS: tuple[TensorSpec, ...] = (DUMMY_VAR,)
+CRITIC_SAVE_INPUTS: tuple[TensorSpec, ...] = (DUMMY_VAR, RESTORE_STEP)
 CRITIC_SAVE_OUTPUTS: tuple[TensorSpec, ...] = (STATUS, STEP)
 
 TOKEN_PARAMETER = "openaligner_token"

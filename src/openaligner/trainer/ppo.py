@@ -9,10 +9,15 @@ Owns the loop, its state (step, consumed samples, optimisation steps) and exact 
 the actor model and the server client only through their methods; the math comes from
 :mod:`openaligner.algorithms` via :mod:`openaligner.trainer.ppo_data`.
 
-Exact resume needs the critic server to hold the critic saved with the actor's checkpoint: the
-trainer records the critic's optimizer step in its state and warns when a ``critic_train``
-answer does not continue from it (the critic server restarted from another checkpoint, or was not
-restarted at all), since the run then goes on but is no longer an exact continuation.
+A checkpoint has two halves: the critic, saved by the critic server (``critic_save``, possibly on
+another host), and the actor's ``step_<N>``, which records the critic step the server saved. The
+actor's half is published only once the server has answered that its half is durable, so every
+published actor checkpoint has its critic. On resume, :func:`restore_newest_checkpoint` picks the
+newest actor checkpoint whose critic the server still holds and sends the server back to it
+(``critic_save`` with ``restore_step``). From the first ``critic_train`` answer on, the trainer
+checks that the server continues from the critic step it recorded last and warns when not (the
+server restarted from another checkpoint mid-run): the run goes on, but is no longer an exact
+continuation.
 """
 
 from __future__ import annotations
@@ -60,7 +65,14 @@ class RMCritic(Protocol):
 
     def train(self, ppo_rollout_data: dict[str, torch.Tensor]) -> Future[Any]: ...
 
-    def save(self) -> Future[Any]: ...
+    def save(self) -> Future[Any]:
+        """Settles once the critic's checkpoint is durable (``{"step": critic step saved, ...}``)."""
+        ...
+
+    def restore(self, step: int) -> Future[Any]:
+        """Sends the critic server back to its checkpoint of critic ``step``; the future fails with
+        a ``ValueError`` when the server does not hold it."""
+        ...
 
 
 class RunTimer:
@@ -195,9 +207,11 @@ class PPOTrainer:
         self._critic_train_in_flight = False
         """On every rank: a ``critic_train`` was sent (by rank 0) and its answer not yet shared."""
         self.critic_step: int | None = None
-        """The critic server's optimizer steps after the last ``critic_train`` answered."""
+        """The critic server's optimizer steps after the last ``critic_train`` answered (or saved
+        with the checkpoint this run resumed from)."""
         self.critic_steps_per_train: int | None = None
-        """How many steps one ``critic_train`` adds (the same for every PPO step of a run)."""
+        """How many optimizer steps one ``critic_train`` runs (the last answer's; recorded in
+        checkpoints)."""
         self._train_iter: Iterator[list[Sequence[int]]] | None = None
         self.history: list[dict[str, float]] = []
 
@@ -474,7 +488,7 @@ class PPOTrainer:
         result = on_rank0_shared(lambda: pending.result() if pending is not None else None, "critic_train")
         if isinstance(result, dict):
             if "critic_step" in result:
-                self._follow_critic_step(int(result["critic_step"]))
+                self._follow_critic_step(int(result["critic_step"]), int(result["critic_optimizer_steps"]))
             return {f"value/{k}": float(v) for k, v in result.items()}
         return {"value/loss": float(result)} if result is not None else {}
 
@@ -488,27 +502,24 @@ class PPOTrainer:
             except Exception as e:  # the run is already ending; its own error is the one to report
                 log.warning("critic_train still in flight at exit failed: %s", e)
 
-    def _follow_critic_step(self, step: int) -> None:
-        """Record the critic server's step; warn when it does not continue from the last answer."""
-        last, per_train = self.critic_step, self.critic_steps_per_train
-        self.critic_step = step
-        if last is None:
-            return
-        if per_train is None:
-            self.critic_steps_per_train = step - last
-        elif step != last + per_train:
+    def _follow_critic_step(self, step: int, steps_run: int) -> None:
+        """Record the critic server's step after a ``critic_train`` that ran ``steps_run`` optimizer
+        steps; warn when the server did not start it from the step recorded last (the last answer,
+        or the checkpoint this run resumed from): checked from the very first answer."""
+        last = self.critic_step
+        self.critic_step, self.critic_steps_per_train = step, steps_run
+        if last is not None and step != last + steps_run:
             log.warning(
                 "the critic server is at critic step %d after this step's critic_train, expected %d (%d "
-                "+ %d per train): it does not hold the critic this run trained last — it restarted "
-                "from an older checkpoint, or was not restarted from the checkpoint this run resumed "
-                "from (or a step was skipped for a non-finite gradient). The run goes on, but is not "
-                "an exact continuation; for one, restart serve-critic from its checkpoint of critic "
-                "step %d together with train-ppo.",
+                "+ the %d optimizer steps it ran): it does not hold the critic this run trained last — "
+                "it restarted from another checkpoint, or was sent back to one by another trainer (or a "
+                "step was skipped for a non-finite gradient). The run goes on, but is not an exact "
+                "continuation; for one, rerun train-ppo: it resumes from its last checkpoint and sends "
+                "the critic server back to the critic saved with it.",
                 step,
-                last + per_train,
+                last + steps_run,
                 last,
-                per_train,
-                last,
+                steps_run,
             )
 
     # ------------------------------------------------------------------ (6) actor
@@ -647,10 +658,14 @@ class PPOTrainer:
         }
 
     def save(self, metrics: dict[str, float]) -> None:
-        """Checkpoint the actor and, in the same step, the critic (through ``critic_save``).
+        """Checkpoint the critic (through ``critic_save``) and the actor, the actor's published last.
 
-        Rank 0 writes both; any failure there (the server, the disk) is shared with every rank,
-        which all raise at once.
+        The actor's files are written while the critic server saves, but ``step_<N>`` is published
+        only once the server has answered that the critic's checkpoint is durable; its trainer
+        state records the critic step the server saved. So a crash at any moment leaves every
+        published actor checkpoint with its critic (the critic may be one checkpoint ahead, which
+        :func:`restore_newest_checkpoint` handles). Rank 0 writes both; any failure there (the
+        server, the disk) is shared with every rank, which all raise at once.
         """
         self._wait_critic_train()
         rngs = dp.gather_objects(rng_state())
@@ -659,22 +674,32 @@ class PPOTrainer:
 
     def _save_on_rank0(self, metrics: dict[str, float], rngs: list[Any]) -> None:
         critic_saved = self.rm_critic.save()
-        if self.ckpt_callback is not None:
+        if self.ckpt_callback is None:
+            self._critic_step_saved(critic_saved.result())
+            return
 
-            def write(d: Path) -> None:
-                self.model.save_pretrained(d / "actor")
-                torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
-                if self.scheduler is not None:
-                    torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
-                torch.save(rngs, d / "rng.pt")
-                (d / TRAINER_STATE).write_text(json.dumps(self.state_dict(), indent=1))
-                (d / "config.yaml").write_text(self.config_yaml)
+        def write(d: Path) -> None:
+            self.model.save_pretrained(d / "actor")
+            torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
+            if self.scheduler is not None:
+                torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
+            torch.save(rngs, d / "rng.pt")
+            (d / "config.yaml").write_text(self.config_yaml)
+            # The critic's half must be durable before this directory can be published (the
+            # manager publishes it only once this returns).
+            state = self.state_dict() | {"critic_step": self._critic_step_saved(critic_saved.result())}
+            (d / TRAINER_STATE).write_text(json.dumps(state, indent=1))
 
-            monitored = {k: v for k, v in metrics.items() if k.startswith("val/")}
-            self.ckpt_callback.save(self.step, write, {k.replace("/", "_"): v for k, v in monitored.items()})
-        saved = critic_saved.result()
+        monitored = {k: v for k, v in metrics.items() if k.startswith("val/")}
+        self.ckpt_callback.save(self.step, write, {k.replace("/", "_"): v for k, v in monitored.items()})
+
+    def _critic_step_saved(self, saved: Any) -> int | None:
+        """The critic step the ``critic_save`` answer names (else this run's), warning when it is
+        not this run's."""
         step = saved.get("step") if isinstance(saved, dict) else None
-        if step is not None and self.critic_step is not None and int(step) != self.critic_step:
+        if step is None:
+            return self.critic_step
+        if self.critic_step is not None and int(step) != self.critic_step:
             log.warning(
                 "checkpoint step_%d: the critic server saved critic step %s, but this run's critic is "
                 "at step %d; resuming from this checkpoint will not be an exact continuation",
@@ -682,6 +707,7 @@ class PPOTrainer:
                 step,
                 self.critic_step,
             )
+        return int(step)
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore the actor, optimizer, scheduler, trainer state and RNGs from ``path``."""
@@ -702,12 +728,53 @@ class PPOTrainer:
         if dp.rank() < len(rngs):
             set_rng_state(rngs[dp.rank()])
         log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed_samples)
-        if self.critic_step is not None:
-            log.info(
-                "the critic server must hold the critic saved with this checkpoint (critic step %d): "
-                "restart serve-critic from its checkpoint.dir when train-ppo restarts",
-                self.critic_step,
+
+
+class ResumeError(RuntimeError):
+    """The run has complete checkpoints, but the critic server holds the critic of none of them."""
+
+
+def restore_newest_checkpoint(checkpoints: CheckpointManager, rm_critic: RMCritic) -> Path | None:
+    """The newest complete actor checkpoint whose critic the critic server holds, with the server
+    sent back to that critic (``rm_critic.restore``): the newest step both halves have.
+
+    Checkpoints are tried newest first (:meth:`CheckpointManager.complete`); one whose critic step
+    the server refuses (pruned by its ``checkpoint.keep_last``, damaged, or saved under another
+    ``checkpoint.dir``) is skipped with a warning saying why. One that records no critic step (a
+    critic that reports none) is taken as it is. Call on every rank at the same point: rank 0
+    talks to the server and shares the choice.
+
+    Returns:
+        The checkpoint for :meth:`PPOTrainer.load_checkpoint`, or ``None`` when there is none.
+
+    Raises:
+        ResumeError: there are complete checkpoints, but the server holds none of their critics.
+    """
+
+    def pick() -> str | None:
+        refused: list[str] = []
+        for path in checkpoints.complete():
+            critic_step = json.loads((path / TRAINER_STATE).read_text()).get("critic_step")
+            if critic_step is not None:
+                try:
+                    rm_critic.restore(int(critic_step)).result()
+                except ValueError as e:  # the server does not hold it
+                    log.warning("not resuming from %s: %s", path, e)
+                    refused.append(f"{path.name} (critic step {critic_step})")
+                    continue
+                log.info("the critic server went back to critic step %d, saved with %s", critic_step, path)
+            return str(path)
+        if refused:
+            raise ResumeError(
+                f"the critic server holds the critic of none of this run's checkpoints under "
+                f"{checkpoints.root}: {', '.join(refused)} (its refusals are logged above). Start "
+                "serve-critic with the checkpoint.dir those critics were saved in, or start this run "
+                "over (exp.resume=false, or another exp.output_dir)."
             )
+        return None
+
+    chosen = on_rank0_shared(pick, "resume")
+    return Path(chosen) if chosen is not None else None
 
 
 class PeerFailedError(RuntimeError):

@@ -38,6 +38,7 @@ def test_registered_and_loads_with_overrides():
         (["model.tiny=true", "server.port=70000"], "server.port must be in 1..65535"),
         (["model.tiny=true", "model.reward_std=1.0"], "both model.reward_mean and model.reward_std"),
         (["model.tiny=true", "optim.scheduler=step"], "optim.scheduler must be one of"),
+        (["model.tiny=true", "checkpoint.resume_step=3"], "checkpoint.resume_step needs checkpoint.dir"),
         (["model.tiny=true", "train.loss_clip_val=-1"], "train.loss_clip_val"),
         (["model.tiny=true", "optim.min_lr=1.0"], "optim.min_lr"),
         (["model.tiny=true", "server.max_request_bytes=0"], "server.max_request_bytes must be >= 1"),

@@ -109,6 +109,15 @@ def test_train_and_save_carry_the_token_and_decode_their_answers(client):
     assert client.idempotent == [False, True]
 
 
+def test_restore_asks_critic_save_for_a_step_with_the_token(client):
+    client.restore(4)
+    model, inputs, parameters, _ = client.sent[0]
+    assert model == "critic_save" and parameters == {TOKEN_PARAMETER: "t0k"}
+    assert inputs["restore_step"].tolist() == [4] and inputs["restore_step"].dtype == "int64"
+    assert sorted(inputs) == ["dummy_var", "restore_step"]
+    assert client.idempotent == [True]  # going back to the same checkpoint twice is going back once
+
+
 def test_token_comes_from_the_environment_when_not_configured(monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "env-secret")
     c = RemoteGPTRMCriticClient(RemoteCriticConfig())

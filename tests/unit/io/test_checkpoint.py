@@ -1,5 +1,7 @@
 import logging
+import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,3 +83,47 @@ def test_rng_state_round_trip():
     set_rng_state(state)
     b = (random.random(), np.random.rand(), torch.rand(2))
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_save_fsyncs_files_directories_the_rename_and_the_pointer(tmp_path, monkeypatch):
+    """Atomic is not durable: after a power loss a renamed directory can hold empty files unless
+    the data, the directories and the renames were flushed. Every os.fsync is recorded by the
+    path its descriptor names."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc to name a descriptor's path")
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    mgr.save(1, _writer("a"))
+    synced: list[Path] = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    root = mgr.root
+    mgr.save(2, _writer("b"))
+    tmp = [p for p in synced if p.parent == root and p.name.startswith(".tmp-step_2")]
+    assert tmp, f"the temporary directory was never synced: {synced}"
+    tmp_dir = tmp[0]
+    for rel in ("weights.bin", "sub/state.json", "sub"):
+        assert tmp_dir / rel in synced, rel  # the data, and the directory entry of sub/
+    manifest = [i for i, p in enumerate(synced) if p.parent == tmp_dir and p.name.startswith(".manifest")]
+    # the data is on the disk before the manifest that vouches for it, and the manifest's rename
+    assert manifest and synced.index(tmp_dir / "weights.bin") < manifest[0]
+    sealed = synced.index(tmp_dir, manifest[0])
+    renamed = synced.index(root, sealed)  # the parent after the rename into place
+    pointer = [i for i, p in enumerate(synced) if p.name.startswith(".latest.tmp-")]
+    assert pointer and renamed < pointer[0], "the pointer was not flushed after the rename"
+    assert synced[-1] == root, "the pointer's rename was not flushed"
+    assert (root / "step_2" / "weights.bin").read_text() == "b" and mgr.latest() == root / "step_2"
+
+
+def test_complete_lists_complete_checkpoints_newest_first(tmp_path, caplog):
+    mgr = CheckpointManager(tmp_path)
+    for step in (1, 2, 3):
+        mgr.save(step, _writer(str(step)))
+    (tmp_path / "step_3" / "weights.bin").write_text("x")  # corrupt the newest
+    with caplog.at_level(logging.WARNING):
+        assert list(mgr.complete()) == [tmp_path / "step_2", tmp_path / "step_1"]
+    assert f"skipping checkpoint {tmp_path / 'step_3'}" in caplog.text

@@ -23,7 +23,18 @@ from openaligner.servers.validation import RequestError, UnauthorizedError
 
 
 def make_trainer(
-    tiny, tmp_path=None, *, combined=True, gbs=4, mbs=2, lr=1e-2, clip=0.2, sgd=False, arch="gpt2", **cfg
+    tiny,
+    tmp_path=None,
+    *,
+    combined=True,
+    gbs=4,
+    mbs=2,
+    lr=1e-2,
+    clip=0.2,
+    sgd=False,
+    arch="gpt2",
+    resume_step=None,
+    **cfg,
 ):
     critic = tiny.critic(arch)
     if sgd:  # plain SGD keeps gradient round-off visible at its own size (Adam's first step is ~sign(g))
@@ -44,6 +55,7 @@ def make_trainer(
         gbs=gbs,
         model_forward_micro_batch_size=2,
         reward_model=tiny.reward_model() if combined else None,
+        resume_step=resume_step,
     )
 
 
@@ -253,6 +265,7 @@ def test_training_moves_values_toward_the_returns(tiny):
     assert error(after) < 0.5 * start
     assert trainer.step == 3 * 2  # 8 rows / gbs 4 per request
     assert out["step"].tolist() == [6] and out["loss_mean"].shape == (1,)
+    assert out["optimizer_steps"].tolist() == [2]  # this request's: the trainer checks step − these
     assert 0.0 <= float(out["clip_fraction"][0]) <= 1.0
 
 
@@ -383,6 +396,66 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tiny, tmp_path, monkey
     assert again.step == 1 and same_weights(saved, weights(again))
     trainer.run_training(**inputs)  # the server goes on
     assert trainer.step == 3
+
+
+def _three_saved_steps(tiny, tmp_path):
+    """A server that trained and saved critic steps 1, 2 and 3; returns it, its requests and the
+    weights after each step."""
+    trainer = make_trainer(tiny, tmp_path, combined=False)
+    tokens, _lengths, mask = batch(rows=4)
+    requests = [
+        train_inputs(tokens, torch.full((4, 11), r), torch.zeros(4, 11), mask) for r in (1.0, -1.0, 2.0)
+    ]
+    after = []
+    for r in requests:
+        trainer.run_training(**r)
+        trainer.save()
+        after.append(weights(trainer))
+    return trainer, requests, after
+
+
+def test_restore_step_goes_back_to_a_held_checkpoint_and_continues_exactly(tiny, tmp_path):
+    """A trainer resumed from its checkpoint of critic step 1 tells the server (which went on to
+    step 3) to go back there: the server then continues exactly as it did from step 1."""
+    trainer, requests, after = _three_saved_steps(tiny, tmp_path)
+    answer = trainer.save_endpoint.run(
+        [trainer.save_endpoint.validate({"dummy_var": np.zeros(1, np.int64), "restore_step": np.array([1])})]
+    )[0]
+    assert answer["status"].tolist() == [0] and answer["step"].tolist() == [1]
+    assert trainer.step == 1 and same_weights(weights(trainer), after[0])
+    assert trainer.optimizer.state_dict()["state"][0]["step"] == 1
+    trainer.run_training(**requests[1])
+    assert trainer.step == 2 and same_weights(weights(trainer), after[1])
+    assert trainer.restore(2) == 2  # sent twice (a resend after a lost connection): the same state
+    assert trainer.restore(2) == 2 and same_weights(weights(trainer), after[1])
+    assert CheckpointManager(tmp_path).latest() == tmp_path / "step_3"  # restoring writes nothing
+
+
+def test_restore_step_not_held_is_refused_naming_the_held_steps_and_changes_nothing(tiny, tmp_path):
+    trainer, _, after = _three_saved_steps(tiny, tmp_path)
+    with pytest.raises(RequestError) as info:
+        trainer.restore(7)
+    assert (
+        f"input 'restore_step': cannot go back to critic step 7: there is no {tmp_path / 'step_7'}; this "
+        f"server holds checkpoints of critic steps [1, 2, 3] under {tmp_path} (checkpoint.keep_last=0 "
+        "keeps every one)"
+    ) in str(info.value)
+    (tmp_path / "step_2" / "critic_state.json").write_text('{"step": 9}')  # damaged on disk
+    with pytest.raises(RequestError, match=r"step_2 is not complete \(critic_state.json has"):
+        trainer.restore(2)
+    with pytest.raises(RequestError, match="steps are >= 0"):
+        trainer.restore(-1)
+    assert trainer.step == 3 and same_weights(weights(trainer), after[2])
+
+
+def test_resume_step_starts_the_server_from_the_named_checkpoint(tiny, tmp_path):
+    _, _, after = _three_saved_steps(tiny, tmp_path)
+    again = make_trainer(tiny, tmp_path, combined=False, resume_step=2)
+    assert again.step == 2 and same_weights(weights(again), after[1])
+    with pytest.raises(ValueError, match=r"checkpoint.resume_step=5: there is no .*step_5; .* \[1, 2, 3\]"):
+        make_trainer(tiny, tmp_path, combined=False, resume_step=5)
+    with pytest.raises(ValueError, match="resume_step=1: this server has no checkpoint directory"):
+        make_trainer(tiny, combined=False, resume_step=1)
 
 
 def test_save_without_a_checkpoint_directory_is_refused(tiny):

@@ -9,6 +9,7 @@ import torch
 from ppo_fakes import TargetTokenScorer, count_target, make_trainer, ppo_cfg
 
 from openaligner.config import ConfigError, load_config
+from openaligner.trainer.ppo import ResumeError, restore_newest_checkpoint
 from openaligner.trainer.ppo_config import PPOConfig
 
 
@@ -120,12 +121,16 @@ def test_invalid_combinations_are_refused(override, needle):
 
 
 class SteppingCritic(TargetTokenScorer):
-    """Answers like the critic server: each train adds 2 critic steps; ``restart(at)`` sets the step
-    back, as a critic server restarted from an older checkpoint would be."""
+    """Answers like the critic server: each train runs 2 critic optimizer steps; ``save`` keeps the
+    step in ``held`` and ``restore`` goes back to a held one (else fails with a ``ValueError``, as
+    the client's ``BadRequestError``); ``restart(at)`` sets the step back, as a critic server
+    restarted from an older checkpoint would be."""
 
     def __init__(self, start=0):
         super().__init__()
         self.critic_step = start
+        self.held: set[int] = set()
+        self.restores: list[int] = []
 
     def restart(self, at):
         self.critic_step = at
@@ -134,13 +139,24 @@ class SteppingCritic(TargetTokenScorer):
         self.train_calls += 1
         self.critic_step += 2
         f = Future()
-        f.set_result({"loss": 0.0, "critic_step": float(self.critic_step)})
+        f.set_result({"loss": 0.0, "critic_step": float(self.critic_step), "critic_optimizer_steps": 2.0})
         return f
 
     def save(self):
         self.save_calls += 1
+        self.held.add(self.critic_step)
         f = Future()
         f.set_result({"status": 0, "step": self.critic_step})
+        return f
+
+    def restore(self, step):
+        self.restores.append(step)
+        f = Future()
+        if step in self.held:
+            self.critic_step = step
+            f.set_result({"status": 0, "step": step})
+        else:
+            f.set_exception(ValueError(f"cannot go back to critic step {step}: holds {sorted(self.held)}"))
         return f
 
 
@@ -226,3 +242,110 @@ def test_actor_resume_reads_the_checkpoint_as_from_pretrained_does(tmp_path, arc
     want = straight_trainer.model.model.state_dict()
     for k, v in resumed.model.model.state_dict().items():
         assert torch.equal(v, want[k]), k
+
+
+class LateSavingCritic(SteppingCritic):
+    """Its critic_save becomes durable only when the trainer waits for it, as late as it can be;
+    records the actor checkpoints already published at that moment. ``fail_at`` (a PPO step): that
+    save never completes (the critic server went down while saving)."""
+
+    def __init__(self, actor_checkpoints, fail_at=None):
+        super().__init__()
+        self.actor_checkpoints = actor_checkpoints
+        self.fail_at = fail_at
+        self.published_before_critic_durable: list[str] = []
+
+    def save(self):
+        self.save_calls += 1
+        ppo_step, critic_step, critic = self.save_calls, self.critic_step, self
+
+        class Late:
+            def result(self):
+                if (critic.actor_checkpoints / f"step_{ppo_step}").exists():
+                    critic.published_before_critic_durable.append(f"step_{ppo_step}")
+                if ppo_step == critic.fail_at:
+                    raise ConnectionError("critic server went away during critic_save (simulated)")
+                critic.held.add(critic_step)
+                return {"status": 0, "step": critic_step}
+
+        return Late()
+
+
+def test_actor_checkpoint_is_published_only_once_the_critic_checkpoint_is_durable(tmp_path):
+    cfg = ppo_cfg(max_steps=2, save_interval=1, val_check_interval=0)
+    critic = LateSavingCritic(tmp_path / "ckpt")
+    make_trainer(tmp_path, cfg, client=critic).fit()
+    assert critic.published_before_critic_durable == []
+    for step, critic_step in ((1, 2), (2, 4)):
+        state = json.loads((tmp_path / "ckpt" / f"step_{step}" / "trainer_state.json").read_text())
+        assert state["critic_step"] == critic_step  # the step the critic server saved
+    # the critic server goes down during the second save: no actor step_2 without its critic
+    crashed = LateSavingCritic(tmp_path / "crashed" / "ckpt", fail_at=2)
+    trainer = make_trainer(tmp_path / "crashed", cfg, client=crashed)
+    with pytest.raises(ConnectionError, match="during critic_save"):
+        trainer.fit()
+    assert crashed.published_before_critic_durable == []
+    assert trainer.ckpt_callback.latest() == tmp_path / "crashed" / "ckpt" / "step_1"
+    assert not (tmp_path / "crashed" / "ckpt" / "step_2").exists()
+
+
+def test_resume_picks_the_newest_step_both_halves_have(tmp_path, caplog):
+    """A machine crash between the two halves of step 3: the critic server saved its critic (step
+    6) but the actor's step_3 was never published. The resumed run starts from step_2 and sends the
+    critic server back to critic step 4, so it continues exactly (no warning)."""
+    critic = SteppingCritic()
+    cfg = {"max_epochs": 2, "save_interval": 1, "val_check_interval": 0}
+    first = make_trainer(tmp_path, ppo_cfg(max_steps=3, **cfg), client=critic)
+    real_save_pretrained = first.model.save_pretrained
+
+    def crash_at_step_3(path):
+        if first.step == 3:
+            raise KeyboardInterrupt  # the machine goes down while the actor's half is written
+        real_save_pretrained(path)
+
+    first.model.save_pretrained = crash_at_step_3
+    with pytest.raises(KeyboardInterrupt):
+        first.fit()
+    assert critic.held == {2, 4, 6} and critic.critic_step == 6  # the critic's half of step 3 is there
+    resumed = make_trainer(tmp_path, ppo_cfg(max_steps=4, **cfg), client=critic)
+    path = restore_newest_checkpoint(resumed.ckpt_callback, critic)
+    assert path == tmp_path / "ckpt" / "step_2" and critic.restores == [4] and critic.critic_step == 4
+    resumed.load_checkpoint(path)
+    with caplog.at_level(logging.WARNING):
+        history = resumed.fit()
+    assert [m["value/critic_step"] for m in history] == [6.0, 8.0]
+    assert "expected" not in caplog.text
+
+    # the critic server lost its newest critic (its keep_last, a damaged file): one step further back
+    critic.held.discard(8)
+    critic.restores.clear()
+    with caplog.at_level(logging.WARNING):
+        path = restore_newest_checkpoint(resumed.ckpt_callback, critic)
+    assert path == tmp_path / "ckpt" / "step_3" and critic.restores == [8, 6] and critic.critic_step == 6
+    assert f"not resuming from {tmp_path / 'ckpt' / 'step_4'}: cannot go back to critic step 8" in caplog.text
+
+    # it holds none of them: refused, naming each checkpoint and its critic step
+    critic.held.clear()
+    with pytest.raises(ResumeError, match=r"holds the critic of none .*step_4 \(critic step 8\), step_3"):
+        restore_newest_checkpoint(resumed.ckpt_callback, critic)
+
+
+def test_critic_steps_per_train_is_known_after_a_step_1_checkpoint_and_checked_at_the_first_answer(
+    tmp_path, caplog
+):
+    critic = SteppingCritic()
+    cfg = {"max_epochs": 2, "save_interval": 1, "val_check_interval": 0}
+    make_trainer(tmp_path, ppo_cfg(max_steps=1, **cfg), client=critic).fit()
+    state = json.loads((tmp_path / "ckpt" / "step_1" / "trainer_state.json").read_text())
+    assert state["critic_step"] == 2 and state["critic_steps_per_train"] == 2  # known after one answer
+    critic.restart(at=10)  # a critic server that went on elsewhere, and was not sent back
+    resumed = make_trainer(tmp_path, ppo_cfg(max_steps=3, **cfg), client=critic)
+    resumed.load_checkpoint(resumed.ckpt_callback.latest())
+    with caplog.at_level(logging.WARNING):
+        history = resumed.fit()
+    assert [m["value/critic_step"] for m in history] == [12.0, 14.0]
+    warnings = [r.getMessage() for r in caplog.records if "after this step's critic_train" in r.getMessage()]
+    # the very first answer after the resume is the one that diverged; the next one continues it
+    assert (
+        len(warnings) == 1 and "at critic step 12 after this step's critic_train, expected 4" in warnings[0]
+    )
