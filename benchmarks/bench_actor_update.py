@@ -38,9 +38,9 @@ def _trainer(actor: Any, work: Path) -> Any:
     """A PPOTrainer around ``actor`` configured as the workload's actor update (no servers)."""
     from openaligner.config import load_config
     from openaligner.io.metrics import MetricsLogger
-    from openaligner.trainer.ppo import PPOTrainer, RunTimer
+    from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
     from openaligner.trainer.ppo_config import PPOConfig
-    from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
+    from openaligner.trainer.rollout import PromptLoader, make_prompt_collate
 
     cfg = load_config(
         PPOConfig,
@@ -59,19 +59,12 @@ def _trainer(actor: Any, work: Path) -> Any:
     )
     prompts = [[3] * PROMPT_TOKENS] * PROMPTS
     return PPOTrainer(
-        cfg=cfg,
-        model=actor,
-        optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-5, fused=True),  # as train-ppo
-        scheduler=None,
-        train_dataloader_builder=PromptLoader(prompts, ROLLOUTS, 0, True),
-        val_dataloader_builder=None,
-        collate_fn=make_prompt_collate(0),
-        rm_critic=None,  # type: ignore[arg-type]  # run_training never calls it
-        batch_iterator_cls=MicroBatchIterator,
-        logger=MetricsLogger(work / "logs", tensorboard=False),
-        ckpt_callback=None,
-        run_timer=RunTimer(None),
-        progress=False,
+        cfg,
+        actor,
+        ActorOptim(torch.optim.AdamW(actor.parameters(), lr=1e-5, fused=True)),  # as train-ppo
+        Prompts(train=PromptLoader(prompts, ROLLOUTS, 0, True), val=None, collate=make_prompt_collate(0)),
+        None,  # type: ignore[arg-type]  # run_training never calls the reward/critic client
+        RunOutputs(logger=MetricsLogger(work / "logs", tensorboard=False), progress=False),
     )
 
 

@@ -102,9 +102,9 @@ def run_openaligner(
     from openaligner.io.metrics import MetricsLogger
     from openaligner.models.actor import GPTActorModel
     from openaligner.models.builders import WORKLOAD_SIZE, build_tiny_causal_lm, build_tiny_reward_model
-    from openaligner.trainer.ppo import PPOTrainer, RunTimer
+    from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
     from openaligner.trainer.ppo_config import PPOConfig
-    from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
+    from openaligner.trainer.rollout import PromptLoader, make_prompt_collate
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 512, (PROMPTS, PROMPT_TOKENS), generator=g).tolist()
@@ -141,19 +141,16 @@ def run_openaligner(
             )
             with RemoteGPTRMCriticClient(remote) as client:
                 trainer = PPOTrainer(
-                    cfg=cfg,
-                    model=actor,
-                    optimizer=optimizer,
-                    scheduler=None,
-                    train_dataloader_builder=PromptLoader(prompts, ROLLOUTS, 0, True),
-                    val_dataloader_builder=None,
-                    collate_fn=make_prompt_collate(0),
-                    rm_critic=client,
-                    batch_iterator_cls=MicroBatchIterator,
-                    logger=MetricsLogger(work / "logs", tensorboard=False),
-                    ckpt_callback=None,
-                    run_timer=RunTimer(None),
-                    progress=False,
+                    cfg,
+                    actor,
+                    ActorOptim(optimizer),
+                    Prompts(
+                        train=PromptLoader(prompts, ROLLOUTS, 0, True),
+                        val=None,
+                        collate=make_prompt_collate(0),
+                    ),
+                    client,
+                    RunOutputs(logger=MetricsLogger(work / "logs", tensorboard=False), progress=False),
                     server_overlap_threads=overlap_threads,
                 )
                 history = trainer.fit()

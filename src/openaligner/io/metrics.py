@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from openaligner.io.checkpoint import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 
@@ -106,3 +108,30 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """All records of a JSONL metrics file (for reports, plots and tests)."""
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def rewind_logs(log_dir: Path, step: int) -> int:
+    """Keep only the records of steps ``<= step`` in ``metrics.jsonl`` and ``tables.jsonl``.
+
+    A run resumed from the checkpoint of ``step`` runs the later steps again; their old records,
+    and a last line cut short by a crash, are dropped. Returns how many lines were dropped.
+    """
+    dropped = 0
+    for name in ("metrics.jsonl", "tables.jsonl"):
+        path = log_dir / name
+        if not path.is_file():
+            continue
+        lines = path.read_text().splitlines()
+        kept = [line + "\n" for line in lines if _step_of(line) <= step]
+        if len(kept) < len(lines):
+            dropped += len(lines) - len(kept)
+            write_text_atomic(path, "".join(kept))
+    return dropped
+
+
+def _step_of(line: str) -> float:
+    """The step of one JSONL record; infinity for a line that is not one (e.g. cut short)."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")

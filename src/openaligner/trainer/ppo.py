@@ -28,9 +28,10 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,11 +40,12 @@ import torch
 from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance
 from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
 from openaligner.io.metrics import MetricsLogger
+from openaligner.models.actor import GPTActorModel
 from openaligner.models.weights import load_weights_into
 from openaligner.trainer import distributed as dp
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
-from openaligner.trainer.rollout import Collate, pad_and_stack
+from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack
 
 log = logging.getLogger(__name__)
 
@@ -108,81 +110,102 @@ class _PhaseTimer:
         return out
 
 
+class PromptBatches(Protocol):
+    """``consumed_samples → iterator`` of this rank's prompt batches (lists of token-id lists), one
+    per PPO step, e.g. :class:`~openaligner.trainer.rollout.PromptLoader`."""
+
+    @property
+    def steps_per_epoch(self) -> int: ...
+
+    def __call__(self, consumed_samples: int) -> Iterator[list[Sequence[int]]]: ...
+
+
+@dataclass
+class Prompts:
+    """Where rollout prompts come from and how they become model inputs."""
+
+    train: PromptBatches  # one global batch per PPO step; resumable from a sample position
+    val: PromptBatches | None  # validation prompts (not shuffled), or None
+    collate: Collate  # prompts → {"text": [B, P], "length": [B]}
+    micro_batches: Callable[[Sequence[Sequence[int]], int, Collate], Iterable[dict[str, torch.Tensor]]] = (
+        MicroBatchIterator  # (prompts, micro_batch_size, collate) → collated micro-batches
+    )
+
+
+@dataclass
+class ActorOptim:
+    """What updates the actor: its optimizer, LR schedule (one step per optimizer step) and loss
+    scaler (``Precision.grad_scaler()``: dynamic under ``fp16-mixed``; None: none)."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    grad_scaler: torch.amp.GradScaler | None = None
+
+
+@dataclass
+class RunOutputs:
+    """Where a run reports: metric sinks, checkpoints, sample decoding and an optional task score."""
+
+    logger: MetricsLogger  # metric sinks (only rank 0's write)
+    checkpoints: CheckpointManager | None = None  # the actor's checkpoints; None: none are written
+    config_yaml: str = ""  # the resolved run config, stored in every checkpoint
+    progress: bool = True  # a progress bar on rank 0
+    decode: Callable[[Sequence[int]], str] | None = None  # token ids → text, for sample tables
+    # (prompts, responses) → per-sample scores on decoded text (e.g. a task's gold scorer); its mean
+    # is logged as rollout/score and val/score; needs decode
+    response_scorer: Callable[[list[str], list[str]], list[float]] | None = None
+
+
 class PPOTrainer:
     """The PPO loop (NeMo-Aligner's ``PPOTrainer`` contract).
 
     Args:
-        cfg: the ``trainer`` section (:class:`PPOConfig`).
-        model: the actor (``GPTActorModel``).
-        optimizer, scheduler: for the actor's parameters (the scheduler steps once per
-            optimizer step).
-        train_dataloader_builder: ``consumed_samples → iterator`` of this rank's prompt
-            batches (lists of token-id lists), one per PPO step (e.g. ``PromptLoader``); must
-            expose ``steps_per_epoch``.
-        val_dataloader_builder: the same for validation prompts (not shuffled), or ``None``.
-        collate_fn: prompts → ``{"text": [B, P], "length": [B]}``.
+        cfg: the ``trainer`` section (:class:`PPOConfig`); also the one source of the actor's
+            sampling settings (set on the actor here).
+        model: the actor.
+        optim: the actor's optimizer, schedule and loss scaler.
+        prompts: training and validation prompts.
         rm_critic: the reward/critic client (:class:`RMCritic`).
-        batch_iterator_cls: ``(prompts, micro_batch_size, collate_fn)`` → iterable of
-            collated micro-batches (e.g. ``MicroBatchIterator``).
-        logger: metric sinks (only rank 0's writes).
-        ckpt_callback: a :class:`CheckpointManager` for the actor's checkpoints, or ``None``.
-        run_timer: the run's wall-clock limit.
-        decode: token ids → text, for sample tables (optional).
-        config_yaml: the resolved run config, stored in every checkpoint.
-        response_scorer: optional ``(prompts, responses) → per-sample scores`` on decoded text
-            (e.g. a task's gold scorer); its mean is logged as ``rollout/score`` and ``val/score``.
+        outputs: metrics, checkpoints and sample decoding.
+        run_timer: the run's wall-clock limit (default: none).
         server_overlap_threads: torch threads for the actor's log-prob passes while reward/critic
             requests are in flight and for its update while the critic trains, or ``None`` to
             leave the thread count alone. When the servers share this machine's cores,
             ``cores − server threads`` keeps the processes from oversubscribing them (an OpenMP
             pool that loses a core to another process stalls at every barrier).
-        grad_scaler: the actor's loss scaler (``Precision.grad_scaler()``: dynamic under
-            ``fp16-mixed``, where a step whose gradients overflowed is skipped); ``None``: none.
     """
 
     def __init__(
         self,
         cfg: PPOConfig,
-        model: Any,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        train_dataloader_builder: Any,
-        val_dataloader_builder: Any,
-        collate_fn: Collate,
+        model: GPTActorModel,
+        optim: ActorOptim,
+        prompts: Prompts,
         rm_critic: RMCritic,
-        batch_iterator_cls: Callable[..., Any],
-        logger: MetricsLogger,
-        ckpt_callback: CheckpointManager | None,
-        run_timer: RunTimer,
-        decode: Callable[[Sequence[int]], str] | None = None,
-        config_yaml: str = "",
-        progress: bool = True,
-        response_scorer: Callable[[list[str], list[str]], list[float]] | None = None,
+        outputs: RunOutputs,
+        *,
+        run_timer: RunTimer | None = None,
         server_overlap_threads: int | None = None,
-        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         cfg.check_world_size(dp.world_size())
         self.cfg = cfg
         self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.train_dataloader_builder = train_dataloader_builder
-        self.val_dataloader_builder = val_dataloader_builder
-        self.collate_fn = collate_fn
+        self.optimizer = optim.optimizer
+        self.scheduler = optim.scheduler
+        self.grad_scaler = optim.grad_scaler or torch.amp.GradScaler(enabled=False)
+        self.prompts = prompts
         self.rm_critic = rm_critic
-        self.batch_iterator_cls = batch_iterator_cls
-        self.logger = logger
-        self.ckpt_callback = ckpt_callback
-        self.run_timer = run_timer
-        self.decode = decode
-        self.config_yaml = config_yaml
-        self.progress = progress and dp.rank() == 0
-        self.response_scorer = response_scorer
+        self.logger = outputs.logger
+        self.checkpoints = outputs.checkpoints
+        self.config_yaml = outputs.config_yaml
+        self.progress = outputs.progress and dp.rank() == 0
+        self.decode = outputs.decode
+        self.response_scorer = outputs.response_scorer
+        self.run_timer = run_timer or RunTimer(None)
         if server_overlap_threads is not None and server_overlap_threads < 1:
             raise ValueError(f"server_overlap_threads must be ≥ 1 or None, got {server_overlap_threads}")
         self.server_overlap_threads = server_overlap_threads
-        self.grad_scaler = grad_scaler or torch.amp.GradScaler(enabled=False)
-        if response_scorer is not None and decode is None:
+        if self.response_scorer is not None and self.decode is None:
             raise ValueError("response_scorer needs decode (token ids → text)")
 
         self.step = 0
@@ -192,7 +215,7 @@ class PPOTrainer:
         """Actor optimizer steps skipped for an inf/NaN gradient since the last finite one."""
         self.nonfinite_steps = 0
         """Actor optimizer steps skipped for an inf/NaN gradient in the whole run."""
-        self.steps_per_epoch = int(train_dataloader_builder.steps_per_epoch)
+        self.steps_per_epoch = int(prompts.train.steps_per_epoch)
         self.max_steps = cfg.total_steps(self.steps_per_epoch)
         self.kl_controller: FixedKLController | AdaptiveKLController = (
             AdaptiveKLController(cfg.initial_policy_kl_penalty, cfg.kl_target, cfg.kl_horizon)
@@ -229,7 +252,7 @@ class PPOTrainer:
     def fit(self) -> list[dict[str, float]]:
         """Run PPO steps until max_steps, max_epochs or the wall-clock limit; returns step metrics."""
         self.run_timer.start_time()
-        self._train_iter = self.train_dataloader_builder(self.consumed_samples)
+        self._train_iter = self.prompts.train(self.consumed_samples)
         bar = _progress(self.progress, initial=self.step, total=self.max_steps)
         try:
             while self.step < self.max_steps:
@@ -324,7 +347,7 @@ class PPOTrainer:
         outs: list[dict[str, torch.Tensor]] = []
         futures: list[RMCriticFuture] = []
         with self._timer("validation" if is_validation else "generate"):
-            micro_batches = self.batch_iterator_cls(prompts, micro_batch_size, self.collate_fn)
+            micro_batches = self.prompts.micro_batches(prompts, micro_batch_size, self.prompts.collate)
             for i, mb in enumerate(micro_batches):
                 gen = self._generator(i, is_validation)
                 out = self.model.infer({k: v.to(self.model.device) for k, v in mb.items()}, generator=gen)
@@ -625,10 +648,10 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ (7) validation, logs
     def run_validation(self) -> dict[str, float]:
-        if self.val_dataloader_builder is None:
+        if self.prompts.val is None:
             return {}
         t0 = time.perf_counter()
-        prompts = next(iter(self.val_dataloader_builder(0)))
+        prompts = next(iter(self.prompts.val(0)))
         _, metrics = self._run_inference(prompts, self.cfg.val_micro_batch_size, is_validation=True)
         self._timer.pop()  # validation phases are reported as one figure below
         metrics["timing/validation_s"] = time.perf_counter() - t0
@@ -674,7 +697,7 @@ class PPOTrainer:
 
     def _save_on_rank0(self, metrics: dict[str, float], rngs: list[Any]) -> None:
         critic_saved = self.rm_critic.save()
-        if self.ckpt_callback is None:
+        if self.checkpoints is None:
             self._critic_step_saved(critic_saved.result())
             return
 
@@ -691,7 +714,7 @@ class PPOTrainer:
             (d / TRAINER_STATE).write_text(json.dumps(state, indent=1))
 
         monitored = {k: v for k, v in metrics.items() if k.startswith("val/")}
-        self.ckpt_callback.save(self.step, write, {k.replace("/", "_"): v for k, v in monitored.items()})
+        self.checkpoints.save(self.step, write, {k.replace("/", "_"): v for k, v in monitored.items()})
 
     def _critic_step_saved(self, saved: Any) -> int | None:
         """The critic step the ``critic_save`` answer names (else this run's), warning when it is

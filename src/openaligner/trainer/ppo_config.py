@@ -1,4 +1,5 @@
-"""The PPO trainer's typed configuration: NeMo-Aligner's ``trainer.ppo`` keys plus the math switches.
+"""The typed configuration of a PPO run: the trainer section (NeMo-Aligner's ``trainer.ppo`` keys
+plus the math switches) and the run around it (actor, optimizer, data, servers, outputs).
 
 Validation happens here, once, at load time: invalid combinations are refused with a message
 naming the key and the fix. Below the trainer's constructor only plain values are used.
@@ -12,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from openaligner.algorithms import KL_KINDS, LOSS_AGGREGATIONS
+from openaligner.clients.critic import RemoteCriticConfig
+from openaligner.models.precision import check_precision, check_save_dtype
+from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
 
 if TYPE_CHECKING:
     from openaligner.models.generation import SamplingParams
@@ -144,6 +148,81 @@ class PPOConfig:
             )
         if problems:
             raise ValueError("; ".join(problems))
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5  # AdamW learning rate (> 0)
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 0  # linear warm-up, in optimizer steps
+    scheduler: str = "constant"  # constant | cosine (decays to min_lr over the run)
+    min_lr: float = 0.0  # cosine floor
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0 (e.g. 1e-5), got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need 0 <= optim.min_lr <= optim.lr={self.lr}, got min_lr={self.min_lr}")
+        if self.scheduler not in ("constant", "cosine"):
+            raise ValueError(f"optim.scheduler must be 'constant' or 'cosine', got {self.scheduler!r}")
+        if len(self.betas) != 2:
+            raise ValueError(f"optim.betas needs two values, got {self.betas}")
+
+
+@dataclass
+class DataConfig:
+    train_path: str = "???"  # JSONL with {"prompt": ...} per line, or a datasets directory
+    val_path: str | None = None  # validation prompts; null = the first num_val_samples training prompts
+    prompt_key: str = "prompt"  # field holding the prompt text
+    seq_length: int = 256  # longest prompt + response (≤ the actor's positions); longer prompts are dropped
+    add_bos: bool = True  # prepend the tokenizer's BOS id to each prompt (as train-sft does by default)
+
+
+@dataclass
+class ExpConfig:
+    output_dir: str = "runs/ppo"  # logs, checkpoints and the final actor go here
+    save_dtype: str = "auto"  # final actor dtype: auto (as actor.path is stored, fp32 tiny), fp32, bf16, fp16
+    keep_last: int = 2  # checkpoints kept besides the best one (0 keeps all)
+    resume: bool = True  # continue from the newest checkpoint whose critic the critic server holds
+    tensorboard: bool = True  # also write TensorBoard events
+    wandb_project: str | None = None  # log to this W&B project when wandb is installed
+    progress: bool = True  # progress bar on rank 0
+    task_scorer: str | None = None  # a built-in task's gold scorer logged as rollout/score (e.g. sorting)
+    # torch threads while the servers compute on the same cores (log-prob passes, update); null: unchanged
+    server_overlap_threads: int | None = None
+
+
+@dataclass
+class TrainPPOConfig:
+    actor: ModelSourceConfig = field(default_factory=ModelSourceConfig)  # the SFT policy to train
+    tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # the actor's tokenizer
+    device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:1, ... (torchrun: cuda:LOCAL_RANK)
+    precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
+    trainer: PPOConfig = field(default_factory=PPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    remote: RemoteCriticConfig = field(default_factory=RemoteCriticConfig)
+    exp: ExpConfig = field(default_factory=ExpConfig)
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision, "precision")
+        check_save_dtype(self.exp.save_dtype, "exp.save_dtype")
+        if self.exp.server_overlap_threads is not None and self.exp.server_overlap_threads < 1:
+            raise ValueError(
+                f"exp.server_overlap_threads must be >= 1 or null, got {self.exp.server_overlap_threads}"
+            )
+        if self.exp.task_scorer is not None:
+            from openaligner.tasks import TASK_SCORERS
+
+            if self.exp.task_scorer not in TASK_SCORERS:
+                raise ValueError(f"exp.task_scorer must be one of {sorted(TASK_SCORERS)} or null")
+        if self.trainer.length.max_length >= self.data.seq_length:
+            raise ValueError(
+                f"trainer.length.max_length={self.trainer.length.max_length} leaves no room for prompts in "
+                f"data.seq_length={self.data.seq_length}; raise seq_length or lower max_length"
+            )
 
 
 _DURATION = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")

@@ -3,8 +3,7 @@ are dropped so that every step appears once."""
 
 import json
 
-from openaligner.cli.train_ppo import rewind_logs
-from openaligner.io.metrics import read_jsonl
+from openaligner.io.metrics import read_jsonl, rewind_logs
 
 
 def test_rewind_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):

@@ -20,9 +20,9 @@ from openaligner.io.metrics import MetricsLogger
 from openaligner.models.actor import GPTActorModel
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.trainer import distributed as dp
-from openaligner.trainer.ppo import PPOTrainer, RunTimer
+from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
 from openaligner.trainer.ppo_config import PPOConfig
-from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
+from openaligner.trainer.rollout import PromptLoader, make_prompt_collate
 
 
 class CriticTrainFailed(RuntimeError):
@@ -86,22 +86,18 @@ def main(out: Path, fail_at: int | None = None) -> None:
     actor = GPTActorModel(model)
     prompts = [[3 + (i % 20), 4 + (i % 7), 5][: 1 + i % 3] for i in range(32)]
     opt = torch.optim.SGD(actor.parameters(), lr=0.5)
+    logs = MetricsLogger(out.parent / f"logs-{dp.world_size()}", tensorboard=False, enabled=dp.rank() == 0)
     trainer = PPOTrainer(
-        cfg=cfg,
-        model=actor,
-        optimizer=opt,
-        scheduler=None,
-        train_dataloader_builder=PromptLoader(prompts, 16, cfg.seed, True, dp.rank(), dp.world_size()),
-        val_dataloader_builder=None,
-        collate_fn=make_prompt_collate(actor.pad_id),
-        rm_critic=Scorer(fail_at),
-        batch_iterator_cls=MicroBatchIterator,
-        logger=MetricsLogger(
-            out.parent / f"logs-{dp.world_size()}", tensorboard=False, enabled=dp.rank() == 0
+        cfg,
+        actor,
+        ActorOptim(opt),
+        Prompts(
+            train=PromptLoader(prompts, 16, cfg.seed, True, dp.rank(), dp.world_size()),
+            val=None,
+            collate=make_prompt_collate(actor.pad_id),
         ),
-        ckpt_callback=None,
-        run_timer=RunTimer(None),
-        progress=False,
+        Scorer(fail_at),
+        RunOutputs(logger=logs, progress=False),
     )
     if fail_at is not None:
         started = time.monotonic()

@@ -14,9 +14,9 @@ from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.actor import GPTActorModel
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
-from openaligner.trainer.ppo import PPOTrainer, RunTimer
+from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
 from openaligner.trainer.ppo_config import PPOConfig
-from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
+from openaligner.trainer.rollout import PromptLoader, make_prompt_collate
 
 TARGET = 7
 SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, max_positions=64)
@@ -94,22 +94,22 @@ def make_trainer(
     opt = torch.optim.AdamW(actor.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return PPOTrainer(
-        cfg=cfg,
-        model=actor,
-        optimizer=opt,
-        scheduler=sched,
-        train_dataloader_builder=PromptLoader(prompts, cfg.num_rollout_samples, cfg.seed, shuffle=True),
-        val_dataloader_builder=PromptLoader(prompts[:8], cfg.val_samples, cfg.seed, shuffle=False),
-        collate_fn=make_prompt_collate(actor.pad_id),
-        rm_critic=client or TargetTokenScorer(),
-        batch_iterator_cls=MicroBatchIterator,
-        logger=MetricsLogger(tmp_path / "logs", tensorboard=False),
-        ckpt_callback=CheckpointManager(tmp_path / "ckpt"),
-        run_timer=RunTimer(None),
-        decode=lambda ids: " ".join(map(str, ids)),
-        progress=False,
-        response_scorer=scorer,
-        grad_scaler=grad_scaler,
+        cfg,
+        actor,
+        ActorOptim(opt, sched, grad_scaler),
+        Prompts(
+            train=PromptLoader(prompts, cfg.num_rollout_samples, cfg.seed, shuffle=True),
+            val=PromptLoader(prompts[:8], cfg.val_samples, cfg.seed, shuffle=False),
+            collate=make_prompt_collate(actor.pad_id),
+        ),
+        client or TargetTokenScorer(),
+        RunOutputs(
+            logger=MetricsLogger(tmp_path / "logs", tensorboard=False),
+            checkpoints=CheckpointManager(tmp_path / "ckpt"),
+            progress=False,
+            decode=lambda ids: " ".join(map(str, ids)),
+            response_scorer=scorer,
+        ),
     )
 
 

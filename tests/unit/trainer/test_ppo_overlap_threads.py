@@ -12,9 +12,9 @@ from openaligner.config import load_config
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.actor import GPTActorModel
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
-from openaligner.trainer.ppo import PPOTrainer, RunTimer
+from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
 from openaligner.trainer.ppo_config import PPOConfig
-from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
+from openaligner.trainer.rollout import PromptLoader, make_prompt_collate
 
 SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, max_positions=64)
 
@@ -55,19 +55,16 @@ def _trainer(tmp_path, server_overlap_threads):
     actor = GPTActorModel(build_tiny_causal_lm("gpt2", SIZE, seed=0))
     prompts = [[3 + i, 4, 5] for i in range(16)]
     trainer = PPOTrainer(
-        cfg=cfg,
-        model=actor,
-        optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-3),
-        scheduler=None,
-        train_dataloader_builder=PromptLoader(prompts, cfg.num_rollout_samples, 0, shuffle=True),
-        val_dataloader_builder=None,
-        collate_fn=make_prompt_collate(actor.pad_id),
-        rm_critic=ZeroCritic(),
-        batch_iterator_cls=MicroBatchIterator,
-        logger=MetricsLogger(tmp_path / "logs", tensorboard=False),
-        ckpt_callback=None,
-        run_timer=RunTimer(None),
-        progress=False,
+        cfg,
+        actor,
+        ActorOptim(torch.optim.AdamW(actor.parameters(), lr=1e-3)),
+        Prompts(
+            train=PromptLoader(prompts, cfg.num_rollout_samples, 0, shuffle=True),
+            val=None,
+            collate=make_prompt_collate(actor.pad_id),
+        ),
+        ZeroCritic(),
+        RunOutputs(logger=MetricsLogger(tmp_path / "logs", tensorboard=False), progress=False),
         server_overlap_threads=server_overlap_threads,
     )
     seen: dict[str, list[int]] = {}

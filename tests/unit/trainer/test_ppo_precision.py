@@ -17,9 +17,9 @@ from openaligner.io.metrics import MetricsLogger
 from openaligner.models.actor import GPTActorModel
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.source import ModelSourceConfig, load_causal_lm
-from openaligner.trainer.ppo import PPOTrainer, RunTimer
+from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
 from openaligner.trainer.ppo_config import PPOConfig
-from openaligner.trainer.rollout import MicroBatchIterator, PromptLoader, make_prompt_collate
+from openaligner.trainer.rollout import PromptLoader, make_prompt_collate
 
 SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, max_positions=64)
 TARGET = 7
@@ -87,20 +87,16 @@ def share_changed_by_ppo(path, tmp_path, precision=None):
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5, fused=True)
     prompts = [[3 + (i % 20), 4 + (i % 7), 5] for i in range(32)]
     trainer = PPOTrainer(
-        cfg=cfg,
-        model=actor,
-        optimizer=optimizer,
-        scheduler=None,
-        train_dataloader_builder=PromptLoader(prompts, cfg.num_rollout_samples, cfg.seed, shuffle=True),
-        val_dataloader_builder=None,
-        collate_fn=make_prompt_collate(actor.pad_id),
-        rm_critic=TargetTokenReward(),
-        batch_iterator_cls=MicroBatchIterator,
-        logger=MetricsLogger(tmp_path / path.name, tensorboard=False),
-        ckpt_callback=None,
-        run_timer=RunTimer(None),
-        progress=False,
-        **({} if precision is None else {"grad_scaler": precision.grad_scaler()}),
+        cfg,
+        actor,
+        ActorOptim(optimizer, None, None if precision is None else precision.grad_scaler()),
+        Prompts(
+            train=PromptLoader(prompts, cfg.num_rollout_samples, cfg.seed, shuffle=True),
+            val=None,
+            collate=make_prompt_collate(actor.pad_id),
+        ),
+        TargetTokenReward(),
+        RunOutputs(logger=MetricsLogger(tmp_path / path.name, tensorboard=False), progress=False),
     )
     trainer.fit()
     params = list(model.parameters())

@@ -64,7 +64,7 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     first = make_trainer(tmp_path / "b", ppo_cfg(max_steps=2, max_epochs=2))
     first.fit()
     resumed = make_trainer(tmp_path / "b", ppo_cfg(max_steps=4, max_epochs=2))
-    latest = resumed.ckpt_callback.latest()
+    latest = resumed.checkpoints.latest()
     assert latest is not None and latest.name == "step_2"
     resumed.load_checkpoint(latest)
     tail = resumed.fit()
@@ -81,7 +81,7 @@ def test_resume_across_epoch_boundary(tmp_path):
     straight = make_trainer(tmp_path / "a", ppo_cfg(max_steps=3, max_epochs=2)).fit()
     make_trainer(tmp_path / "b", ppo_cfg(max_steps=2, max_epochs=2)).fit()
     resumed = make_trainer(tmp_path / "b", ppo_cfg(max_steps=3, max_epochs=2))
-    resumed.load_checkpoint(resumed.ckpt_callback.latest())
+    resumed.load_checkpoint(resumed.checkpoints.latest())
     (m,) = resumed.fit()
     assert m["rollout/epoch"] == 2.0
     assert m["rollout/rewards"] == pytest.approx(straight[2]["rollout/rewards"])
@@ -167,7 +167,7 @@ def test_checkpoint_records_the_critic_step_and_a_resume_checks_it(tmp_path, cap
     assert state["critic_step"] == 4 and state["critic_steps_per_train"] == 2
     # resumed with the critic server restarted from the critic saved with step_2: no warning
     resumed = make_trainer(tmp_path / "run", ppo_cfg(max_steps=3, max_epochs=2), client=critic)
-    resumed.load_checkpoint(resumed.ckpt_callback.latest())
+    resumed.load_checkpoint(resumed.checkpoints.latest())
     assert resumed.critic_step == 4
     with caplog.at_level(logging.WARNING):
         resumed.fit()
@@ -179,7 +179,7 @@ def test_checkpoint_records_the_critic_step_and_a_resume_checks_it(tmp_path, cap
         ppo_cfg(max_steps=4, max_epochs=2, save_interval=0, val_check_interval=0),
         client=critic,
     )
-    again.load_checkpoint(again.ckpt_callback.latest())
+    again.load_checkpoint(again.checkpoints.latest())
     with caplog.at_level(logging.WARNING):
         again.fit()
     assert "the critic server is at critic step 12 after this step's critic_train, expected 8" in caplog.text
@@ -230,7 +230,7 @@ def test_actor_resume_reads_the_checkpoint_as_from_pretrained_does(tmp_path, arc
     straight = straight_trainer.fit()
     make_trainer(tmp_path / "b", ppo_cfg(max_steps=1, **cfg), **model).fit()
     resumed = make_trainer(tmp_path / "b", ppo_cfg(max_steps=2, **cfg), **model)
-    latest = resumed.ckpt_callback.latest()
+    latest = resumed.checkpoints.latest()
     assert latest is not None and latest.name == "step_1"
     assert (latest / "actor" / ("adapter_config.json" if lora_rank else "config.json")).is_file()
     resumed.load_checkpoint(latest)
@@ -285,7 +285,7 @@ def test_actor_checkpoint_is_published_only_once_the_critic_checkpoint_is_durabl
     with pytest.raises(ConnectionError, match="during critic_save"):
         trainer.fit()
     assert crashed.published_before_critic_durable == []
-    assert trainer.ckpt_callback.latest() == tmp_path / "crashed" / "ckpt" / "step_1"
+    assert trainer.checkpoints.latest() == tmp_path / "crashed" / "ckpt" / "step_1"
     assert not (tmp_path / "crashed" / "ckpt" / "step_2").exists()
 
 
@@ -308,7 +308,7 @@ def test_resume_picks_the_newest_step_both_halves_have(tmp_path, caplog):
         first.fit()
     assert critic.held == {2, 4, 6} and critic.critic_step == 6  # the critic's half of step 3 is there
     resumed = make_trainer(tmp_path, ppo_cfg(max_steps=4, **cfg), client=critic)
-    path = restore_newest_checkpoint(resumed.ckpt_callback, critic)
+    path = restore_newest_checkpoint(resumed.checkpoints, critic)
     assert path == tmp_path / "ckpt" / "step_2" and critic.restores == [4] and critic.critic_step == 4
     resumed.load_checkpoint(path)
     with caplog.at_level(logging.WARNING):
@@ -320,14 +320,14 @@ def test_resume_picks_the_newest_step_both_halves_have(tmp_path, caplog):
     critic.held.discard(8)
     critic.restores.clear()
     with caplog.at_level(logging.WARNING):
-        path = restore_newest_checkpoint(resumed.ckpt_callback, critic)
+        path = restore_newest_checkpoint(resumed.checkpoints, critic)
     assert path == tmp_path / "ckpt" / "step_3" and critic.restores == [8, 6] and critic.critic_step == 6
     assert f"not resuming from {tmp_path / 'ckpt' / 'step_4'}: cannot go back to critic step 8" in caplog.text
 
     # it holds none of them: refused, naming each checkpoint and its critic step
     critic.held.clear()
     with pytest.raises(ResumeError, match=r"holds the critic of none .*step_4 \(critic step 8\), step_3"):
-        restore_newest_checkpoint(resumed.ckpt_callback, critic)
+        restore_newest_checkpoint(resumed.checkpoints, critic)
 
 
 def test_critic_steps_per_train_is_known_after_a_step_1_checkpoint_and_checked_at_the_first_answer(
@@ -340,7 +340,7 @@ def test_critic_steps_per_train_is_known_after_a_step_1_checkpoint_and_checked_a
     assert state["critic_step"] == 2 and state["critic_steps_per_train"] == 2  # known after one answer
     critic.restart(at=10)  # a critic server that went on elsewhere, and was not sent back
     resumed = make_trainer(tmp_path, ppo_cfg(max_steps=3, **cfg), client=critic)
-    resumed.load_checkpoint(resumed.ckpt_callback.latest())
+    resumed.load_checkpoint(resumed.checkpoints.latest())
     with caplog.at_level(logging.WARNING):
         history = resumed.fit()
     assert [m["value/critic_step"] for m in history] == [12.0, 14.0]

@@ -1,0 +1,293 @@
+"""The PPO run as a recipe: from a :class:`TrainPPOConfig` to a trained actor.
+
+Owns turning the typed config into the trainer's parts — start-up checks (prompt files, batch
+counts, the actor's positions: refused with :class:`~openaligner.config.StartupError` before any
+weights load or server is contacted), the tokenizer and actor, the optimizer and its schedule,
+the prompt loaders and the checkpoint manager — and running them against a reward/critic client
+(resume, log rewinding, fit). Knows nothing of signals, exit codes or the command line
+(``cli/train_ppo.py``), nor of the PPO loop itself (:class:`~openaligner.trainer.ppo.PPOTrainer`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from openaligner.algorithms.schedules import lr_factor
+from openaligner.config import StartupError, as_startup_error, config_to_yaml
+from openaligner.data.jsonl import DataFileError
+from openaligner.data.prompts import PromptDataset, build_prompt_dataset, read_prompt_texts
+from openaligner.io.checkpoint import CheckpointManager
+from openaligner.io.metrics import MetricsLogger, rewind_logs
+from openaligner.models.actor import GPTActorModel
+from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
+from openaligner.models.source import (
+    SourceError,
+    check_vocab,
+    load_causal_lm,
+    pick_device,
+    position_limit_key,
+    resolve_tokenizer,
+    source_position_limit,
+)
+from openaligner.tasks import task_scorer
+from openaligner.trainer import distributed as dp
+from openaligner.trainer.ppo import (
+    ActorOptim,
+    PPOTrainer,
+    Prompts,
+    RMCritic,
+    RunOutputs,
+    RunTimer,
+    max_time_s,
+    restore_newest_checkpoint,
+)
+from openaligner.trainer.ppo_config import OptimConfig, TrainPPOConfig
+from openaligner.trainer.rollout import PromptLoader, make_prompt_collate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PPORun:
+    """A PPO run's parts, built and checked, before any server is contacted."""
+
+    cfg: TrainPPOConfig
+    actor: GPTActorModel
+    optim: ActorOptim
+    prompts: Prompts
+    decode: Callable[[Sequence[int]], str]  # token ids → text (special tokens skipped)
+    checkpoints: CheckpointManager
+    save_dtype: torch.dtype  # the final actor's dtype on disk
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.cfg.exp.output_dir)
+
+
+def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
+    """Build every part of the run (call after ``dp.init_from_env()`` under torchrun).
+
+    Raises:
+        StartupError: the run cannot work (see :func:`check_seq_length`, :func:`load_prompt_sets`,
+            and the tokenizer/vocabulary checks), raised before the actor's weights load.
+    """
+    c = cfg.trainer
+    rank, world = dp.rank(), dp.world_size()
+    torch.manual_seed(c.seed + rank)
+    # 1. start-up checks: positions, tokenizer, prompts (nothing heavy is loaded yet)
+    check_seq_length(cfg)
+    with as_startup_error(SourceError):
+        tokenizer = resolve_tokenizer(cfg.actor, cfg.tokenizer, key="actor")
+    bos = [tokenizer.bos_token_id] if cfg.data.add_bos and tokenizer.bos_token_id is not None else []
+
+    def encode(text: str) -> list[int]:
+        return bos + list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    train_prompts, val_prompts = load_prompt_sets(cfg, encode)
+    # 2. the actor: float32 masters, computing in the precision's dtype
+    device = pick_device(cfg.device)
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", torch.cuda.current_device())
+    precision = Precision.resolve(cfg.precision, device)
+    log.info("precision: %s on %s", precision.name, device)
+    model = load_causal_lm(cfg.actor, len(tokenizer), device, dtype=MASTER_DTYPE)
+    with as_startup_error(SourceError):
+        check_vocab(tokenizer, model, key="actor")
+    actor = GPTActorModel(
+        model,
+        tokenizer,
+        forward_micro_batch_size=c.forward_micro_batch_size or c.rollout_micro_batch_size,
+        clip_eps=c.ratio_eps,
+        clip_eps_high=c.ratio_eps_high,
+        dual_clip=c.dual_clip,
+        entropy_coef=c.entropy_bonus,
+        loss_aggregation=c.loss_aggregation,
+        init_policy=None if c.initial_policy_kl_penalty > 0 else False,
+        precision=precision,
+    )
+    # 3. prompts: this rank's share of every global batch
+    train_loader = PromptLoader(train_prompts, c.num_rollout_samples, c.seed, True, rank, world)
+    val_loader = None
+    if c.val_check_interval > 0:
+        val_loader = PromptLoader(val_prompts, c.val_samples, c.seed, False, rank, world)
+    prompts = Prompts(train=train_loader, val=val_loader, collate=make_prompt_collate(actor.pad_id))
+    # 4. optimizer and schedule over the run's optimizer steps
+    optimizer = build_optimizer(actor, cfg.optim)
+    optim_steps = c.total_steps(train_loader.steps_per_epoch) * c.ppo_epochs * (
+        c.num_rollout_samples // c.global_batch_size
+    )
+    optim = ActorOptim(optimizer, build_scheduler(optimizer, cfg.optim, optim_steps), precision.grad_scaler())
+    # 5. checkpoints
+    out = Path(cfg.exp.output_dir)
+    keep_last = cfg.exp.keep_last
+    checkpoints = CheckpointManager(out / "checkpoints", keep_last=keep_last, best_metric="val_rewards")
+    save_dtype = resolve_save_dtype(cfg.exp.save_dtype, cfg.actor.path)
+    return PPORun(cfg, actor, optim, prompts, decode, checkpoints, save_dtype)
+
+
+def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer], None] | None = None) -> None:
+    """Resume (the newest step whose critic the server holds), train, and write the final actor.
+
+    ``on_trainer`` sees the trainer once it exists (e.g. to report its step if the run fails).
+    """
+    cfg, out, rank = run.cfg, run.output_dir, dp.rank()
+    # 1. the newest step both halves have: the actor's checkpoint and the server's critic
+    latest = restore_newest_checkpoint(run.checkpoints, rm_critic) if cfg.exp.resume else None
+    if cfg.exp.resume and rank == 0:  # before the logger opens the logs
+        resumed_step = int(latest.name.removeprefix("step_")) if latest is not None else 0
+        if dropped := rewind_logs(out / "logs", resumed_step):
+            log.info("dropped %d log record(s) after step %d: those steps run again", dropped, resumed_step)
+    # 2. the trainer, restored from that checkpoint
+    logger = MetricsLogger(out / "logs", cfg.exp.tensorboard, cfg.exp.wandb_project, enabled=rank == 0)
+    try:
+        outputs = RunOutputs(
+            logger=logger,
+            checkpoints=run.checkpoints,
+            config_yaml=config_to_yaml(cfg),
+            progress=cfg.exp.progress,
+            decode=run.decode,
+            response_scorer=task_scorer(cfg.exp.task_scorer) if cfg.exp.task_scorer else None,
+        )
+        trainer = PPOTrainer(
+            cfg.trainer,
+            run.actor,
+            run.optim,
+            run.prompts,
+            rm_critic,
+            outputs,
+            run_timer=RunTimer(max_time_s(cfg.trainer)),
+            server_overlap_threads=cfg.exp.server_overlap_threads,
+        )
+        if on_trainer is not None:
+            on_trainer(trainer)
+        if latest is not None:
+            trainer.load_checkpoint(latest)
+        # 3. train
+        trainer.fit()
+    finally:
+        logger.close()
+    # 4. the final actor, in the documented dtype
+    if rank == 0:
+        run.actor.save_pretrained(out / "actor", dtype=run.save_dtype)
+        log.info("final actor written to %s (%s)", out / "actor", str(run.save_dtype).removeprefix("torch."))
+    dp.barrier()
+
+
+def build_optimizer(actor: GPTActorModel, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the actor's trainable parameters."""
+    beta1, beta2 = cfg.betas
+    return torch.optim.AdamW(
+        actor.parameters(),
+        lr=cfg.lr,
+        betas=(beta1, beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        # One fused kernel per step instead of several small ops per tensor: 3–10 % of the actor
+        # update on CPU (docs/benchmarks.md).
+        fused=True,
+    )
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then constant or cosine to ``min_lr``, stepped once per optimizer step."""
+    min_ratio = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
+
+    def factor(step: int) -> float:
+        return lr_factor(
+            step,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=total_steps,
+            schedule=cfg.scheduler,
+            min_ratio=min_ratio,
+        )
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def check_seq_length(cfg: TrainPPOConfig) -> None:
+    """Refuse ``data.seq_length`` beyond the actor's positions, read from its ``config.json`` (or
+    ``actor.tiny_max_positions``) before any weights load.
+
+    Raises:
+        StartupError: naming data.seq_length, the limit and the key it comes from.
+    """
+    with as_startup_error(SourceError):
+        limit = source_position_limit(cfg.actor, key="actor")
+    if limit is not None and cfg.data.seq_length > limit:
+        raise StartupError(
+            f"data.seq_length={cfg.data.seq_length} is beyond the actor's {limit} positions "
+            f"({position_limit_key(cfg.actor, 'actor')}); lower data.seq_length to at most {limit} (prompts "
+            f"get data.seq_length − trainer.length.max_length={cfg.trainer.length.max_length} tokens)"
+        )
+
+
+def load_prompt_sets(
+    cfg: TrainPPOConfig, encode: Callable[[str], list[int]]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The training prompts and the validation prompts (``trainer.num_val_samples`` of them), as
+    token ids; prompts longer than ``data.seq_length − trainer.length.max_length`` are dropped.
+
+    Raises:
+        StartupError: a prompt file is missing, unreadable, empty or has a bad line; or too few
+            prompts remain for one rollout batch (or, with validation on, one validation batch).
+    """
+    c, d = cfg.trainer, cfg.data
+    max_prompt = d.seq_length - c.length.max_length
+
+    def read(key: str, path: str) -> PromptDataset:
+        try:
+            texts = read_prompt_texts(path, d.prompt_key)
+        except DataFileError as e:
+            raise StartupError(
+                f'{key}={e}; {key} must name a JSONL file with one {{"{d.prompt_key}": ...}} per line '
+                "(data.prompt_key) or a datasets directory"
+            ) from None
+        return build_prompt_dataset(texts, encode, max_prompt)
+
+    train = read("data.train_path", d.train_path)
+    _require_prompts(train, "data.train_path", "trainer.num_rollout_samples", c.num_rollout_samples, cfg)
+    val = read("data.val_path", d.val_path) if d.val_path else train
+    if c.val_check_interval > 0:
+        _require_prompts(
+            val,
+            "data.val_path" if d.val_path else "data.train_path",
+            "trainer.num_val_samples",
+            c.val_samples,
+            cfg,
+            " (null: trainer.num_rollout_samples)" if c.num_val_samples is None else "",
+        )
+    return train.prompts, val.prompts[: c.val_samples]
+
+
+def _require_prompts(
+    prompts: PromptDataset, key: str, need_key: str, need: int, cfg: TrainPPOConfig, need_note: str = ""
+) -> None:
+    """Refuse ``prompts`` (read from ``key``) when fewer than one batch of ``need`` remain."""
+    if len(prompts) >= need:
+        return
+    length = cfg.trainer.length.max_length
+    limit = f"{cfg.data.seq_length - length} tokens = data.seq_length − trainer.length.max_length ({length})"
+    if len(prompts) == 0 and prompts.dropped_too_long:
+        empty = f" ({prompts.dropped_empty} more were empty)" if prompts.dropped_empty else ""
+        raise StartupError(
+            f"all {prompts.dropped_too_long} prompts in {key} are longer than {limit}, so every one was "
+            f"dropped{empty}; raise data.seq_length or lower trainer.length.max_length"
+        )
+    reasons = [f"{prompts.dropped_too_long} longer than {limit}"] if prompts.dropped_too_long else []
+    reasons += [f"{prompts.dropped_empty} empty"] if prompts.dropped_empty else []
+    dropped = prompts.dropped_too_long + prompts.dropped_empty
+    note = f" ({dropped} were dropped: {', '.join(reasons)})" if dropped else ""
+    raise StartupError(
+        f"{key} has {len(prompts)} prompts{note}, fewer than one batch of {need_key}={need}{need_note}; "
+        f"add prompts or lower {need_key}"
+    )
