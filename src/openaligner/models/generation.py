@@ -98,9 +98,9 @@ def generate(
         cache: Hugging Face KV cache of the general path: ``"static"`` (preallocated; fastest) or
             ``"dynamic"`` (grows per step; for models whose attention does not support a static
             cache). A fast-path decoder keeps its own preallocated cache and ignores it.
-        fast_path: let :func:`~openaligner.models.fast_paths.make_decoder` step a supported model
-            (today a plain eval-mode ``GPT2LMHeadModel``) with an architecture-specific decoder
-            (same tokens, less per-step overhead); ``False`` always uses the model's forward.
+        fast_path: let :func:`~openaligner.models.fast_paths.make_decoder` step a model it
+            supports with an architecture-specific decoder (same tokens, less per-step
+            overhead); ``False`` always uses the model's forward.
 
     Returns:
         A :class:`Generation` on the model's device. Generation runs under
