@@ -3,17 +3,14 @@
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
 from pathlib import Path
 
+from openaligner.servers.triton import free_loopback_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+free_port = free_loopback_port  # one free-port helper, in src (the demo uses it too)
 
 
 def descendants(pid: int) -> dict[int, str]:

@@ -4,9 +4,10 @@ clipped policy loss; plus its frozen initial policy for the KL penalty.
 Owns the actor's model-facing interface (NeMo-Aligner's ``MegatronGPTActorModel`` contract):
 ``infer`` (rollouts), ``get_inference_log_probs``, ``get_init_policy_logprobs`` and
 ``get_loss_and_metrics``. The math (log-probs, entropy, PPO loss) comes from
-:mod:`openaligner.algorithms`; sampling from :mod:`openaligner.models.generation`. Must not know
-about rewards, critics, servers, optimizers or configs: the trainer owns backward, optimizer
-steps, micro-batching of the loss and gradient accumulation.
+:mod:`openaligner.algorithms`; sampling from :mod:`openaligner.models.generation`; the speed
+trick of the scoring forward from :mod:`openaligner.models.fast_paths`. Must not know about
+rewards, critics, servers, optimizers or configs: the trainer owns backward, optimizer steps,
+micro-batching of the loss and gradient accumulation.
 
 Conventions:
 
@@ -31,19 +32,19 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.activations import NewGELUActivation
 
 from openaligner.algorithms import entropy_from_logits, next_token_logprobs, ppo_policy_loss
+from openaligner.models.decoders.base import CacheKind
+from openaligner.models.fast_paths import scoring_forward
 from openaligner.models.generation import (
-    CacheKind,
     SamplingParams,
     config_eos_ids,
     default_eos_ids,
@@ -404,43 +405,11 @@ class GPTActorModel:
             col = torch.arange(tokens.shape[1], device=tokens.device)
             attention = (col < lengths.to(tokens.device).unsqueeze(-1)).long()
         kwargs = {"logits_to_keep": keep} if 0 < keep < tokens.shape[1] else {}
-        with _fused_tanh_gelu(model), self.precision.autocast():
+        with scoring_forward(model), self.precision.autocast():
             out = model(input_ids=tokens, attention_mask=attention, use_cache=False, **kwargs)
         logits = out.logits
         assert isinstance(logits, torch.Tensor)
         return logits
-
-
-class _TanhGELU(nn.Module):
-    """``gelu_new`` (GPT-2's activation, the tanh approximation of GELU) as one fused kernel."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.gelu(x, approximate="tanh")
-
-
-@contextmanager
-def _fused_tanh_gelu(model: nn.Module) -> Iterator[None]:
-    """Run ``model`` with every ``NewGELUActivation`` replaced by :class:`_TanhGELU`.
-
-    transformers' ``gelu_new`` is written as eight elementwise tensor ops (and as many saved
-    tensors for backward); ``F.gelu(approximate="tanh")`` is the same function in one kernel
-    each way, within 2.4e-7 in float32; on CPU that is about 8 % of the actor update. Only the
-    scoring and training forwards use it; generation runs the model as it is.
-    """
-    swapped = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is NewGELUActivation
-    ]
-    fused = _TanhGELU()
-    for parent, name, _ in swapped:
-        setattr(parent, name, fused)
-    try:
-        yield
-    finally:
-        for parent, name, child in swapped:
-            setattr(parent, name, child)
 
 
 def _first_scored_position(mask: torch.Tensor) -> int:

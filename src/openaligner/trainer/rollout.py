@@ -1,11 +1,12 @@
-"""Prompt batching for rollouts: global prompt batches per step, rank slices, micro-batches, collation.
+"""Rollouts outside the model: prompt batches per step, rank slices, micro-batches, collation, texts.
 
-Knows prompt token lists and tensors; nothing of models, servers or PPO math.
+Knows prompt token lists, rollout tensors and a ``decode`` callable; nothing of models, servers or
+PPO math.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import torch
 
@@ -81,3 +82,36 @@ def pad_and_stack(rows: Sequence[torch.Tensor], pad_value: float) -> torch.Tenso
     """Stack 2-D tensors of different widths into one, right-padding with ``pad_value``."""
     width = max(r.shape[-1] for r in rows)
     return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[-1]), value=pad_value) for r in rows])
+
+
+def rollout_texts(
+    tokens: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    response_lengths: torch.Tensor,
+    is_end: torch.Tensor,
+    stop_ids: Collection[int],
+    decode: Callable[[Sequence[int]], str],
+) -> tuple[list[str], list[str]]:
+    """The prompt and response texts of rollouts.
+
+    Args:
+        tokens: [B, S] right-padded prompt + response rows.
+        prompt_lengths: [B] prompt tokens per row.
+        response_lengths: [B] prompt + response tokens per row (stop token included).
+        is_end: [B] bool: the response ended on a stop token id or a stop string.
+        stop_ids: the stop token ids in effect; a stop id that ended a response is not part of its
+            text (the last token of a response that a stop *string* ended is).
+        decode: token ids → text.
+
+    Returns:
+        ``(prompts, responses)``: B texts each.
+    """
+    stop = set(stop_ids)
+    prompts, responses = [], []
+    for i in range(tokens.shape[0]):
+        p, end = int(prompt_lengths[i]), int(response_lengths[i])
+        if bool(is_end[i]) and int(tokens[i, end - 1]) in stop:
+            end -= 1
+        prompts.append(decode(tokens[i, :p].tolist()))
+        responses.append(decode(tokens[i, p:end].tolist()))
+    return prompts, responses

@@ -8,7 +8,7 @@ import torch
 from transformers.activations import NewGELUActivation
 
 from openaligner.algorithms import ppo_policy_loss
-from openaligner.models.actor import GPTActorModel, _first_scored_position, _fused_tanh_gelu
+from openaligner.models.actor import GPTActorModel, _first_scored_position
 
 
 def _batch(vocab: int) -> dict[str, torch.Tensor]:
@@ -64,22 +64,6 @@ def test_loss_and_gradients_match_the_full_sequence_reference(tiny):
     for fast, ref in zip(fast_grads, (p.grad for p in actor.parameters()), strict=True):
         torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-6)
     assert sum(float(g.abs().sum()) for g in fast_grads) > 0
-
-
-def test_fused_gelu_is_swapped_in_only_inside_the_scope(tiny):
-    model = tiny.causal_lm("gpt2")
-    originals = [m.mlp.act for m in model.transformer.h]
-    assert all(type(a) is NewGELUActivation for a in originals)
-    x = torch.randn(3, 5, 64)
-    with _fused_tanh_gelu(model):
-        assert not any(type(m) is NewGELUActivation for m in model.modules())
-        fused = model.transformer.h[0].mlp.act(x)
-    torch.testing.assert_close(fused, originals[0](x), rtol=0, atol=1e-6)
-    assert [m.mlp.act for m in model.transformer.h] == originals
-
-    with pytest.raises(RuntimeError, match="boom"), _fused_tanh_gelu(model):
-        raise RuntimeError("boom")
-    assert [m.mlp.act for m in model.transformer.h] == originals
 
 
 def test_first_scored_position():

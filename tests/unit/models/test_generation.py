@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from openaligner.models import generation
+from openaligner.models.decoders.gpt2 import gpt2_fast_path_supported
 from openaligner.models.generation import SamplingParams, generate, select_tokens
 
 PROMPT_LENGTHS = [5, 9, 3, 7]
@@ -68,11 +69,11 @@ def _spy_decoders(monkeypatch) -> list:
 @pytest.mark.parametrize(
     ("arch", "cache", "fast_path", "decoder"),
     [
-        ("gpt2", "static", True, "_GPT2Decoder"),
-        ("gpt2", "static", False, "_HFDecoder"),
-        ("gpt2", "dynamic", False, "_HFDecoder"),
-        ("llama", "static", True, "_HFDecoder"),
-        ("llama", "dynamic", True, "_HFDecoder"),
+        ("gpt2", "static", True, "GPT2Decoder"),
+        ("gpt2", "static", False, "HFDecoder"),
+        ("gpt2", "dynamic", False, "HFDecoder"),
+        ("llama", "static", True, "HFDecoder"),
+        ("llama", "dynamic", True, "HFDecoder"),
     ],
 )
 def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache, fast_path, decoder, monkeypatch):
@@ -104,47 +105,6 @@ def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache, fast_path
     assert made[0].compactions  # finished rows were dropped from the cache on the way
 
 
-@pytest.mark.parametrize("activation", ["gelu_new", "relu"])
-def test_gpt2_decoder_logits_match_the_model_forward(tiny, activation):
-    """Prefill and every step against a full forward of the left-padded sequence so far, with
-    the in-place ``gelu_new`` and with any other activation module."""
-    from transformers.activations import ACT2FN
-
-    model = tiny.causal_lm("gpt2")
-    for block in model.transformer.h:
-        block.mlp.act = ACT2FN[activation]
-    prompts, lengths = _prompts(tiny.size.vocab_size)
-    p_max, new = int(lengths.max()), 5
-    buf, attention = generation._left_pad(prompts, lengths, p_max, p_max + new, pad_id=0)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    extra = torch.randint(
-        3, tiny.size.vocab_size, (len(lengths), new), generator=torch.Generator().manual_seed(1)
-    )
-    buf[:, p_max:] = extra
-    decoder = generation.make_decoder(model, attention, p_max + new)
-    assert isinstance(decoder, generation._GPT2Decoder)
-    valid = attention.bool()
-    with torch.inference_mode():
-        got = [decoder.prefill(buf[:, :p_max], positions[:, :p_max])]
-        got += [decoder.step(buf[:, c], positions[:, c], c) for c in range(p_max, p_max + new - 1)]
-        full = model(input_ids=buf, attention_mask=attention, position_ids=positions).logits
-    for j, logits in enumerate(got):
-        assert torch.allclose(logits, full[:, p_max - 1 + j], atol=1e-5, rtol=1e-5)
-    assert not valid.all()  # the padded (masked) path was exercised
-
-
-def test_in_place_gelu_new_is_bit_identical_to_the_module():
-    from transformers.activations import NewGELUActivation
-
-    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0)) * 3
-    x[0, :4] = torch.tensor([0.0, -1e-30, 1e-30, 40.0])  # zero, tiny values, saturated tanh
-    expected = NewGELUActivation()(x)
-    got = generation._gelu_new_(x.clone(), torch.empty_like(x))
-    assert torch.equal(got, expected)
-    assert generation._is_stock_gelu_new(NewGELUActivation())
-    assert not generation._is_stock_gelu_new(torch.nn.GELU(approximate="tanh"))
-
-
 def _modified_gpt2(tiny, how):
     model = tiny.causal_lm("gpt2")
     if how == "train":
@@ -169,15 +129,15 @@ def _modified_gpt2(tiny, how):
 @pytest.mark.parametrize("how", ["train", "hook", "replaced_layer"])
 def test_non_stock_gpt2_falls_back_to_the_model_forward(tiny, how, monkeypatch):
     model = _modified_gpt2(tiny, how)
-    assert generation.gpt2_fast_path_supported(tiny.causal_lm("gpt2"))
-    assert not generation.gpt2_fast_path_supported(model)
-    assert not generation.gpt2_fast_path_supported(tiny.causal_lm("llama"))
+    assert gpt2_fast_path_supported(tiny.causal_lm("gpt2"))
+    assert not gpt2_fast_path_supported(model)
+    assert not gpt2_fast_path_supported(tiny.causal_lm("llama"))
     prompts, lengths = _prompts(tiny.size.vocab_size)
     made = _spy_decoders(monkeypatch)
     params = SamplingParams(greedy=True, max_new_tokens=6, stop_token_ids=())
     out = generate(model, prompts, lengths, params, pad_id=1)
     forward = generate(model, prompts, lengths, params, pad_id=1, fast_path=False)
-    assert [type(d).__name__ for d in made] == ["_HFDecoder", "_HFDecoder"]
+    assert [type(d).__name__ for d in made] == ["HFDecoder", "HFDecoder"]
     assert torch.equal(out.tokens, forward.tokens)
 
 

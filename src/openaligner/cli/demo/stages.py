@@ -1,0 +1,55 @@
+"""The demo's in-process stages: the task data, each command's full YAML, and running a command.
+
+Owns what a stage leaves in the run directory (data, tokenizer, ``configs/*.yaml``) and how a
+command runs in this process (as the command line would). Knows nothing of servers or reports.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+
+from openaligner.cli.demo.presets import Preset
+
+
+def make_data(run_dir: Path, seed: int, preset: Preset) -> tuple[str, str]:
+    """Write the four data sets and the tokenizer; an example PPO prompt and its gold answer."""
+    from openaligner.models.tokenizers import build_word_tokenizer
+    from openaligner.tasks.sorting import VOCABULARY, answer, generate_task_data, write_jsonl
+
+    data = generate_task_data(seed, preset.n_sft, preset.n_pref, preset.n_ppo, n_val=256)
+    d = run_dir / "data"
+    write_jsonl(data.sft, d / "sft.jsonl")
+    write_jsonl(data.preferences, d / "preferences.jsonl")
+    write_jsonl(data.ppo_prompts, d / "ppo_prompts.jsonl")
+    write_jsonl(data.val_prompts, d / "val_prompts.jsonl")
+    build_word_tokenizer(VOCABULARY).save_pretrained(str(run_dir / "tokenizer"))
+    example = data.ppo_prompts[0]["prompt"]
+    return example, answer(example)
+
+
+def write_config(path: Path, command: str, overrides: Sequence[str]) -> Path:
+    """Resolve ``overrides`` against the command's schema and write the full YAML."""
+    from openaligner.cli.main import COMMANDS
+    from openaligner.config import load_config, save_config
+
+    module = importlib.import_module(COMMANDS[command][0])
+    save_config(load_config(module.SCHEMA, None, list(overrides)), path)
+    return path
+
+
+def run_command(command: str, yaml_path: Path) -> None:
+    """Run ``openaligner <command> <yaml>`` in this process, as the command line does.
+
+    Raises:
+        KeyboardInterrupt: the command was stopped by SIGINT or SIGTERM (exit code 130 or 143).
+        RuntimeError: it failed with any other non-zero exit code.
+    """
+    from openaligner.cli.main import main
+
+    rc = main([command, str(yaml_path)])
+    if rc in (130, 143):  # the command was stopped by SIGINT or SIGTERM (train-ppo says so itself)
+        raise KeyboardInterrupt
+    if rc != 0:
+        raise RuntimeError(f"`openaligner {command} {yaml_path}` failed with exit code {rc}")
