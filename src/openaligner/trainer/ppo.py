@@ -45,7 +45,7 @@ from openaligner.models.weights import load_weights_into
 from openaligner.trainer import distributed as dp
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
-from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack
+from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack, rollout_texts
 
 log = logging.getLogger(__name__)
 
@@ -431,18 +431,12 @@ class PPOTrainer:
         return metrics
 
     def _decode_rollouts(self, b: RolloutBatch) -> tuple[list[str], list[str]]:
-        """Prompt and response texts (a stop token id is not part of the response text; the last
-        token of a response a stop *string* ended is)."""
+        """Prompt and response texts (see :func:`rollout_texts`)."""
         assert self.decode is not None
-        stop_ids = set(self.model.sampling.stop_token_ids or ())
-        prompts, responses = [], []
-        for i in range(len(b)):
-            p, end = int(b.prompt_lengths[i]), int(b.response_lengths[i])
-            if bool(b.is_end[i]) and int(b.response_tokens[i, end - 1]) in stop_ids:
-                end -= 1
-            prompts.append(self.decode(b.response_tokens[i, :p].tolist()))
-            responses.append(self.decode(b.response_tokens[i, p:end].tolist()))
-        return prompts, responses
+        stop_ids = self.model.sampling.stop_token_ids or ()
+        return rollout_texts(
+            b.response_tokens, b.prompt_lengths, b.response_lengths, b.is_end, stop_ids, self.decode
+        )
 
     def _generator(self, micro_batch: int, is_validation: bool) -> torch.Generator:
         # A fresh seed per (step, rank, micro-batch) makes sampling independent of history, so a
