@@ -99,11 +99,11 @@ def main() -> None:
 
     import transformers
 
-    from openaligner.models.actor import GPTActorModel
+    from openaligner.models.actor import CausalLMActor
     from openaligner.models.builders import WORKLOAD_SIZE, build_tiny_causal_lm
 
     peak_before = matmul_peak_flop_per_s(ns.threads)
-    actor = GPTActorModel(build_tiny_causal_lm("gpt2", WORKLOAD_SIZE, seed=0))
+    actor = CausalLMActor(build_tiny_causal_lm("gpt2", WORKLOAD_SIZE, seed=0))
     shape = gpt2_shape(actor.model.config)
     seq = PROMPT_TOKENS + NEW_TOKENS
     flops = shape.train_flops_per_token(seq) * ROLLOUTS * seq

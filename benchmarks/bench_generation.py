@@ -1,4 +1,4 @@
-"""Generation throughput: ``GPTActorModel.infer`` vs Hugging Face ``generate`` on the canonical workload.
+"""Generation throughput: ``CausalLMActor.infer`` vs Hugging Face ``generate`` on the canonical workload.
 
 Workload (/work/shared/bench/workload.md): GPT-2 (n_layer=4, n_embd=256, n_head=4, vocab 512,
 n_positions=256), random init, fp32; 64 prompts of 32 ids drawn from 3..511 (seed 0); 64 new
@@ -6,7 +6,7 @@ tokens each, no stop, temperature 1.0 (plain sampling: no top-k, no top-p); medi
 runs after one warm-up; ``torch.set_num_threads(2)``. The runs of the engines are interleaved so
 that load from other processes hits all of them alike.
 
-Engines: ``openaligner_infer`` (``GPTActorModel.infer``: the GPT-2 decoder), ``openaligner_hf_forward``
+Engines: ``openaligner_infer`` (``CausalLMActor.infer``: the GPT-2 decoder), ``openaligner_hf_forward``
 (the same sampling loop through the model's Hugging Face forward, ``fast_path=False``: what every
 other architecture gets), and Hugging Face ``generate`` with its default dynamic cache and with
 ``cache_implementation="static"``.
@@ -36,7 +36,7 @@ import tokenizers
 import torch
 import transformers
 
-from openaligner.models.actor import GPTActorModel
+from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import WORKLOAD_SIZE, build_tiny_causal_lm
 from openaligner.models.generation import SamplingParams, generate
 
@@ -62,7 +62,7 @@ def main() -> None:
         3, WORKLOAD_SIZE.vocab_size, (BATCH, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0)
     ).to(device)
     lengths = torch.full((BATCH,), PROMPT_TOKENS, dtype=torch.long, device=device)
-    actor = GPTActorModel(model, init_policy=False)
+    actor = CausalLMActor(model, init_policy=False)
 
     def run_infer(stop_ids: tuple[int, ...]) -> Callable[[], int]:
         params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, stop_token_ids=stop_ids)

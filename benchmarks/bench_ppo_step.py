@@ -100,7 +100,7 @@ def run_openaligner(
     from openaligner.clients.critic import CriticAddress, RemoteCriticConfig, RemoteGPTRMCriticClient
     from openaligner.config import load_config
     from openaligner.io.metrics import MetricsLogger
-    from openaligner.models.actor import GPTActorModel
+    from openaligner.models.actor import CausalLMActor
     from openaligner.models.builders import WORKLOAD_SIZE, build_tiny_causal_lm, build_tiny_reward_model
     from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
     from openaligner.trainer.ppo_config import PPOConfig
@@ -134,7 +134,7 @@ def run_openaligner(
                     "seed=0",
                 ],
             )
-            actor = GPTActorModel(build_tiny_causal_lm("gpt2", WORKLOAD_SIZE, seed=0))
+            actor = CausalLMActor(build_tiny_causal_lm("gpt2", WORKLOAD_SIZE, seed=0))
             optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5, fused=True)  # as train-ppo
             remote = RemoteCriticConfig(
                 critic=CriticAddress(port=port), pad_to_length=PROMPT_TOKENS + NEW_TOKENS

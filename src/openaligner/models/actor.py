@@ -14,7 +14,7 @@ Conventions:
 * Dropout is off in the policy and the initial policy: the HF modules are kept in eval mode
   even while training (standard RLHF practice; it keeps the rollout log-probs and the training
   log-probs of the same weights identical, so the PPO ratio starts at exactly 1). Do not call
-  ``.train()`` on :attr:`GPTActorModel.model`.
+  ``.train()`` on :attr:`CausalLMActor.model`.
 * Sequences are right-padded: ``response_tokens`` [B, S] with ``response_lengths`` [B]; padding
   after a row's length is masked out of attention and never changes valid positions.
 * Log-probs are next-token aligned, [B, S-1]: position ``t`` scores token ``t+1``, with the
@@ -56,7 +56,7 @@ from openaligner.models.precision import Precision, save_pretrained_as
 log = logging.getLogger(__name__)
 
 
-class GPTActorModel:
+class CausalLMActor:
     """A decoder-only causal LM in the actor role.
 
     Args:
@@ -137,7 +137,7 @@ class GPTActorModel:
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         **kwargs: object,
-    ) -> GPTActorModel:
+    ) -> CausalLMActor:
         """Load the policy from a local Hugging Face causal-LM directory (offline).
 
         ``kwargs`` go to the constructor; the initial policy defaults to a copy of what is loaded.
@@ -162,7 +162,7 @@ class GPTActorModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def to(self, device: str | torch.device) -> GPTActorModel:
+    def to(self, device: str | torch.device) -> CausalLMActor:
         """Move the policy and the initial policy."""
         target = torch.device(device)
         nn.Module.to(self.model, target)
@@ -410,6 +410,10 @@ class GPTActorModel:
         logits = out.logits
         assert isinstance(logits, torch.Tensor)
         return logits
+
+
+GPTActorModel = CausalLMActor
+"""The actor's name in NeMo-Aligner's vocabulary (``MegatronGPTActorModel``); it wraps any causal LM."""
 
 
 def _first_scored_position(mask: torch.Tensor) -> int:

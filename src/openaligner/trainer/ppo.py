@@ -40,7 +40,7 @@ import torch
 from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance
 from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
 from openaligner.io.metrics import MetricsLogger
-from openaligner.models.actor import GPTActorModel
+from openaligner.models.actor import CausalLMActor
 from openaligner.models.weights import load_weights_into
 from openaligner.trainer import distributed as dp
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
@@ -178,7 +178,7 @@ class PPOTrainer:
     def __init__(
         self,
         cfg: PPOConfig,
-        model: GPTActorModel,
+        model: CausalLMActor,
         optim: ActorOptim,
         prompts: Prompts,
         rm_critic: RMCritic,

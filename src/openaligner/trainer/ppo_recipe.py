@@ -23,7 +23,7 @@ from openaligner.data.jsonl import DataFileError
 from openaligner.data.prompts import PromptDataset, build_prompt_dataset, read_prompt_texts
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger, rewind_logs
-from openaligner.models.actor import GPTActorModel
+from openaligner.models.actor import CausalLMActor
 from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
 from openaligner.models.source import (
     SourceError,
@@ -57,7 +57,7 @@ class PPORun:
     """A PPO run's parts, built and checked, before any server is contacted."""
 
     cfg: TrainPPOConfig
-    actor: GPTActorModel
+    actor: CausalLMActor
     optim: ActorOptim
     prompts: Prompts
     decode: Callable[[Sequence[int]], str]  # token ids → text (special tokens skipped)
@@ -101,7 +101,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     model = load_causal_lm(cfg.actor, len(tokenizer), device, dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model, key="actor")
-    actor = GPTActorModel(
+    actor = CausalLMActor(
         model,
         tokenizer,
         forward_micro_batch_size=c.forward_micro_batch_size or c.rollout_micro_batch_size,
@@ -181,7 +181,7 @@ def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer],
     dp.barrier()
 
 
-def build_optimizer(actor: GPTActorModel, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(actor: CausalLMActor, cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over the actor's trainable parameters."""
     beta1, beta2 = cfg.betas
     return torch.optim.AdamW(

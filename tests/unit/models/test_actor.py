@@ -1,4 +1,4 @@
-"""GPTActorModel: rollouts, log-probs vs a slow reference, initial policy, PPO loss, alignment, I/O."""
+"""CausalLMActor: rollouts, log-probs vs a slow reference, initial policy, PPO loss, alignment, I/O."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from openaligner.algorithms import masked_mean, response_mask
-from openaligner.models.actor import GPTActorModel
+from openaligner.models.actor import CausalLMActor
 from openaligner.models.generation import SamplingParams
 
 PROMPT_LENGTHS = [4, 7, 2, 6]
@@ -21,7 +21,7 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
     return {"text": text, "length": length}
 
 
-def _rollout(actor: GPTActorModel, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def _rollout(actor: CausalLMActor, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return actor.infer(_batch(vocab), generator=torch.Generator().manual_seed(seed))
 
 
@@ -39,7 +39,7 @@ def _slow_logprobs(model, tokens, lengths, temperature):
 @pytest.fixture
 def actor(tiny):
     sampling = SamplingParams(temperature=0.7, max_new_tokens=8, stop_token_ids=(5, 6, 7, 8, 9, 10))
-    return GPTActorModel(tiny.causal_lm("llama"), sampling=sampling)
+    return CausalLMActor(tiny.causal_lm("llama"), sampling=sampling)
 
 
 def test_infer_returns_the_documented_keys_and_layout(actor, tiny):
@@ -54,7 +54,7 @@ def test_infer_returns_the_documented_keys_and_layout(actor, tiny):
 
 
 def test_default_stop_id_is_the_eos_of_the_model(tiny):
-    actor = GPTActorModel(
+    actor = CausalLMActor(
         tiny.causal_lm(), sampling=SamplingParams(greedy=True, max_new_tokens=6), init_policy=False
     )
     model = actor.model
@@ -110,7 +110,7 @@ def test_init_policy_is_a_frozen_copy(actor, tiny):
 
 
 def test_no_init_policy_when_disabled(tiny):
-    actor = GPTActorModel(tiny.causal_lm(), init_policy=False)
+    actor = CausalLMActor(tiny.causal_lm(), init_policy=False)
     with pytest.raises(RuntimeError, match="initial policy"):
         actor.get_init_policy_logprobs(torch.ones(1, 3, dtype=torch.long))
 
@@ -196,7 +196,7 @@ def test_dropout_stays_off_during_training(tiny):
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.5
-    actor = GPTActorModel(model, sampling=SamplingParams(max_new_tokens=4), init_policy=False)
+    actor = CausalLMActor(model, sampling=SamplingParams(max_new_tokens=4), init_policy=False)
     out = _rollout(actor, tiny.size.vocab_size)
     prev = actor.get_inference_log_probs(out["response_tokens"], out["response_lengths"])
     loss_a, metrics = actor.get_loss_and_metrics(_ppo_batch(out, prev))
@@ -210,7 +210,7 @@ def test_save_load_round_trip_is_bitwise(actor, tiny, tmp_path):
     actor.tokenizer = tiny.tokenizer
     actor.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "tokenizer.json").is_file()
-    loaded = GPTActorModel.from_pretrained(tmp_path, sampling=actor.sampling)
+    loaded = CausalLMActor.from_pretrained(tmp_path, sampling=actor.sampling)
     original, restored = actor.model.state_dict(), loaded.model.state_dict()
     assert original.keys() == restored.keys()
     assert all(torch.equal(original[k], restored[k]) for k in original)
@@ -227,11 +227,11 @@ def test_peft_init_policy_disables_adapters(tiny):
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = peft.get_peft_model(tiny.causal_lm("llama"), config)
-    actor = GPTActorModel(model, sampling=SamplingParams(max_new_tokens=4))
+    actor = CausalLMActor(model, sampling=SamplingParams(max_new_tokens=4))
     assert actor.init_policy is actor.model
     out = _rollout(actor, tiny.size.vocab_size)
     tokens, lengths = out["response_tokens"], out["response_lengths"]
-    base = GPTActorModel(
+    base = CausalLMActor(
         tiny.causal_lm("llama"), sampling=SamplingParams(max_new_tokens=4), init_policy=False
     )
     torch.testing.assert_close(

@@ -1,4 +1,4 @@
-"""GPTActorModel's training forward: the fused tanh-GELU and the skipped prompt positions give the
+"""CausalLMActor's training forward: the fused tanh-GELU and the skipped prompt positions give the
 loss, metrics and gradients of a plain full-sequence reference."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from transformers.activations import NewGELUActivation
 
 from openaligner.algorithms import ppo_policy_loss
-from openaligner.models.actor import GPTActorModel, _first_scored_position
+from openaligner.models.actor import CausalLMActor, _first_scored_position
 
 
 def _batch(vocab: int) -> dict[str, torch.Tensor]:
@@ -29,7 +29,7 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _reference(actor: GPTActorModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def _reference(actor: CausalLMActor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The loss from the model's own full-sequence forward (transformers' gelu_new, every position)."""
     tokens, lengths = batch["response_tokens"], batch["response_lengths"]
     attention = (torch.arange(tokens.shape[1]) < lengths.unsqueeze(-1)).long()
@@ -47,7 +47,7 @@ def _reference(actor: GPTActorModel, batch: dict[str, torch.Tensor]) -> torch.Te
 
 
 def test_loss_and_gradients_match_the_full_sequence_reference(tiny):
-    actor = GPTActorModel(tiny.causal_lm("gpt2"), init_policy=False)
+    actor = CausalLMActor(tiny.causal_lm("gpt2"), init_policy=False)
     assert any(isinstance(m, NewGELUActivation) for m in actor.model.modules())
     batch = _batch(tiny.size.vocab_size)
     assert _first_scored_position(batch["mask"]) == 4

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from openaligner.models.actor import GPTActorModel
+from openaligner.models.actor import CausalLMActor
 from openaligner.models.generation import SamplingParams
 from openaligner.models.precision import (
     Precision,
@@ -69,7 +69,7 @@ def _linear_output_dtypes(model: torch.nn.Module) -> tuple[list[torch.dtype], li
 @pytest.mark.parametrize(("name", "compute"), [("fp32", torch.float32), ("bf16-mixed", torch.bfloat16)])
 def test_actor_scores_trains_and_generates_under_the_precisions_autocast(tiny, name, compute):
     model = tiny.causal_lm("llama")
-    actor = GPTActorModel(
+    actor = CausalLMActor(
         model, sampling=SamplingParams(max_new_tokens=3), precision=Precision.resolve(name, CPU)
     )
     tokens = torch.randint(4, 100, (2, 7), generator=torch.Generator().manual_seed(0))

@@ -17,7 +17,7 @@ from ppo_fakes import Done, target_share
 
 from openaligner.config import load_config
 from openaligner.io.metrics import MetricsLogger
-from openaligner.models.actor import GPTActorModel
+from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.trainer import distributed as dp
 from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
@@ -83,7 +83,7 @@ def main(out: Path, fail_at: int | None = None) -> None:
     model = build_tiny_causal_lm(
         "gpt2", TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2), seed=0
     )
-    actor = GPTActorModel(model)
+    actor = CausalLMActor(model)
     prompts = [[3 + (i % 20), 4 + (i % 7), 5][: 1 + i % 3] for i in range(32)]
     opt = torch.optim.SGD(actor.parameters(), lr=0.5)
     logs = MetricsLogger(out.parent / f"logs-{dp.world_size()}", tensorboard=False, enabled=dp.rank() == 0)

@@ -12,7 +12,7 @@ import torch
 from openaligner.config import load_config
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger
-from openaligner.models.actor import GPTActorModel
+from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
 from openaligner.trainer.ppo_config import PPOConfig
@@ -88,7 +88,7 @@ def make_trainer(
             peft = pytest.importorskip("peft")
             lora = peft.LoraConfig(r=lora_rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
             model = peft.get_peft_model(model, lora)
-        actor = GPTActorModel(model, clip_eps=cfg.ratio_eps)
+        actor = CausalLMActor(model, clip_eps=cfg.ratio_eps)
     if prompts is None:
         prompts = [[3 + (i % 20), 4 + (i % 7), 5] for i in range(32)]
     opt = torch.optim.AdamW(actor.parameters(), lr=3e-3)

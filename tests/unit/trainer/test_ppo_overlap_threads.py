@@ -10,7 +10,7 @@ from ppo_fakes import Done
 
 from openaligner.config import load_config
 from openaligner.io.metrics import MetricsLogger
-from openaligner.models.actor import GPTActorModel
+from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
 from openaligner.trainer.ppo_config import PPOConfig
@@ -52,7 +52,7 @@ def _trainer(tmp_path, server_overlap_threads):
             "max_steps=2",
         ],
     )
-    actor = GPTActorModel(build_tiny_causal_lm("gpt2", SIZE, seed=0))
+    actor = CausalLMActor(build_tiny_causal_lm("gpt2", SIZE, seed=0))
     prompts = [[3 + i, 4, 5] for i in range(16)]
     trainer = PPOTrainer(
         cfg,

@@ -14,7 +14,7 @@ import torch
 
 from openaligner.config import load_config
 from openaligner.io.metrics import MetricsLogger
-from openaligner.models.actor import GPTActorModel
+from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.source import ModelSourceConfig, load_causal_lm
 from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
@@ -83,7 +83,7 @@ def share_changed_by_ppo(path, tmp_path, precision=None):
         ],
     )
     extra = {} if precision is None else {"precision": precision}
-    actor = GPTActorModel(model, clip_eps=cfg.ratio_eps, **extra)
+    actor = CausalLMActor(model, clip_eps=cfg.ratio_eps, **extra)
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5, fused=True)
     prompts = [[3 + (i % 20), 4 + (i % 7), 5] for i in range(32)]
     trainer = PPOTrainer(

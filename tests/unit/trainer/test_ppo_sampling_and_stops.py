@@ -13,13 +13,13 @@ import torch
 from ppo_fakes import SIZE, TargetTokenScorer, make_trainer, ppo_cfg
 
 from openaligner.config import ConfigError
-from openaligner.models.actor import GPTActorModel
+from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.tokenizers import build_char_tokenizer
 from openaligner.trainer.ppo import NonFiniteTrainingError
 
 
-class RecordingActor(GPTActorModel):
+class RecordingActor(CausalLMActor):
     """Records each log-prob pass: its inputs, its answer and the scoring model's weights then,
     with the prompt lengths of the rollouts generated before it."""
 
@@ -123,7 +123,7 @@ def test_responses_end_on_the_tokenizer_eos_when_the_model_config_says_otherwise
     config_eos = tokenizer.convert_tokens_to_ids("a")
     model.config.eos_token_id = config_eos  # a custom tokenizer's EOS differs from the config's
     with caplog.at_level(logging.WARNING):
-        actor = GPTActorModel(model, tokenizer)
+        actor = CausalLMActor(model, tokenizer)
     assert f"the tokenizer's EOS id {tokenizer.eos_token_id}" in caplog.text
     assert f"model config's eos_token_id {config_eos}" in caplog.text
     scorer = RecordingScorer()
@@ -145,7 +145,7 @@ def test_responses_end_on_the_tokenizer_eos_when_the_model_config_says_otherwise
 def test_a_response_ended_by_a_stop_string_keeps_its_last_token_in_the_text(tmp_path):
     tokenizer = build_char_tokenizer("abcd")
     size = TinySize(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, num_heads=2, max_positions=64)
-    actor = GPTActorModel(build_tiny_causal_lm("gpt2", size, seed=0), tokenizer)
+    actor = CausalLMActor(build_tiny_causal_lm("gpt2", size, seed=0), tokenizer)
     scorer, texts = RecordingScorer(), []
 
     def score(prompts, responses):
@@ -176,7 +176,7 @@ def test_configured_stop_ids_add_to_the_tokenizer_eos():
     assert cfg.sampling_params([1]).stop_token_ids == (1, 5, 9)
 
 
-class NaNLossActor(GPTActorModel):
+class NaNLossActor(CausalLMActor):
     """The loss is NaN in the micro-batches listed in ``nan_micro_batches`` (0-based, in call order)."""
 
     nan_micro_batches: set[int]

@@ -15,7 +15,7 @@ from openaligner.algorithms import response_mask
 from openaligner.cli.demo.presets import MAX_NEW_TOKENS
 from openaligner.clients.reward import RemoteGPTRMClient, RemoteRMConfig
 from openaligner.data.jsonl import read_records
-from openaligner.models.actor import GPTActorModel
+from openaligner.models.actor import CausalLMActor
 from openaligner.models.generation import SamplingParams
 from openaligner.models.tokenizers import load_tokenizer
 from openaligner.tasks.sorting import mean_gold_score
@@ -41,14 +41,14 @@ def evaluate(run_dir: Path, seed: int, samples: int, host: str, rm_port: int) ->
     bos = [tokenizer.bos_token_id]
     ids = [bos + tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     batch = make_prompt_collate(0)(ids)
-    sft = GPTActorModel.from_pretrained(run_dir / "sft", init_policy=False)
-    ppo = GPTActorModel.from_pretrained(run_dir / "ppo" / "actor", init_policy=False)
+    sft = CausalLMActor.from_pretrained(run_dir / "sft", init_policy=False)
+    ppo = CausalLMActor.from_pretrained(run_dir / "ppo" / "actor", init_policy=False)
     sampled = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=1)
     greedy = SamplingParams(greedy=True, max_new_tokens=MAX_NEW_TOKENS)
     for scorer in (sft, ppo):  # the KL below scores the distribution sampled from
         scorer.set_sampling(sampled)
 
-    def responses(actor: GPTActorModel, out: dict[str, torch.Tensor]) -> list[str]:
+    def responses(actor: CausalLMActor, out: dict[str, torch.Tensor]) -> list[str]:
         stop_ids = actor.sampling.stop_token_ids or ()
         return rollout_texts(
             out["response_tokens"],
@@ -77,7 +77,7 @@ def evaluate(run_dir: Path, seed: int, samples: int, host: str, rm_port: int) ->
     return results
 
 
-def _kl_per_response(actor: GPTActorModel, sft: GPTActorModel, out: dict[str, torch.Tensor]) -> float:
+def _kl_per_response(actor: CausalLMActor, sft: CausalLMActor, out: dict[str, torch.Tensor]) -> float:
     """Mean over rows of the summed log-ratio (k1) of ``actor`` to ``sft`` on ``actor``'s samples."""
     tokens, lengths, prompt_lengths = out["response_tokens"], out["response_lengths"], out["prompt_lengths"]
     logp = actor.get_inference_log_probs(tokens, lengths, None, prompt_lengths)
