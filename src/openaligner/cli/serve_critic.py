@@ -161,6 +161,7 @@ def run(cfg: ServeCriticConfig) -> int:
     import torch
     import torch.distributed as dist
 
+    from openaligner import distributed as dp
     from openaligner.io.checkpoint import CheckpointManager
     from openaligner.io.metrics import MetricsLogger
     from openaligner.models.positions import position_limit
@@ -239,18 +240,18 @@ def run(cfg: ServeCriticConfig) -> int:
             resume_step=cfg.checkpoint.resume_step,
         )
         _install_signal_handlers(server, log)
-        if server.collective.is_leader:
+        if dp.is_leader():
             server.start()
             mode = "values and rewards" if s.combine_rm_and_critic_server else "values only"
             guarded = ", train/save need the token" if server.token is not None else ""
             print(
                 f"critic server ready at {server.url} (critic_infer: {mode}; critic_train, critic_save; "
-                f"{server.collective.world_size} rank(s); step {server.step}{guarded}); "
+                f"{dp.world_size()} rank(s); step {server.step}{guarded}); "
                 "stop with Ctrl-C or SIGTERM",
                 flush=True,
             )
         server.run_server()
-        if server.collective.is_leader:
+        if dp.is_leader():
             print(f"critic server stopped at step {server.step}", flush=True)
         return 0
     finally:

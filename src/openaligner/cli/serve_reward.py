@@ -89,6 +89,7 @@ def run(cfg: ServeRewardConfig) -> int:
     import torch
     import torch.distributed as dist
 
+    from openaligner import distributed as dp
     from openaligner.models.positions import position_limit
     from openaligner.models.precision import Precision
     from openaligner.servers.reward import RewardModelServer, make_tokenize_func
@@ -136,16 +137,16 @@ def run(cfg: ServeRewardConfig) -> int:
             log_file=s.log_file,
         )
         _install_signal_handlers(server, log)
-        if server.collective.is_leader:
+        if dp.is_leader():
             server.start()
-            ranks = server.collective.world_size
+            ranks = dp.world_size()
             print(
                 f"reward model server ready at {server.url} (model '{s.model_name}', {ranks} rank(s)); "
                 "stop with Ctrl-C or SIGTERM",
                 flush=True,
             )
         server.run_server()
-        if server.collective.is_leader:
+        if dp.is_leader():
             print("reward model server stopped", flush=True)
         return 0
     finally:
@@ -234,9 +235,11 @@ def _load(source: RewardModelSource, device: Any, dtype: Any) -> tuple[Any, Any]
 def _install_signal_handlers(server: Any, log: logging.Logger) -> None:
     """SIGINT/SIGTERM: rank 0 stops the server; other ranks keep following until rank 0's STOP."""
 
+    from openaligner import distributed as dp
+
     def handle(signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if server.collective.is_leader:
+        if dp.is_leader():
             log.info("%s received: stopping", name)
             server.request_stop()
         else:

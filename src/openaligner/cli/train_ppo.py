@@ -67,9 +67,9 @@ def _resume_note(out: Path) -> str:
 
 
 def _train(cfg: TrainPPOConfig) -> int:
+    from openaligner import distributed as dp
     from openaligner.clients.critic import RemoteGPTRMCriticClient
     from openaligner.clients.errors import ClientError
-    from openaligner.trainer import distributed as dp
     from openaligner.trainer.ppo import NonFiniteTrainingError, PeerFailedError, PPOTrainer, ResumeError
     from openaligner.trainer.ppo_recipe import prepare_ppo_run, run_ppo
 

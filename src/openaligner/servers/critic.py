@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from openaligner import distributed as dp
 from openaligner.algorithms import explained_variance, value_loss
 from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
 from openaligner.io.metrics import MetricsLogger
@@ -50,7 +51,7 @@ from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
 from openaligner.models.weights import load_weights_into
 from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
-from openaligner.servers.distributed import Collective, Opcode, Rank0Dispatcher
+from openaligner.servers.distributed import Opcode, Rank0Dispatcher
 from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.lifecycle import ServerLifecycle
 from openaligner.servers.protocol import (
@@ -457,7 +458,6 @@ class CriticServerTrainer(ServerLifecycle):
         gbs: rows per optimizer step (global batch, over all ranks).
         model_forward_micro_batch_size: infer rows per forward pass on one rank.
         reward_model: the frozen reward model served in combined mode (required there).
-        collective: the world; default: the torch.distributed default group, or a world of one.
         resume: load the latest complete checkpoint of ``ckpt_callback`` at construction.
         precision: autocast of every forward and loss scaling of the critic's backward (default
             ``fp32``: neither).
@@ -480,7 +480,6 @@ class CriticServerTrainer(ServerLifecycle):
         model_forward_micro_batch_size: int,
         *,
         reward_model: RewardModel | None = None,
-        collective: Collective | None = None,
         resume: bool = True,
         precision: Precision | None = None,
         resume_step: int | None = None,
@@ -492,9 +491,8 @@ class CriticServerTrainer(ServerLifecycle):
         self.logger = logger
         self.ckpt_callback = ckpt_callback
         self.gbs = gbs
-        self.collective = collective if collective is not None else Collective()
         self.combined = cfg.combine_rm_and_critic_server
-        world = self.collective.world_size
+        world = dp.world_size()
         if gbs < 1 or gbs % world:
             raise ValueError(f"global batch size {gbs} must be a positive multiple of the {world} rank(s)")
         if model_forward_micro_batch_size < 1:
@@ -589,10 +587,10 @@ class CriticServerTrainer(ServerLifecycle):
 
     def start(self) -> None:
         """Rank 0: start Triton and return once it answers. Other ranks: nothing (see run_server)."""
-        if not self.collective.is_leader or self._host is not None:
+        if not dp.is_leader() or self._host is not None:
             return
         cfg = self.cfg
-        self._dispatcher = Rank0Dispatcher(self.collective, self.handlers(), heartbeat_s=cfg.heartbeat_s)
+        self._dispatcher = Rank0Dispatcher(self.handlers(), heartbeat_s=cfg.heartbeat_s)
         host = TritonHost(
             cfg.host,
             cfg.port,
@@ -604,7 +602,7 @@ class CriticServerTrainer(ServerLifecycle):
         per_rank = [sizes] if isinstance(sizes, int) else list(sizes)
         batching = Batching(
             max_batch_size=cfg.max_batch_size,
-            preferred_batch_sizes=tuple(int(s) * self.collective.world_size for s in per_rank),
+            preferred_batch_sizes=tuple(int(s) * dp.world_size() for s in per_rank),
             max_queue_delay_microseconds=int(cfg.max_queue_delay_microseconds),
         )
         guard = self._authorize if self.token is not None else None
@@ -636,7 +634,7 @@ class CriticServerTrainer(ServerLifecycle):
     def _call(self, opcode: Opcode, payload: Any) -> Any:
         if self._dispatcher is not None:
             return self._dispatcher.call(opcode, payload)
-        if self.collective.world_size > 1:
+        if dp.world_size() > 1:
             raise RuntimeError("with several ranks, call start() (or run_server()) on rank 0 first")
         return self.handlers()[opcode](payload)
 
@@ -651,19 +649,22 @@ class CriticServerTrainer(ServerLifecycle):
         self, batch: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """FORWARD on every rank: receive the batch, compute this rank's rows, gather all rows."""
-        c = self.collective
-        tokens = c.local_rows(c.broadcast_tensor(batch[0] if batch is not None else None))
-        lengths = c.local_rows(c.broadcast_tensor(batch[1] if batch is not None else None))
+        tokens = dp.local_rows(dp.broadcast_tensor(batch[0] if batch is not None else None))
+        lengths = dp.local_rows(dp.broadcast_tensor(batch[1] if batch is not None else None))
         mbs = self.forward_micro_batch_size
+        device = dp.collective_device()
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
-            values = self.model.infer(tokens, lengths, micro_batch_size=mbs).to(c.device)
+            values = self.model.infer(tokens, lengths, micro_batch_size=mbs).to(device)
             if self.reward_model is None:
                 return values, None
-            return values, self.reward_model.infer(tokens, lengths, micro_batch_size=mbs).to(c.device)
+            return values, self.reward_model.infer(tokens, lengths, micro_batch_size=mbs).to(device)
 
-        values, rewards = c.run_guarded(self.precision.autocast_fn(forward))
-        return c.gather_rows(values), (c.gather_rows(rewards) if rewards is not None else None)
+        values, rewards = dp.run_guarded(self.precision.autocast_fn(forward))
+        return (
+            dp.all_gather_rows(values, same_shape=True),
+            dp.all_gather_rows(rewards, same_shape=True) if rewards is not None else None,
+        )
 
     # -- TRAIN ---------------------------------------------------------------------------------
     def _train_from_rank0(self, request: TrainRequest) -> TrainResult:
@@ -672,13 +673,12 @@ class CriticServerTrainer(ServerLifecycle):
 
     def _train_all_ranks(self, request: TrainRequest | None) -> TrainResult:
         """TRAIN on every rank: receive the batch, then one pass of ``gbs``-row optimizer steps."""
-        c = self.collective
         parts = (
             (None,) * 4
             if request is None
             else (request.tokens, request.returns, request.prev_values, request.mask)
         )
-        received = TrainRequest(*(c.broadcast_tensor(p) for p in parts))
+        received = TrainRequest(*(dp.broadcast_tensor(p) for p in parts))
         return self.train_pass(received)
 
     def train_pass(self, batch: TrainRequest) -> TrainResult:
@@ -691,26 +691,25 @@ class CriticServerTrainer(ServerLifecycle):
         the gradient of the token-mean loss over the whole global batch, whatever the number of
         ranks and the micro-batch size. Then: clip the gradient norm, optimizer and scheduler step.
         """
-        c = self.collective
         batch = pad_to_multiple(batch, self.gbs)
-        share = self.gbs // c.world_size
+        share = self.gbs // dp.world_size()
         device = self.model.device
         losses, norms = [], []
         lr = self._lr()
         kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        clipped = torch.zeros(2, dtype=torch.float64, device=c.device)  # [clipped positions, positions]
+        clipped = torch.zeros(2, dtype=torch.float64)  # [clipped positions, positions]
         self.model.eval()  # no dropout: the values regressed are those critic_infer serves
         for start in range(0, batch.tokens.shape[0], self.gbs):
             started = time.perf_counter()
-            rows = slice(start + c.rank * share, start + (c.rank + 1) * share)
+            rows = slice(start + dp.rank() * share, start + (dp.rank() + 1) * share)
             total = batch.mask[start : start + self.gbs].sum().to(torch.float64)
             local = TrainRequest(
                 *(t[rows].to(device) for t in (batch.tokens, batch.returns, batch.prev_values, batch.mask))
             )
             self.optimizer.zero_grad(set_to_none=True)
-            sums = c.run_guarded(partial(self._accumulate, local, total, kept))
-            sums = c.all_reduce_sum_(sums.to(c.device))
-            self._all_reduce_grads()
+            sums = dp.run_guarded(partial(self._accumulate, local, total, kept))
+            sums = dp.all_reduce_sum(sums)
+            dp.sum_gradients(self._params)
             # A step of mask-0 rows only has no gradient, and a loss scaler cannot step or update
             # without having checked one for overflow: that step goes without it.
             scaler = self.scaler if any(p.grad is not None for p in self._params) else _NO_SCALER
@@ -733,7 +732,7 @@ class CriticServerTrainer(ServerLifecycle):
             losses.append(loss)
             norms.append(norm)
             step_s = time.perf_counter() - started
-            if self.logger is not None and c.is_leader:
+            if self.logger is not None and dp.is_leader():
                 self.logger.log(
                     {
                         "train/loss": loss,
@@ -788,20 +787,6 @@ class CriticServerTrainer(ServerLifecycle):
             kept.append((values.detach().float(), returns, mask))
         return sums
 
-    def _all_reduce_grads(self) -> None:
-        """Sum every parameter's gradient over ranks (missing gradients count as zero)."""
-        c = self.collective
-        if not c.distributed:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(c.device)
-        c.all_reduce_sum_(flat)
-        offset = 0
-        for p in self._params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).to(p.device, p.dtype)
-            offset += n
-
     def _clip_gradients(self) -> float:
         grads = [p for p in self._params if p.grad is not None]
         if not grads:
@@ -814,10 +799,6 @@ class CriticServerTrainer(ServerLifecycle):
 
     def _explained_variance(self, kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> float:
         """Explained variance over every rank's trained positions (values before each step)."""
-        c = self.collective
-
-        def reduce(t: torch.Tensor) -> torch.Tensor:
-            return c.all_reduce_sum_(t.to(c.device)).cpu()
 
         if kept:
             values = torch.cat([v.reshape(-1) for v, _, _ in kept]).cpu()
@@ -825,7 +806,7 @@ class CriticServerTrainer(ServerLifecycle):
             mask = torch.cat([m.reshape(-1) for _, _, m in kept]).cpu()
         else:  # this rank trained only padding; it still joins the reductions
             values = returns = mask = torch.zeros(1)
-        return float(explained_variance(values, returns, mask, reduce=reduce))
+        return float(explained_variance(values, returns, mask, reduce=dp.all_reduce_sum))
 
     # -- SAVE / resume -------------------------------------------------------------------------
     def _save_from_rank0(self) -> int:
@@ -834,13 +815,12 @@ class CriticServerTrainer(ServerLifecycle):
 
     def _save_all_ranks(self, _payload: None) -> int:
         """SAVE on every rank: rank 0 writes (replicas are equal); a failure is raised on all."""
-        c = self.collective
 
         def write() -> None:
-            if c.is_leader:
+            if dp.is_leader():
                 self.write_checkpoint()
 
-        c.run_guarded(write)
+        dp.run_guarded(write)
         return self.step
 
     def write_checkpoint(self) -> Path:
@@ -866,11 +846,10 @@ class CriticServerTrainer(ServerLifecycle):
 
     def _restore_all_ranks(self, step: int | None) -> int:
         """RESTORE on every rank: load rank 0's (validated) step; a failure is raised on all."""
-        c = self.collective
-        step = c.broadcast_int(step)
+        step = dp.broadcast_int(step)
         assert self.ckpt_callback is not None
         path = self.ckpt_callback.root / f"step_{step}"
-        c.run_guarded(lambda: self.load_checkpoint(path))
+        dp.run_guarded(lambda: self.load_checkpoint(path))
         return self.step
 
     def restorable(self, step: int) -> str | None:
@@ -903,17 +882,16 @@ class CriticServerTrainer(ServerLifecycle):
         Raises:
             ValueError: ``step`` was named and this server cannot restore it.
         """
-        c = self.collective
         refused = -2  # every rank learns that rank 0 refused, so that none waits in a collective
         chosen, problem = -1, "refused on rank 0"
-        if c.is_leader and step is not None:
+        if dp.is_leader() and step is not None:
             why = self.restorable(step)
             chosen, problem = (step, problem) if why is None else (refused, why)
-        elif c.is_leader and self.ckpt_callback is not None:
+        elif dp.is_leader() and self.ckpt_callback is not None:
             latest = self.ckpt_callback.latest()
             if latest is not None:
                 chosen = int(json.loads((latest / STATE_FILE).read_text())["step"])
-        chosen = c.broadcast_int(chosen)
+        chosen = dp.broadcast_int(chosen)
         if chosen == refused:
             raise ValueError(f"checkpoint.resume_step={step}: {problem}")
         if chosen < 0 or self.ckpt_callback is None:
@@ -931,9 +909,8 @@ class CriticServerTrainer(ServerLifecycle):
 
     def _sync_replicas(self) -> None:
         """Every rank's critic takes rank 0's weights (replicas must start equal)."""
-        c = self.collective
-        if not c.distributed:
+        if not dp.is_distributed():
             return
         with torch.no_grad():
             for p in self.model.parameters():
-                p.copy_(c.broadcast_tensor(p.detach() if c.is_leader else None).to(p.device, p.dtype))
+                p.copy_(dp.broadcast_tensor(p.detach() if dp.is_leader() else None).to(p.device, p.dtype))

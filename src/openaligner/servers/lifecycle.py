@@ -1,9 +1,9 @@
 """The life of a served model on every rank: start on rank 0, serve until asked, stop everything.
 
 A mixin shared by the reward server and the critic server. The class that uses it provides
-``collective`` (the ranks), ``handlers()`` (its opcode table), ``url``, ``_describe`` (for
-messages) and ``start()`` (rank 0: create ``_dispatcher`` and ``_host``). Knows nothing of what
-the endpoints compute.
+``handlers()`` (its opcode table), ``url``, ``_describe`` (for messages) and ``start()`` (rank 0:
+create ``_dispatcher`` and ``_host``); the ranks are those of :mod:`openaligner.distributed`.
+Knows nothing of what the endpoints compute.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from openaligner.servers.distributed import Collective, Rank0Dispatcher, run_subscriber_loop
+from openaligner import distributed as dp
+from openaligner.servers.distributed import Rank0Dispatcher, run_subscriber_loop
 from openaligner.servers.triton import TritonHost
 
 
 class ServerLifecycle:
-    collective: Collective
     _describe: str  # "the reward model server": for messages
     _dispatcher: Rank0Dispatcher | None
     _host: TritonHost | None
@@ -61,8 +61,8 @@ class ServerLifecycle:
         Raises:
             RuntimeError: tritonserver exited on its own (after the other ranks were released).
         """
-        if not self.collective.is_leader:
-            run_subscriber_loop(self.collective, self.handlers())
+        if not dp.is_leader():
+            run_subscriber_loop(self.handlers())
             return
         self.start()
         assert self._host is not None

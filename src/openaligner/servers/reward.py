@@ -16,14 +16,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from openaligner import distributed as dp
 from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
-from openaligner.servers.distributed import Collective, Opcode, Rank0Dispatcher
+from openaligner.servers.distributed import Opcode, Rank0Dispatcher
 from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.lifecycle import ServerLifecycle
 from openaligner.servers.protocol import (
@@ -278,7 +279,6 @@ class RewardModelServer(ServerLifecycle):
     heartbeat_s: float | None = 60.0
     exit_timeout_s: int = 3
     log_file: str | None = None
-    collective: Collective = field(default_factory=Collective, repr=False)
 
     def __post_init__(self) -> None:
         sizes = self.preferred_batch_sizes
@@ -293,7 +293,7 @@ class RewardModelServer(ServerLifecycle):
         if max(sizes) > self.max_batch_size:
             raise ValueError(
                 f"preferred batch size {max(sizes)} (inference_micro_batch_size x "
-                f"{self.collective.world_size} ranks) exceeds max_batch_size {self.max_batch_size}; "
+                f"{dp.world_size()} ranks) exceeds max_batch_size {self.max_batch_size}; "
                 f"raise max_batch_size"
             )
         if self.strip_sequence_length_to_multiple is not None and self.strip_sequence_length_to_multiple < 1:
@@ -309,7 +309,7 @@ class RewardModelServer(ServerLifecycle):
             max_batch_size=self.max_batch_size,
             forward_micro_batch_size=self.model_forward_micro_batch_size,
             strip_sequence_length_to_multiple=self.strip_sequence_length_to_multiple,
-            dp_size=self.collective.world_size,
+            dp_size=dp.world_size(),
         )
 
     @property
@@ -317,7 +317,7 @@ class RewardModelServer(ServerLifecycle):
         """``inference_micro_batch_size`` (each) times the number of ranks."""
         sizes = self.inference_micro_batch_size
         per_rank = [sizes] if isinstance(sizes, int) else list(sizes)
-        return tuple(int(s) * self.collective.world_size for s in per_rank)
+        return tuple(int(s) * dp.world_size() for s in per_rank)
 
     @property
     def url(self) -> str:
@@ -330,9 +330,9 @@ class RewardModelServer(ServerLifecycle):
 
     def start(self) -> None:
         """Rank 0: start Triton and return once it answers. Other ranks: nothing (see run_server)."""
-        if not self.collective.is_leader or self._host is not None:
+        if not dp.is_leader() or self._host is not None:
             return
-        self._dispatcher = Rank0Dispatcher(self.collective, self.handlers(), heartbeat_s=self.heartbeat_s)
+        self._dispatcher = Rank0Dispatcher(self.handlers(), heartbeat_s=self.heartbeat_s)
         host = TritonHost(
             self.host,
             self.port,
@@ -364,12 +364,12 @@ class RewardModelServer(ServerLifecycle):
 
     def _forward_all_ranks(self, batch: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """FORWARD on every rank: receive the batch, compute this rank's rows, gather all rows."""
-        c = self.collective
-        tokens = c.broadcast_tensor(batch[0] if batch is not None else None)
-        lengths = c.broadcast_tensor(batch[1] if batch is not None else None)
-        local_tokens, local_lengths = c.local_rows(tokens), c.local_rows(lengths)
-        local = c.run_guarded(lambda: self._local_infer(local_tokens, local_lengths).to(c.device))
-        return c.gather_rows(local)
+        tokens = dp.broadcast_tensor(batch[0] if batch is not None else None)
+        lengths = dp.broadcast_tensor(batch[1] if batch is not None else None)
+        local_tokens, local_lengths = dp.local_rows(tokens), dp.local_rows(lengths)
+        device = dp.collective_device()
+        local = dp.run_guarded(lambda: self._local_infer(local_tokens, local_lengths).to(device))
+        return dp.all_gather_rows(local, same_shape=True)
 
 
 def make_tokenize_func(tokenizer: Any, max_length: int | None = None) -> TokenizeFn:

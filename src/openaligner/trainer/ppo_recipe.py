@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from openaligner import distributed as dp
 from openaligner.algorithms.schedules import lr_factor
 from openaligner.config import StartupError, as_startup_error, config_to_yaml
 from openaligner.data.jsonl import DataFileError
@@ -35,7 +36,6 @@ from openaligner.models.source import (
     source_position_limit,
 )
 from openaligner.tasks import task_scorer
-from openaligner.trainer import distributed as dp
 from openaligner.trainer.ppo import (
     ActorOptim,
     PPOTrainer,

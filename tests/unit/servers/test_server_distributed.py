@@ -9,39 +9,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from openaligner.servers.distributed import (
-    Collective,
-    CollectiveFailure,
-    Opcode,
-    Rank0Dispatcher,
-    run_subscriber_loop,
-)
+from openaligner import distributed as dp
+from openaligner.distributed import CollectiveFailure
+from openaligner.servers.distributed import Opcode, Rank0Dispatcher, run_subscriber_loop
 
 
-class ScriptedCollective(Collective):
-    """A non-leader rank whose broadcasts replay a fixed list of opcodes."""
-
-    def __init__(self, opcodes):
-        super().__init__()
-        self.rank, self.world_size = 1, 2
-        self._opcodes = list(opcodes)
-
-    def broadcast_int(self, value):
-        return self._opcodes.pop(0)
+def follow_script(monkeypatch, opcodes):
+    """Make this process a non-leader rank whose broadcasts replay ``opcodes``."""
+    script = list(opcodes)
+    monkeypatch.setattr(dp, "rank", lambda: 1)
+    monkeypatch.setattr(dp, "broadcast_int", lambda value: script.pop(0))
 
 
-def test_world_of_one_collectives_are_identities():
-    c = Collective()
-    assert c.rank == 0 and c.world_size == 1 and c.is_leader and c.device.type == "cpu"
-    x = torch.arange(6).reshape(3, 2)
-    assert torch.equal(c.broadcast_tensor(x), x) and torch.equal(c.gather_rows(c.local_rows(x)), x)
-    assert c.broadcast_int(7) == 7
-    with pytest.raises(CollectiveFailure, match=r"rank\(s\) \[0\]") as info:
-        c.run_guarded(lambda: 1 / 0)
-    assert isinstance(info.value.__cause__, ZeroDivisionError)
-
-
-def test_subscriber_loop_follows_opcodes_until_stop():
+def test_subscriber_loop_follows_opcodes_until_stop(monkeypatch):
     seen = []
 
     def forward(payload):
@@ -49,24 +29,23 @@ def test_subscriber_loop_follows_opcodes_until_stop():
         if len(seen) == 2:
             raise CollectiveFailure("failed on every rank")  # logged; the loop goes on
 
-    run_subscriber_loop(
-        ScriptedCollective(
-            [Opcode.NOOP, Opcode.FORWARD, Opcode.FORWARD, Opcode.NOOP, Opcode.FORWARD, Opcode.STOP]
-        ),
-        {Opcode.FORWARD: forward},
+    follow_script(
+        monkeypatch, [Opcode.NOOP, Opcode.FORWARD, Opcode.FORWARD, Opcode.NOOP, Opcode.FORWARD, Opcode.STOP]
     )
+    run_subscriber_loop({Opcode.FORWARD: forward})
     assert seen == [None, None, None]  # subscribers never get the payload; NOOP runs nothing
 
 
-def test_subscriber_loop_refuses_unknown_opcodes():
+def test_subscriber_loop_refuses_unknown_opcodes(monkeypatch):
+    follow_script(monkeypatch, [9])
     with pytest.raises(RuntimeError, match="received opcode 9 but only knows"):
-        run_subscriber_loop(ScriptedCollective([9]), {Opcode.FORWARD: lambda p: None})
+        run_subscriber_loop({Opcode.FORWARD: lambda p: None})
 
 
 def test_dispatcher_reserves_stop_and_noop_and_refuses_calls_after_stop():
     with pytest.raises(ValueError, match="reserved"):
-        Rank0Dispatcher(Collective(), {Opcode.STOP: lambda p: None})
-    d = Rank0Dispatcher(Collective(), {Opcode.FORWARD: lambda p: p * 2})
+        Rank0Dispatcher({Opcode.STOP: lambda p: None})
+    d = Rank0Dispatcher({Opcode.FORWARD: lambda p: p * 2})
     assert d.call(Opcode.FORWARD, 21) == 42
     d.stop()
     d.stop()  # idempotent
@@ -84,25 +63,24 @@ def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=2)
     )
-    c = Collective()
     calls = []
 
     def forward(payload):
-        x = c.broadcast_tensor(payload)
-        local = c.local_rows(x)
+        x = dp.broadcast_tensor(payload)
+        local = dp.local_rows(x)
 
         def step():
-            if c.rank == 1 and float(x[0, 0]) < 0:
+            if dp.rank() == 1 and float(x[0, 0]) < 0:
                 raise RuntimeError("simulated failure on rank 1 only")
-            return local * (c.rank + 1)
+            return local * (dp.rank() + 1)
 
-        y = c.run_guarded(step)
+        y = dp.run_guarded(step)
         calls.append(tuple(x.shape))
-        return c.gather_rows(y)
+        return dp.all_gather_rows(y, same_shape=True)
 
     handlers = {Opcode.FORWARD: forward}
     if rank == 0:
-        d = Rank0Dispatcher(c, handlers, heartbeat_s=0.5)
+        d = Rank0Dispatcher(handlers, heartbeat_s=0.5)
         first = d.call(Opcode.FORWARD, torch.arange(12.0).reshape(4, 3))
         time.sleep(3.0)  # idle past the 2 s process-group timeout: only heartbeats keep rank 1 legal
         second = d.call(Opcode.FORWARD, torch.ones(2, 5, dtype=torch.float64))
@@ -117,7 +95,7 @@ def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
             {"first": first, "second": second, "failure": failure, "third": third}, f"{out_dir}/rank0.pt"
         )
     else:
-        run_subscriber_loop(c, handlers)
+        run_subscriber_loop(handlers)
         torch.save({"calls": calls}, f"{out_dir}/rank1.pt")
     dist.destroy_process_group()
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from ppo_fakes import Done, target_share
 
+from openaligner import distributed as dp
 from openaligner.config import load_config
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
-from openaligner.trainer import distributed as dp
 from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
 from openaligner.trainer.ppo_config import PPOConfig
 from openaligner.trainer.rollout import PromptLoader, make_prompt_collate

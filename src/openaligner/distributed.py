@@ -1,0 +1,274 @@
+"""The collective operations of openaligner's processes, over torch.distributed (gloo or NCCL).
+
+Owns the one collective API that the trainers and the servers share: the world as a process sees
+it (rank, world size, the device collective tensors live on, joining a torchrun job) and the
+collectives built on it — broadcast an object, an int or a tensor of any shape from rank 0,
+all-reduce sum and max, gather rows, take this rank's share of rows, sum or average gradients,
+barrier, and run a step so that a failure on one rank fails it on all.
+
+Every function is a collective that *all* ranks call in the same order with tensors of the same
+dtype (shapes that may differ across ranks are exchanged first). With no process group (a plain
+single-process run) each is the identity, so callers have one code path. Collective tensors live
+on :func:`collective_device` (this rank's CUDA device under NCCL, else CPU); results come back on
+the input's device unless a docstring says otherwise.
+
+Sits below ``servers`` and ``trainer`` (both import it) and imports nothing of openaligner: it
+must not know about training, serving, models or HTTP.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+LOGGER = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.int64,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int32,
+    torch.bool,
+    torch.float64,
+    torch.uint8,
+)
+"""What :func:`broadcast_tensor` can send (its header carries the index)."""
+_MAX_DIMS = 6
+
+
+class CollectiveFailure(RuntimeError):
+    """A step failed on at least one rank; every rank raises this so all stay in step."""
+
+
+# ----------------------------------------------------------------------------- the world
+def is_distributed() -> bool:
+    """Whether a default process group is initialised (else every collective is the identity)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_leader() -> bool:
+    """Rank 0: the process that decides, talks to the other processes' peers and writes files."""
+    return rank() == 0
+
+
+def init_from_env(timeout_s: float = 1800.0) -> bool:
+    """Join the process group torchrun describes (``WORLD_SIZE`` > 1); returns whether one is joined.
+
+    The backend is NCCL when CUDA is available, else gloo. ``timeout_s`` bounds every collective,
+    so a dead peer ends the run with an error instead of a hang.
+    """
+    if is_distributed() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return is_distributed()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+def collective_device() -> torch.device:
+    """Where tensors must live for collectives: the current CUDA device under NCCL, else CPU."""
+    if is_distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------- broadcast
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (small picklable Python objects: decisions, states)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def broadcast_int(value: int | None) -> int:
+    """Rank 0's ``value`` on every rank (the others pass None); one small tensor, no pickling."""
+    if not is_distributed():
+        assert value is not None
+        return int(value)
+    t = torch.tensor([value if is_leader() else 0], dtype=torch.int64, device=collective_device())
+    dist.broadcast(t, src=0)
+    return int(t.item())
+
+
+def broadcast_tensor(tensor: torch.Tensor | None) -> torch.Tensor:
+    """Rank 0's tensor (any shape up to 6 dims, common dtypes) on every rank, on
+    :func:`collective_device`; the other ranks pass None."""
+    device = collective_device()
+    if not is_distributed():
+        assert tensor is not None
+        return tensor.to(device)
+    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+    if is_leader():
+        assert tensor is not None
+        if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
+            raise ValueError(f"cannot broadcast a {tensor.dim()}-d {tensor.dtype} tensor")
+        header[0] = _DTYPES.index(tensor.dtype)
+        header[1] = tensor.dim()
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    dist.broadcast(header, src=0)
+    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+    shape = [int(d) for d in header[2 : 2 + ndim].tolist()]
+    if is_leader():
+        assert tensor is not None
+        data = tensor.to(device).contiguous()
+    else:
+        data = torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(data, src=0)
+    return data
+
+
+# ----------------------------------------------------------------------------- reduce
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of ``t`` over ranks (a new tensor; ``t`` is untouched). The ``reduce`` of the math core."""
+    return _all_reduce(t, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of ``t`` over ranks (a new tensor; ``t`` is untouched)."""
+    return _all_reduce(t, dist.ReduceOp.MAX)
+
+
+def _all_reduce(t: torch.Tensor, op: Any) -> torch.Tensor:
+    if not is_distributed():
+        return t
+    out = t.detach().clone().to(collective_device())
+    dist.all_reduce(out, op=op)
+    return out.to(t.device)
+
+
+# ----------------------------------------------------------------------------- rows
+def local_rows(t: torch.Tensor) -> torch.Tensor:
+    """This rank's equal contiguous share of the leading dimension (which must divide by the
+    world size): rows ``[rank * n, (rank + 1) * n)`` of ``[world * n, ...]``."""
+    rows, world = t.shape[0], world_size()
+    if rows % world:
+        raise ValueError(f"{rows} rows do not split evenly over {world} ranks")
+    share = rows // world
+    return t[rank() * share : (rank() + 1) * share]
+
+
+def all_gather_rows(t: torch.Tensor, pad_value: float = 0, *, same_shape: bool = False) -> torch.Tensor:
+    """Concatenate every rank's ``t`` along dim 0, in rank order, on ``t``'s device.
+
+    Ranks may hold different numbers of rows and (for 2-D tensors) widths: widths are padded with
+    ``pad_value`` to the global maximum first. Returns [sum of rows, max width, ...].
+
+    Args:
+        same_shape: every rank's ``t`` has the same shape (e.g. its :func:`local_rows`); skips the
+            exchange of shapes, so one collective instead of two.
+    """
+    if not is_distributed():
+        return t
+    dev = collective_device()
+    if same_shape:
+        local = t.to(dev).contiguous()
+        parts = [torch.empty_like(local) for _ in range(world_size())]
+        dist.all_gather(parts, local)
+        return torch.cat(parts).to(t.device)
+    shape = torch.tensor(list(t.shape) + [0] * (2 - t.dim()), device=dev)
+    shapes = [torch.zeros_like(shape) for _ in range(world_size())]
+    dist.all_gather(shapes, shape)
+    max_rows = int(max(s[0] for s in shapes))
+    local = t.to(dev)
+    if t.dim() == 2:
+        width = int(max(s[1] for s in shapes))
+        local = torch.nn.functional.pad(local, (0, width - t.shape[1]), value=pad_value)
+    local = torch.nn.functional.pad(local, (0, 0) * (local.dim() - 1) + (0, max_rows - t.shape[0]))
+    gathered = [torch.empty_like(local) for _ in range(world_size())]
+    dist.all_gather(gathered, local)
+    kept = [g[: int(s[0])] for g, s in zip(gathered, shapes, strict=True)]
+    return torch.cat(kept).to(t.device)
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ----------------------------------------------------------------------------- gradients
+def average_gradients(params: Iterable[torch.nn.Parameter]) -> None:
+    """Average ``.grad`` over ranks in one flat all-reduce (each rank's loss is a mean over its
+    own rows)."""
+    _all_reduce_gradients(list(params), average=True)
+
+
+def sum_gradients(params: Iterable[torch.nn.Parameter]) -> None:
+    """Sum ``.grad`` over ranks in one flat all-reduce (each rank's loss is already weighted by
+    its share of the global batch)."""
+    _all_reduce_gradients(list(params), average=False)
+
+
+def _all_reduce_gradients(params: list[torch.nn.Parameter], average: bool) -> None:
+    """Parameters without a gradient contribute zeros (and get the reduced one), so every rank
+    calls the same collective with the same shape whatever its data."""
+    if not is_distributed():
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads]).to(collective_device())
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    if average:
+        flat /= world_size()
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).to(p.device, p.dtype)
+        offset += n
+
+
+# ----------------------------------------------------------------------------- failures
+def run_guarded(step: Callable[[], T]) -> T:
+    """Run ``step`` on every rank; if it raises on any rank, raise on all.
+
+    Without this, a rank whose step failed (a CUDA OOM, say) would skip the next collective
+    and leave the others waiting until the process-group timeout.
+
+    Raises:
+        CollectiveFailure: naming the ranks that failed (the local error is chained).
+    """
+    error: BaseException | None = None
+    result: T | None = None
+    try:
+        result = step()
+    except Exception as e:
+        error = e
+        LOGGER.exception("rank %d: step failed", rank())
+    if is_distributed():
+        flag = torch.tensor([error is not None], dtype=torch.int64, device=collective_device())
+        flags = all_gather_rows(flag, same_shape=True)
+        failed = [r for r, f in enumerate(flags.tolist()) if f]
+    else:
+        failed = [0] if error is not None else []
+    if failed:
+        here = f" (rank {rank()}: {type(error).__name__}: {error})" if error is not None else ""
+        message = f"the step failed on rank(s) {failed}{here}; see the logs"
+        raise CollectiveFailure(message) from error
+    return result  # type: ignore[return-value]
