@@ -2,7 +2,8 @@
 
 Owns four steps, each a pure function on torch tensors: merge the requests Triton formed into one
 right-padded batch, strip trailing padding columns to a multiple, pad the batch dimension so every
-rank gets whole micro-batches, and split results back per request with the padded rows dropped.
+rank gets whole micro-batches, and split results back per request with the padded rows dropped;
+and an endpoint's counters of what it batched (:class:`EndpointStats`).
 Must not know about PyTriton, validation, models or torch.distributed (the data-parallel size is a
 plain integer here).
 
@@ -12,6 +13,7 @@ Shapes: B rows, S columns; ``tokens`` [B, S] int64 right-padded, ``lengths`` [B]
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -90,3 +92,17 @@ def split_rows(values: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor
     if values.shape[0] < total:
         raise ValueError(f"got {values.shape[0]} result rows for {total} requested rows")
     return list(torch.split(values[:total], list(counts)))
+
+
+@dataclass
+class EndpointStats:
+    """Counters of what the endpoint has served (calls = formed batches)."""
+
+    calls: int = 0
+    requests: int = 0
+    rows: int = 0
+    padded_rows: int = 0
+
+    @property
+    def mean_formed_batch_rows(self) -> float:
+        return self.rows / self.calls if self.calls else 0.0

@@ -50,7 +50,14 @@ from openaligner.models.positions import position_limit
 from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
 from openaligner.models.weights import load_weights_into
-from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
+from openaligner.servers.batching import (
+    EndpointStats,
+    merge_rows,
+    pad_rows,
+    padding_multiple,
+    split_rows,
+    strip_columns,
+)
 from openaligner.servers.distributed import Opcode, Rank0Dispatcher
 from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.lifecycle import ServerLifecycle
@@ -87,16 +94,18 @@ from openaligner.servers.protocol import (
     VALUES,
     TensorSpec,
 )
-from openaligner.servers.reward import EndpointStats, RewardRequest, TokenizeFn, parse_sequence_request
 from openaligner.servers.triton import Batching, TritonHost
 from openaligner.servers.validation import (
     RequestError,
+    SequenceRequest,
+    TokenizeFn,
     UnauthorizedError,
     check_aligned_width,
     check_finite,
     check_known_inputs,
     check_mask,
     check_token_ids,
+    parse_sequence_request,
 )
 
 LOGGER = logging.getLogger(__name__)
@@ -194,8 +203,8 @@ class CriticInferEndpoint:
     def outputs(self) -> tuple[TensorSpec, ...]:
         return CRITIC_INFER_OUTPUTS_COMBINED if self.combined else CRITIC_INFER_OUTPUTS_SEPARATE
 
-    def validate(self, inputs: Mapping[str, np.ndarray]) -> RewardRequest:
-        """Check one request (see :func:`openaligner.servers.reward.parse_sequence_request`)."""
+    def validate(self, inputs: Mapping[str, np.ndarray]) -> SequenceRequest:
+        """Check one request (see :func:`openaligner.servers.validation.parse_sequence_request`)."""
         return parse_sequence_request(
             inputs,
             tokenize_func=self.tokenize_func,
@@ -204,7 +213,7 @@ class CriticInferEndpoint:
             max_batch_size=self.max_batch_size,
         )
 
-    def run(self, requests: Sequence[RewardRequest]) -> list[dict[str, np.ndarray]]:
+    def run(self, requests: Sequence[SequenceRequest]) -> list[dict[str, np.ndarray]]:
         """Merge, strip, pad rows, forward, then give each request its rows at its own width."""
         tokens, lengths = merge_rows([(r.tokens, r.lengths) for r in requests])
         width = tokens.shape[1]

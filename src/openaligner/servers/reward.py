@@ -23,7 +23,14 @@ import numpy as np
 import torch
 
 from openaligner import distributed as dp
-from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
+from openaligner.servers.batching import (
+    EndpointStats,
+    merge_rows,
+    pad_rows,
+    padding_multiple,
+    split_rows,
+    strip_columns,
+)
 from openaligner.servers.distributed import Opcode, Rank0Dispatcher
 from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.lifecycle import ServerLifecycle
@@ -33,119 +40,14 @@ from openaligner.servers.protocol import (
     REWARD_INPUTS,
     REWARD_MODEL_NAME,
     REWARD_OUTPUTS,
-    SENTENCES,
-    SEQUENCE_LENGTHS,
-    TOKENS,
 )
 from openaligner.servers.triton import Batching, TritonHost
-from openaligner.servers.validation import (
-    RequestError,
-    check_batch_size,
-    check_known_inputs,
-    check_spec,
-    check_tokens,
-    decode_sentences,
-)
+from openaligner.servers.validation import SequenceRequest, TokenizeFn, parse_sequence_request
 
 LOGGER = logging.getLogger(__name__)
 
 InferFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(tokens [b, S] int64, lengths [b] int64) -> rewards [b]``; called once per micro-batch."""
-
-TokenizeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
-"""``texts -> (tokens [B, S] int64 right-padded, lengths [B] int64)``."""
-
-
-@dataclass(frozen=True)
-class RewardRequest:
-    """One validated request: ``tokens`` [b, S] int64, ``lengths`` [b] int64."""
-
-    tokens: torch.Tensor
-    lengths: torch.Tensor
-
-    @property
-    def rows(self) -> int:
-        return int(self.tokens.shape[0])
-
-
-@dataclass
-class EndpointStats:
-    """Counters of what the endpoint has served (calls = formed batches)."""
-
-    calls: int = 0
-    requests: int = 0
-    rows: int = 0
-    padded_rows: int = 0
-
-    @property
-    def mean_formed_batch_rows(self) -> float:
-        return self.rows / self.calls if self.calls else 0.0
-
-
-def parse_sequence_request(
-    inputs: Mapping[str, np.ndarray],
-    *,
-    tokenize_func: TokenizeFn | None,
-    vocab_size: int | None,
-    max_sequence_length: int | None,
-    max_batch_size: int,
-) -> RewardRequest:
-    """Check one ``sentences`` or ``tokens`` + ``sequence_lengths`` request and convert it to
-    tensors; shared by the reward model's and the critic's inference endpoints.
-
-    Raises:
-        RequestError: which input is wrong and what was expected.
-    """
-    check_known_inputs(inputs, REWARD_INPUTS)
-    if SENTENCES.name in inputs:
-        sentences = check_spec(inputs[SENTENCES.name], SENTENCES)
-        return _from_sentences(sentences, tokenize_func, max_sequence_length, max_batch_size)
-    if TOKENS.name not in inputs:
-        raise RequestError(
-            f"request has neither '{TOKENS.name}' nor '{SENTENCES.name}'; send '{TOKENS.name}' "
-            f"({TOKENS.dtype_name} {TOKENS.wire_shape}) with '{SEQUENCE_LENGTHS.name}' "
-            f"({SEQUENCE_LENGTHS.dtype_name} {SEQUENCE_LENGTHS.wire_shape}), or '{SENTENCES.name}' "
-            f"({SENTENCES.dtype_name} {SENTENCES.wire_shape})"
-        )
-    tokens = check_spec(inputs[TOKENS.name], TOKENS)
-    if SEQUENCE_LENGTHS.name not in inputs:
-        raise RequestError(
-            f"input '{SEQUENCE_LENGTHS.name}' ({SEQUENCE_LENGTHS.dtype_name} "
-            f"{SEQUENCE_LENGTHS.wire_shape}) is required with '{TOKENS.name}': the number of valid "
-            f"tokens in each row"
-        )
-    lengths = check_spec(inputs[SEQUENCE_LENGTHS.name], SEQUENCE_LENGTHS)
-    check_batch_size(tokens.shape[0], max_batch_size)
-    tokens, flat = check_tokens(
-        tokens, lengths, vocab_size=vocab_size, max_sequence_length=max_sequence_length
-    )
-    return RewardRequest(torch.from_numpy(np.array(tokens)), torch.from_numpy(np.array(flat)))
-
-
-def _from_sentences(
-    sentences: np.ndarray,
-    tokenize_func: TokenizeFn | None,
-    max_sequence_length: int | None,
-    max_batch_size: int,
-) -> RewardRequest:
-    if tokenize_func is None:
-        raise RequestError(
-            f"this server has no tokenizer, so '{SENTENCES.name}' cannot be served; send "
-            f"'{TOKENS.name}' with '{SEQUENCE_LENGTHS.name}' instead"
-        )
-    check_batch_size(sentences.shape[0], max_batch_size)
-    texts = decode_sentences(sentences)
-    tokens, lengths = tokenize_func(texts)
-    lengths = lengths.reshape(-1).to(torch.int64)
-    empty = (lengths < 1).nonzero()
-    if empty.numel():
-        raise RequestError(
-            f"input '{SENTENCES.name}': row {int(empty[0])} has no tokens; send non-empty text"
-        )
-    if max_sequence_length is not None and tokens.shape[1] > max_sequence_length:
-        tokens = tokens[:, :max_sequence_length]
-        lengths = lengths.clamp(max=max_sequence_length)
-    return RewardRequest(tokens.to(torch.int64), lengths)
 
 
 class RewardEndpoint:
@@ -192,7 +94,7 @@ class RewardEndpoint:
         self.stats = EndpointStats()
         self._stats_lock = threading.Lock()
 
-    def validate(self, inputs: Mapping[str, np.ndarray]) -> RewardRequest:
+    def validate(self, inputs: Mapping[str, np.ndarray]) -> SequenceRequest:
         """Check one request and convert it to tensors (see :func:`parse_sequence_request`)."""
         return parse_sequence_request(
             inputs,
@@ -202,7 +104,7 @@ class RewardEndpoint:
             max_batch_size=self.max_batch_size,
         )
 
-    def run(self, requests: Sequence[RewardRequest]) -> list[dict[str, np.ndarray]]:
+    def run(self, requests: Sequence[SequenceRequest]) -> list[dict[str, np.ndarray]]:
         """Answer a formed batch: merge, strip, pad rows, forward, drop padding, split per request."""
         tokens, lengths = merge_rows([(r.tokens, r.lengths) for r in requests])
         tokens = strip_columns(tokens, lengths, self.strip_multiple)

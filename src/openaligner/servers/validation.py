@@ -2,7 +2,10 @@
 
 Owns the wording of every "your request is wrong" message: which input, what was expected, what
 arrived, and how to fix it. Functions take plain numpy arrays and limits and return checked
-arrays or raise :class:`RequestError`. Must not know about PyTriton, torch.distributed or models.
+arrays or raise :class:`RequestError`; :func:`parse_sequence_request` turns the request that the
+reward model's and the critic's inference endpoints share (``sentences``, or ``tokens`` with
+``sequence_lengths``) into a :class:`SequenceRequest` of tensors. Must not know about PyTriton,
+torch.distributed or models.
 
 Triton itself already refuses wrong dtypes, wrong ranks, mismatched batch sizes and batches over
 ``max_batch_size`` (HTTP 400, naming the input) before a request reaches Python; the same checks
@@ -11,11 +14,13 @@ are repeated here so the endpoint logic is safe on its own and testable on in-me
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from openaligner.servers.protocol import TensorSpec
+from openaligner.servers.protocol import REWARD_INPUTS, SENTENCES, SEQUENCE_LENGTHS, TOKENS, TensorSpec
 
 
 class RequestError(ValueError):
@@ -202,3 +207,87 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int | None, name: str = "tok
             f"input '{name}': row {row}, position {col} holds id {int(tokens[row, col])}, outside the "
             f"vocabulary [0, {vocab_size}) of the served model (padding must be a valid id too, e.g. 0)"
         )
+
+
+# ----------------------------------------------------------------------------- sequence requests
+TokenizeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
+"""``texts -> (tokens [B, S] int64 right-padded, lengths [B] int64)``."""
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    """One validated inference request of the reward model or the critic: ``tokens`` [b, S] int64,
+    ``lengths`` [b] int64."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def parse_sequence_request(
+    inputs: Mapping[str, np.ndarray],
+    *,
+    tokenize_func: TokenizeFn | None,
+    vocab_size: int | None,
+    max_sequence_length: int | None,
+    max_batch_size: int,
+) -> SequenceRequest:
+    """Check one ``sentences`` or ``tokens`` + ``sequence_lengths`` request and convert it to
+    tensors; shared by the reward model's and the critic's inference endpoints.
+
+    Raises:
+        RequestError: which input is wrong and what was expected.
+    """
+    check_known_inputs(inputs, REWARD_INPUTS)
+    if SENTENCES.name in inputs:
+        sentences = check_spec(inputs[SENTENCES.name], SENTENCES)
+        return _from_sentences(sentences, tokenize_func, max_sequence_length, max_batch_size)
+    if TOKENS.name not in inputs:
+        raise RequestError(
+            f"request has neither '{TOKENS.name}' nor '{SENTENCES.name}'; send '{TOKENS.name}' "
+            f"({TOKENS.dtype_name} {TOKENS.wire_shape}) with '{SEQUENCE_LENGTHS.name}' "
+            f"({SEQUENCE_LENGTHS.dtype_name} {SEQUENCE_LENGTHS.wire_shape}), or '{SENTENCES.name}' "
+            f"({SENTENCES.dtype_name} {SENTENCES.wire_shape})"
+        )
+    tokens = check_spec(inputs[TOKENS.name], TOKENS)
+    if SEQUENCE_LENGTHS.name not in inputs:
+        raise RequestError(
+            f"input '{SEQUENCE_LENGTHS.name}' ({SEQUENCE_LENGTHS.dtype_name} "
+            f"{SEQUENCE_LENGTHS.wire_shape}) is required with '{TOKENS.name}': the number of valid "
+            f"tokens in each row"
+        )
+    lengths = check_spec(inputs[SEQUENCE_LENGTHS.name], SEQUENCE_LENGTHS)
+    check_batch_size(tokens.shape[0], max_batch_size)
+    tokens, flat = check_tokens(
+        tokens, lengths, vocab_size=vocab_size, max_sequence_length=max_sequence_length
+    )
+    return SequenceRequest(torch.from_numpy(np.array(tokens)), torch.from_numpy(np.array(flat)))
+
+
+def _from_sentences(
+    sentences: np.ndarray,
+    tokenize_func: TokenizeFn | None,
+    max_sequence_length: int | None,
+    max_batch_size: int,
+) -> SequenceRequest:
+    if tokenize_func is None:
+        raise RequestError(
+            f"this server has no tokenizer, so '{SENTENCES.name}' cannot be served; send "
+            f"'{TOKENS.name}' with '{SEQUENCE_LENGTHS.name}' instead"
+        )
+    check_batch_size(sentences.shape[0], max_batch_size)
+    texts = decode_sentences(sentences)
+    tokens, lengths = tokenize_func(texts)
+    lengths = lengths.reshape(-1).to(torch.int64)
+    empty = (lengths < 1).nonzero()
+    if empty.numel():
+        raise RequestError(
+            f"input '{SENTENCES.name}': row {int(empty[0])} has no tokens; send non-empty text"
+        )
+    if max_sequence_length is not None and tokens.shape[1] > max_sequence_length:
+        tokens = tokens[:, :max_sequence_length]
+        lengths = lengths.clamp(max=max_sequence_length)
+    return SequenceRequest(tokens.to(torch.int64), lengths)
