@@ -23,9 +23,7 @@ continuation.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -39,10 +37,11 @@ import torch
 
 from openaligner import distributed as dp
 from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance
-from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
+from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.actor import CausalLMActor
-from openaligner.models.weights import load_weights_into
+from openaligner.trainer.checkpoint_files import TrainingFiles
+from openaligner.trainer.optim_step import optimizer_step
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
 from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack, rollout_texts
@@ -50,6 +49,7 @@ from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_sta
 log = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state.json"
+ACTOR_FILES = TrainingFiles(model_dir="actor", state_file=TRAINER_STATE)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -577,21 +577,21 @@ class PPOTrainer:
                     self.grad_scaler.scale(loss / n_micro).backward()
                     for k, v in metrics.items():
                         step_metrics[k] += v / n_micro
-                dp.average_gradients(params)
-                self.grad_scaler.unscale_(self.optimizer)  # a no-op unless fp16 loss scaling is on
-                max_norm = c.gradient_clip_val if c.gradient_clip_val > 0 else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-                # The same on every rank (gradients are averaged first), so all ranks skip alike.
-                if math.isfinite(grad_norm):
-                    self.grad_scaler.step(self.optimizer)
-                    if self.scheduler is not None:
-                        self.scheduler.step()
+                outcome = optimizer_step(
+                    params,
+                    self.optimizer,
+                    self.scheduler,
+                    self.grad_scaler,
+                    max_grad_norm=c.gradient_clip_val,
+                    gradients="mean",  # each rank's loss is a mean over its own rows
+                )
+                grad_norm = outcome.grad_norm
+                if outcome.stepped:
                     self.ppo_optimization_step += 1
                     self.nonfinite_in_a_row = 0
                 else:
-                    self._skip_nonfinite_step(grad_norm)
+                    self._skip_nonfinite_step(grad_norm, outcome.loss_scale)
                     step_metrics["skipped_steps"] += 1.0
-                self.grad_scaler.update()  # fp16: lowers the scale after an overflow
                 step_metrics["grad_norm"] = grad_norm
                 step_metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
                 if self.grad_scaler.is_enabled():
@@ -609,7 +609,7 @@ class PPOTrainer:
         out["policy/optim_step"] = float(self.ppo_optimization_step)
         return out
 
-    def _skip_nonfinite_step(self, grad_norm: float) -> None:
+    def _skip_nonfinite_step(self, grad_norm: float, loss_scale: float) -> None:
         """Leave the weights, optimizer and schedule as they are; stop after too many in a row.
 
         Under fp16 loss scaling an overflow is routine while the scale is still high (the
@@ -618,7 +618,7 @@ class PPOTrainer:
         where the gradients are non-finite on their own.
         """
         self.nonfinite_steps += 1
-        if self.grad_scaler.is_enabled() and self.grad_scaler.get_scale() >= 1.0:
+        if self.grad_scaler.is_enabled() and loss_scale >= 1.0:
             log.info("PPO step %d: fp16 gradients overflowed; step skipped, loss scale lowered", self.step)
             return
         self.nonfinite_in_a_row += 1
@@ -696,16 +696,12 @@ class PPOTrainer:
             return
 
         def write(d: Path) -> None:
-            self.model.save_pretrained(d / "actor")
-            torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
-            if self.scheduler is not None:
-                torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
-            torch.save(rngs, d / "rng.pt")
+            ACTOR_FILES.write(d, self.model, self.optimizer, self.scheduler, rngs)
             (d / "config.yaml").write_text(self.config_yaml)
             # The critic's half must be durable before this directory can be published (the
             # manager publishes it only once this returns).
             state = self.state_dict() | {"critic_step": self._critic_step_saved(critic_saved.result())}
-            (d / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+            ACTOR_FILES.write_state(d, state)
 
         monitored = {k: v for k, v in metrics.items() if k.startswith("val/")}
         self.checkpoints.save(self.step, write, {k.replace("/", "_"): v for k, v in monitored.items()})
@@ -728,11 +724,7 @@ class PPOTrainer:
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore the actor, optimizer, scheduler, trainer state and RNGs from ``path``."""
-        load_weights_into(self.model.model, path / "actor")
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.model.device))
-        if self.scheduler is not None and (path / "scheduler.pt").is_file():
-            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
-        state = json.loads((path / TRAINER_STATE).read_text())
+        state = ACTOR_FILES.read(path, self.model.model, self.optimizer, self.scheduler, self.model.device)
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])
         self.ppo_optimization_step = int(state["ppo_optimization_step"])
@@ -741,9 +733,7 @@ class PPOTrainer:
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.critic_step = state.get("critic_step")
         self.critic_steps_per_train = state.get("critic_steps_per_train")
-        rngs = torch.load(path / "rng.pt", weights_only=False)
-        if dp.rank() < len(rngs):
-            set_rng_state(rngs[dp.rank()])
+        ACTOR_FILES.restore_rng(path, dp.rank())
         log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed_samples)
 
 
@@ -771,7 +761,7 @@ def restore_newest_checkpoint(checkpoints: CheckpointManager, rm_critic: RMCriti
     def pick() -> str | None:
         refused: list[str] = []
         for path in checkpoints.complete():
-            critic_step = json.loads((path / TRAINER_STATE).read_text()).get("critic_step")
+            critic_step = ACTOR_FILES.read_state(path).get("critic_step")
             if critic_step is not None:
                 try:
                     rm_critic.restore(int(critic_step)).result()
