@@ -80,25 +80,26 @@ def serve(conn: Connection, port: int, threads: int, settings: dict[str, Any]) -
     torch.set_num_threads(threads)
     from openaligner.io.checkpoint import CheckpointManager
     from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
+    from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
 
     critic, reward_model = build_models()
     optimizer = torch.optim.AdamW(critic.parameters(), lr=1e-5)
+    trainer = CriticTrainer(
+        CriticTrainConfig(global_batch_size=TRAIN_ROWS, micro_batch_size=settings["train_micro_batch_size"]),
+        critic,
+        optimizer,
+        checkpoints=CheckpointManager(tempfile.mkdtemp(prefix="bench-critic-")),
+    )
     server = CriticServerTrainer(
         CriticServerConfig(
             port=port,
-            micro_batch_size=settings["train_micro_batch_size"],
             inference_micro_batch_size=settings["inference_micro_batch_size"],
             max_queue_delay_microseconds=settings["max_queue_delay_microseconds"],
             max_batch_size=settings["max_batch_size"],
             max_sequence_length=256,
         ),
-        critic,
-        optimizer,
+        trainer,
         None,
-        None,
-        CheckpointManager(tempfile.mkdtemp(prefix="bench-critic-")),
-        None,
-        gbs=TRAIN_ROWS,
         model_forward_micro_batch_size=settings["model_forward_micro_batch_size"],
         reward_model=reward_model,
     )

@@ -26,6 +26,7 @@ from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
 from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
 from openaligner.servers.protocol import TOKEN_PARAMETER
 from openaligner.servers.reward import RewardModelServer
+from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
 
 TOKEN = "s3cret"
 PAD_TO = 32
@@ -38,7 +39,6 @@ def make_server(tiny, port, *, combined, checkpoints=None, token=None):
     cfg = CriticServerConfig(
         port=port,
         combine_rm_and_critic_server=combined,
-        micro_batch_size=2,
         inference_micro_batch_size=[4],
         max_queue_delay_microseconds=20_000,
         max_batch_size=64,
@@ -46,15 +46,16 @@ def make_server(tiny, port, *, combined, checkpoints=None, token=None):
         token=token,
         heartbeat_s=None,
     )
-    return CriticServerTrainer(
-        cfg,
+    trainer = CriticTrainer(
+        CriticTrainConfig(global_batch_size=GBS, micro_batch_size=2),
         critic,
         optimizer,
+        checkpoints=checkpoints,
+    )
+    return CriticServerTrainer(
+        cfg,
+        trainer,
         None,
-        None,
-        checkpoints,
-        None,
-        gbs=GBS,
         model_forward_micro_batch_size=4,
         reward_model=tiny.reward_model() if combined else None,
     )

@@ -24,6 +24,7 @@ from openaligner.io.checkpoint import CheckpointManager
 from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
 from openaligner.servers.protocol import TOKEN_PARAMETER, ErrorEnvelope
 from openaligner.servers.reward import RewardModelServer, make_tokenize_func
+from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
 
 TOKEN = "reliability-s3cret"
 MAX_BATCH = 16  # rows per infer request
@@ -71,22 +72,22 @@ def critic_server(
     critic = tiny.critic()
     settings: dict[str, Any] = dict(
         port=port,
-        micro_batch_size=2,
         inference_micro_batch_size=[4],
         max_batch_size=MAX_BATCH,
         max_train_rows=MAX_TRAIN_ROWS,
         token=token,
         heartbeat_s=None,
     )
-    return CriticServerTrainer(
-        CriticServerConfig(**{**settings, **cfg}),
+    trainer = CriticTrainer(
+        CriticTrainConfig(global_batch_size=4, micro_batch_size=2),
         critic,
         torch.optim.AdamW(critic.parameters(), lr=1e-3, weight_decay=0.0),
-        None,
-        None,
-        CheckpointManager(checkpoints) if checkpoints is not None else None,
+        checkpoints=CheckpointManager(checkpoints) if checkpoints is not None else None,
+    )
+    return CriticServerTrainer(
+        CriticServerConfig(**{**settings, **cfg}),
+        trainer,
         make_tokenize_func(tiny.tokenizer, max_length=POSITIONS),
-        gbs=4,
         model_forward_micro_batch_size=4,
         reward_model=tiny.reward_model(),
     )
@@ -211,7 +212,7 @@ def snapshot(server: CriticServerTrainer) -> dict[str, Any]:
     with server.lock:
         return {
             "weights": {k: v.detach().clone() for k, v in server.model.state_dict().items()},
-            "optimizer": copy.deepcopy(server.optimizer.state_dict()),
+            "optimizer": copy.deepcopy(server.trainer.optimizer.state_dict()),
             "step": server.step,
         }
 

@@ -2,9 +2,9 @@
 
 Loads the critic (initialised from a reward-model Hugging Face directory, or the tiny seeded test
 model) and, in combined mode, a frozen copy of the reward model; builds the optimizer, scheduler,
-checkpoint manager and metrics logger; resumes from the latest complete checkpoint (or the one
-``checkpoint.resume_step`` names); and runs
-:class:`openaligner.servers.critic.CriticServerTrainer` until SIGINT or SIGTERM. Under ``torchrun``
+checkpoint manager and metrics logger into a :class:`openaligner.trainer.critic.CriticTrainer`;
+resumes from the latest complete checkpoint (or the one ``checkpoint.resume_step`` names); and
+runs :class:`openaligner.servers.critic.CriticServerTrainer` until SIGINT or SIGTERM. Under ``torchrun``
 every rank holds a replica; rank 0 runs Triton and the others follow it. Prints the URL once the
 server answers and stops Triton (no process left behind) on either signal.
 """
@@ -168,6 +168,7 @@ def run(cfg: ServeCriticConfig) -> int:
     from openaligner.models.precision import Precision
     from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
     from openaligner.servers.reward import make_tokenize_func
+    from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
 
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
@@ -209,9 +210,6 @@ def run(cfg: ServeCriticConfig) -> int:
             host=s.host,
             port=s.port,
             combine_rm_and_critic_server=s.combine_rm_and_critic_server,
-            loss_clip_val=t.loss_clip_val,
-            gradient_clip_val=t.gradient_clip_val,
-            micro_batch_size=t.micro_batch_size,
             inference_micro_batch_size=list(s.inference_micro_batch_size),
             max_queue_delay_microseconds=s.max_queue_delay_microseconds,
             strip_sequence_length_to_multiple=s.strip_sequence_length_to_multiple,
@@ -224,19 +222,28 @@ def run(cfg: ServeCriticConfig) -> int:
             exit_timeout_s=s.exit_timeout_s,
             log_file=s.log_file,
         )
-        server = CriticServerTrainer(
-            server_cfg,
+        train_cfg = CriticTrainConfig(
+            global_batch_size=t.global_batch_size,
+            micro_batch_size=t.micro_batch_size,
+            loss_clip_val=t.loss_clip_val,
+            gradient_clip_val=t.gradient_clip_val,
+        )
+        trainer = CriticTrainer(
+            train_cfg,
             critic,
             optimizer,
             scheduler,
-            logger,
-            checkpoints,
+            precision=precision,
+            logger=logger,
+            checkpoints=checkpoints,
+        )
+        server = CriticServerTrainer(
+            server_cfg,
+            trainer,
             tokenize,
-            gbs=t.global_batch_size,
             model_forward_micro_batch_size=s.model_forward_micro_batch_size,
             reward_model=reward_model,
             resume=cfg.checkpoint.resume,
-            precision=precision,
             resume_step=cfg.checkpoint.resume_step,
         )
         _install_signal_handlers(server, log)

@@ -3,7 +3,7 @@
 Same on-disk layout as :mod:`openaligner.models.reward` (a one-label
 ``*ForSequenceClassification`` directory), so a critic is initialised from a reward-model
 checkpoint simply by loading that directory, as NeMo-Aligner does. Must not know about the
-value loss, GAE or serving: those live in ``algorithms`` and ``servers``.
+value loss, GAE, training or serving: those live in ``algorithms``, ``trainer`` and ``servers``.
 """
 
 from __future__ import annotations

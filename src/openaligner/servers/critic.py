@@ -2,54 +2,41 @@
 
 Owns the three endpoints' logic (:class:`CriticInferEndpoint`, :class:`CriticTrainEndpoint`,
 :class:`CriticSaveEndpoint`: plain objects tested on in-memory arrays) and the server that runs
-them (:class:`CriticServerTrainer`): one lock around all three, the rank-0 / subscriber loop of
-:mod:`openaligner.servers.distributed` with the FORWARD, TRAIN, SAVE and RESTORE opcodes,
-data-parallel critic training, atomic checkpoints with resume, going back to a checkpoint the
-trainer names (``critic_save`` with ``restore_step``), and the optional shared-secret token that
-guards training, saving and restoring. The value loss comes from :mod:`openaligner.algorithms`;
-transport from :mod:`openaligner.servers.triton`. Must not know about PPO, the actor or HTTP
+them (:class:`CriticServerTrainer`, NeMo-Aligner's name): one lock around all three, the rank-0 /
+subscriber loop of :mod:`openaligner.servers.distributed` with the FORWARD, TRAIN, SAVE and
+RESTORE opcodes, and the optional shared-secret token that guards training, saving and
+restoring. What TRAIN, SAVE and RESTORE do on each rank — training passes, checkpoints, resume —
+is the :class:`~openaligner.trainer.critic.CriticTrainer` the server is given; transport is
+:mod:`openaligner.servers.triton`'s. Must not know about PPO, the actor, the value loss or HTTP
 details.
 
 Combined mode (the default, as NeMo-Aligner): the same server also answers rewards from a frozen
 :class:`RewardModel` kept next to the critic. Both are resident at once — twice the weights in
-memory, in exchange for no weight swapping and a reward model that training can never touch.
-
-Precision (:mod:`openaligner.models.precision`): the critic holds float32 master weights and
-optimizer state; its training and inference forwards run under the precision's autocast and its
-backward through the precision's loss scaler. The reward model is whatever dtype it was loaded in
-(the compute dtype) and runs under the same autocast. Checkpoints hold the masters.
+memory, in exchange for no weight swapping and a reward model that training can never touch. The
+reward model is whatever dtype it was loaded in (the compute dtype) and runs under the critic's
+precision's autocast, as the critic's inference forward does.
 
 Shapes: ``tokens`` [N, S] int64; ``returns``, ``prev_values``, ``mask`` [N, S-1] float32, next-token
-aligned — position t holds the critic's value at token t, and the values trained are
-``critic(tokens)[:, :-1]``.
+aligned (see :mod:`openaligner.trainer.critic`).
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from openaligner import distributed as dp
-from openaligner.algorithms import explained_variance, value_loss
-from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
-from openaligner.io.metrics import MetricsLogger
 from openaligner.models.critic import CriticModel
 from openaligner.models.positions import position_limit
-from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
-from openaligner.models.weights import load_weights_into
 from openaligner.servers.batching import (
     EndpointStats,
     merge_rows,
@@ -107,26 +94,19 @@ from openaligner.servers.validation import (
     check_token_ids,
     parse_sequence_request,
 )
+from openaligner.trainer.critic import CriticBatch, CriticTrainer, TrainResult
 
 LOGGER = logging.getLogger(__name__)
-
-CRITIC_DIR = "critic"
-"""Checkpoint sub-directory holding the critic as a Hugging Face directory (safetensors)."""
-STATE_FILE = "critic_state.json"
-_NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
-"""A pass-through loss scaler (``step`` is ``optimizer.step()``)."""
 
 
 @dataclass
 class CriticServerConfig:
-    """How the critic server serves and trains (model, optimizer and batch sizes come separately)."""
+    """How the critic server serves (how the critic trains is
+    :class:`~openaligner.trainer.critic.CriticTrainConfig`)."""
 
     host: str = DEFAULT_HOST  # address to bind; anything but loopback is logged as a warning
     port: int = CRITIC_DEFAULT_PORT  # HTTP port
     combine_rm_and_critic_server: bool = True  # also serve rewards from a frozen reward model
-    loss_clip_val: float = 0.2  # value clipping around prev_values; 0 disables
-    gradient_clip_val: float = 1.0  # clip the global gradient norm; 0 disables
-    micro_batch_size: int = 1  # training rows per forward/backward on one rank
     inference_micro_batch_size: int | list[int] = 4  # preferred infer rows per rank (Triton batcher)
     max_queue_delay_microseconds: int = 2000  # how long Triton holds an infer request to merge it
     strip_sequence_length_to_multiple: int | None = None  # compute width multiple (null: longest row)
@@ -142,10 +122,6 @@ class CriticServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.loss_clip_val < 0 or self.gradient_clip_val < 0:
-            raise ValueError("loss_clip_val and gradient_clip_val must be >= 0 (0 disables)")
         if self.max_train_rows < 1 or self.max_batch_size < 1:
             raise ValueError("max_train_rows and max_batch_size must be >= 1")
         if self.max_request_bytes < 1:
@@ -243,38 +219,17 @@ class CriticInferEndpoint:
 
 
 # ----------------------------------------------------------------------------- train endpoint
-@dataclass(frozen=True)
-class TrainRequest:
-    """One validated training request."""
-
-    tokens: torch.Tensor  # [N, S] int64
-    returns: torch.Tensor  # [N, S-1] float32
-    prev_values: torch.Tensor  # [N, S-1] float32
-    mask: torch.Tensor  # [N, S-1] float32, 0 or 1
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What one training request did (answered as ``critic_train``'s outputs)."""
-
-    loss_mean: float  # clipped value loss, mean over this request's optimizer steps
-    clip_fraction: float  # share of valid positions whose value moved more than the clip
-    explained_variance: float  # of the values before each step against the returns
-    grad_norm: float  # gradient norm before clipping, mean over the steps
-    lr: float  # learning rate of the last step
-    step: int  # optimizer steps taken so far, all requests included
-    optimizer_steps: int  # steps taken by this request
-
-    def outputs(self) -> dict[str, np.ndarray]:
-        return {
-            LOSS_MEAN.name: np.array([self.loss_mean], np.float32),
-            CLIP_FRACTION.name: np.array([self.clip_fraction], np.float32),
-            EXPLAINED_VARIANCE.name: np.array([self.explained_variance], np.float32),
-            GRAD_NORM.name: np.array([self.grad_norm], np.float32),
-            LR.name: np.array([self.lr], np.float32),
-            STEP.name: np.array([self.step], np.int64),
-            OPTIMIZER_STEPS.name: np.array([self.optimizer_steps], np.int64),
-        }
+def train_outputs(result: TrainResult) -> dict[str, np.ndarray]:
+    """A training pass's result as ``critic_train``'s outputs (each [1])."""
+    return {
+        LOSS_MEAN.name: np.array([result.loss_mean], np.float32),
+        CLIP_FRACTION.name: np.array([result.clip_fraction], np.float32),
+        EXPLAINED_VARIANCE.name: np.array([result.explained_variance], np.float32),
+        GRAD_NORM.name: np.array([result.grad_norm], np.float32),
+        LR.name: np.array([result.lr], np.float32),
+        STEP.name: np.array([result.step], np.int64),
+        OPTIMIZER_STEPS.name: np.array([result.optimizer_steps], np.int64),
+    }
 
 
 def _check_whole(inputs: Mapping[str, np.ndarray], spec: TensorSpec) -> np.ndarray:
@@ -307,7 +262,7 @@ class CriticTrainEndpoint:
 
     def __init__(
         self,
-        train: Callable[[TrainRequest], TrainResult],
+        train: Callable[[CriticBatch], TrainResult],
         *,
         model_name: str = CRITIC_TRAIN_NAME,
         vocab_size: int | None = None,
@@ -320,7 +275,7 @@ class CriticTrainEndpoint:
         self.max_rows = max_rows
         self.max_sequence_length = max_sequence_length
 
-    def validate(self, inputs: Mapping[str, np.ndarray]) -> TrainRequest:
+    def validate(self, inputs: Mapping[str, np.ndarray]) -> CriticBatch:
         """Check dtypes, shapes (``[N, S]`` and three ``[N, S-1]``), ids, finiteness and the mask.
 
         Raises:
@@ -344,16 +299,16 @@ class CriticTrainEndpoint:
         for name, array in aligned.items():
             check_finite(name, array)
         check_mask(aligned[MASK.name])
-        return TrainRequest(
+        return CriticBatch(
             tokens=torch.from_numpy(np.array(tokens, dtype=np.int64)),
             returns=torch.from_numpy(np.array(aligned[RETURNS.name], dtype=np.float32)),
             prev_values=torch.from_numpy(np.array(aligned[PREV_VALUES.name], dtype=np.float32)),
             mask=torch.from_numpy(np.array(aligned[MASK.name], dtype=np.float32)),
         )
 
-    def run(self, requests: Sequence[TrainRequest]) -> list[dict[str, np.ndarray]]:
+    def run(self, requests: Sequence[CriticBatch]) -> list[dict[str, np.ndarray]]:
         """Train on each request in turn (a non-batched endpoint gets exactly one)."""
-        return [self.train(r).outputs() for r in requests]
+        return [train_outputs(self.train(r)) for r in requests]
 
 
 class CriticSaveEndpoint:
@@ -424,52 +379,26 @@ class CriticSaveEndpoint:
         return answers
 
 
-# ----------------------------------------------------------------------------- training math
-def pad_to_multiple(request: TrainRequest, multiple: int) -> TrainRequest:
-    """Append rows (token 0, mask 0: they train nothing) so N is a multiple of ``multiple``."""
-    extra = -request.tokens.shape[0] % multiple
-    if extra == 0:
-        return request
-
-    def grow(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, t.new_zeros((extra, t.shape[1]))])
-
-    return TrainRequest(
-        grow(request.tokens), grow(request.returns), grow(request.prev_values), grow(request.mask)
-    )
-
-
-def trained_width(mask: torch.Tensor) -> int:
-    """Tokens a forward needs for ``mask`` [n, S-1]: up to the last valid position (0 if none)."""
-    used = mask.any(0).nonzero()
-    return int(used[-1]) + 1 if used.numel() else 0
-
-
 # ----------------------------------------------------------------------------- the server
 class CriticServerTrainer(ServerLifecycle):
     """Serve a trainable critic (and, combined, a frozen reward model) on Triton.
 
-    Create it on every rank after ``torch.distributed`` is initialised (if used at all); every
-    rank holds a replica of the critic, its optimizer state and (combined) the reward model.
-    Construction resumes from the latest complete checkpoint under ``ckpt_callback`` (unless
-    ``resume=False``) and makes every rank's critic equal to rank 0's.
+    Create it on every rank after ``torch.distributed`` is initialised (if used at all), with
+    that rank's :class:`~openaligner.trainer.critic.CriticTrainer`: every rank holds a replica of
+    the critic, its optimizer state and (combined) the reward model. Construction resumes the
+    trainer from its latest complete checkpoint (unless ``resume=False``) and makes every rank's
+    critic equal to rank 0's.
 
     Args:
-        cfg: serving and training settings.
-        model: the critic (initialised from a reward model).
-        optimizer: over ``model``'s parameters.
-        scheduler: stepped once per optimizer step; None keeps the learning rate.
-        logger: receives ``train/loss``, ``train/grad_norm``, ``train/lr``, ``train/step_time_s``,
-            ``train/clip_fraction`` per optimizer step (rank 0 only); None logs nothing.
-        ckpt_callback: where ``critic_save`` writes, restores from and where start-up resumes
-            from; None disables all three (``critic_save`` is then refused).
+        cfg: serving settings.
+        trainer: the critic, how it trains and where its checkpoints go: ``critic_train`` runs its
+            :meth:`~openaligner.trainer.critic.CriticTrainer.train_pass`; ``critic_save`` writes,
+            restores from and start-up resumes from its checkpoints (none: ``critic_save`` is
+            refused). Its precision's autocast also runs every inference forward.
         tokenize_func: for ``sentences`` infer requests; None refuses them.
-        gbs: rows per optimizer step (global batch, over all ranks).
         model_forward_micro_batch_size: infer rows per forward pass on one rank.
         reward_model: the frozen reward model served in combined mode (required there).
-        resume: load the latest complete checkpoint of ``ckpt_callback`` at construction.
-        precision: autocast of every forward and loss scaling of the critic's backward (default
-            ``fp32``: neither).
+        resume: load the trainer's latest complete checkpoint at construction.
         resume_step: with ``resume``, load the checkpoint of this critic step instead of the
             latest; construction fails, naming the steps held, when it is not complete.
     """
@@ -479,31 +408,17 @@ class CriticServerTrainer(ServerLifecycle):
     def __init__(
         self,
         cfg: CriticServerConfig,
-        model: CriticModel,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-        logger: MetricsLogger | None,
-        ckpt_callback: CheckpointManager | None,
+        trainer: CriticTrainer,
         tokenize_func: TokenizeFn | None,
-        gbs: int,
         model_forward_micro_batch_size: int,
         *,
         reward_model: RewardModel | None = None,
         resume: bool = True,
-        precision: Precision | None = None,
         resume_step: int | None = None,
     ) -> None:
         self.cfg = cfg
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.logger = logger
-        self.ckpt_callback = ckpt_callback
-        self.gbs = gbs
+        self.trainer = trainer
         self.combined = cfg.combine_rm_and_critic_server
-        world = dp.world_size()
-        if gbs < 1 or gbs % world:
-            raise ValueError(f"global batch size {gbs} must be a positive multiple of the {world} rank(s)")
         if model_forward_micro_batch_size < 1:
             raise ValueError("model_forward_micro_batch_size must be >= 1")
         if self.combined and reward_model is None:
@@ -512,15 +427,12 @@ class CriticServerTrainer(ServerLifecycle):
         if self.reward_model is not None:
             self.reward_model.eval().requires_grad_(False)
         self.forward_micro_batch_size = model_forward_micro_batch_size
-        self.precision = precision if precision is not None else Precision()
-        self.scaler = self.precision.grad_scaler()
         self.token = cfg.token or os.environ.get(TOKEN_ENV) or None
-        self.step = 0
         self.lock = threading.Lock()
         """The one lock: at most one of infer, train and save runs at a time."""
-        self._params = [p for p in model.parameters() if p.requires_grad]
         self._init_lifecycle()
 
+        model = trainer.model
         vocab_size = int(model.hf_model.config.vocab_size)
         limits = [position_limit(m.hf_model.config) for m in (model, self.reward_model) if m is not None]
         known = [n for n in limits if n is not None]
@@ -535,7 +447,7 @@ class CriticServerTrainer(ServerLifecycle):
             max_batch_size=cfg.max_batch_size,
             forward_micro_batch_size=model_forward_micro_batch_size,
             strip_sequence_length_to_multiple=cfg.strip_sequence_length_to_multiple,
-            dp_size=world,
+            dp_size=dp.world_size(),
         )
         self.train_endpoint = CriticTrainEndpoint(
             self._train_from_rank0,
@@ -546,12 +458,22 @@ class CriticServerTrainer(ServerLifecycle):
         self.save_endpoint = CriticSaveEndpoint(
             self._save_from_rank0,
             self._restore_from_rank0,
-            self.restorable,
-            enabled=ckpt_callback is not None,
+            trainer.restorable,
+            enabled=trainer.checkpoints is not None,
         )
         if resume:
-            self.resume(resume_step)
-        self._sync_replicas()
+            trainer.resume(resume_step)
+        trainer.sync_replicas()
+
+    @property
+    def model(self) -> CriticModel:
+        """The served critic (the trainer's)."""
+        return self.trainer.model
+
+    @property
+    def step(self) -> int:
+        """The critic's optimizer steps so far (the trainer's)."""
+        return self.trainer.step
 
     # -- plain-callable entry points (what the endpoints do, without HTTP) -------------------
     def run_inference(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
@@ -669,155 +591,23 @@ class CriticServerTrainer(ServerLifecycle):
                 return values, None
             return values, self.reward_model.infer(tokens, lengths, micro_batch_size=mbs).to(device)
 
-        values, rewards = dp.run_guarded(self.precision.autocast_fn(forward))
+        values, rewards = dp.run_guarded(self.trainer.precision.autocast_fn(forward))
         return (
             dp.all_gather_rows(values, same_shape=True),
             dp.all_gather_rows(rewards, same_shape=True) if rewards is not None else None,
         )
 
     # -- TRAIN ---------------------------------------------------------------------------------
-    def _train_from_rank0(self, request: TrainRequest) -> TrainResult:
-        result: TrainResult = self._call(Opcode.TRAIN, request)
+    def _train_from_rank0(self, batch: CriticBatch) -> TrainResult:
+        result: TrainResult = self._call(Opcode.TRAIN, batch)
         return result
 
-    def _train_all_ranks(self, request: TrainRequest | None) -> TrainResult:
-        """TRAIN on every rank: receive the batch, then one pass of ``gbs``-row optimizer steps."""
-        parts = (
-            (None,) * 4
-            if request is None
-            else (request.tokens, request.returns, request.prev_values, request.mask)
-        )
-        received = TrainRequest(*(dp.broadcast_tensor(p) for p in parts))
-        return self.train_pass(received)
+    def _train_all_ranks(self, batch: CriticBatch | None) -> TrainResult:
+        """TRAIN on every rank: receive the batch, then one training pass."""
+        parts = (None,) * 4 if batch is None else (batch.tokens, batch.returns, batch.prev_values, batch.mask)
+        return self.trainer.train_pass(CriticBatch(*(dp.broadcast_tensor(p) for p in parts)))
 
-    def train_pass(self, batch: TrainRequest) -> TrainResult:
-        """One pass over ``batch`` in order: ``ceil(N / gbs)`` optimizer steps (on every rank).
-
-        The batch is padded to a multiple of ``gbs`` with mask-0 rows. Within a step, each rank
-        takes an equal contiguous share of the ``gbs`` rows and accumulates gradients over
-        micro-batches of ``micro_batch_size`` rows; each micro-batch's loss is weighted by its
-        share of the step's valid tokens, so the summed gradient — after the sum over ranks — is
-        the gradient of the token-mean loss over the whole global batch, whatever the number of
-        ranks and the micro-batch size. Then: clip the gradient norm, optimizer and scheduler step.
-        """
-        batch = pad_to_multiple(batch, self.gbs)
-        share = self.gbs // dp.world_size()
-        device = self.model.device
-        losses, norms = [], []
-        lr = self._lr()
-        kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        clipped = torch.zeros(2, dtype=torch.float64)  # [clipped positions, positions]
-        self.model.eval()  # no dropout: the values regressed are those critic_infer serves
-        for start in range(0, batch.tokens.shape[0], self.gbs):
-            started = time.perf_counter()
-            rows = slice(start + dp.rank() * share, start + (dp.rank() + 1) * share)
-            total = batch.mask[start : start + self.gbs].sum().to(torch.float64)
-            local = TrainRequest(
-                *(t[rows].to(device) for t in (batch.tokens, batch.returns, batch.prev_values, batch.mask))
-            )
-            self.optimizer.zero_grad(set_to_none=True)
-            sums = dp.run_guarded(partial(self._accumulate, local, total, kept))
-            sums = dp.all_reduce_sum(sums)
-            dp.sum_gradients(self._params)
-            # A step of mask-0 rows only has no gradient, and a loss scaler cannot step or update
-            # without having checked one for overflow: that step goes without it.
-            scaler = self.scaler if any(p.grad is not None for p in self._params) else _NO_SCALER
-            scaler.unscale_(self.optimizer)
-            norm = self._clip_gradients()
-            lr = self._lr()
-            if np.isfinite(norm):
-                scaler.step(self.optimizer)
-                if self.scheduler is not None:
-                    self.scheduler.step()
-                self.step += 1
-            elif scaler.is_enabled():  # fp16: the loss scale was too high; update() lowers it
-                LOGGER.info("critic step %d: fp16 gradients overflowed; step skipped", self.step)
-            else:  # inputs are checked finite, so only an overflow in the model gets here
-                LOGGER.warning("critic step %d: gradient norm is %s; step skipped", self.step, norm)
-            scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = float(sums[0])
-            clipped += sums[1:3]
-            losses.append(loss)
-            norms.append(norm)
-            step_s = time.perf_counter() - started
-            if self.logger is not None and dp.is_leader():
-                self.logger.log(
-                    {
-                        "train/loss": loss,
-                        "train/grad_norm": norm,
-                        "train/lr": lr,
-                        "train/step_time_s": step_s,
-                        "train/clip_fraction": float(sums[1] / sums[2].clamp_min(1.0)),
-                    },
-                    step=self.step,
-                )
-        return TrainResult(
-            loss_mean=float(np.mean(losses)),
-            clip_fraction=float(clipped[0] / clipped[1].clamp_min(1.0)),
-            explained_variance=self._explained_variance(kept),
-            grad_norm=float(np.mean(norms)),
-            lr=lr,
-            step=self.step,
-            optimizer_steps=len(losses),
-        )
-
-    def _accumulate(
-        self,
-        local: TrainRequest,
-        total_tokens: torch.Tensor,
-        kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """Forward/backward over this rank's micro-batches; returns [loss share, clipped, positions]."""
-        mbs = self.cfg.micro_batch_size
-        sums = torch.zeros(3, dtype=torch.float64)
-        weight_denominator = total_tokens.clamp_min(1.0)
-        for i in range(0, local.tokens.shape[0], mbs):
-            mask = local.mask[i : i + mbs]
-            width = trained_width(mask)
-            if width == 0:  # padding rows only: nothing to learn
-                continue
-            mask = mask[:, :width]
-            returns = local.returns[i : i + mbs, :width]
-            prev = local.prev_values[i : i + mbs, :width]
-            # values at tokens 0..width-1 = critic(tokens)[:, :-1] restricted to those positions
-            with self.precision.autocast():
-                values = self.model.standardize(self.model(local.tokens[i : i + mbs, :width]))
-                loss, stats = value_loss(values, prev, returns, mask, self.cfg.loss_clip_val)
-            tokens = mask.sum().to(torch.float64)
-            self.scaler.scale(loss * (tokens / weight_denominator).to(loss.dtype)).backward()
-            sums += torch.stack(
-                [
-                    loss.detach().to(torch.float64).cpu() * tokens.cpu() / weight_denominator.cpu(),
-                    stats.clip_fraction.detach().to(torch.float64).cpu() * tokens.cpu(),
-                    tokens.cpu(),
-                ]
-            )
-            kept.append((values.detach().float(), returns, mask))
-        return sums
-
-    def _clip_gradients(self) -> float:
-        grads = [p for p in self._params if p.grad is not None]
-        if not grads:
-            return 0.0
-        max_norm = self.cfg.gradient_clip_val if self.cfg.gradient_clip_val > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-
-    def _lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def _explained_variance(self, kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> float:
-        """Explained variance over every rank's trained positions (values before each step)."""
-
-        if kept:
-            values = torch.cat([v.reshape(-1) for v, _, _ in kept]).cpu()
-            returns = torch.cat([r.reshape(-1) for _, r, _ in kept]).cpu()
-            mask = torch.cat([m.reshape(-1) for _, _, m in kept]).cpu()
-        else:  # this rank trained only padding; it still joins the reductions
-            values = returns = mask = torch.zeros(1)
-        return float(explained_variance(values, returns, mask, reduce=dp.all_reduce_sum))
-
-    # -- SAVE / resume -------------------------------------------------------------------------
+    # -- SAVE / RESTORE ------------------------------------------------------------------------
     def _save_from_rank0(self) -> int:
         step: int = self._call(Opcode.SAVE, None)
         return step
@@ -827,27 +617,10 @@ class CriticServerTrainer(ServerLifecycle):
 
         def write() -> None:
             if dp.is_leader():
-                self.write_checkpoint()
+                self.trainer.write_checkpoint({"combine_rm_and_critic_server": self.combined})
 
         dp.run_guarded(write)
-        return self.step
-
-    def write_checkpoint(self) -> Path:
-        """Write ``step_<N>`` atomically: critic (HF safetensors), optimizer, scheduler, state."""
-        if self.ckpt_callback is None:
-            raise RuntimeError("no checkpoint directory configured")
-
-        def write(d: Path) -> None:
-            self.model.save_pretrained(d / CRITIC_DIR)
-            torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
-            if self.scheduler is not None:
-                torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
-            state = {"step": self.step, "combine_rm_and_critic_server": self.combined}
-            (d / STATE_FILE).write_text(json.dumps(state))
-
-        path = self.ckpt_callback.save(self.step, write, metrics={"step": float(self.step)})
-        LOGGER.info("critic checkpoint written to %s", path)
-        return path
+        return self.trainer.step
 
     def _restore_from_rank0(self, step: int) -> int:
         restored: int = self._call(Opcode.RESTORE, step)
@@ -855,71 +628,6 @@ class CriticServerTrainer(ServerLifecycle):
 
     def _restore_all_ranks(self, step: int | None) -> int:
         """RESTORE on every rank: load rank 0's (validated) step; a failure is raised on all."""
-        step = dp.broadcast_int(step)
-        assert self.ckpt_callback is not None
-        path = self.ckpt_callback.root / f"step_{step}"
-        dp.run_guarded(lambda: self.load_checkpoint(path))
-        return self.step
-
-    def restorable(self, step: int) -> str | None:
-        """``None`` when this server holds a complete checkpoint of critic ``step``, else why not
-        (naming the steps it holds)."""
-        if self.ckpt_callback is None:
-            return "this server has no checkpoint directory"
-        root = self.ckpt_callback.root
-        path = root / f"step_{step}"
-        if step < 0:
-            problem = "steps are >= 0"
-        elif not path.is_dir():
-            problem = f"there is no {path}"
-        else:
-            incomplete = verify_checkpoint(path)
-            if incomplete is None:
-                return None
-            problem = f"{path} is not complete ({incomplete})"
-        held = [s for s, _ in self.ckpt_callback.checkpoints()]
-        kept = self.ckpt_callback.keep_last
-        return (
-            f"{problem}; this server holds checkpoints of critic steps {held} under {root} "
-            f"(checkpoint.keep_last={kept} keeps {'every one' if kept <= 0 else f'the newest {kept}'})"
-        )
-
-    def resume(self, step: int | None = None) -> None:
-        """Load the latest complete checkpoint, or that of critic ``step`` (rank 0 picks it; every
-        rank loads the same one).
-
-        Raises:
-            ValueError: ``step`` was named and this server cannot restore it.
-        """
-        refused = -2  # every rank learns that rank 0 refused, so that none waits in a collective
-        chosen, problem = -1, "refused on rank 0"
-        if dp.is_leader() and step is not None:
-            why = self.restorable(step)
-            chosen, problem = (step, problem) if why is None else (refused, why)
-        elif dp.is_leader() and self.ckpt_callback is not None:
-            latest = self.ckpt_callback.latest()
-            if latest is not None:
-                chosen = int(json.loads((latest / STATE_FILE).read_text())["step"])
-        chosen = dp.broadcast_int(chosen)
-        if chosen == refused:
-            raise ValueError(f"checkpoint.resume_step={step}: {problem}")
-        if chosen < 0 or self.ckpt_callback is None:
-            return
-        self.load_checkpoint(self.ckpt_callback.root / f"step_{chosen}")
-
-    def load_checkpoint(self, path: Path) -> None:
-        """Critic weights, optimizer, scheduler and step from a directory :meth:`write_checkpoint` made."""
-        load_weights_into(self.model, path / CRITIC_DIR)
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.model.device))
-        if self.scheduler is not None and (path / "scheduler.pt").is_file():
-            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
-        self.step = int(json.loads((path / STATE_FILE).read_text())["step"])
-        LOGGER.info("critic resumed from %s at step %d", path, self.step)
-
-    def _sync_replicas(self) -> None:
-        """Every rank's critic takes rank 0's weights (replicas must start equal)."""
-        if not dp.is_distributed():
-            return
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p.copy_(dp.broadcast_tensor(p.detach() if dp.is_leader() else None).to(p.device, p.dtype))
+        chosen = dp.broadcast_int(step)
+        dp.run_guarded(lambda: self.trainer.restore(chosen))
+        return self.trainer.step

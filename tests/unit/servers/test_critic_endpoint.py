@@ -1,4 +1,5 @@
-"""Critic endpoints and CriticServerTrainer on in-memory arrays (no Triton process)."""
+"""Critic endpoints and CriticServerTrainer (with its CriticTrainer) on in-memory arrays (no Triton
+process)."""
 
 import copy
 import json
@@ -10,16 +11,10 @@ import torch
 
 from openaligner.algorithms import value_loss
 from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
-from openaligner.servers.critic import (
-    CriticInferEndpoint,
-    CriticServerConfig,
-    CriticServerTrainer,
-    TrainRequest,
-    pad_to_multiple,
-    trained_width,
-)
+from openaligner.servers.critic import CriticInferEndpoint, CriticServerConfig, CriticServerTrainer
 from openaligner.servers.protocol import TOKEN_ENV, TOKEN_PARAMETER
 from openaligner.servers.validation import RequestError, UnauthorizedError
+from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
 
 
 def make_trainer(
@@ -42,17 +37,11 @@ def make_trainer(
     else:
         optimizer = torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=0.0)
     checkpoints = CheckpointManager(tmp_path) if tmp_path is not None else None
+    train_cfg = CriticTrainConfig(global_batch_size=gbs, micro_batch_size=mbs, loss_clip_val=clip)
     return CriticServerTrainer(
-        CriticServerConfig(
-            combine_rm_and_critic_server=combined, micro_batch_size=mbs, loss_clip_val=clip, **cfg
-        ),
-        critic,
-        optimizer,
+        CriticServerConfig(combine_rm_and_critic_server=combined, **cfg),
+        CriticTrainer(train_cfg, critic, optimizer, checkpoints=checkpoints),
         None,
-        None,
-        checkpoints,
-        None,
-        gbs=gbs,
         model_forward_micro_batch_size=2,
         reward_model=tiny.reward_model() if combined else None,
         resume_step=resume_step,
@@ -238,17 +227,6 @@ def test_max_sequence_length_defaults_to_the_models_position_limit(tiny):
 
 
 # ---------------------------------------------------------------------------- training
-def test_padding_rows_train_nothing_and_width_follows_the_mask():
-    req = TrainRequest(
-        torch.ones(3, 5, dtype=torch.long), torch.ones(3, 4), torch.ones(3, 4), torch.ones(3, 4)
-    )
-    padded = pad_to_multiple(req, 4)
-    assert padded.tokens.shape == (4, 5) and padded.mask[3].sum() == 0 and padded.tokens[3].sum() == 0
-    assert pad_to_multiple(padded, 4) is padded
-    assert trained_width(torch.tensor([[1.0, 1, 0, 0], [0, 1, 1, 0]])) == 3
-    assert trained_width(torch.zeros(2, 4)) == 0
-
-
 def test_training_moves_values_toward_the_returns(tiny):
     trainer = make_trainer(tiny, combined=False, lr=3e-3)
     tokens, lengths, mask = batch(rows=8)
@@ -325,7 +303,8 @@ def test_save_then_a_new_trainer_resumes_step_weights_and_optimizer(tiny, tmp_pa
     again = make_trainer(tiny, tmp_path, combined=True)
     assert again.step == 1 and same_weights(weights(trainer), weights(again))
     assert (
-        again.optimizer.state_dict()["state"][0]["step"] == trainer.optimizer.state_dict()["state"][0]["step"]
+        again.trainer.optimizer.state_dict()["state"][0]["step"]
+        == trainer.trainer.optimizer.state_dict()["state"][0]["step"]
     )
     assert again.reward_model is not None
     torch.testing.assert_close(  # the RM is the original, not the trained critic
@@ -423,7 +402,7 @@ def test_restore_step_goes_back_to_a_held_checkpoint_and_continues_exactly(tiny,
     )[0]
     assert answer["status"].tolist() == [0] and answer["step"].tolist() == [1]
     assert trainer.step == 1 and same_weights(weights(trainer), after[0])
-    assert trainer.optimizer.state_dict()["state"][0]["step"] == 1
+    assert trainer.trainer.optimizer.state_dict()["state"][0]["step"] == 1
     trainer.run_training(**requests[1])
     assert trainer.step == 2 and same_weights(weights(trainer), after[1])
     assert trainer.restore(2) == 2  # sent twice (a resend after a lost connection): the same state
@@ -480,20 +459,19 @@ def test_token_from_config_or_environment(tiny, monkeypatch):
 
 
 def test_constructor_checks(tiny):
+    critic = tiny.critic()
+    trainer = CriticTrainer(
+        CriticTrainConfig(global_batch_size=4), critic, torch.optim.SGD(critic.parameters(), lr=0.1)
+    )
     with pytest.raises(ValueError, match="needs the reward_model"):
+        CriticServerTrainer(CriticServerConfig(), trainer, None, model_forward_micro_batch_size=2)
+    with pytest.raises(ValueError, match="model_forward_micro_batch_size"):
         CriticServerTrainer(
-            CriticServerConfig(),
-            tiny.critic(),
-            torch.optim.SGD(tiny.critic().parameters(), lr=0.1),
+            CriticServerConfig(combine_rm_and_critic_server=False),
+            trainer,
             None,
-            None,
-            None,
-            None,
-            gbs=4,
-            model_forward_micro_batch_size=2,
+            model_forward_micro_batch_size=0,
         )
-    with pytest.raises(ValueError, match="micro_batch_size"):
-        CriticServerConfig(micro_batch_size=0)
     with pytest.raises(ValueError, match="max_request_bytes"):
         CriticServerConfig(max_request_bytes=0)
     copy.deepcopy(CriticServerConfig())

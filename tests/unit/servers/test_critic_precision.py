@@ -17,6 +17,7 @@ import torch
 from openaligner.models.builders import TinySize, build_tiny_sequence_classifier
 from openaligner.models.source import ModelSourceConfig, load_critic
 from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
+from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
 
 SIZE = TinySize(vocab_size=64, hidden_size=128, num_layers=2, num_heads=2, max_positions=64)
 CPU = torch.device("cpu")
@@ -34,18 +35,17 @@ def stored(tmp_path_factory):
 
 
 def server(critic, precision=None, lr=1e-5):
-    extra = {} if precision is None else {"precision": precision}
-    return CriticServerTrainer(
-        CriticServerConfig(combine_rm_and_critic_server=False, micro_batch_size=4, loss_clip_val=0.0),
+    trainer = CriticTrainer(
+        CriticTrainConfig(global_batch_size=8, micro_batch_size=4, loss_clip_val=0.0),
         critic,
         torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=0.0),
+        precision=precision,
+    )
+    return CriticServerTrainer(
+        CriticServerConfig(combine_rm_and_critic_server=False),
+        trainer,
         None,
-        None,
-        None,
-        None,
-        gbs=8,
         model_forward_micro_batch_size=8,
-        **extra,
     )
 
 
@@ -106,7 +106,7 @@ def test_under_bf16_mixed_the_critic_moves_as_far_and_serves_float32_values(stor
     assert set(seen) == {torch.bfloat16}  # infer and train forwards ran under autocast
     assert from_bf16 >= 0.95 * from_fp32, f"bf16-mixed moved {from_bf16:.3f}, fp32 {from_fp32:.3f}"
     assert {p.dtype for p in critic.parameters()} == {torch.float32}
-    assert {s["exp_avg"].dtype for s in trainer.optimizer.state.values()} == {torch.float32}
+    assert {s["exp_avg"].dtype for s in trainer.trainer.optimizer.state.values()} == {torch.float32}
     tokens, lengths = batch()
     served = trainer.run_inference(tokens=tokens.numpy(), sequence_lengths=lengths.numpy().reshape(-1, 1))
     assert served["values"].dtype == np.float32
@@ -117,7 +117,7 @@ def test_fp16_loss_scaling_skips_an_overflowing_critic_step_and_lowers_the_scale
 
     critic = load_critic(ModelSourceConfig(path=str(stored / "fp32")), SIZE.vocab_size, CPU)
     trainer = server(critic, Precision.resolve("fp16-mixed", CPU))
-    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120)  # the scaled loss overflows
+    trainer.trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120)  # the scaled loss overflows
     before = {k: v.clone() for k, v in critic.state_dict().items()}
     tokens, lengths = batch()
     start = values(trainer, tokens, lengths)
@@ -128,9 +128,9 @@ def test_fp16_loss_scaling_skips_an_overflowing_critic_step_and_lowers_the_scale
         mask=np.ones(start.shape, np.float32),
     )
     trainer.run_training(**inputs)
-    assert trainer.step == 0 and trainer.scaler.get_scale() == 2.0**119
+    assert trainer.step == 0 and trainer.trainer.scaler.get_scale() == 2.0**119
     assert all(torch.equal(v, before[k]) for k, v in critic.state_dict().items())
-    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    trainer.trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     trainer.run_training(**inputs)
     assert trainer.step == 1
     assert not all(torch.equal(v, before[k]) for k, v in critic.state_dict().items())

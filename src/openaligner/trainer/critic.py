@@ -1,0 +1,356 @@
+"""The critic's trainer: value-regression passes of a critic replicated over data-parallel ranks,
+and its checkpoints.
+
+Owns :class:`CriticTrainer` — the critic, its optimizer, LR schedule and loss scaler, and its
+step count — with one training pass over a batch (:meth:`CriticTrainer.train_pass`) and writing,
+checking and loading its checkpoints (resume at start-up, going back to a named step). The value
+loss comes from :mod:`openaligner.algorithms`; the optimizer step and the checkpoint files are
+those the actor's trainer uses (:mod:`~openaligner.trainer.optim_step`,
+:mod:`~openaligner.trainer.checkpoint_files`); collectives from :mod:`openaligner.distributed`.
+Must not know about HTTP, Triton, opcodes or PPO: the critic server
+(:mod:`openaligner.servers.critic`) decides when every rank runs what.
+
+Precision (:mod:`openaligner.models.precision`): the critic holds float32 master weights and
+optimizer state; its training forwards run under the precision's autocast and its backward
+through the precision's loss scaler. Checkpoints hold the masters.
+
+Shapes: ``tokens`` [N, S] int64; ``returns``, ``prev_values``, ``mask`` [N, S-1] float32, next-token
+aligned — position t holds the critic's value at token t, and the values trained are
+``critic(tokens)[:, :-1]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from openaligner import distributed as dp
+from openaligner.algorithms import explained_variance, value_loss
+from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
+from openaligner.io.metrics import MetricsLogger
+from openaligner.models.critic import CriticModel
+from openaligner.models.precision import Precision
+from openaligner.trainer.checkpoint_files import TrainingFiles
+from openaligner.trainer.optim_step import optimizer_step
+
+LOGGER = logging.getLogger(__name__)
+
+CRITIC_DIR = "critic"
+"""Checkpoint sub-directory holding the critic as a Hugging Face directory (safetensors)."""
+STATE_FILE = "critic_state.json"
+CRITIC_FILES = TrainingFiles(model_dir=CRITIC_DIR, state_file=STATE_FILE)
+
+
+@dataclass
+class CriticTrainConfig:
+    """How the critic trains (the optimizer and its schedule come built)."""
+
+    global_batch_size: int  # rows per optimizer step, over all ranks; a batch pads to a multiple
+    micro_batch_size: int = 1  # training rows per forward/backward on one rank
+    loss_clip_val: float = 0.2  # value clipping around prev_values; 0 disables
+    gradient_clip_val: float = 1.0  # clip the global gradient norm; 0 disables
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1, got {self.global_batch_size}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.loss_clip_val < 0 or self.gradient_clip_val < 0:
+            raise ValueError("loss_clip_val and gradient_clip_val must be >= 0 (0 disables)")
+
+
+@dataclass(frozen=True)
+class CriticBatch:
+    """Rows the critic regresses toward their returns."""
+
+    tokens: torch.Tensor  # [N, S] int64
+    returns: torch.Tensor  # [N, S-1] float32
+    prev_values: torch.Tensor  # [N, S-1] float32: the values the rollout saw (the clip's centre)
+    mask: torch.Tensor  # [N, S-1] float32, 1 = trained, 0 = ignored
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What one training pass did."""
+
+    loss_mean: float  # clipped value loss, mean over this pass's optimizer steps
+    clip_fraction: float  # share of valid positions whose value moved more than the clip
+    explained_variance: float  # of the values before each step against the returns
+    grad_norm: float  # gradient norm before clipping, mean over the steps
+    lr: float  # learning rate of the last step
+    step: int  # optimizer steps taken so far, all passes included
+    optimizer_steps: int  # steps taken by this pass
+
+
+def pad_to_multiple(batch: CriticBatch, multiple: int) -> CriticBatch:
+    """Append rows (token 0, mask 0: they train nothing) so N is a multiple of ``multiple``."""
+    extra = -batch.tokens.shape[0] % multiple
+    if extra == 0:
+        return batch
+
+    def grow(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros((extra, t.shape[1]))])
+
+    return CriticBatch(grow(batch.tokens), grow(batch.returns), grow(batch.prev_values), grow(batch.mask))
+
+
+def trained_width(mask: torch.Tensor) -> int:
+    """Tokens a forward needs for ``mask`` [n, S-1]: up to the last valid position (0 if none)."""
+    used = mask.any(0).nonzero()
+    return int(used[-1]) + 1 if used.numel() else 0
+
+
+class CriticTrainer:
+    """Trains a critic replica on every rank and checkpoints it.
+
+    Create it on every rank after ``torch.distributed`` is initialised (if used at all); every
+    rank holds a replica of the critic and its optimizer state. :meth:`train_pass`,
+    :meth:`resume` and :meth:`sync_replicas` are collectives: every rank calls them at the same
+    point. Nothing is resumed at construction.
+
+    Args:
+        cfg: batch sizes and clipping.
+        model: the critic (initialised from a reward model).
+        optimizer: over ``model``'s trainable parameters.
+        scheduler: stepped once per optimizer step; None keeps the learning rate.
+        precision: autocast of the training forward and loss scaling of the backward (default
+            ``fp32``: neither).
+        logger: receives ``train/loss``, ``train/grad_norm``, ``train/lr``, ``train/step_time_s``,
+            ``train/clip_fraction`` per optimizer step (rank 0 only); None logs nothing.
+        checkpoints: where checkpoints are written and found; None: there are none.
+    """
+
+    def __init__(
+        self,
+        cfg: CriticTrainConfig,
+        model: CriticModel,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        *,
+        precision: Precision | None = None,
+        logger: MetricsLogger | None = None,
+        checkpoints: CheckpointManager | None = None,
+    ) -> None:
+        gbs, world = cfg.global_batch_size, dp.world_size()
+        if gbs % world:
+            raise ValueError(f"global batch size {gbs} must be a positive multiple of the {world} rank(s)")
+        self.cfg = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.precision = precision if precision is not None else Precision()
+        self.scaler = self.precision.grad_scaler()
+        self.logger = logger
+        self.checkpoints = checkpoints
+        self.step = 0
+        """Optimizer steps taken (skipped steps not counted), all passes and resumes included."""
+        self._params = [p for p in model.parameters() if p.requires_grad]
+
+    # -- training ------------------------------------------------------------------------------
+    def train_pass(self, batch: CriticBatch) -> TrainResult:
+        """One pass over ``batch`` (the same on every rank) in order: ``ceil(N / gbs)`` optimizer
+        steps.
+
+        The batch is padded to a multiple of ``gbs`` with mask-0 rows. Within a step, each rank
+        takes an equal contiguous share of the ``gbs`` rows and accumulates gradients over
+        micro-batches of ``micro_batch_size`` rows; each micro-batch's loss is weighted by its
+        share of the step's valid tokens, so the summed gradient — after the sum over ranks — is
+        the gradient of the token-mean loss over the whole global batch, whatever the number of
+        ranks and the micro-batch size. Then the shared optimizer step (clip, skip if inf/NaN,
+        optimizer and scheduler step).
+        """
+        gbs = self.cfg.global_batch_size
+        batch = pad_to_multiple(batch, gbs)
+        share = gbs // dp.world_size()
+        rank = dp.rank()
+        device = self.model.device
+        losses, norms = [], []
+        lr = self._lr()
+        kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        clipped = torch.zeros(2, dtype=torch.float64)  # [clipped positions, positions]
+        self.model.eval()  # no dropout: the values regressed are those critic_infer serves
+        for start in range(0, batch.tokens.shape[0], gbs):
+            started = time.perf_counter()
+            rows = slice(start + rank * share, start + (rank + 1) * share)
+            total = batch.mask[start : start + gbs].sum().to(torch.float64)
+            local = CriticBatch(
+                *(t[rows].to(device) for t in (batch.tokens, batch.returns, batch.prev_values, batch.mask))
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            sums = dp.run_guarded(partial(self._accumulate, local, total, kept))
+            sums = dp.all_reduce_sum(sums)
+            lr = self._lr()
+            outcome = optimizer_step(
+                self._params,
+                self.optimizer,
+                self.scheduler,
+                self.scaler,
+                max_grad_norm=self.cfg.gradient_clip_val,
+                gradients="sum",  # each micro-batch's loss is weighted by its share of the global batch
+            )
+            norm = outcome.grad_norm
+            if outcome.stepped:
+                self.step += 1
+            elif self.scaler.is_enabled():  # fp16: the loss scale was too high; it was lowered
+                LOGGER.info("critic step %d: fp16 gradients overflowed; step skipped", self.step)
+            else:  # inputs are checked finite, so only an overflow in the model gets here
+                LOGGER.warning("critic step %d: gradient norm is %s; step skipped", self.step, norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = float(sums[0])
+            clipped += sums[1:3]
+            losses.append(loss)
+            norms.append(norm)
+            step_s = time.perf_counter() - started
+            if self.logger is not None and dp.is_leader():
+                self.logger.log(
+                    {
+                        "train/loss": loss,
+                        "train/grad_norm": norm,
+                        "train/lr": lr,
+                        "train/step_time_s": step_s,
+                        "train/clip_fraction": float(sums[1] / sums[2].clamp_min(1.0)),
+                    },
+                    step=self.step,
+                )
+        return TrainResult(
+            loss_mean=float(np.mean(losses)),
+            clip_fraction=float(clipped[0] / clipped[1].clamp_min(1.0)),
+            explained_variance=self._explained_variance(kept),
+            grad_norm=float(np.mean(norms)),
+            lr=lr,
+            step=self.step,
+            optimizer_steps=len(losses),
+        )
+
+    def _accumulate(
+        self,
+        local: CriticBatch,
+        total_tokens: torch.Tensor,
+        kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Forward/backward over this rank's micro-batches; returns [loss share, clipped, positions]."""
+        mbs = self.cfg.micro_batch_size
+        sums = torch.zeros(3, dtype=torch.float64)
+        weight_denominator = total_tokens.clamp_min(1.0)
+        for i in range(0, local.tokens.shape[0], mbs):
+            mask = local.mask[i : i + mbs]
+            width = trained_width(mask)
+            if width == 0:  # padding rows only: nothing to learn
+                continue
+            mask = mask[:, :width]
+            returns = local.returns[i : i + mbs, :width]
+            prev = local.prev_values[i : i + mbs, :width]
+            # values at tokens 0..width-1 = critic(tokens)[:, :-1] restricted to those positions
+            with self.precision.autocast():
+                values = self.model.standardize(self.model(local.tokens[i : i + mbs, :width]))
+                loss, stats = value_loss(values, prev, returns, mask, self.cfg.loss_clip_val)
+            tokens = mask.sum().to(torch.float64)
+            self.scaler.scale(loss * (tokens / weight_denominator).to(loss.dtype)).backward()
+            sums += torch.stack(
+                [
+                    loss.detach().to(torch.float64).cpu() * tokens.cpu() / weight_denominator.cpu(),
+                    stats.clip_fraction.detach().to(torch.float64).cpu() * tokens.cpu(),
+                    tokens.cpu(),
+                ]
+            )
+            kept.append((values.detach().float(), returns, mask))
+        return sums
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _explained_variance(self, kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> float:
+        """Explained variance over every rank's trained positions (values before each step)."""
+        if kept:
+            values = torch.cat([v.reshape(-1) for v, _, _ in kept]).cpu()
+            returns = torch.cat([r.reshape(-1) for _, r, _ in kept]).cpu()
+            mask = torch.cat([m.reshape(-1) for _, _, m in kept]).cpu()
+        else:  # this rank trained only padding; it still joins the reductions
+            values = returns = mask = torch.zeros(1)
+        return float(explained_variance(values, returns, mask, reduce=dp.all_reduce_sum))
+
+    def sync_replicas(self) -> None:
+        """Every rank's critic takes rank 0's weights (replicas must start equal)."""
+        if not dp.is_distributed():
+            return
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_(dp.broadcast_tensor(p.detach() if dp.is_leader() else None).to(p.device, p.dtype))
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def write_checkpoint(self, extra_state: dict[str, object] | None = None) -> Path:
+        """Write ``step_<N>`` atomically: critic (HF safetensors), optimizer, scheduler, state
+        (``step`` and ``extra_state``). Call on one rank: the replicas are equal."""
+        if self.checkpoints is None:
+            raise RuntimeError("no checkpoint directory configured")
+
+        def write(d: Path) -> None:
+            CRITIC_FILES.write(d, self.model, self.optimizer, self.scheduler)
+            CRITIC_FILES.write_state(d, {"step": self.step, **(extra_state or {})})
+
+        path = self.checkpoints.save(self.step, write, metrics={"step": float(self.step)})
+        LOGGER.info("critic checkpoint written to %s", path)
+        return path
+
+    def restorable(self, step: int) -> str | None:
+        """``None`` when a complete checkpoint of critic ``step`` is held, else why not (naming the
+        steps held)."""
+        if self.checkpoints is None:
+            return "this server has no checkpoint directory"
+        root = self.checkpoints.root
+        path = root / f"step_{step}"
+        if step < 0:
+            problem = "steps are >= 0"
+        elif not path.is_dir():
+            problem = f"there is no {path}"
+        else:
+            incomplete = verify_checkpoint(path)
+            if incomplete is None:
+                return None
+            problem = f"{path} is not complete ({incomplete})"
+        held = [s for s, _ in self.checkpoints.checkpoints()]
+        kept = self.checkpoints.keep_last
+        return (
+            f"{problem}; this server holds checkpoints of critic steps {held} under {root} "
+            f"(checkpoint.keep_last={kept} keeps {'every one' if kept <= 0 else f'the newest {kept}'})"
+        )
+
+    def restore(self, step: int) -> None:
+        """Load the checkpoint of critic ``step`` on this rank (check :meth:`restorable` first)."""
+        assert self.checkpoints is not None
+        self.load_checkpoint(self.checkpoints.root / f"step_{step}")
+
+    def resume(self, step: int | None = None) -> None:
+        """Load the latest complete checkpoint, or that of critic ``step`` (rank 0 picks it; every
+        rank loads the same one). Without checkpoints, nothing happens.
+
+        Raises:
+            ValueError: ``step`` was named and cannot be restored.
+        """
+        refused = -2  # every rank learns that rank 0 refused, so that none waits in a collective
+        chosen, problem = -1, "refused on rank 0"
+        if dp.is_leader() and step is not None:
+            why = self.restorable(step)
+            chosen, problem = (step, problem) if why is None else (refused, why)
+        elif dp.is_leader() and self.checkpoints is not None:
+            latest = self.checkpoints.latest()
+            if latest is not None:
+                chosen = int(CRITIC_FILES.read_state(latest)["step"])
+        chosen = dp.broadcast_int(chosen)
+        if chosen == refused:
+            raise ValueError(f"checkpoint.resume_step={step}: {problem}")
+        if chosen < 0 or self.checkpoints is None:
+            return
+        self.restore(chosen)
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Critic weights, optimizer, scheduler and step from a directory :meth:`write_checkpoint` made."""
+        state = CRITIC_FILES.read(path, self.model, self.optimizer, self.scheduler, self.model.device)
+        self.step = int(state["step"])
+        LOGGER.info("critic resumed from %s at step %d", path, self.step)

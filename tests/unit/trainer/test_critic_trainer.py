@@ -1,0 +1,90 @@
+"""CriticTrainer on its own (no server): padding, one pass against a reference, checkpoints.
+
+The server's endpoints around it are tested in tests/unit/servers/test_critic_endpoint.py."""
+
+import pytest
+import torch
+
+from openaligner.algorithms import value_loss
+from openaligner.io.checkpoint import CheckpointManager
+from openaligner.trainer.critic import (
+    CriticBatch,
+    CriticTrainConfig,
+    CriticTrainer,
+    pad_to_multiple,
+    trained_width,
+)
+
+
+def make(tiny, checkpoints=None, **cfg):
+    critic = tiny.critic()
+    optimizer = torch.optim.SGD(critic.parameters(), lr=0.5)
+    settings = {"global_batch_size": 4, "micro_batch_size": 2, **cfg}
+    return CriticTrainer(CriticTrainConfig(**settings), critic, optimizer, checkpoints=checkpoints)
+
+
+def a_batch(rows=3, width=10):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 100, (rows, width), generator=g)
+    lengths = torch.randint(2, width + 1, (rows,), generator=g)
+    mask = (torch.arange(width - 1)[None, :] < (lengths - 1)[:, None]).float()
+    returns = torch.randn(rows, width - 1, generator=g)
+    return CriticBatch(tokens, returns, 0.1 * torch.randn(rows, width - 1, generator=g), mask)
+
+
+def test_padding_rows_train_nothing_and_width_follows_the_mask():
+    batch = CriticBatch(
+        torch.ones(3, 5, dtype=torch.long), torch.ones(3, 4), torch.ones(3, 4), torch.ones(3, 4)
+    )
+    padded = pad_to_multiple(batch, 4)
+    assert padded.tokens.shape == (4, 5) and padded.mask[3].sum() == 0 and padded.tokens[3].sum() == 0
+    assert pad_to_multiple(padded, 4) is padded
+    assert trained_width(torch.tensor([[1.0, 1, 0, 0], [0, 1, 1, 0]])) == 3
+    assert trained_width(torch.zeros(2, 4)) == 0
+
+
+def test_a_pass_is_one_token_mean_step_whatever_the_micro_batch(tiny):
+    batch = a_batch()
+    reference = tiny.critic()
+    loss, _ = value_loss(reference(batch.tokens)[:, :-1], batch.prev_values, batch.returns, batch.mask, 0.2)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 1.0)
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    for mbs in (1, 3):
+        trainer = make(tiny, micro_batch_size=mbs)
+        result = trainer.train_pass(batch)
+        assert (result.step, result.optimizer_steps, trainer.step) == (1, 1, 1)
+        assert result.loss_mean == pytest.approx(loss.item(), rel=1e-5) and result.lr == 0.5
+        for k, v in reference.state_dict().items():
+            torch.testing.assert_close(trainer.model.state_dict()[k], v, atol=1e-6, rtol=1e-5)
+
+
+def test_checkpoints_resume_restore_and_refuse(tiny, tmp_path):
+    trainer = make(tiny, CheckpointManager(tmp_path))
+    trainer.train_pass(a_batch())
+    path = trainer.write_checkpoint({"note": "kept"})
+    assert path == tmp_path / "step_1" and (path / "critic" / "config.json").is_file()
+    saved = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train_pass(a_batch())
+    assert trainer.step == 2
+    again = make(tiny, CheckpointManager(tmp_path))
+    assert again.step == 0  # nothing is resumed at construction
+    again.resume()
+    assert again.step == 1 and all(torch.equal(v, saved[k]) for k, v in again.model.state_dict().items())
+    trainer.restore(1)
+    assert trainer.step == 1
+    assert trainer.restorable(1) is None
+    assert "there is no" in (trainer.restorable(3) or "")
+    with pytest.raises(ValueError, match="resume_step=3"):
+        again.resume(3)
+    with pytest.raises(RuntimeError, match="no checkpoint directory"):
+        make(tiny).write_checkpoint()
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        CriticTrainConfig(global_batch_size=4, micro_batch_size=0)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        CriticTrainConfig(global_batch_size=0)
+    with pytest.raises(ValueError, match="gradient_clip_val"):
+        CriticTrainConfig(global_batch_size=4, gradient_clip_val=-1)
