@@ -372,15 +372,37 @@ class RewardModelServer(ServerLifecycle):
         return c.gather_rows(local)
 
 
-def make_tokenize_func(tokenizer: Any, max_length: int | None = None) -> TokenizeFn:
+MAX_CHARS_PER_TOKEN = 32
+"""How many characters of a text are tokenized per token kept: a text is cut to
+``max_length * MAX_CHARS_PER_TOKEN`` characters before tokenizing. Whatever lies beyond could only
+reach the first ``max_length`` tokens if they averaged more than this many characters (English
+text averages about 4 per BPE token), and tokenizing it would cost time for tokens the server
+throws away (a 2 MB text held the server for seconds)."""
+
+
+def make_tokenize_func(
+    tokenizer: Any, max_length: int | None = None, max_chars_per_token: int = MAX_CHARS_PER_TOKEN
+) -> TokenizeFn:
     """A :data:`TokenizeFn` from a Hugging Face tokenizer: no BOS/EOS added, truncated to
-    ``max_length``, right-padded with the tokenizer's pad id (0 when it has none)."""
+    ``max_length``, right-padded with the tokenizer's pad id (0 when it has none).
+
+    With ``max_length``, each text is first cut to ``max_length * max_chars_per_token``
+    characters, so that a request costs what the server keeps, however long its texts. Calls are
+    serialised (the HTTP front's workers and the served callable both validate): a fast tokenizer
+    sets its truncation on the one shared Rust object at each call and fails with "Already
+    borrowed" when another thread is encoding with it (huggingface/tokenizers#537).
+    """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    max_chars = max_length * max_chars_per_token if max_length is not None else None
+    lock = threading.Lock()
 
     def tokenize(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = tokenizer(
-            texts, add_special_tokens=False, truncation=max_length is not None, max_length=max_length
-        )["input_ids"]
+        if max_chars is not None:
+            texts = [t[:max_chars] for t in texts]
+        with lock:
+            ids = tokenizer(
+                texts, add_special_tokens=False, truncation=max_length is not None, max_length=max_length
+            )["input_ids"]
         width = max(1, max(len(x) for x in ids))
         tokens = torch.full((len(ids), width), pad_id, dtype=torch.int64)
         for i, row in enumerate(ids):
