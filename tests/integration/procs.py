@@ -2,11 +2,15 @@
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -14,6 +18,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextmanager
+def short_tmp_dir() -> Iterator[Path]:
+    """A fresh directory right under the temp root, removed afterwards: a server's workspace_dir
+    must be short (Triton's Unix sockets live in it; pytest's tmp_path is too deep)."""
+    path = Path(tempfile.mkdtemp(prefix="oa-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def descendants(pid: int) -> dict[int, str]:

@@ -258,6 +258,8 @@ class RewardModelServer(ServerLifecycle):
         heartbeat_s: idle heartbeat to the other ranks (see :class:`Rank0Dispatcher`).
         exit_timeout_s: at stop, how long calls in progress may take to finish.
         log_file: tritonserver's log file; None: a temporary file removed at stop.
+        workspace_dir: root of the server's own directory (Triton's workspace, its log); None:
+            ``<tmp>/openaligner-servers-<uid>`` (see :mod:`openaligner.servers.workspace`).
     """
 
     _describe = "the reward model server"
@@ -278,6 +280,7 @@ class RewardModelServer(ServerLifecycle):
     heartbeat_s: float | None = 60.0
     exit_timeout_s: int = 3
     log_file: str | None = None
+    workspace_dir: str | None = None
     collective: Collective = field(default_factory=Collective, repr=False)
 
     def __post_init__(self) -> None:
@@ -328,17 +331,21 @@ class RewardModelServer(ServerLifecycle):
         """The opcode table every rank runs (the critic server adds TRAIN and SAVE)."""
         return {Opcode.FORWARD: self._forward_all_ranks}
 
-    def start(self) -> None:
-        """Rank 0: start Triton and return once it answers. Other ranks: nothing (see run_server)."""
-        if not self.collective.is_leader or self._host is not None:
-            return
-        self._dispatcher = Rank0Dispatcher(self.collective, self.handlers(), heartbeat_s=self.heartbeat_s)
+    def start(self) -> bool:
+        """Rank 0: start Triton and return True once it answers, or False when a stop request came
+        first or interrupted the start (see :meth:`request_stop`). Other ranks: nothing (see
+        run_server)."""
+        if not self.collective.is_leader or self._host is not None or self._stop_requested.is_set():
+            return self._host is not None
+        if self._dispatcher is None:
+            self._dispatcher = Rank0Dispatcher(self.collective, self.handlers(), heartbeat_s=self.heartbeat_s)
         host = TritonHost(
             self.host,
             self.port,
             exit_timeout_s=self.exit_timeout_s,
             log_file=self.log_file,
             max_request_bytes=self.max_request_bytes,
+            workspace_dir=self.workspace_dir,
         )
         batching = Batching(
             max_batch_size=self.max_batch_size,
@@ -347,11 +354,10 @@ class RewardModelServer(ServerLifecycle):
         )
         host.bind(self.endpoint, batching, threading.Lock())
         try:
-            host.start()
+            return self._start_host(host)
         except BaseException:
             self._dispatcher.stop()
             raise
-        self._host = host
 
     def __enter__(self) -> RewardModelServer:
         self.start()
