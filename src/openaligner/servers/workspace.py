@@ -3,8 +3,8 @@
 Owns one directory per running server under a root the user chooses (``server.workspace_dir``;
 default ``<tmp>/openaligner-servers-<uid>``): PyTriton's workspace (model store, the copy of the
 tritonserver binaries, sockets) and tritonserver's log. Nothing of a server is written anywhere
-else (the python backend's empty ``/tmp/python_env_*`` directory aside, see
-:meth:`ServerWorkspace.release`).
+else but the python backend's shared memory in ``/dev/shm`` and its empty ``/tmp/python_env_*``
+directory (both compiled-in places; removed too, see :meth:`ServerWorkspace.release`).
 
 Who is alive. A server holds an exclusive ``flock`` on its directory for its whole life; the
 kernel drops the lock however the process ends, SIGKILL included, so a starting server tells the
@@ -35,7 +35,7 @@ LOGGER = logging.getLogger(__name__)
 SERVER_PREFIX = "server-"
 """Name prefix of a live or dead server's directory under the workspace root."""
 _STARTING_PREFIX = ".starting-"
-"""A directory being set up (not yet locked); hidden from other servers' clean-up."""
+"""A directory being set up (not yet locked); other servers leave it alone for a minute."""
 LEGACY_PREFIX = "openaligner-triton-"
 """Earlier versions made ``<tmp>/openaligner-triton-*`` per server and let tritonserver copy
 every model to ``/tmp/folderXXXXXX``; both are removed once no live process uses them."""
@@ -143,7 +143,9 @@ def remove_dead_servers(root: Path) -> list[Path]:
     """Remove the server directories under ``root`` whose server is gone (its lock is free),
     after ending any process still running from them. Returns what was removed."""
     removed = []
-    for path in sorted(root.glob(f"{SERVER_PREFIX}*")):
+    now = time.time()
+    starting = [p for p in root.glob(f"{_STARTING_PREFIX}*") if not _young(p, now, LEGACY_MIN_AGE_S)]
+    for path in sorted([*root.glob(f"{SERVER_PREFIX}*"), *starting]):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
@@ -175,7 +177,7 @@ def remove_unused_shared_memory(owner_pid: int) -> None:
     if not regions:
         return
     mapped: set[str] = set()
-    for pid in _descendants(owner_pid):
+    for pid in _descendants_in(_process_table(), owner_pid):
         with contextlib.suppress(OSError):
             mapped.update(
                 line.rsplit(" ", 1)[-1]
@@ -244,18 +246,11 @@ def processes_under(path: Path) -> list[Proc]:
     prefix = str(path).rstrip("/") + "/"
     table = _process_table()
     roots = [pid for pid, (_, argv0) in table.items() if argv0.startswith(prefix)]
-    children: dict[int, list[int]] = {}
-    for pid, (stat, _) in table.items():
-        children.setdefault(stat[0], []).append(pid)
-    found: dict[int, Proc] = {}
-    todo = list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid in found or pid == os.getpid():
-            continue
-        stat, _ = table[pid]
-        found[pid] = Proc(pid, stat[2], stat[3])
-        todo.extend(children.get(pid, []))
+    found = {}
+    for pid in [*roots, *(d for r in roots for d in _descendants_in(table, r))]:
+        if pid != os.getpid() and pid not in found:
+            stat = table[pid][0]
+            found[pid] = Proc(pid, stat[2], stat[3])
     return list(found.values())
 
 
@@ -286,8 +281,8 @@ def end_processes(procs: list[Proc], grace_s: float, kill_wait_s: float = 5.0) -
         LOGGER.error("Triton process(es) %s would not exit after SIGKILL", [p.pid for p in left])
 
 
-def _descendants(pid: int) -> list[int]:
-    table = _process_table()
+def _descendants_in(table: dict[int, tuple[tuple[int, str, int, str], str]], pid: int) -> list[int]:
+    """Every process below ``pid`` in a :func:`_process_table`."""
     children: dict[int, list[int]] = {}
     for child, (stat, _) in table.items():
         children.setdefault(stat[0], []).append(child)
