@@ -128,6 +128,7 @@ class CriticServerConfig:
     heartbeat_s: float | None = 60.0  # idle heartbeat to the other ranks
     exit_timeout_s: int = 3  # at stop, how long calls in progress may take to finish
     log_file: str | None = None  # tritonserver's log file; None: temporary, removed at stop
+    workspace_dir: str | None = None  # root of the server's own files; None: <tmp>/openaligner-servers-<uid>
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -587,18 +588,22 @@ class CriticServerTrainer(ServerLifecycle):
             Opcode.RESTORE: self._restore_all_ranks,
         }
 
-    def start(self) -> None:
-        """Rank 0: start Triton and return once it answers. Other ranks: nothing (see run_server)."""
-        if not self.collective.is_leader or self._host is not None:
-            return
+    def start(self) -> bool:
+        """Rank 0: start Triton and return True once it answers, or False when a stop request came
+        first or interrupted the start (see :meth:`request_stop`). Other ranks: nothing (see
+        run_server)."""
+        if not self.collective.is_leader or self._host is not None or self._stop_requested.is_set():
+            return self._host is not None
         cfg = self.cfg
-        self._dispatcher = Rank0Dispatcher(self.collective, self.handlers(), heartbeat_s=cfg.heartbeat_s)
+        if self._dispatcher is None:
+            self._dispatcher = Rank0Dispatcher(self.collective, self.handlers(), heartbeat_s=cfg.heartbeat_s)
         host = TritonHost(
             cfg.host,
             cfg.port,
             exit_timeout_s=cfg.exit_timeout_s,
             log_file=cfg.log_file,
             max_request_bytes=cfg.max_request_bytes,
+            workspace_dir=cfg.workspace_dir,
         )
         sizes = cfg.inference_micro_batch_size
         per_rank = [sizes] if isinstance(sizes, int) else list(sizes)
@@ -612,11 +617,10 @@ class CriticServerTrainer(ServerLifecycle):
         host.bind(self.train_endpoint, None, self.lock, guard)
         host.bind(self.save_endpoint, None, self.lock, guard)
         try:
-            host.start()
+            return self._start_host(host)
         except BaseException:
             self._dispatcher.stop()
             raise
-        self._host = host
 
     def __enter__(self) -> CriticServerTrainer:
         self.start()

@@ -1,20 +1,22 @@
-"""The HTTP front of a served model: refuse at the edge what Triton cannot take, pass on the rest.
+"""The HTTP front of a served model: judge every request at the edge, forward only what it understood.
 
-tritonserver 2.51 (the build PyTriton 0.7 ships) trusts what a request declares. For an input sent
-as JSON ``data`` it allocates ``prod(shape) x item size`` bytes before reading a value, so a
-150-byte request declaring shape ``[1, 10**12]`` aborts the whole server (``std::bad_alloc``) and
-``[1, 10**9]`` makes it fill 8 GB. It has no limit on the body size. A tensor with a zero
-dimension passes Triton and fails inside PyTriton's python-backend stub with a message that names
-no input, and its own parse errors name no input either.
+Triton answers every request merged into one inference call with the same error (PyTriton 0.7
+raises one exception for the whole call), so an invalid request merged with valid ones used to
+fail them all; its own refusals came back as HTTP 500 wrapped in a Python traceback, and it
+crashed on requests whose JSON it read differently from the front that had checked them.
 
-This module owns the checks that stop such requests before Triton sees them
-(:func:`check_infer_request`: body framing, JSON structure, empty tensors, declared shapes against
-the values actually sent) and the small reverse proxy that applies them with a body size limit
-(:class:`HTTPGuard`): it listens on the served address, Triton on a private loopback port behind
-it. It answers refusals as Triton does (a JSON ``{"error": ...}`` with a 4xx status), forwards
-``GET``/``HEAD`` under ``/v2`` and ``POST .../infer`` unchanged, and refuses every other route
-(Triton's model-control and shared-memory routes stay private) and compressed bodies (never
-inflated). Must not know what an endpoint computes, nor how Triton is started.
+This module owns the reverse proxy that stops all of that (:class:`HTTPGuard`): it listens on the
+served address, Triton on a private loopback port behind it. Each inference request is read with
+:func:`openaligner.servers.kserve.parse_infer_request`, judged by the endpoint's own check — so
+every request is judged on its own, and Triton only ever merges valid ones — and forwarded in the
+canonical form of :meth:`openaligner.servers.kserve.InferRequest.encode`, so that Triton reads
+exactly what was checked. Refusals are answered as Triton does (``{"error": ...}``) with a 4xx
+status and no traceback; server failures from Triton come back without the Python tracebacks
+PyTriton puts in them. Answers are compressed only for clients that asked (``Accept-Encoding``).
+``GET``/``HEAD`` under ``/v2`` are forwarded; every other route (Triton's model-control and
+shared-memory routes) and compressed request bodies (never inflated) are refused.
+
+Must not know what an endpoint computes, nor how Triton is started.
 """
 
 from __future__ import annotations
@@ -22,14 +24,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import re
 import threading
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+import zlib
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import quote
 
-from openaligner.servers.validation import RequestError
+import numpy as np
+
+from openaligner.servers.kserve import HEADER_LENGTH, parse_infer_request
+from openaligner.servers.validation import RequestError, UnauthorizedError
 
 LOGGER = logging.getLogger(__name__)
 
@@ -37,29 +43,12 @@ DEFAULT_MAX_REQUEST_BYTES = 256 * 2**20
 """Largest request body accepted by default (256 MiB; a 1,024-row critic_train request of 4,096
 tokens is about 84 MB in binary form)."""
 
-HEADER_LENGTH = "Inference-Header-Content-Length"
-"""The KServe v2 binary extension header: the byte length of the JSON part of the body."""
+INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 
-EXAMPLE = '{"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1, 3], "data": [5, 6, 7]}]}'
+RequestCheck = Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], None]
+"""Judges one decoded request — ``(inputs, request parameters)`` — before it is forwarded; raises
+:class:`RequestError` (answered 400) or :class:`UnauthorizedError` (answered 403) to refuse it."""
 
-INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/[^/]+)?/infer$")
-
-_ITEM_BYTES = {
-    "BOOL": 1,
-    "UINT8": 1,
-    "UINT16": 2,
-    "UINT32": 4,
-    "UINT64": 8,
-    "INT8": 1,
-    "INT16": 2,
-    "INT32": 4,
-    "INT64": 8,
-    "FP16": 2,
-    "BF16": 2,
-    "FP32": 4,
-    "FP64": 8,
-}
-_DATATYPES = (*_ITEM_BYTES, "BYTES")
 _HOP_BY_HOP = {
     "connection",
     "keep-alive",
@@ -71,290 +60,55 @@ _HOP_BY_HOP = {
     "upgrade",
     "host",
     "content-length",
+    "accept-encoding",
 }
-
-
-@dataclass(frozen=True)
-class _Declared:
-    """One input as the request declares it."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    data: Any  # the JSON ``data`` value, or None when the values travel in binary
-    binary_size: int | None
-
-
-class _Overflow(float):
-    """A JSON number too large for a 64-bit float (Triton refuses it; Python would read inf)."""
-
-    text: str
-
-    def __new__(cls, text: str) -> _Overflow:
-        value = super().__new__(cls, math.inf)
-        value.text = text
-        return value
-
-
-def _parse_float(text: str) -> float:
-    value = float(text)
-    return _Overflow(text) if math.isinf(value) else value
-
-
-def check_infer_request(body: bytes, header_length: str | None) -> None:
-    """Check one ``POST /v2/models/<name>/infer`` body before it reaches Triton.
-
-    ``header_length`` is the request's ``Inference-Header-Content-Length`` (None when absent).
-    What Triton checks well itself — input names, datatypes and ranks against the model, batch
-    sizes — is left to it; this catches what it crashes on or answers without naming the input.
-
-    Raises:
-        RequestError: one sentence naming the part of the request that is wrong (the body, a
-            header, ``inputs``, an input by name) and what was expected.
-    """
-    header, binary_bytes = _split_body(body, header_length)
-    doc = _parse_json(header)
-    declared = _declared_inputs(doc)
-    _check_parameters(doc.get("parameters"), "'parameters'")
-    _check_outputs(doc.get("outputs"))
-    if "id" in doc and not isinstance(doc["id"], str):
-        raise RequestError(f"'id' must be a string, got {_kind(doc['id'])}")
-    binary_total = 0
-    for d in declared:
-        _check_values(d, header_length is not None)
-        binary_total += d.binary_size or 0
-    if header_length is not None and binary_total != binary_bytes:
-        raise RequestError(
-            f"the body carries {binary_bytes} byte(s) after its {len(header)}-byte JSON header, but the "
-            f"inputs' parameters.binary_data_size add up to {binary_total}; they must be equal"
-        )
-
-
-def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, int]:
-    """The JSON part of ``body`` and the number of binary bytes after it."""
-    if header_length is None:
-        return body, 0
-    try:
-        n = int(header_length)
-    except ValueError:
-        n = -1
-    if not 1 <= n <= len(body):
-        raise RequestError(
-            f"header '{HEADER_LENGTH}' is {header_length!r}; it must be the byte length of the JSON part "
-            f"of the body, an integer from 1 to {len(body)} (the body's length)"
-        )
-    return body[:n], len(body) - n
-
-
-def _parse_json(header: bytes) -> dict[str, Any]:
-    if not header.strip():
-        raise RequestError(f"request body is empty; send a KServe v2 inference request, e.g. {EXAMPLE}")
-    try:
-        doc = json.loads(header.decode("utf-8"), parse_float=_parse_float)
-    except UnicodeDecodeError as e:
-        raise RequestError(
-            f"request body is not UTF-8 JSON (byte {header[e.start]:#04x} at offset {e.start}); send a "
-            f"KServe v2 inference request, e.g. {EXAMPLE}"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise RequestError(
-            f"request body is not valid JSON ({e.msg} at offset {e.pos}); send a KServe v2 inference "
-            f"request, e.g. {EXAMPLE}"
-        ) from None
-    except RecursionError:
-        raise RequestError("request body nests JSON too deeply; send a KServe v2 inference request") from None
-    if not isinstance(doc, dict):
-        raise RequestError(
-            f"request body must be a JSON object with 'inputs', got {_kind(doc)}; e.g. {EXAMPLE}"
-        )
-    return doc
-
-
-def _declared_inputs(doc: Mapping[str, Any]) -> list[_Declared]:
-    inputs = doc.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        got = "none" if inputs is None else _kind(inputs)
-        raise RequestError(
-            f"'inputs' must be a non-empty list of input objects, got {got}; see GET /v2/models/<name> "
-            f"for the model's inputs, e.g. {EXAMPLE}"
-        )
-    declared = []
-    for i, item in enumerate(inputs):
-        if not isinstance(item, dict):
-            raise RequestError(
-                f"inputs[{i}] must be an object with 'name', 'datatype' and 'shape', got {_kind(item)}"
-            )
-        name = item.get("name")
-        if not isinstance(name, str) or not name:
-            raise RequestError(f"inputs[{i}] has no 'name' (a non-empty string), got {_kind(name)}")
-        datatype = item.get("datatype")
-        if datatype not in _DATATYPES:
-            raise RequestError(
-                f"input '{name}': 'datatype' must be one of {', '.join(_DATATYPES)}, got {datatype!r}"
-            )
-        shape = item.get("shape")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise RequestError(
-                f"input '{name}': 'shape' must be a list of non-negative integers, got {_short(shape)}"
-            )
-        if 0 in shape:
-            raise RequestError(
-                f"input '{name}' has shape {shape}: empty tensors are not accepted; every dimension must "
-                f"be at least 1"
-            )
-        params = item.get("parameters")
-        _check_parameters(params, f"input '{name}': 'parameters'")
-        binary = (params or {}).get("binary_data_size")
-        if binary is not None and not (_is_int(binary) and binary >= 0):
-            raise RequestError(
-                f"input '{name}': parameters.binary_data_size must be a non-negative integer, got "
-                f"{_short(binary)}"
-            )
-        declared.append(_Declared(name, datatype, tuple(shape), item.get("data"), binary))
-    names = [d.name for d in declared]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise RequestError(f"input(s) {twice} appear more than once; send each input once")
-    return declared
-
-
-def _check_parameters(params: Any, where: str) -> None:
-    if params is None:
-        return
-    if not isinstance(params, dict):
-        raise RequestError(f"{where} must be a JSON object, got {_kind(params)}")
-    for key, value in params.items():
-        if not isinstance(value, str | int):
-            raise RequestError(
-                f"{where}: '{key}' is {_kind(value)}; a parameter must be a string, an integer or a boolean"
-            )
-
-
-def _check_outputs(outputs: Any) -> None:
-    if outputs is None:
-        return
-    if not isinstance(outputs, list) or not all(
-        isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs
-    ):
-        raise RequestError(f"'outputs' must be a list of objects with a 'name', got {_short(outputs)}")
-    for o in outputs:
-        _check_parameters(o.get("parameters"), f"output '{o['name']}': 'parameters'")
-
-
-def _check_values(d: _Declared, has_binary_part: bool) -> None:
-    """The values sent match the declared shape (before Triton allocates by that shape)."""
-    count = math.prod(d.shape)
-    if d.data is not None and d.binary_size is not None:
-        raise RequestError(
-            f"input '{d.name}' has both 'data' and parameters.binary_data_size; send its values one way"
-        )
-    if d.binary_size is not None:
-        if not has_binary_part:
-            raise RequestError(
-                f"input '{d.name}' declares binary_data_size but the request has no '{HEADER_LENGTH}' "
-                f"header saying where the JSON part ends"
-            )
-        item = _ITEM_BYTES.get(d.datatype)
-        if item is not None and d.binary_size != count * item:
-            raise RequestError(
-                f"input '{d.name}': binary_data_size is {d.binary_size} bytes but shape {list(d.shape)} of "
-                f"{d.datatype} needs {count * item}"
-            )
-        return
-    if d.data is None:
-        raise RequestError(
-            f"input '{d.name}' carries no values; give 'data' (JSON) or parameters.binary_data_size "
-            f"(binary, with the '{HEADER_LENGTH}' header)"
-        )
-    held = 0
-    for held, value in enumerate(_flatten(d.data), start=1):
-        if held > count:
-            break
-        problem = _value_problem(value, d.datatype)
-        if problem is not None:
-            raise RequestError(
-                f"input '{d.name}': 'data' holds {_short(value)} at index {held - 1}; datatype "
-                f"{d.datatype} takes {problem}"
-            )
-    if held != count:
-        raise RequestError(
-            f"input '{d.name}': shape {list(d.shape)} needs {count} value(s) but 'data' holds "
-            f"{'more' if held > count else held}; send a shape that matches the data"
-        )
-
-
-def _flatten(data: Any) -> Iterator[Any]:
-    """The scalars of a (possibly nested) JSON list, row-major; a scalar is one value."""
-    if not isinstance(data, list):
-        yield data
-        return
-    stack = [iter(data)]
-    while stack:
-        for item in stack[-1]:
-            if isinstance(item, list):
-                stack.append(iter(item))
-                break
-            yield item
-        else:
-            stack.pop()
-
-
-def _value_problem(value: Any, datatype: str) -> str | None:
-    """What ``datatype`` takes, if ``value`` is not that; None when it is."""
-    if datatype == "BYTES":
-        return None if isinstance(value, str) else "strings"
-    if datatype == "BOOL":
-        return None if isinstance(value, bool) else "true or false"
-    if datatype.startswith(("INT", "UINT")):
-        unsigned = datatype.startswith("U")
-        bits = int(datatype.removeprefix("U").removeprefix("INT"))
-        low, high = (0, 2**bits) if unsigned else (-(2 ** (bits - 1)), 2 ** (bits - 1))
-        if _is_int(value) and low <= value < high:
-            return None
-        return f"{'unsigned' if unsigned else 'signed'} {bits}-bit integers"
-    if isinstance(value, _Overflow):
-        return "numbers that fit a 64-bit float"
-    return None if isinstance(value, int | float) and not isinstance(value, bool) else "numbers"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number"
-    )
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    """``value`` as JSON, cut to ``limit`` characters (for messages)."""
-    if isinstance(value, _Overflow):
-        return value.text
-    try:
-        text = json.dumps(value)
-    except (RecursionError, ValueError):
-        return _kind(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _error_body(message: str) -> bytes:
     return json.dumps({"error": message}).encode()
 
 
+def without_traceback(text: str) -> str:
+    """A server error text with the Python tracebacks PyTriton wraps around it removed: the last
+    exception's type (without its module) and message — the part that says what went wrong."""
+    lines = text.splitlines()
+    opening = "Traceback (most recent call last):"
+    marks = [i for i, line in enumerate(lines) if line.rstrip().endswith(opening)]
+    if not marks:
+        return text
+    kept: list[str] = []
+    for line in lines[marks[-1] + 1 :]:
+        if not kept and (line.startswith(" ") or not line.strip()):
+            continue  # the frames
+        if line.strip() == "At:":  # the python backend's own stack follows
+            break
+        kept.append(line)
+    while kept and not kept[-1].strip():
+        kept.pop()
+    if not kept:
+        return lines[marks[-1]].removesuffix(opening).strip() or text
+    kept[0] = re.sub(r"^(?:[\w]+\.)+(\w+: )", r"\1", kept[0])
+    return "\n".join(kept)
+
+
+# ----------------------------------------------------------------------------- the proxy
 class HTTPGuard:
     """A reverse proxy on ``host:port`` in front of Triton on ``127.0.0.1:upstream_port``.
 
     It runs an asyncio loop (aiohttp) in a daemon thread of this process, so it lives and dies
-    with the server. Each inference request is read whole (up to ``max_request_bytes``) and
-    checked by :func:`check_infer_request` before it is forwarded; Triton's answer comes back
-    unchanged.
+    with the server. Each inference request is read whole (up to ``max_request_bytes``), parsed by
+    :func:`parse_infer_request` and judged by ``checks[model]`` (when there is one) on a small pool
+    of worker threads, so a slow request never holds the others; what passes is forwarded to
+    Triton in canonical form (:meth:`InferRequest.encode`). Triton's answers come back with their
+    status and headers.
 
     Args:
         host: address to listen on.
         port: port to listen on.
         upstream_port: Triton's HTTP port on 127.0.0.1.
         max_request_bytes: largest accepted request body.
+        checks: model name -> its :data:`RequestCheck`; requests for other models are only parsed.
+        workers: threads that parse and check requests.
     """
 
     def __init__(
@@ -364,14 +118,18 @@ class HTTPGuard:
         upstream_port: int,
         *,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        checks: Mapping[str, RequestCheck] | None = None,
+        workers: int = 4,
     ) -> None:
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
         self.host, self.port = host, port
         self.upstream = f"http://127.0.0.1:{upstream_port}"
         self.max_request_bytes = max_request_bytes
+        self.checks = dict(checks or {})
         self.refused = 0
         """Requests answered by the guard itself with an error."""
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="openaligner-http-check")
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -405,6 +163,7 @@ class HTTPGuard:
         if loop is not None and stop is not None and thread is not None and thread.is_alive():
             loop.call_soon_threadsafe(stop.set)
             thread.join(timeout_s)
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
@@ -422,8 +181,8 @@ class HTTPGuard:
         from aiohttp import web
 
         self._stop = asyncio.Event()
-        # Triton's own answers pass through byte for byte: no decompression, no timeout of ours
-        # (a critic_train request may run for minutes; the client sets its own limit).
+        # No decompression and no timeout of ours on Triton's answers (a critic_train request may
+        # run for minutes; the client sets its own limit).
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
@@ -453,7 +212,7 @@ class HTTPGuard:
     async def _handle(self, request: Any) -> Any:
         method, path = request.method, request.path
         if method in ("GET", "HEAD") and (path == "/v2" or path.startswith("/v2/")):
-            return await self._forward(request, None)
+            return await self._forward(request, request.raw_path, None, {})
         match = INFER_PATH.match(path)
         if method != "POST" or match is None:
             return self._refuse(
@@ -476,12 +235,33 @@ class HTTPGuard:
             body += chunk
             if len(body) > self.max_request_bytes:
                 return self._too_large(None)
-        model = match.group(1)
+        model, version = match.group(1), match.group(2)
+        loop = asyncio.get_running_loop()
         try:
-            check_infer_request(bytes(body), request.headers.get(HEADER_LENGTH))
+            payload, header_length = await loop.run_in_executor(
+                self._executor, self._prepare, model, bytes(body), request.headers.get(HEADER_LENGTH)
+            )
+        except UnauthorizedError as e:
+            return self._refuse(403, f"{model}: {e}")
         except RequestError as e:
             return self._refuse(400, f"{model}: {e}")
-        return await self._forward(request, bytes(body))
+        except Exception as e:  # a failure of ours, not the client's: its traceback goes to our log only
+            LOGGER.exception("the HTTP front failed on a request for %s", model)
+            failure = type(e).__name__
+            return self._refuse(500, f"{model}: the server failed while reading the request ({failure})")
+        target = f"/v2/models/{quote(model, safe='')}"
+        if version is not None:
+            target += f"/versions/{quote(version, safe='')}"
+        headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(header_length)}
+        return await self._forward(request, target + "/infer", payload, headers)
+
+    def _prepare(self, model: str, body: bytes, header_length: str | None) -> tuple[bytes, int]:
+        """Parse, judge and re-encode one request (on a worker thread)."""
+        parsed = parse_infer_request(body, header_length)
+        check = self.checks.get(model)
+        if check is not None:
+            check(parsed.arrays(), parsed.parameters)
+        return parsed.encode()
 
     def _too_large(self, size: int | None) -> Any:
         size_text = f"{size} bytes" if size is not None else f"more than {self.max_request_bytes} bytes"
@@ -498,21 +278,23 @@ class HTTPGuard:
         LOGGER.warning("%s", message)
         return web.Response(status=status, body=_error_body(message), content_type="application/json")
 
-    async def _forward(self, request: Any, body: bytes | None) -> Any:
+    async def _forward(self, request: Any, target: str, body: bytes | None, headers: dict[str, str]) -> Any:
         import aiohttp
         from aiohttp import web
 
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        if body is None:
+            headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        # Triton compresses its answer when asked; ask only for what the client asked for (aiohttp
+        # would otherwise ask for gzip on every client's behalf).
+        headers["Accept-Encoding"] = request.headers.get("Accept-Encoding", "identity")
         try:
             async with self._session.request(
-                request.method,
-                self.upstream + request.raw_path,
-                data=body,
-                headers=headers,
-                allow_redirects=False,
+                request.method, self.upstream + target, data=body, headers=headers, allow_redirects=False
             ) as upstream:
                 payload = await upstream.read()
                 out = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
+                if upstream.status >= 500:
+                    payload, out = _clean_failure(payload, out)
                 return web.Response(status=upstream.status, body=payload, headers=out)
         except aiohttp.ClientError as e:
             return self._refuse(
@@ -520,3 +302,21 @@ class HTTPGuard:
                 f"tritonserver behind this address does not answer ({type(e).__name__}): it may have "
                 f"stopped; check the server log",
             )
+
+
+def _clean_failure(payload: bytes, headers: dict[str, str]) -> tuple[bytes, dict[str, str]]:
+    """A server failure's ``{"error": ...}`` without PyTriton's tracebacks (server file paths)."""
+    encoding = next((v.strip().lower() for k, v in headers.items() if k.lower() == "content-encoding"), "")
+    try:
+        if encoding in ("gzip", "deflate"):
+            payload = zlib.decompress(payload, 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+        elif encoding not in ("", "identity"):
+            return payload, headers
+        text = json.loads(payload)["error"]
+    except (zlib.error, ValueError, KeyError, TypeError):
+        return payload, headers
+    if not isinstance(text, str):
+        return payload, headers
+    kept = {k: v for k, v in headers.items() if k.lower() not in ("content-encoding", "content-type")}
+    kept["Content-Type"] = "application/json"
+    return _error_body(without_traceback(text)), kept

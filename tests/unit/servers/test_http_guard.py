@@ -1,4 +1,5 @@
-"""The HTTP front: request checks on bytes, and the proxy in front of a stand-in upstream server."""
+"""The HTTP front: the proxy in front of a stand-in upstream server — canonical forwarding, the
+model's own check, compression only when asked, failures without tracebacks, refusals."""
 
 import http.client
 import json
@@ -9,8 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from openaligner.servers.http_guard import HEADER_LENGTH, HTTPGuard, check_infer_request
-from openaligner.servers.validation import RequestError
+from openaligner.servers.http_guard import HTTPGuard, without_traceback
+from openaligner.servers.kserve import HEADER_LENGTH, parse_infer_request
+from openaligner.servers.validation import RequestError, UnauthorizedError
 
 
 def body(*inputs, **top):
@@ -24,150 +26,46 @@ def tensor(name="tokens", datatype="INT64", shape=(1, 3), data=(5, 6, 7), **extr
     return item
 
 
-def binary(arrays, datatypes, *, sizes=None):
-    """A binary-extension body: the JSON header, then each array's bytes; and the header length."""
-    inputs, blobs = [], b""
-    for name, array in arrays.items():
-        raw = array.tobytes()
-        size = (sizes or {}).get(name, len(raw))
-        shape = list(array.shape)
-        inputs.append(
-            {
-                "name": name,
-                "datatype": datatypes[name],
-                "shape": shape,
-                "parameters": {"binary_data_size": size},
-            }
-        )
-        blobs += raw
-    header = json.dumps({"inputs": inputs}).encode()
-    return header + blobs, str(len(header))
-
-
-def test_valid_json_and_binary_requests_pass():
-    check_infer_request(body(tensor(), tensor("sequence_lengths", shape=(1, 1), data=[3])), None)
-    check_infer_request(body(tensor(data=[[5, 6, 7]])), None)  # nested data, row-major
-    check_infer_request(body(tensor("sentences", "BYTES", (1, 1), ["hi"])), None)
-    check_infer_request(body(tensor("returns", "FP32", (1, 2), [0.5, float("nan")])), None)
-    payload, n = binary({"tokens": np.ones((2, 3), np.int64)}, {"tokens": "INT64"})
-    check_infer_request(payload, n)
-
-
-@pytest.mark.parametrize(
-    ("payload", "header", "needle"),
-    [
-        (b"", None, "request body is empty"),
-        (b"\x00\xff", None, "not UTF-8 JSON (byte 0xff at offset 1)"),
-        (b"{not json", None, "request body is not valid JSON"),
-        (b"[1, 2]", None, "must be a JSON object with 'inputs', got a list"),
-        (b"[" * 100_000 + b"]" * 100_000, None, "nests JSON too deeply"),
-        (body(), None, "'inputs' must be a non-empty list"),
-        (json.dumps({"inputs": [7]}).encode(), None, "inputs[0] must be an object"),
-        (body({"datatype": "INT64", "shape": [1], "data": [1]}), None, "inputs[0] has no 'name'"),
-        (body(tensor(datatype="INT128")), None, "input 'tokens': 'datatype' must be one of"),
-        (
-            body(tensor(shape=(-1, 3))),
-            None,
-            "input 'tokens': 'shape' must be a list of non-negative integers",
-        ),
-        (body(tensor(shape="13")), None, "input 'tokens': 'shape' must be a list"),
-        (body(tensor(shape=(1, 0), data=[])), None, "input 'tokens' has shape [1, 0]: empty tensors"),
-        (body(tensor(), tensor()), None, "input(s) ['tokens'] appear more than once"),
-        (body(tensor(data=None)), None, "input 'tokens' carries no values"),
-        (
-            body(tensor(shape=(1, 2))),
-            None,
-            "input 'tokens': shape [1, 2] needs 2 value(s) but 'data' holds more",
-        ),
-        (
-            body(tensor(shape=(1, 10**12))),
-            None,
-            "input 'tokens': shape [1, 1000000000000] needs 1000000000000",
-        ),
-        (
-            body(tensor(data=[5, "6", 7])),
-            None,
-            "input 'tokens': 'data' holds \"6\" at index 1; datatype INT64",
-        ),
-        (body(tensor(data=[5, 2**63, 7])), None, "datatype INT64 takes signed 64-bit integers"),
-        (body(tensor(datatype="UINT8", data=[5, -1, 7])), None, "UINT8 takes unsigned 8-bit integers"),
-        (body(tensor(data=[5, 6.0, 7])), None, "holds 6.0 at index 1"),
-        (body(tensor(data=[True, 6, 7])), None, "holds true at index 0"),
-        (body(tensor("m", "FP32", data=[1, None, 2])), None, "input 'm': 'data' holds null at index 1"),
-        (body(tensor("s", "BYTES", (1, 1), [3])), None, "datatype BYTES takes strings"),
-        (body(tensor("b", "BOOL", (1, 1), [1])), None, "datatype BOOL takes true or false"),
-        (
-            b'{"inputs": [{"name": "r", "datatype": "FP64", "shape": [1], "data": [1e999]}]}',
-            None,
-            "holds 1e999",
-        ),
-        (body(tensor(), parameters=[1]), None, "'parameters' must be a JSON object, got a list"),
-        (
-            body(tensor(), parameters={"x": {"a": 1}}),
-            None,
-            "'parameters': 'x' is an object; a parameter must be",
-        ),
-        (body(tensor(parameters={"x": 1.5})), None, "input 'tokens': 'parameters': 'x' is a number"),
-        (body(tensor(), outputs="rewards"), None, "'outputs' must be a list of objects with a 'name'"),
-        (body(tensor(), id=5), None, "'id' must be a string, got a number"),
-        (body(tensor()), "abc", f"header '{HEADER_LENGTH}' is 'abc'"),
-        (body(tensor()), "99999", "an integer from 1 to"),
-        (
-            body(tensor(parameters={"binary_data_size": 24})),
-            None,
-            "has both 'data' and parameters.binary_data_size",
-        ),
-        (
-            body(tensor(data=None, parameters={"binary_data_size": -8})),
-            None,
-            "binary_data_size must be a non-negative",
-        ),
-        (
-            body(tensor(data=None, parameters={"binary_data_size": 24})),
-            None,
-            f"has no '{HEADER_LENGTH}' header",
-        ),
-    ],
+PYTRITON_FAILURE = (
+    "Failed to process the request(s) for model 'm_0_0', message: TritonModelException: Model execute "
+    'error: Traceback (most recent call last):\n  File "/tmp/folderX/1/model.py", line 492, in execute\n'
+    "    raise triton_responses_or_error\nc_python_backend_utils.TritonModelException: Traceback (most "
+    'recent call last):\n  File "/srv/openaligner/servers/triton.py", line 175, in __call__\n    '
+    "return self._serve(requests)\n           ^^^^^^^^^^^\ntorch.OutOfMemoryError: CUDA out of memory\n"
+    "<<openaligner-error {} openaligner-error>>\n\n\n\nAt:\n  /tmp/folderX/1/model.py(492): execute\n"
 )
-def test_malformed_requests_are_named(payload, header, needle):
-    with pytest.raises(RequestError) as info:
-        check_infer_request(payload, header)
-    assert needle in str(info.value)
 
 
-def test_binary_sizes_must_match_the_shape_and_the_body():
-    arrays, types = {"tokens": np.ones((1, 3), np.int64)}, {"tokens": "INT64"}
-    payload, n = binary(arrays, types, sizes={"tokens": 16})
-    with pytest.raises(
-        RequestError, match=r"binary_data_size is 16 bytes but shape \[1, 3\] of INT64 needs 24"
-    ):
-        check_infer_request(payload, n)
-    payload, n = binary(arrays, types)
-    with pytest.raises(RequestError, match=r"carries 23 byte\(s\) after its .* add up to 24"):
-        check_infer_request(payload[:-1], n)
-    # the binary shape is never trusted for allocation: a huge one is refused by its byte size
-    huge, n = binary(arrays, types)
-    huge = huge.replace(b"[1, 3]", b"[1, 1000000000000]")
-    with pytest.raises(RequestError, match="needs 8000000000000"):
-        check_infer_request(huge, str(int(n) + len("1000000000000") - 1))
+def test_tracebacks_are_cut_from_server_failures():
+    text = without_traceback(PYTRITON_FAILURE)
+    assert text == "OutOfMemoryError: CUDA out of memory\n<<openaligner-error {} openaligner-error>>"
+    assert without_traceback("plain message") == "plain message"
 
 
 # ---------------------------------------------------------------------------- the proxy
 class Upstream(BaseHTTPRequestHandler):
-    """Answers every request with what it received (method, path, two headers, body length)."""
+    """Answers every request with what it received (method, path, headers, body); answers
+    ``/v2/models/failing/infer`` with a PyTriton failure instead."""
 
     def _answer(self):
         n = int(self.headers.get("Content-Length") or 0)
         received = self.rfile.read(n)
-        payload = json.dumps(
-            {
-                "method": self.command,
-                "path": self.path,
-                "header_length": self.headers.get(HEADER_LENGTH),
-                "bytes": len(received),
-            }
-        ).encode()
-        self.send_response(200)
+        if self.path == "/v2/models/failing/infer":
+            status, payload = 500, json.dumps({"error": PYTRITON_FAILURE}).encode()
+        else:
+            status, payload = (
+                200,
+                json.dumps(
+                    {
+                        "method": self.command,
+                        "path": self.path,
+                        "header_length": self.headers.get(HEADER_LENGTH),
+                        "accept_encoding": self.headers.get("Accept-Encoding"),
+                        "body": received.hex(),
+                    }
+                ).encode(),
+            )
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header(HEADER_LENGTH, "7")
         self.send_header("Content-Length", str(len(payload)))
@@ -186,11 +84,21 @@ def free_port():
         return s.getsockname()[1]
 
 
+def check_m(inputs, parameters):
+    """The stand-in model's check: a token parameter, then no zero in ``tokens``."""
+    if parameters.get("token") != "s3cret":
+        raise UnauthorizedError("wrong token")
+    if (inputs["tokens"] == 0).any():
+        raise RequestError("input 'tokens' holds a 0")
+
+
 @pytest.fixture(scope="module")
 def guarded():
     upstream = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    guard = HTTPGuard("127.0.0.1", free_port(), upstream.server_address[1], max_request_bytes=4096)
+    guard = HTTPGuard(
+        "127.0.0.1", free_port(), upstream.server_address[1], max_request_bytes=4096, checks={"m": check_m}
+    )
     guard.start()
     yield guard
     guard.stop()
@@ -208,16 +116,57 @@ def request(guard, method, path, payload=None, headers=None):
         conn.close()
 
 
-def test_proxy_forwards_reads_and_valid_inference_unchanged(guarded):
+def test_proxy_forwards_reads_unchanged_and_inference_in_canonical_form(guarded):
     status, _, answer = request(guarded, "GET", "/v2/health/ready")
     assert status == 200 and json.loads(answer)["path"] == "/v2/health/ready"
-    payload, n = binary({"tokens": np.ones((2, 3), np.int64)}, {"tokens": "INT64"})
-    status, headers, answer = request(
-        guarded, "POST", "/v2/models/m/versions/1/infer", payload, {HEADER_LENGTH: n}
-    )
+    sent = body(tensor(data=[[5, 6, 7]]), parameters={"token": "s3cret"})
+    status, headers, answer = request(guarded, "POST", "/v2/models/m/versions/1/infer", sent)
     seen = json.loads(answer)
-    assert status == 200 and seen["bytes"] == len(payload) and seen["header_length"] == n
+    assert status == 200 and seen["path"] == "/v2/models/m/versions/1/infer"
+    forwarded = parse_infer_request(bytes.fromhex(seen["body"]), seen["header_length"])
+    np.testing.assert_array_equal(forwarded.arrays()["tokens"], [[5, 6, 7]])
+    assert forwarded.parameters == {"token": "s3cret"}
+    assert b'"data"' not in bytes.fromhex(seen["body"])  # values travel in binary, as the front read them
     assert headers[HEADER_LENGTH] == "7"  # the upstream's own headers come back
+
+
+def test_proxy_asks_for_compression_only_when_the_client_did(guarded):
+    for sent, expected in (
+        (None, "identity"),
+        ("gzip", "gzip"),
+        ("br;q=1, gzip;q=0.5", "br;q=1, gzip;q=0.5"),
+    ):
+        headers = {"Accept-Encoding": sent} if sent is not None else {}
+        for method, path, payload in (
+            ("GET", "/v2/models/m", None),
+            ("POST", "/v2/models/m/infer", body(tensor(), parameters={"token": "s3cret"})),
+        ):
+            conn = http.client.HTTPConnection(guarded.host, guarded.port, timeout=10)
+            conn.putrequest(method, path, skip_accept_encoding=True)  # http.client adds "identity"
+            for key, value in {**headers, "Content-Length": str(len(payload or b""))}.items():
+                conn.putheader(key, value)
+            conn.endheaders(payload)
+            seen = json.loads(conn.getresponse().read())
+            conn.close()
+            assert seen["accept_encoding"] == expected, (method, sent, seen)
+
+
+def test_proxy_runs_the_models_own_check_before_forwarding(guarded):
+    status, _, answer = request(guarded, "POST", "/v2/models/m/infer", body(tensor(data=[5, 0, 7])))
+    assert status == 403 and json.loads(answer)["error"] == "m: wrong token"
+    sent = body(tensor(data=[5, 0, 7]), parameters={"token": "s3cret"})
+    status, _, answer = request(guarded, "POST", "/v2/models/m/infer", sent)
+    assert status == 400 and json.loads(answer)["error"] == "m: input 'tokens' holds a 0"
+    # another model has no check of its own: parsed, then forwarded
+    status, _, answer = request(guarded, "POST", "/v2/models/other/infer", body(tensor(data=[5, 0, 7])))
+    assert status == 200 and json.loads(answer)["path"] == "/v2/models/other/infer"
+
+
+def test_proxy_answers_server_failures_without_tracebacks(guarded):
+    status, _, answer = request(guarded, "POST", "/v2/models/failing/infer", body(tensor()))
+    error = json.loads(answer)["error"]
+    assert status == 500 and error.startswith("OutOfMemoryError: CUDA out of memory")
+    assert "Traceback" not in error and "/srv/" not in error and "model.py" not in error
 
 
 def test_proxy_refuses_bad_bodies_other_routes_compression_and_size(guarded):
