@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from openaligner.servers.triton import free_loopback_port
+from openaligner.servers.transport.triton import free_loopback_port
 
 free_port = free_loopback_port  # one free-port helper, in src (the demo uses it too)
 

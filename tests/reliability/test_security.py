@@ -50,10 +50,10 @@ from support import (
 from openaligner.cli.serve_critic import CriticServerSettings
 from openaligner.cli.serve_reward import RewardServerSettings
 from openaligner.servers.critic import CriticServerConfig
-from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.protocol import DEFAULT_HOST, TOKEN_ENV, TOKEN_PARAMETER
 from openaligner.servers.reward import RewardModelServer
-from openaligner.servers.triton import TritonHost
+from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
+from openaligner.servers.transport.triton import TritonHost
 
 pytestmark = pytest.mark.reliability
 
@@ -162,14 +162,14 @@ def test_every_server_binds_loopback_by_default(cli_servers):
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
 def test_loopback_addresses_are_not_warned_about(host, caplog):
-    with caplog.at_level(logging.WARNING, logger="openaligner.servers.triton"):
+    with caplog.at_level(logging.WARNING, logger="openaligner.servers.transport.triton"):
         TritonHost(host, free_port())
     assert not caplog.records
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "example.org"])
 def test_non_loopback_addresses_are_warned_about(host, caplog):
-    with caplog.at_level(logging.WARNING, logger="openaligner.servers.triton"):
+    with caplog.at_level(logging.WARNING, logger="openaligner.servers.transport.triton"):
         TritonHost(host, 8000)
     assert f"binding {host}:8000, which is reachable from other machines" in caplog.text
     assert "no authentication" in caplog.text

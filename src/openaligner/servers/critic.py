@@ -7,7 +7,7 @@ them (:class:`CriticServerTrainer`): one lock around all three, the rank-0 / sub
 data-parallel critic training, atomic checkpoints with resume, going back to a checkpoint the
 trainer names (``critic_save`` with ``restore_step``), and the optional shared-secret token that
 guards training, saving and restoring. The value loss comes from :mod:`openaligner.algorithms`;
-transport from :mod:`openaligner.servers.triton`. Must not know about PPO, the actor or HTTP
+transport from :mod:`openaligner.servers.transport.triton`. Must not know about PPO, the actor or HTTP
 details.
 
 Combined mode (the default, as NeMo-Aligner): the same server also answers rewards from a frozen
@@ -51,8 +51,6 @@ from openaligner.models.reward import RewardModel
 from openaligner.models.weights import load_weights_into
 from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
 from openaligner.servers.distributed import Collective, Opcode, Rank0Dispatcher
-from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
-from openaligner.servers.lifecycle import ServerLifecycle
 from openaligner.servers.protocol import (
     CLIP_FRACTION,
     CRITIC_DEFAULT_PORT,
@@ -87,7 +85,9 @@ from openaligner.servers.protocol import (
     TensorSpec,
 )
 from openaligner.servers.reward import EndpointStats, RewardRequest, TokenizeFn, parse_sequence_request
-from openaligner.servers.triton import Batching, TritonHost
+from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
+from openaligner.servers.transport.lifecycle import ServerLifecycle
+from openaligner.servers.transport.triton import Batching, TritonHost
 from openaligner.servers.validation import (
     RequestError,
     UnauthorizedError,

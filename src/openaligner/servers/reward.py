@@ -4,7 +4,7 @@ Owns the reward endpoint's logic (:class:`RewardEndpoint`: validate one request,
 batch) and its deployment (:class:`RewardModelServer`: rank 0 runs Triton and leads, other ranks
 follow the FORWARD opcode). The reward function is any callable ``infer_fn(tokens, lengths)``;
 ``RewardModel.infer`` from :mod:`openaligner.models.reward` is the usual one. Must not know how
-rewards are computed, nor about HTTP details (see :mod:`openaligner.servers.triton`).
+rewards are computed, nor about HTTP details (see :mod:`openaligner.servers.transport.triton`).
 
 Wire contract (see :mod:`openaligner.servers.protocol`): inputs ``sentences`` (bytes [B, 1]),
 ``tokens`` (int64 [B, S], right-padded) with ``sequence_lengths`` (int64 [B, 1]); output
@@ -24,8 +24,6 @@ import torch
 
 from openaligner.servers.batching import merge_rows, pad_rows, padding_multiple, split_rows, strip_columns
 from openaligner.servers.distributed import Collective, Opcode, Rank0Dispatcher
-from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
-from openaligner.servers.lifecycle import ServerLifecycle
 from openaligner.servers.protocol import (
     DEFAULT_HOST,
     REWARD_DEFAULT_PORT,
@@ -36,7 +34,9 @@ from openaligner.servers.protocol import (
     SEQUENCE_LENGTHS,
     TOKENS,
 )
-from openaligner.servers.triton import Batching, TritonHost
+from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
+from openaligner.servers.transport.lifecycle import ServerLifecycle
+from openaligner.servers.transport.triton import Batching, TritonHost
 from openaligner.servers.validation import (
     RequestError,
     check_batch_size,
@@ -148,7 +148,7 @@ def _from_sentences(
 
 
 class RewardEndpoint:
-    """The ``reward_model`` endpoint as a plain object (see :class:`openaligner.servers.triton.Endpoint`).
+    """The ``reward_model`` endpoint as a plain object (see :class:`~.transport.triton.Endpoint`).
 
     Args:
         forward: ``(tokens [B, S], lengths [B]) -> rewards [B]`` for a whole shaped batch, where
@@ -259,7 +259,7 @@ class RewardModelServer(ServerLifecycle):
         exit_timeout_s: at stop, how long calls in progress may take to finish.
         log_file: tritonserver's log file; None: a temporary file removed at stop.
         workspace_dir: root of the server's own directory (Triton's workspace, its log); None:
-            ``<tmp>/openaligner-servers-<uid>`` (see :mod:`openaligner.servers.workspace`).
+            ``<tmp>/openaligner-servers-<uid>`` (see :mod:`openaligner.servers.transport.workspace`).
     """
 
     _describe = "the reward model server"

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from openaligner.servers.lifecycle import StartInterrupted
 from openaligner.servers.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope
 from openaligner.servers.reward import (
     MAX_CHARS_PER_TOKEN,
@@ -16,7 +15,8 @@ from openaligner.servers.reward import (
     make_tokenize_func,
     micro_batched,
 )
-from openaligner.servers.triton import BatchRejected, TritonCallable, is_loopback, rejection
+from openaligner.servers.transport.lifecycle import StartInterrupted
+from openaligner.servers.transport.triton import BatchRejected, TritonCallable, is_loopback, rejection
 from openaligner.servers.validation import RequestError, UnauthorizedError
 
 
@@ -260,12 +260,12 @@ def test_a_stop_request_during_start_abandons_the_start():
 
 
 def test_binding_a_non_loopback_address_warns(caplog):
-    from openaligner.servers.triton import TritonHost
+    from openaligner.servers.transport.triton import TritonHost
 
-    with caplog.at_level("WARNING", logger="openaligner.servers.triton"):
+    with caplog.at_level("WARNING", logger="openaligner.servers.transport.triton"):
         TritonHost("127.0.0.1", 5555)
     assert not caplog.records
-    with caplog.at_level("WARNING", logger="openaligner.servers.triton"):
+    with caplog.at_level("WARNING", logger="openaligner.servers.transport.triton"):
         host = TritonHost("0.0.0.0", 5555)
     assert host.url == "http://0.0.0.0:5555"
     assert "reachable from other machines" in caplog.text and "no authentication" in caplog.text

@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from openaligner.servers.kserve import HEADER_LENGTH, parse_infer_request
+from openaligner.servers.transport.kserve import HEADER_LENGTH, parse_infer_request
 from openaligner.servers.validation import RequestError
 
 

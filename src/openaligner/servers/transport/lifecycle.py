@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from openaligner.servers.distributed import Collective, Rank0Dispatcher, run_subscriber_loop
-from openaligner.servers.triton import TritonHost
+from openaligner.servers.transport.triton import TritonHost
 
 
 class StartInterrupted(KeyboardInterrupt):

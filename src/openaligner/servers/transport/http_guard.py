@@ -7,9 +7,9 @@ crashed on requests whose JSON it read differently from the front that had check
 
 This module owns the reverse proxy that stops all of that (:class:`HTTPGuard`): it listens on the
 served address, Triton on a private loopback port behind it. Each inference request is read with
-:func:`openaligner.servers.kserve.parse_infer_request`, judged by the endpoint's own check — so
+:func:`openaligner.servers.transport.kserve.parse_infer_request`, judged by the endpoint's own check — so
 every request is judged on its own, and Triton only ever merges valid ones — and forwarded in the
-canonical form of :meth:`openaligner.servers.kserve.InferRequest.encode`, so that Triton reads
+canonical form of :meth:`openaligner.servers.transport.kserve.InferRequest.encode`, so that Triton reads
 exactly what was checked. Refusals are answered as Triton does (``{"error": ...}``) with a 4xx
 status and no traceback; server failures from Triton come back without the Python tracebacks
 PyTriton puts in them. Answers are compressed only for clients that asked (``Accept-Encoding``).
@@ -34,7 +34,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from openaligner.servers.kserve import HEADER_LENGTH, parse_infer_request
+from openaligner.servers.transport.kserve import HEADER_LENGTH, parse_infer_request
 from openaligner.servers.validation import RequestError, UnauthorizedError
 
 LOGGER = logging.getLogger(__name__)

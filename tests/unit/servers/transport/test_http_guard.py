@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from openaligner.servers.http_guard import HTTPGuard, without_traceback
-from openaligner.servers.kserve import HEADER_LENGTH, parse_infer_request
+from openaligner.servers.transport.http_guard import HTTPGuard, without_traceback
+from openaligner.servers.transport.kserve import HEADER_LENGTH, parse_infer_request
 from openaligner.servers.validation import RequestError, UnauthorizedError
 
 

@@ -3,8 +3,8 @@
 Owns everything PyTriton-specific and nothing else: the runtime fixes that let Triton start on a
 fresh machine (this interpreter's libpython first on ``LD_LIBRARY_PATH``, a private workspace with
 a local model store, loopback HTTP only, a short exit timeout), the model configuration (dynamic
-batcher), the HTTP front that clients actually reach (:class:`openaligner.servers.http_guard.HTTPGuard`
-on the served address, Triton on a private loopback port behind it), and the thin per-call path —
+batcher), the HTTP front that clients actually reach (:class:`~.http_guard.HTTPGuard` on the
+served address, Triton on a private loopback port behind it), and the thin per-call path —
 decode each request, validate it, lock, call the endpoint, encode the outputs. Must not know what
 an endpoint computes, nor about models or torch.distributed.
 
@@ -34,10 +34,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES, HTTPGuard, RequestCheck
 from openaligner.servers.protocol import DEFAULT_HOST, REQUEST_ID_PARAMETER, ErrorEnvelope, TensorSpec
+from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES, HTTPGuard, RequestCheck
+from openaligner.servers.transport.workspace import ServerWorkspace, default_root
 from openaligner.servers.validation import RequestError, UnauthorizedError
-from openaligner.servers.workspace import ServerWorkspace, default_root
 
 LOGGER = logging.getLogger(__name__)
 
@@ -257,14 +257,14 @@ def _request_id(request: Any, index: int) -> str:
 class TritonHost:
     """One Triton server process (HTTP only) serving the endpoints bound to it.
 
-    Clients reach an :class:`~openaligner.servers.http_guard.HTTPGuard` on ``host:port``. It reads
+    Clients reach an :class:`~openaligner.servers.transport.http_guard.HTTPGuard` on ``host:port``. It reads
     each inference request, has it checked in full by the endpoint's own ``validate`` (and
     ``authorize``), refuses it with a 4xx naming the input when it is wrong, and forwards the
     request exactly as it understood it to Triton, on a private port of 127.0.0.1. Every request is
     so judged on its own: Triton's dynamic batcher only ever merges valid requests.
 
     Everything of the server lives in one directory under ``workspace_dir`` (see
-    :mod:`openaligner.servers.workspace`), and :meth:`stop` returns only once every Triton process
+    :mod:`openaligner.servers.transport.workspace`), and :meth:`stop` returns only once every Triton process
     has exited.
 
     Args:
@@ -279,7 +279,7 @@ class TritonHost:
         log_file: where tritonserver writes its log; None: a private file, deleted at stop
             (its tail is quoted when Triton fails to start).
         workspace_dir: the root under which this server makes its directory; None: the default
-            of :func:`openaligner.servers.workspace.default_root`.
+            of :func:`openaligner.servers.transport.workspace.default_root`.
     """
 
     def __init__(
@@ -346,7 +346,7 @@ class TritonHost:
         """Start tritonserver and the HTTP front; return once every bound model is ready (about 3 s).
 
         Whatever interrupts the start — a failure, or an exception raised into it by a signal
-        handler (see :class:`openaligner.servers.lifecycle.StartInterrupted`) — first stops
+        handler (see :class:`openaligner.servers.transport.lifecycle.StartInterrupted`) — first stops
         everything started so far (see :meth:`stop`), then propagates.
 
         Raises:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from openaligner.servers.workspace import (
+from openaligner.servers.transport.workspace import (
     LEGACY_PREFIX,
     SERVER_PREFIX,
     SHM_PREFIX,
@@ -51,7 +51,7 @@ def gone(proc: subprocess.Popen) -> bool:
 def dead_server_dir(root: Path) -> Path:
     """A server directory whose server is gone: made and locked by a process that then exited."""
     script = (
-        "import sys; from openaligner.servers.workspace import ServerWorkspace; "
+        "import sys; from openaligner.servers.transport.workspace import ServerWorkspace; "
         "w = ServerWorkspace.create(sys.argv[1]); (w.path / 'workspace').mkdir(); print(w.path)"
     )
     out = subprocess.run(
