@@ -170,8 +170,9 @@ class TritonCallable:
         """Whether a call is being served right now."""
         return self._in_flight > 0
 
-    def check(self, inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]) -> None:
-        """Judge one request as :meth:`__call__` would, without running it (the HTTP front's check).
+    def check(self, inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]) -> Any:
+        """Judge one request, without running it: the HTTP front's check and, per request, the
+        first step of :meth:`__call__`. Returns what the endpoint's ``validate`` returned.
 
         Raises:
             UnauthorizedError: ``authorize`` refused the request's parameters (checked first: an
@@ -180,7 +181,7 @@ class TritonCallable:
         """
         if self.authorize is not None:
             self.authorize(parameters)
-        self.endpoint.validate(inputs)
+        return self.endpoint.validate(inputs)
 
     def __call__(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
         with self._count_lock:
@@ -198,9 +199,7 @@ class TritonCallable:
         unauthorized: dict[str, str] = {}
         for (rid, inputs), request in zip(decoded, requests, strict=True):
             try:
-                if self.authorize is not None:  # before validation: say nothing about the inputs
-                    self.authorize(getattr(request, "parameters", None) or {})
-                parsed.append(self.endpoint.validate(inputs))
+                parsed.append(self.check(inputs, getattr(request, "parameters", None) or {}))
             except UnauthorizedError as e:
                 unauthorized[rid] = str(e)
             except RequestError as e:
