@@ -2,15 +2,30 @@
 
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from openaligner.servers.triton import free_loopback_port
+from openaligner.servers.transport.triton import free_loopback_port
 
 free_port = free_loopback_port  # one free-port helper, in src (the demo uses it too)
+
+
+@contextmanager
+def short_tmp_dir() -> Iterator[Path]:
+    """A fresh directory right under the temp root, removed afterwards: a server's workspace_dir
+    must be short (Triton's Unix sockets live in it; pytest's tmp_path is too deep)."""
+    path = Path(tempfile.mkdtemp(prefix="oa-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def descendants(pid: int) -> dict[int, str]:

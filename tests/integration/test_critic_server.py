@@ -330,7 +330,7 @@ BAD_TRAIN = {
     "mask rows differ": (_changed("mask", shape=(3, 5)), "'mask' has 3 rows but 'tokens' has 2"),
     "tokens as int32": (
         {**_good_train_arrays(), "tokens": np.full((2, 6), 7, np.int32)},
-        "'tokens' data-type is 'INT32', but model 'critic_train' expects 'INT64'",
+        "input 'tokens': expected int64 [N, S], got int32 [2, 6]",
     ),
     "missing prev_values": (
         {k: v for k, v in _good_train_arrays().items() if k != "prev_values"},

@@ -1,5 +1,6 @@
 """Faults with real processes: SIGKILL of the trainer and of checkpoint writers, a corrupt
-checkpoint, and the critic server killed mid-run (with and without a restart).
+checkpoint, the critic server killed mid-run (with and without a restart), and what a server
+killed with SIGKILL leaves behind.
 
 The PPO runs are `openaligner train-ppo` subprocesses with a tiny actor against `openaligner
 serve-critic` subprocesses (see fault_procs.py); one torch thread each, so two runs of the same
@@ -14,14 +15,28 @@ import multiprocessing
 import os
 import random
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from fault_procs import CriticServer, Trainer, kill_tree, latest_step, wait_for, write_prompts
+from fault_procs import (
+    ENV,
+    CriticServer,
+    Served,
+    Trainer,
+    free_port,
+    kill_tree,
+    latest_step,
+    stop_cleanly,
+    wait_for,
+    write_prompts,
+)
+from procs import short_tmp_dir
 from safetensors.torch import load_file
+from support import files_under
 
 from openaligner.clients.critic import CriticAddress, RemoteCriticConfig, RemoteGPTRMCriticClient
 from openaligner.io import checkpoint as checkpoint_module
@@ -425,3 +440,32 @@ def test_critic_server_restarted_within_the_grace_lets_the_run_finish(tmp_path):
     rows = read_jsonl(run.out / "logs" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert (run.out / "actor" / "model.safetensors").is_file()
+
+
+# --------------------------------------------------------------------------- a server killed (-9)
+@pytest.mark.slow
+def test_what_a_killed_server_left_is_removed_when_the_next_one_starts():
+    """SIGKILL of a whole server, Triton included (a machine or container failure), leaves its
+    workspace behind; the next server started on the same machine removes it — and nothing of a
+    live server. Both use a private temp directory, where the default workspace_dir lies."""
+    with short_tmp_dir() as tmp:
+        env = {**ENV, "TMPDIR": str(tmp)}
+        args = [sys.executable, "-m", "openaligner", "serve-reward", "model.tiny=true", "threads=1"]
+        killed = Served([*args, f"server.port={free_port()}"], env=env)
+        try:
+            killed.wait_ready()
+        finally:
+            kill_tree(killed)
+        left = files_under(tmp)
+        assert left, "expected the killed server's workspace to be left behind"
+        later = Served([*args, f"server.port={free_port()}"], env=env)
+        try:
+            later.wait_ready()
+            after_start = files_under(tmp)
+            copies = [c for c in Path("/tmp").glob("folder??????/config.pbtxt") if str(tmp) in c.read_text()]
+            code, _ = stop_cleanly(later, signal.SIGTERM)
+        finally:
+            kill_tree(later)
+        assert not left & after_start, sorted(left & after_start)[:5]  # the dead server's files are gone
+        assert after_start and not copies  # the live server's are there, and only there
+        assert code == 0 and not files_under(tmp)  # and removed when it stops

@@ -9,8 +9,15 @@ server gave for the same request alone before the load: merged batches must neit
 rows. Memory is the resident set (VmRSS) of the server process, and of its whole process tree
 (tritonserver and its python-backend stubs included).
 
-``test_load_short`` (a few seconds) runs in every test run; ``test_load_soak`` runs for
-``$OPENALIGNER_LOAD_SECONDS`` (default 60) with ``-m reliability`` / ``-m soak`` (see conftest.py).
+Then well-formed and hostile clients together: 16 well-formed clients per server (12
+``tritonclient`` connections and 4 of the project's own clients) next to 4 hostile ones sending
+hand-written bad requests — most shaped exactly like the good ones, so that Triton would merge
+them — and resource hogs. No well-formed request may fail or get another answer than alone, and
+every hostile one must get its 4xx, never a 5xx or a traceback.
+
+``test_load_short`` and ``test_mixed_..._short`` (a few seconds each) run in every test run;
+``test_load_soak`` runs for ``$OPENALIGNER_LOAD_SECONDS`` (default 60) and
+``test_mixed_..._soak`` for 20 s with ``-m reliability`` / ``-m soak`` (see conftest.py).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -178,3 +186,259 @@ def test_load_soak_no_errors_and_bounded_memory(cli_servers):
     seconds = float(os.environ.get("OPENALIGNER_LOAD_SECONDS", "60"))
     ports, pids = _targets(cli_servers)
     check(run_load(ports, pids, seconds, SOAK_WARMUP_S), min_answers=int(20 * seconds))
+
+
+# ---------------------------------------------------------------------------- good and hostile clients
+GOOD_CLIENTS = 16  # per server: 12 tritonclient connections and 4 of the project's own clients
+OWN_CLIENTS = 4
+HOSTILE_CLIENTS = 4  # per server
+MIXED_SHORT_S = 5.0
+MIXED_SOAK_S = 20.0
+MIXED_MODELS = {"reward_model": "reward model", "critic_infer": "critic"}
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """One hostile request, raw, and the status class it must get (4 = refused, 2 = answered)."""
+
+    what: str
+    body: bytes
+    headers: dict[str, str]
+    status_class: int = 4
+
+
+def _raw_json(*items: str, extra: str = "") -> bytes:
+    return ('{"inputs": [' + ", ".join(items) + "]" + extra + "}").encode()
+
+
+def hostile_requests() -> list[Hostile]:
+    """Protocol abuse, parser differences, content errors and resource exhaustion. Most are shaped
+    as the good clients' requests ([rows, WIDTH] INT64 tokens), so that Triton would merge them
+    with good ones if they ever reached it."""
+    from support import binary_body
+
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(3, 100, (2, WIDTH)).astype(np.int64)
+    lengths = np.array([[WIDTH], [5]], np.int64)
+
+    def with_(
+        tokens_: np.ndarray = tokens, lengths_: np.ndarray | None = lengths, **extra: np.ndarray
+    ) -> tuple:
+        arrays = {
+            "tokens": tokens_,
+            **({"sequence_lengths": lengths_} if lengths_ is not None else {}),
+            **extra,
+        }
+        return binary_body(arrays)
+
+    zero, over, outside = lengths.copy(), lengths.copy(), tokens.copy()
+    zero[1, 0], over[1, 0], outside[0, 3] = 0, WIDTH + 1, 100
+    data = ", ".join(str(int(t)) for t in tokens[0])
+    good_tokens = f'{{"name": "tokens", "datatype": "INT64", "shape": [1, {WIDTH}], "data": [{data}]}}'
+    good_lengths = '{"name": "sequence_lengths", "datatype": "INT64", "shape": [1, 1], "data": [3]}'
+    huge = good_tokens.replace(f"[1, {WIDTH}]", "[1, 1000000000000]")
+    texts = np.array([[b"ok"], [b"\xff\xfe"]], dtype=object)
+    return [
+        Hostile("length 0", *with_(lengths_=zero)),
+        Hostile("length over the width", *with_(lengths_=over)),
+        Hostile("id outside the vocabulary", *with_(tokens_=outside)),
+        Hostile("tokens without lengths", *with_(lengths_=None)),
+        Hostile("tokens as INT32", *with_(tokens_=tokens.astype(np.int32))),
+        Hostile(
+            "a huge shape given first, a small one second",
+            _raw_json(
+                good_tokens.replace('"shape"', '"shape": [1, 1000000000000], "shape"', 1), good_lengths
+            ),
+            {},
+        ),
+        Hostile(
+            "a huge input given first, a good one second",
+            _raw_json(huge, extra=f', "inputs": [{good_tokens}, {good_lengths}]'),
+            {},
+        ),
+        Hostile("NaN as a length", _raw_json(good_tokens, good_lengths.replace("[3]", "[NaN]")), {}),
+        Hostile(
+            "a 4301-digit id",
+            _raw_json(good_tokens.replace("[" + data[:1], "[" + "9" * 4301 + data[:1], 1), good_lengths),
+            {},
+        ),
+        Hostile("a shape lying about its data", _raw_json(huge, good_lengths), {}),
+        Hostile("text not UTF-8", *binary_body({"sentences": texts})),
+        Hostile("garbage", b"\x00\xff" * 64, {}),
+        Hostile("gzip body", b"\x1f\x8b" + b"\x00" * 30, {"Content-Encoding": "gzip"}),
+        Hostile(
+            "rows over max_batch_size", *with_(np.zeros((1025, 2), np.int64), np.ones((1025, 1), np.int64))
+        ),
+        Hostile("a 2 MB text", *binary_body({"sentences": np.array([[b"a" * 2**21]], dtype=object)}), 2),
+    ]
+
+
+@dataclass
+class MixedResult:
+    """What a run of good and hostile clients saw, per model."""
+
+    seconds: float
+    good: Counter[str] = field(default_factory=Counter)
+    good_failures: dict[str, list[str]] = field(default_factory=dict)
+    hostile: Counter[str] = field(default_factory=Counter)
+    hostile_violations: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        parts = [f"{self.seconds:.0f} s"]
+        for model in MIXED_MODELS:
+            failed = len(self.good_failures.get(model, []))
+            total = self.good[model] + failed
+            parts.append(
+                f"{model}: {total} good requests, {failed} failed ({failed / max(total, 1):.1%}), "
+                f"{self.hostile[model]} hostile answered"
+            )
+        return "; ".join(parts)
+
+
+def _own_client(model: str, port: int) -> Any:
+    from openaligner.clients.critic import CriticAddress, RemoteCriticConfig, RemoteGPTRMCriticClient
+    from openaligner.clients.reward import RemoteGPTRMClient, RemoteRMConfig
+
+    if model == "reward_model":
+        return RemoteGPTRMClient(
+            RemoteRMConfig(port=port, pad_to_length=WIDTH, max_workers=1, init_timeout_s=60)
+        )
+    cfg = RemoteCriticConfig(
+        pad_to_length=WIDTH, critic=CriticAddress(port=port), max_workers=1, init_timeout_s=60
+    )
+    return RemoteGPTRMCriticClient(cfg)
+
+
+def _own_request(client: Any, model: str, batch: dict[str, Any]) -> dict[str, np.ndarray]:
+    if model == "reward_model":
+        return {"rewards": client.infer_rm(batch).result().numpy()}
+    rewards, values = client.infer_rm_critic(batch).result()
+    return {"rewards": rewards.numpy(), "values": values.numpy()}
+
+
+def _own_batches(model: str) -> list[dict[str, Any]]:
+    import torch
+
+    g = torch.Generator().manual_seed(3 if model == "reward_model" else 4)
+    out = []
+    for i in range(DISTINCT):
+        rows = 1 + i % 4
+        out.append(
+            {
+                "response_tokens": torch.randint(3, 100, (rows, WIDTH), generator=g),
+                "response_lengths": torch.randint(2, WIDTH + 1, (rows,), generator=g),
+            }
+        )
+    return out
+
+
+def run_mixed(ports: dict[str, int], seconds: float, hostile: list[Hostile]) -> MixedResult:
+    """``GOOD_CLIENTS`` closed-loop well-formed clients and ``HOSTILE_CLIENTS`` hostile ones per
+    model for ``seconds``; every good answer is compared with the same request's answer alone."""
+    from support import post
+
+    tritonclient_requests = {model: requests_for(model) for model in ports}
+    own_batches = {model: _own_batches(model) for model in ports}
+    reference: dict[str, list[dict[str, np.ndarray]]] = {}
+    own_reference: dict[str, list[dict[str, np.ndarray]]] = {}
+    for model, port in ports.items():  # each request alone, before the load
+        client = triton_http.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=60)
+        reference[model] = [answer(client, model, inputs) for inputs, _ in tritonclient_requests[model]]
+        client.close()
+        with _own_client(model, port) as own:
+            own_reference[model] = [_own_request(own, model, b) for b in own_batches[model]]
+
+    result = MixedResult(seconds)
+    result.good_failures = {model: [] for model in ports}
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def good_loop(model: str, index: int) -> None:
+        own = index < OWN_CLIENTS
+        client = (
+            _own_client(model, ports[model])
+            if own
+            else triton_http.InferenceServerClient(
+                f"127.0.0.1:{ports[model]}", connection_timeout=60, network_timeout=60
+            )
+        )
+        sent = 0
+        try:
+            while not stop.is_set():
+                which = (index + sent) % DISTINCT
+                sent += 1
+                try:
+                    if own:
+                        got, want = (
+                            _own_request(client, model, own_batches[model][which]),
+                            own_reference[model][which],
+                        )
+                    else:
+                        got = answer(client, model, tritonclient_requests[model][which][0])
+                        want = reference[model][which]
+                    for name, expected in want.items():
+                        np.testing.assert_allclose(got[name], expected, rtol=1e-4, atol=1e-4, err_msg=name)
+                except Exception as e:  # every failure is counted, none ends the run
+                    with lock:
+                        kind = "own client" if own else "tritonclient"
+                        result.good_failures[model].append(
+                            f"{kind} {index}: {type(e).__name__}: {str(e)[:300]}"
+                        )
+                    continue
+                with lock:
+                    result.good[model] += 1
+        finally:
+            client.close()
+
+    def hostile_loop(model: str, index: int) -> None:
+        sent = 0
+        while not stop.is_set():
+            h = hostile[(index + sent) % len(hostile)]
+            sent += 1
+            try:
+                got = post(ports[model], f"/v2/models/{model}/infer", h.body, h.headers)
+            except OSError as e:
+                with lock:
+                    result.hostile_violations.append(f"{model} {h.what}: {type(e).__name__}: {e}")
+                continue
+            with lock:
+                result.hostile[model] += 1
+                if got.status // 100 != h.status_class or b"Traceback" in got.body:
+                    result.hostile_violations.append(f"{model} {h.what}: {got.status} {got.body[:200]!r}")
+
+    threads = [
+        threading.Thread(target=loop, args=(model, i), daemon=True)
+        for model in ports
+        for loop, count in ((good_loop, GOOD_CLIENTS), (hostile_loop, HOSTILE_CLIENTS))
+        for i in range(count)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a client thread hung"
+    return result
+
+
+def check_mixed(result: MixedResult, ports: dict[str, int]) -> None:
+    print(result.summary())
+    failures = [f for fs in result.good_failures.values() for f in fs]
+    assert not failures, (
+        f"{len(failures)} well-formed requests failed ({result.summary()}), e.g. {failures[:3]}"
+    )
+    assert not result.hostile_violations, result.hostile_violations[:5]
+    for model in ports:
+        assert result.good[model] >= 20 and result.hostile[model] >= 10, result.summary()
+
+
+def test_mixed_good_and_hostile_clients_short(cli_servers):
+    ports, _ = _targets(cli_servers)
+    check_mixed(run_mixed(ports, MIXED_SHORT_S, hostile_requests()), ports)
+
+
+@pytest.mark.soak
+def test_mixed_good_and_hostile_clients_soak(cli_servers):
+    ports, _ = _targets(cli_servers)
+    check_mixed(run_mixed(ports, MIXED_SOAK_S, hostile_requests()), ports)

@@ -5,21 +5,28 @@ Exit codes: the servers exit 0 on either signal (stopping is how a server's run 
 exits 130 on SIGINT and 143 on SIGTERM (128 + the signal: the run did not finish), after saying
 which checkpoint the same command resumes from. "Ctrl-C" is SIGINT to the whole process group, as
 a terminal sends it, so every child gets it too.
+
+A server signalled while Triton is still starting exits within seconds too, and a server never
+exits before every Triton process of its own has (a stuck python backend is killed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from fault_procs import CriticServer, RewardServer, Trainer, kill_tree, stop_cleanly, wait_for, write_prompts
-from procs import Served, alive, descendants
+from procs import Served, alive, descendants, free_port
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
 EXIT_WITHIN_S = 30.0  # a stop waits at most server.exit_timeout_s (3 s) for calls in progress
+START_STOP_WITHIN_S = 5.0  # a stop while starting: Triton is killed, nothing waits for it
 
 
 def ctrl_c(served: Served, within_s: float = EXIT_WITHIN_S) -> tuple[int, float]:
@@ -95,3 +102,70 @@ def test_sigterm_stops_a_trainer_waiting_on_a_stuck_critic_server_then_the_serve
     assert server_code == 0, server.output[-3000:]
     assert "SIGTERM received: stopping" in server.output
     assert trainer_s < EXIT_WITHIN_S and server_s < EXIT_WITHIN_S
+
+
+def _critic_cli(*extra: str) -> Served:
+    """`openaligner serve-critic` with the tiny models (not waited for)."""
+    args = ["model.tiny=true", f"server.port={free_port()}", "threads=1", *extra]
+    return Served([sys.executable, "-m", "openaligner", "serve-critic", *args])
+
+
+def _when(served: Served, program: str, timeout_s: float = 120.0) -> None:
+    """Return as soon as a process running ``program`` appears below ``served``."""
+    wait_for(lambda: program in descendants(served.proc.pid).values(), timeout_s, f"{program} to start")
+
+
+@pytest.mark.parametrize(
+    ("moment", "signal_to"),
+    [
+        ("tritonserver", "main process"),  # Triton starting
+        ("triton_python_b", "process group"),  # its python backends loading the models
+    ],
+)
+def test_a_server_signalled_while_starting_exits_within_seconds(moment, signal_to):
+    """SIGTERM while Triton is still starting used to let the start run on (up to 123 s: a
+    SIGTERM to the group stops tritonserver, and PyTriton then waits two minutes for it)."""
+    server = _critic_cli()
+    try:
+        _when(server, moment)
+        tree = descendants(server.proc.pid)
+        started = time.monotonic()
+        if signal_to == "main process":
+            server.proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(server.proc.pid, signal.SIGTERM)
+        code = server.proc.wait(timeout=EXIT_WITHIN_S)
+        took = time.monotonic() - started
+        wait_for(lambda: not any(alive(p) for p in tree), 10, "the server's Triton processes to exit")
+    finally:
+        kill_tree(server)
+    assert code == 0, server.output[-3000:]
+    assert took < START_STOP_WITHIN_S, f"exit took {took:.1f} s\n{server.output[-3000:]}"
+    assert "ready at" not in server.output and "Traceback" not in server.output, server.output[-3000:]
+
+
+def test_a_stuck_python_backend_is_not_left_behind():
+    """A python-backend stub that does not exit (here: stopped with SIGSTOP, as one that ignores
+    SIGTERM) used to outlive its server, re-parented to init; the server now kills it before it
+    exits, and removes its workspace."""
+    server = RewardServer()
+    try:
+        server.wait_ready()
+        stubs = [pid for pid, name in descendants(server.proc.pid).items() if name == "triton_python_b"]
+        assert stubs, descendants(server.proc.pid)
+        program = Path(Path(f"/proc/{stubs[0]}/cmdline").read_bytes().split(b"\0")[0].decode())
+        workspace = next(p for p in program.parents if p.name == "workspace").parent
+        for pid in stubs:
+            os.kill(pid, signal.SIGSTOP)
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout=EXIT_WITHIN_S)
+        left = [pid for pid in stubs if alive(pid)]
+    finally:
+        kill_tree(server)
+        for pid in stubs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert code == 0, server.output[-3000:]
+    assert not left, f"python backend(s) {left} outlived their server"
+    assert "killing" in server.output and "triton_python_b" in server.output  # it says what it killed
+    assert not workspace.exists()

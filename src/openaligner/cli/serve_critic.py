@@ -68,6 +68,7 @@ class CriticServerSettings:
     exit_timeout_s: int = 3  # at stop, how long calls in progress may take to finish
     heartbeat_s: float = 60.0  # idle heartbeat to the other ranks, keeping them within the pg timeout
     log_file: str | None = None  # tritonserver's log file; default: a temporary file removed at stop
+    workspace_dir: str | None = None  # root of the server's own files; null: <tmp>/openaligner-servers-<uid>
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -221,6 +222,7 @@ def run(cfg: ServeCriticConfig) -> int:
             max_request_bytes=s.max_request_bytes,
             exit_timeout_s=s.exit_timeout_s,
             log_file=s.log_file,
+            workspace_dir=s.workspace_dir,
         )
         train_cfg = CriticTrainConfig(
             global_batch_size=t.global_batch_size,
@@ -247,8 +249,7 @@ def run(cfg: ServeCriticConfig) -> int:
             resume_step=cfg.checkpoint.resume_step,
         )
         _install_signal_handlers(server, log)
-        if dp.is_leader():
-            server.start()
+        if dp.is_leader() and server.start():  # False: stopped while starting
             mode = "values and rewards" if s.combine_rm_and_critic_server else "values only"
             guarded = ", train/save need the token" if server.token is not None else ""
             print(

@@ -54,6 +54,7 @@ class RewardServerSettings:
     exit_timeout_s: int = 3  # at stop, how long calls in progress may take to finish
     heartbeat_s: float = 60.0  # idle heartbeat to the other ranks, keeping them within the pg timeout
     log_file: str | None = None  # tritonserver's log file; default: a temporary file removed at stop
+    workspace_dir: str | None = None  # root of the server's own files; null: <tmp>/openaligner-servers-<uid>
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -135,10 +136,10 @@ def run(cfg: ServeRewardConfig) -> int:
             max_request_bytes=s.max_request_bytes,
             exit_timeout_s=s.exit_timeout_s,
             log_file=s.log_file,
+            workspace_dir=s.workspace_dir,
         )
         _install_signal_handlers(server, log)
-        if dp.is_leader():
-            server.start()
+        if dp.is_leader() and server.start():  # False: stopped while starting
             ranks = dp.world_size()
             print(
                 f"reward model server ready at {server.url} (model '{s.model_name}', {ranks} rank(s)); "

@@ -470,7 +470,11 @@ class TritonHTTPClient:
         if envelope is not None:
             return _Rejected(envelope)
         status = str(error.status() or "")
-        short = _shorten(text)
+        short = _shorten(text).removeprefix(f"{model}: ")  # the server's front names the model too
+        if status == "403":  # the server's front refused the request's token
+            return AuthenticationError(
+                f"{self.where(model)} refused the request: {short}", url=self.url, model=model
+            )
         if status.startswith("4"):
             if "unknown model" in text.lower():
                 return ServerUnavailableError(

@@ -7,7 +7,7 @@ subscriber loop of :mod:`openaligner.servers.distributed` with the FORWARD, TRAI
 RESTORE opcodes, and the optional shared-secret token that guards training, saving and
 restoring. What TRAIN, SAVE and RESTORE do on each rank — training passes, checkpoints, resume —
 is the :class:`~openaligner.trainer.critic.CriticTrainer` the server is given; transport is
-:mod:`openaligner.servers.triton`'s. Must not know about PPO, the actor, the value loss or HTTP
+:mod:`openaligner.servers.transport`'s. Must not know about PPO, the actor, the value loss or HTTP
 details.
 
 Combined mode (the default, as NeMo-Aligner): the same server also answers rewards from a frozen
@@ -46,8 +46,6 @@ from openaligner.servers.batching import (
     strip_columns,
 )
 from openaligner.servers.distributed import Opcode, Rank0Dispatcher
-from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
-from openaligner.servers.lifecycle import ServerLifecycle
 from openaligner.servers.protocol import (
     CLIP_FRACTION,
     CRITIC_DEFAULT_PORT,
@@ -81,7 +79,9 @@ from openaligner.servers.protocol import (
     VALUES,
     TensorSpec,
 )
-from openaligner.servers.triton import Batching, TritonHost
+from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
+from openaligner.servers.transport.lifecycle import ServerLifecycle
+from openaligner.servers.transport.triton import Batching, TritonHost
 from openaligner.servers.validation import (
     RequestError,
     SequenceRequest,
@@ -118,6 +118,7 @@ class CriticServerConfig:
     heartbeat_s: float | None = 60.0  # idle heartbeat to the other ranks
     exit_timeout_s: int = 3  # at stop, how long calls in progress may take to finish
     log_file: str | None = None  # tritonserver's log file; None: temporary, removed at stop
+    workspace_dir: str | None = None  # root of the server's own files; None: <tmp>/openaligner-servers-<uid>
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -516,18 +517,22 @@ class CriticServerTrainer(ServerLifecycle):
             Opcode.RESTORE: self._restore_all_ranks,
         }
 
-    def start(self) -> None:
-        """Rank 0: start Triton and return once it answers. Other ranks: nothing (see run_server)."""
-        if not dp.is_leader() or self._host is not None:
-            return
+    def start(self) -> bool:
+        """Rank 0: start Triton and return True once it answers, or False when a stop request came
+        first or interrupted the start (see :meth:`request_stop`). Other ranks: nothing (see
+        run_server)."""
+        if not dp.is_leader() or self._host is not None or self._stop_requested.is_set():
+            return self._host is not None
         cfg = self.cfg
-        self._dispatcher = Rank0Dispatcher(self.handlers(), heartbeat_s=cfg.heartbeat_s)
+        if self._dispatcher is None:
+            self._dispatcher = Rank0Dispatcher(self.handlers(), heartbeat_s=cfg.heartbeat_s)
         host = TritonHost(
             cfg.host,
             cfg.port,
             exit_timeout_s=cfg.exit_timeout_s,
             log_file=cfg.log_file,
             max_request_bytes=cfg.max_request_bytes,
+            workspace_dir=cfg.workspace_dir,
         )
         sizes = cfg.inference_micro_batch_size
         per_rank = [sizes] if isinstance(sizes, int) else list(sizes)
@@ -541,11 +546,10 @@ class CriticServerTrainer(ServerLifecycle):
         host.bind(self.train_endpoint, None, self.lock, guard)
         host.bind(self.save_endpoint, None, self.lock, guard)
         try:
-            host.start()
+            return self._start_host(host)
         except BaseException:
             self._dispatcher.stop()
             raise
-        self._host = host
 
     def __enter__(self) -> CriticServerTrainer:
         self.start()

@@ -4,7 +4,7 @@ Owns the reward endpoint's logic (:class:`RewardEndpoint`: validate one request,
 batch) and its deployment (:class:`RewardModelServer`: rank 0 runs Triton and leads, other ranks
 follow the FORWARD opcode). The reward function is any callable ``infer_fn(tokens, lengths)``;
 ``RewardModel.infer`` from :mod:`openaligner.models.reward` is the usual one. Must not know how
-rewards are computed, nor about HTTP details (see :mod:`openaligner.servers.triton`).
+rewards are computed, nor about HTTP details (see :mod:`openaligner.servers.transport.triton`).
 
 Wire contract (see :mod:`openaligner.servers.protocol`): inputs ``sentences`` (bytes [B, 1]),
 ``tokens`` (int64 [B, S], right-padded) with ``sequence_lengths`` (int64 [B, 1]); output
@@ -32,8 +32,6 @@ from openaligner.servers.batching import (
     strip_columns,
 )
 from openaligner.servers.distributed import Opcode, Rank0Dispatcher
-from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
-from openaligner.servers.lifecycle import ServerLifecycle
 from openaligner.servers.protocol import (
     DEFAULT_HOST,
     REWARD_DEFAULT_PORT,
@@ -41,7 +39,9 @@ from openaligner.servers.protocol import (
     REWARD_MODEL_NAME,
     REWARD_OUTPUTS,
 )
-from openaligner.servers.triton import Batching, TritonHost
+from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
+from openaligner.servers.transport.lifecycle import ServerLifecycle
+from openaligner.servers.transport.triton import Batching, TritonHost
 from openaligner.servers.validation import SequenceRequest, TokenizeFn, parse_sequence_request
 
 LOGGER = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ InferFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RewardEndpoint:
-    """The ``reward_model`` endpoint as a plain object (see :class:`openaligner.servers.triton.Endpoint`).
+    """The ``reward_model`` endpoint as a plain object (see :class:`~.transport.triton.Endpoint`).
 
     Args:
         forward: ``(tokens [B, S], lengths [B]) -> rewards [B]`` for a whole shaped batch, where
@@ -161,6 +161,8 @@ class RewardModelServer(ServerLifecycle):
         heartbeat_s: idle heartbeat to the other ranks (see :class:`Rank0Dispatcher`).
         exit_timeout_s: at stop, how long calls in progress may take to finish.
         log_file: tritonserver's log file; None: a temporary file removed at stop.
+        workspace_dir: root of the server's own directory (Triton's workspace, its log); None:
+            ``<tmp>/openaligner-servers-<uid>`` (see :mod:`openaligner.servers.transport.workspace`).
     """
 
     _describe = "the reward model server"
@@ -181,6 +183,7 @@ class RewardModelServer(ServerLifecycle):
     heartbeat_s: float | None = 60.0
     exit_timeout_s: int = 3
     log_file: str | None = None
+    workspace_dir: str | None = None
 
     def __post_init__(self) -> None:
         sizes = self.preferred_batch_sizes
@@ -230,17 +233,21 @@ class RewardModelServer(ServerLifecycle):
         """The opcode table every rank runs (the critic server adds TRAIN and SAVE)."""
         return {Opcode.FORWARD: self._forward_all_ranks}
 
-    def start(self) -> None:
-        """Rank 0: start Triton and return once it answers. Other ranks: nothing (see run_server)."""
-        if not dp.is_leader() or self._host is not None:
-            return
-        self._dispatcher = Rank0Dispatcher(self.handlers(), heartbeat_s=self.heartbeat_s)
+    def start(self) -> bool:
+        """Rank 0: start Triton and return True once it answers, or False when a stop request came
+        first or interrupted the start (see :meth:`request_stop`). Other ranks: nothing (see
+        run_server)."""
+        if not dp.is_leader() or self._host is not None or self._stop_requested.is_set():
+            return self._host is not None
+        if self._dispatcher is None:
+            self._dispatcher = Rank0Dispatcher(self.handlers(), heartbeat_s=self.heartbeat_s)
         host = TritonHost(
             self.host,
             self.port,
             exit_timeout_s=self.exit_timeout_s,
             log_file=self.log_file,
             max_request_bytes=self.max_request_bytes,
+            workspace_dir=self.workspace_dir,
         )
         batching = Batching(
             max_batch_size=self.max_batch_size,
@@ -249,11 +256,10 @@ class RewardModelServer(ServerLifecycle):
         )
         host.bind(self.endpoint, batching, threading.Lock())
         try:
-            host.start()
+            return self._start_host(host)
         except BaseException:
             self._dispatcher.stop()
             raise
-        self._host = host
 
     def __enter__(self) -> RewardModelServer:
         self.start()
@@ -274,15 +280,37 @@ class RewardModelServer(ServerLifecycle):
         return dp.all_gather_rows(local, same_shape=True)
 
 
-def make_tokenize_func(tokenizer: Any, max_length: int | None = None) -> TokenizeFn:
+MAX_CHARS_PER_TOKEN = 32
+"""How many characters of a text are tokenized per token kept: a text is cut to
+``max_length * MAX_CHARS_PER_TOKEN`` characters before tokenizing. Whatever lies beyond could only
+reach the first ``max_length`` tokens if they averaged more than this many characters (English
+text averages about 4 per BPE token), and tokenizing it would cost time for tokens the server
+throws away (a 2 MB text held the server for seconds)."""
+
+
+def make_tokenize_func(
+    tokenizer: Any, max_length: int | None = None, max_chars_per_token: int = MAX_CHARS_PER_TOKEN
+) -> TokenizeFn:
     """A :data:`TokenizeFn` from a Hugging Face tokenizer: no BOS/EOS added, truncated to
-    ``max_length``, right-padded with the tokenizer's pad id (0 when it has none)."""
+    ``max_length``, right-padded with the tokenizer's pad id (0 when it has none).
+
+    With ``max_length``, each text is first cut to ``max_length * max_chars_per_token``
+    characters, so that a request costs what the server keeps, however long its texts. Calls are
+    serialised (the HTTP front's workers and the served callable both validate): a fast tokenizer
+    sets its truncation on the one shared Rust object at each call and fails with "Already
+    borrowed" when another thread is encoding with it (huggingface/tokenizers#537).
+    """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    max_chars = max_length * max_chars_per_token if max_length is not None else None
+    lock = threading.Lock()
 
     def tokenize(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = tokenizer(
-            texts, add_special_tokens=False, truncation=max_length is not None, max_length=max_length
-        )["input_ids"]
+        if max_chars is not None:
+            texts = [t[:max_chars] for t in texts]
+        with lock:
+            ids = tokenizer(
+                texts, add_special_tokens=False, truncation=max_length is not None, max_length=max_length
+            )["input_ids"]
         width = max(1, max(len(x) for x in ids))
         tokens = torch.full((len(ids), width), pad_id, dtype=torch.int64)
         for i, row in enumerate(ids):

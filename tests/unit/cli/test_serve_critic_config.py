@@ -58,6 +58,6 @@ def test_learning_rate_schedule():
 
 def test_request_body_limit_default_is_the_servers():
     from openaligner.cli.serve_critic import CriticServerSettings as settings
-    from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
+    from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 
     assert settings().max_request_bytes == DEFAULT_MAX_REQUEST_BYTES

@@ -38,6 +38,6 @@ def test_bad_values_name_the_key(overrides, needle):
 
 def test_request_body_limit_default_is_the_servers():
     from openaligner.cli.serve_reward import RewardServerSettings as settings
-    from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES
+    from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 
     assert settings().max_request_bytes == DEFAULT_MAX_REQUEST_BYTES

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from openaligner.clients.errors import (
+    AuthenticationError,
     BadRequestError,
     ClientClosedError,
     ServerError,
@@ -194,6 +195,18 @@ def test_server_side_bad_request_and_failure_are_typed(fake):
         fake.script = lambda h: (500, {"error": "Traceback ...\nRuntimeError: CUDA out of memory"})
         with pytest.raises(ServerError, match="failed on a valid request: RuntimeError: CUDA out of memory"):
             rm.infer_rm(batch()).result()
+
+
+def test_the_server_fronts_refusals_keep_their_types(fake):
+    fake.script = lambda h: (400, {"error": "reward_model: input 'sequence_lengths': row 0 is 0"})
+    with client_for(fake.port) as rm:
+        with pytest.raises(BadRequestError) as info:
+            rm.infer_rm(batch()).result()
+        assert str(info.value).endswith("refused the request: input 'sequence_lengths': row 0 is 0")
+        fake.script = lambda h: (403, {"error": "reward_model: the request's token does not match"})
+        with pytest.raises(AuthenticationError, match="refused the request: the request's token does not"):
+            rm.infer_rm(batch()).result()
+    assert len(fake.requests) == 2  # refusals are not resent
 
 
 def test_valid_request_rejected_with_an_invalid_one_is_resent(fake):

@@ -8,9 +8,16 @@ import pytest
 import torch
 
 from openaligner.servers.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope
-from openaligner.servers.reward import RewardEndpoint, RewardModelServer, make_tokenize_func, micro_batched
-from openaligner.servers.triton import BatchRejected, TritonCallable, is_loopback, rejection
-from openaligner.servers.validation import RequestError
+from openaligner.servers.reward import (
+    MAX_CHARS_PER_TOKEN,
+    RewardEndpoint,
+    RewardModelServer,
+    make_tokenize_func,
+    micro_batched,
+)
+from openaligner.servers.transport.lifecycle import StartInterrupted
+from openaligner.servers.transport.triton import BatchRejected, TritonCallable, is_loopback, rejection
+from openaligner.servers.validation import RequestError, UnauthorizedError
 
 
 def toy_reward(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -156,6 +163,22 @@ def test_one_invalid_request_names_itself_and_tells_the_valid_ones_to_resend():
         call([batch[1]])
 
 
+def test_the_fronts_check_judges_a_request_as_the_callable_would_without_running_it():
+    ep, seen = make_endpoint()
+
+    def authorize(parameters):
+        if parameters.get("token") != "t":
+            raise UnauthorizedError("wrong token")
+
+    call = TritonCallable(ep, threading.Lock(), authorize)
+    call.check(tok_request([[1, 2]], [2]), {"token": "t"})
+    with pytest.raises(UnauthorizedError):  # the token first: nothing is said about the inputs
+        call.check(tok_request([[1, 2]], [0]), {})
+    with pytest.raises(RequestError, match="row 0 is 0"):
+        call.check(tok_request([[1, 2]], [0]), {"token": "t"})
+    assert seen == []
+
+
 def test_rejection_when_every_request_is_invalid():
     env = rejection("m", {"#0": "x", "#1": "y"}, [])
     assert env.kind == "bad_request" and "all 2 requests" in env.message
@@ -187,13 +210,62 @@ def test_make_tokenize_func_pads_and_truncates():
     assert tokens[0].tolist() == tok("abc", add_special_tokens=False)["input_ids"]
 
 
-def test_binding_a_non_loopback_address_warns(caplog):
-    from openaligner.servers.triton import TritonHost
+class SpyTokenizer:
+    """Records the texts it is asked to tokenize; one id per character."""
 
-    with caplog.at_level("WARNING", logger="openaligner.servers.triton"):
+    pad_token_id = 0
+
+    def __init__(self):
+        self.seen: list[list[str]] = []
+
+    def __call__(self, texts, add_special_tokens, truncation, max_length):
+        self.seen.append(list(texts))
+        return {"input_ids": [[1] * min(len(t), max_length or len(t)) for t in texts]}
+
+
+def test_a_long_text_is_cut_before_tokenizing_to_what_the_server_can_keep():
+    spy = SpyTokenizer()
+    fn = make_tokenize_func(spy, max_length=8)
+    tokens, lengths = fn(["a" * 2_000_000, "short"])
+    assert [len(t) for t in spy.seen[0]] == [8 * MAX_CHARS_PER_TOKEN, 5]
+    assert lengths.tolist() == [8, 5] and tokens.shape == (2, 8)
+    unlimited = SpyTokenizer()
+    make_tokenize_func(unlimited)(["a" * 1000])  # without max_length nothing is cut
+    assert len(unlimited.seen[0][0]) == 1000
+
+
+def test_a_stop_request_during_start_abandons_the_start():
+    """A signal handler calling request_stop while Triton starts (in the main thread) interrupts
+    the start; the server stops what it had started and returns as stopped."""
+    server = RewardModelServer(infer_fn=toy_reward)
+    stopped = []
+
+    class Host:
+        def start(self):
+            server.request_stop()  # what the SIGTERM handler does, inside the start
+            raise AssertionError("the start went on after the stop request")
+
+        def stop(self):
+            stopped.append(True)
+
+    assert server._start_host(Host()) is False
+    assert stopped == [True] and server.triton is None
+    server.request_stop()  # outside a start it only asks run_server to return
+    with pytest.raises(StartInterrupted):  # the exception is a KeyboardInterrupt, not an Exception
+        server._start_interruptible = True
+        server.request_stop()
+    assert server.start() is False  # a stop was requested: it does not start at all
+    server.run_server()  # returns at once, releasing the other ranks
+    server.stop()
+
+
+def test_binding_a_non_loopback_address_warns(caplog):
+    from openaligner.servers.transport.triton import TritonHost
+
+    with caplog.at_level("WARNING", logger="openaligner.servers.transport.triton"):
         TritonHost("127.0.0.1", 5555)
     assert not caplog.records
-    with caplog.at_level("WARNING", logger="openaligner.servers.triton"):
+    with caplog.at_level("WARNING", logger="openaligner.servers.transport.triton"):
         host = TritonHost("0.0.0.0", 5555)
     assert host.url == "http://0.0.0.0:5555"
     assert "reachable from other machines" in caplog.text and "no authentication" in caplog.text

@@ -40,7 +40,7 @@ from openaligner.cli.demo.report import (
     write_report,
 )
 from openaligner.cli.demo.stages import make_data, run_command, write_config
-from openaligner.servers.triton import free_loopback_port
+from openaligner.servers.transport.triton import free_loopback_port
 
 
 @dataclass

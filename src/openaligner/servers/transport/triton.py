@@ -1,17 +1,20 @@
 """The PyTriton binding: start a real Triton server and connect endpoint logic to it.
 
 Owns everything PyTriton-specific and nothing else: the runtime fixes that let Triton start on a
-fresh machine (this interpreter's libpython first on ``LD_LIBRARY_PATH``, a private workspace,
-loopback HTTP only, a short exit timeout), the model configuration (dynamic batcher), the HTTP
-front that clients actually reach (:class:`openaligner.servers.http_guard.HTTPGuard` on the served
-address, Triton on a private loopback port behind it), and the thin per-call path — decode each
-request, validate it, lock, call the endpoint, encode the outputs. Must not know what an endpoint
-computes, nor about models or torch.distributed.
+fresh machine (this interpreter's libpython first on ``LD_LIBRARY_PATH``, a private workspace with
+a local model store, loopback HTTP only, a short exit timeout), the model configuration (dynamic
+batcher), the HTTP front that clients actually reach (:class:`~.http_guard.HTTPGuard` on the
+served address, Triton on a private loopback port behind it), and the thin per-call path —
+decode each request, validate it, lock, call the endpoint, encode the outputs. Must not know what
+an endpoint computes, nor about models or torch.distributed.
 
-An endpoint is an ordinary object (see :class:`Endpoint`) tested without Triton. Every request of
-a formed batch is validated on its own before anything runs: Triton answers every request of an
-inference call with the same error, so a call that contains one invalid request can only fail as a
-whole. The error then names the invalid requests and tells the valid ones to resend (see
+An endpoint is an ordinary object (see :class:`Endpoint`) tested without Triton. Each request is
+judged on its own in the HTTP front, by the endpoint's own ``validate``, before Triton sees it:
+Triton answers every request of an inference call with the same error (PyTriton 0.7 raises one
+exception for the whole call; it has no per-request error), so an invalid request merged into a
+batch would fail the valid ones with it. The callable validates again — the one line of defence
+for a request sent to Triton's private port directly — and then refuses the whole call, naming
+the invalid requests and telling the valid ones to resend (see
 :class:`openaligner.servers.protocol.ErrorEnvelope`).
 """
 
@@ -20,10 +23,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import shutil
 import socket
 import sysconfig
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,8 +34,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from openaligner.servers.http_guard import DEFAULT_MAX_REQUEST_BYTES, HTTPGuard
 from openaligner.servers.protocol import DEFAULT_HOST, REQUEST_ID_PARAMETER, ErrorEnvelope, TensorSpec
+from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES, HTTPGuard, RequestCheck
+from openaligner.servers.transport.workspace import ServerWorkspace, default_root
 from openaligner.servers.validation import RequestError, UnauthorizedError
 
 LOGGER = logging.getLogger(__name__)
@@ -168,6 +170,19 @@ class TritonCallable:
         """Whether a call is being served right now."""
         return self._in_flight > 0
 
+    def check(self, inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]) -> Any:
+        """Judge one request, without running it: the HTTP front's check and, per request, the
+        first step of :meth:`__call__`. Returns what the endpoint's ``validate`` returned.
+
+        Raises:
+            UnauthorizedError: ``authorize`` refused the request's parameters (checked first: an
+                unauthorized client learns nothing about its inputs).
+            RequestError: the endpoint's ``validate`` refused the inputs.
+        """
+        if self.authorize is not None:
+            self.authorize(parameters)
+        return self.endpoint.validate(inputs)
+
     def __call__(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
         with self._count_lock:
             self._in_flight += 1
@@ -184,9 +199,7 @@ class TritonCallable:
         unauthorized: dict[str, str] = {}
         for (rid, inputs), request in zip(decoded, requests, strict=True):
             try:
-                if self.authorize is not None:  # before validation: say nothing about the inputs
-                    self.authorize(getattr(request, "parameters", None) or {})
-                parsed.append(self.endpoint.validate(inputs))
+                parsed.append(self.check(inputs, getattr(request, "parameters", None) or {}))
             except UnauthorizedError as e:
                 unauthorized[rid] = str(e)
             except RequestError as e:
@@ -243,10 +256,15 @@ def _request_id(request: Any, index: int) -> str:
 class TritonHost:
     """One Triton server process (HTTP only) serving the endpoints bound to it.
 
-    Clients reach an :class:`~openaligner.servers.http_guard.HTTPGuard` on ``host:port``, which
-    refuses what Triton cannot take (oversized bodies, shapes that do not match the data, empty
-    tensors, malformed JSON) with a clear error and forwards the rest to Triton, which listens on
-    a private port of 127.0.0.1.
+    Clients reach an :class:`~openaligner.servers.transport.http_guard.HTTPGuard` on ``host:port``. It reads
+    each inference request, has it checked in full by the endpoint's own ``validate`` (and
+    ``authorize``), refuses it with a 4xx naming the input when it is wrong, and forwards the
+    request exactly as it understood it to Triton, on a private port of 127.0.0.1. Every request is
+    so judged on its own: Triton's dynamic batcher only ever merges valid requests.
+
+    Everything of the server lives in one directory under ``workspace_dir`` (see
+    :mod:`openaligner.servers.transport.workspace`), and :meth:`stop` returns only once every Triton process
+    has exited.
 
     Args:
         host: address to bind; loopback by default. Any other address is logged as a warning:
@@ -259,6 +277,8 @@ class TritonHost:
         log_verbose: tritonserver verbosity (0 = info, warnings and errors).
         log_file: where tritonserver writes its log; None: a private file, deleted at stop
             (its tail is quoted when Triton fails to start).
+        workspace_dir: the root under which this server makes its directory; None: the default
+            of :func:`openaligner.servers.transport.workspace.default_root`.
     """
 
     def __init__(
@@ -270,6 +290,7 @@ class TritonHost:
         log_verbose: int = 0,
         log_file: str | Path | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        workspace_dir: str | Path | None = None,
     ) -> None:
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
@@ -285,6 +306,7 @@ class TritonHost:
         self.log_verbose = log_verbose
         self.log_file = Path(log_file) if log_file is not None else None
         self.max_request_bytes = max_request_bytes
+        self.workspace_dir = workspace_dir
         self.triton_port: int | None = None
         """Triton's own HTTP port on 127.0.0.1 (behind the guard), once started."""
         self.guard: HTTPGuard | None = None
@@ -293,7 +315,7 @@ class TritonHost:
         ] = []
         self._callables: list[TritonCallable] = []
         self._triton: Any = None
-        self._tmpdir: Path | None = None
+        self._workspace: ServerWorkspace | None = None
         self.start_time_s: float | None = None
         self.stop_time_s: float | None = None
 
@@ -320,17 +342,42 @@ class TritonHost:
         self._bindings.append((endpoint, batching, lock, authorize))
 
     def start(self) -> None:
-        """Start tritonserver and return once every bound model is ready (about 3 s)."""
-        from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-        from pytriton.triton import Triton, TritonConfig
+        """Start tritonserver and the HTTP front; return once every bound model is ready (about 3 s).
 
-        if self._triton is not None:
+        Whatever interrupts the start — a failure, or an exception raised into it by a signal
+        handler (see :class:`openaligner.servers.transport.lifecycle.StartInterrupted`) — first stops
+        everything started so far (see :meth:`stop`), then propagates.
+
+        Raises:
+            OSError: the served address cannot be bound.
+            RuntimeError: Triton failed to start (the end of its log is quoted).
+        """
+        if self._triton is not None or self._workspace is not None:
             raise RuntimeError("already started")
         started = time.perf_counter()
         check_port_free(self.host, self.port)
+        try:
+            self._start()
+        except Exception as e:
+            tail = self.log_tail()
+            self.stop()
+            if isinstance(e, OSError):
+                raise
+            raise RuntimeError(f"Triton failed to start at {self.url}: {e}\nend of its log:\n{tail}") from e
+        except BaseException:
+            self.stop()
+            raise
+        self.start_time_s = time.perf_counter() - started
+        LOGGER.info("Triton serving %s at %s", [b[0].model_name for b in self._bindings], self.url)
+
+    def _start(self) -> None:
+        from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+        from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy
+
         prepare_environment()
         _quiet_expected_rejections()
-        self._tmpdir = Path(tempfile.mkdtemp(prefix="openaligner-triton-"))
+        self._workspace = workspace = ServerWorkspace.create(self.workspace_dir)
+        _check_socket_paths(workspace.triton_dir, [b[0].model_name for b in self._bindings])
         self.triton_port = free_loopback_port()
         config = TritonConfig(
             http_address="127.0.0.1",
@@ -342,8 +389,13 @@ class TritonHost:
             log_verbose=self.log_verbose,
             log_file=self.log_path,
         )
-        # Workspace must not exist yet: PyTriton creates it, and deletes it on stop.
-        triton = Triton(config=config, workspace=self._tmpdir / "workspace")
+        # A local model store: Triton loads the models from the workspace at start. Loading them
+        # through its model-control API instead makes it copy each to /tmp/folderXXXXXX, which it
+        # never removes.
+        local_store = TritonLifecyclePolicy(launch_triton_on_startup=True, local_model_store=True)
+        triton = Triton(config=config, workspace=workspace.triton_dir, triton_lifecycle_policy=local_store)
+        self._triton = triton
+        checks: dict[str, RequestCheck] = {}
         for endpoint, batching, lock, authorize in self._bindings:
             if batching is None:
                 model_config = ModelConfig(batching=False)
@@ -358,6 +410,7 @@ class TritonHost:
                 )
             call = TritonCallable(endpoint, lock, authorize)
             self._callables.append(call)
+            checks[endpoint.model_name] = call.check
             triton.bind(
                 model_name=endpoint.model_name,
                 infer_func=call,
@@ -365,23 +418,13 @@ class TritonHost:
                 outputs=[_tensor(Tensor, s) for s in endpoint.outputs],
                 config=model_config,
             )
-        self._triton = triton
-        try:
-            triton.run()
-        except Exception as e:
-            tail = self.log_tail()
-            self.stop()
-            raise RuntimeError(f"Triton failed to start at {self.url}: {e}\nend of its log:\n{tail}") from e
+        triton.run()
+        workspace.started()
+        # After Triton is ready: until then clients see a refused connection, as before.
         self.guard = HTTPGuard(
-            self.host, self.port, self.triton_port, max_request_bytes=self.max_request_bytes
+            self.host, self.port, self.triton_port, max_request_bytes=self.max_request_bytes, checks=checks
         )
-        try:  # after Triton is ready: until then clients see a refused connection, as before
-            self.guard.start()
-        except BaseException:
-            self.stop()
-            raise
-        self.start_time_s = time.perf_counter() - started
-        LOGGER.info("Triton serving %s at %s", [b[0].model_name for b in self._bindings], self.url)
+        self.guard.start()
 
     @property
     def callables(self) -> tuple[TritonCallable, ...]:
@@ -393,7 +436,12 @@ class TritonHost:
         """The tritonserver log file (None before start when no ``log_file`` was given)."""
         if self.log_file is not None:
             return self.log_file
-        return self._tmpdir / "tritonserver.log" if self._tmpdir is not None else None
+        return self._workspace.log_path if self._workspace is not None else None
+
+    @property
+    def workspace_path(self) -> Path | None:
+        """This server's directory under the workspace root (None unless started)."""
+        return self._workspace.path if self._workspace is not None else None
 
     def log_tail(self, lines: int = 20) -> str:
         """The last ``lines`` lines of the tritonserver log ('' if there is none)."""
@@ -408,9 +456,15 @@ class TritonHost:
         return guard_up and self._triton is not None and bool(self._triton.is_alive())
 
     def stop(self) -> None:
-        """Stop tritonserver and remove the workspace; safe to call twice."""
+        """Stop the HTTP front and tritonserver, and return only once every process of this
+        server's Triton tree has exited (stragglers are killed) and its workspace is removed.
+
+        Safe to call twice, and on a start that was interrupted half-way.
+        """
         triton, self._triton = self._triton, None
+        workspace, self._workspace = self._workspace, None
         started = time.perf_counter()
+        known = workspace.processes() if workspace is not None else []
         if triton is not None:
             deadline = time.monotonic() + self.exit_timeout_s
             drained = False
@@ -419,8 +473,9 @@ class TritonHost:
                 time.sleep(0.02)
             if drained:  # the answer still has to pass through Triton and the guard to the client
                 time.sleep(0.25)
-            if self.guard is not None:
-                self.guard.stop()
+        if self.guard is not None:
+            self.guard.stop()
+        if triton is not None:
             noise = logging.getLogger("pytriton.server.triton_server")
             expected_exit = _DropMessage("exited with failure")  # a stop we asked for is no failure
             noise.addFilter(expected_exit)
@@ -430,11 +485,10 @@ class TritonHost:
                 LOGGER.warning("error while stopping Triton: %s", e)
             finally:
                 noise.removeFilter(expected_exit)
+        if workspace is not None:
+            workspace.release(known)
+        if triton is not None:
             self.stop_time_s = time.perf_counter() - started
-        if self._tmpdir is not None:
-            _remove_model_copies(self._tmpdir / "workspace")
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
 
     def __enter__(self) -> TritonHost:
         self.start()
@@ -444,19 +498,20 @@ class TritonHost:
         self.stop()
 
 
-def _remove_model_copies(workspace: Path) -> None:
-    """Delete the ``/tmp/folderXXXXXX`` copies tritonserver makes of each model it loads.
+_MAX_SOCKET_PATH = 107
+"""Longest path of a Unix socket (``sun_path`` holds 108 bytes with the final NUL)."""
 
-    Triton never removes them (about 100 kB per model and start); ours are recognised by the
-    workspace path written into their ``config.pbtxt``, so other servers' copies are left alone.
-    """
-    marker = f'"{workspace}"'
-    for config in Path("/tmp").glob("folder??????/config.pbtxt"):
-        try:
-            if marker in config.read_text(errors="replace"):
-                shutil.rmtree(config.parent, ignore_errors=True)
-        except OSError:
-            continue
+
+def _check_socket_paths(triton_dir: Path, model_names: Sequence[str]) -> None:
+    """PyTriton's sockets live in its workspace; a longer path makes every model fail to load, and
+    Triton's start then times out after two minutes instead of saying why."""
+    longest = max((str(triton_dir / f"{name}_0_0-server.sock") for name in model_names), key=len, default="")
+    if len(longest.encode()) > _MAX_SOCKET_PATH:
+        raise OSError(
+            f"the server's workspace {triton_dir.parent} is too deep: Triton's socket {longest} would be "
+            f"{len(longest.encode())} bytes long, over the {_MAX_SOCKET_PATH} a Unix socket path may have; "
+            f"choose a shorter server.workspace_dir (the default is {default_root()})"
+        )
 
 
 class _DropMessage(logging.Filter):

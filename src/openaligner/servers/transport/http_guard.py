@@ -1,0 +1,322 @@
+"""The HTTP front of a served model: judge every request at the edge, forward only what it understood.
+
+Triton answers every request merged into one inference call with the same error (PyTriton 0.7
+raises one exception for the whole call), so an invalid request merged with valid ones used to
+fail them all; its own refusals came back as HTTP 500 wrapped in a Python traceback, and it
+crashed on requests whose JSON it read differently from the front that had checked them.
+
+This module owns the reverse proxy that stops all of that (:class:`HTTPGuard`): it listens on the
+served address, Triton on a private loopback port behind it. Each inference request is read with
+:func:`openaligner.servers.transport.kserve.parse_infer_request`, judged by the endpoint's own check — so
+every request is judged on its own, and Triton only ever merges valid ones — and forwarded in the
+canonical form of :meth:`openaligner.servers.transport.kserve.InferRequest.encode`, so that Triton reads
+exactly what was checked. Refusals are answered as Triton does (``{"error": ...}``) with a 4xx
+status and no traceback; server failures from Triton come back without the Python tracebacks
+PyTriton puts in them. Answers are compressed only for clients that asked (``Accept-Encoding``).
+``GET``/``HEAD`` under ``/v2`` are forwarded; every other route (Triton's model-control and
+shared-memory routes) and compressed request bodies (never inflated) are refused.
+
+Must not know what an endpoint computes, nor how Triton is started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+import zlib
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+
+from openaligner.servers.transport.kserve import HEADER_LENGTH, parse_infer_request
+from openaligner.servers.validation import RequestError, UnauthorizedError
+
+LOGGER = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 256 * 2**20
+"""Largest request body accepted by default (256 MiB; a 1,024-row critic_train request of 4,096
+tokens is about 84 MB in binary form)."""
+
+INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
+
+RequestCheck = Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], None]
+"""Judges one decoded request — ``(inputs, request parameters)`` — before it is forwarded; raises
+:class:`RequestError` (answered 400) or :class:`UnauthorizedError` (answered 403) to refuse it."""
+
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "accept-encoding",
+}
+
+
+def _error_body(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
+
+
+def without_traceback(text: str) -> str:
+    """A server error text with the Python tracebacks PyTriton wraps around it removed: the last
+    exception's type (without its module) and message — the part that says what went wrong."""
+    lines = text.splitlines()
+    opening = "Traceback (most recent call last):"
+    marks = [i for i, line in enumerate(lines) if line.rstrip().endswith(opening)]
+    if not marks:
+        return text
+    kept: list[str] = []
+    for line in lines[marks[-1] + 1 :]:
+        if not kept and (line.startswith(" ") or not line.strip()):
+            continue  # the frames
+        if line.strip() == "At:":  # the python backend's own stack follows
+            break
+        kept.append(line)
+    while kept and not kept[-1].strip():
+        kept.pop()
+    if not kept:
+        return lines[marks[-1]].removesuffix(opening).strip() or text
+    kept[0] = re.sub(r"^(?:[\w]+\.)+(\w+: )", r"\1", kept[0])
+    return "\n".join(kept)
+
+
+# ----------------------------------------------------------------------------- the proxy
+class HTTPGuard:
+    """A reverse proxy on ``host:port`` in front of Triton on ``127.0.0.1:upstream_port``.
+
+    It runs an asyncio loop (aiohttp) in a daemon thread of this process, so it lives and dies
+    with the server. Each inference request is read whole (up to ``max_request_bytes``), parsed by
+    :func:`parse_infer_request` and judged by ``checks[model]`` (when there is one) on a small pool
+    of worker threads, so a slow request never holds the others; what passes is forwarded to
+    Triton in canonical form (:meth:`InferRequest.encode`). Triton's answers come back with their
+    status and headers.
+
+    Args:
+        host: address to listen on.
+        port: port to listen on.
+        upstream_port: Triton's HTTP port on 127.0.0.1.
+        max_request_bytes: largest accepted request body.
+        checks: model name -> its :data:`RequestCheck`; requests for other models are only parsed.
+        workers: threads that parse and check requests.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        upstream_port: int,
+        *,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        checks: Mapping[str, RequestCheck] | None = None,
+        workers: int = 4,
+    ) -> None:
+        if max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        self.host, self.port = host, port
+        self.upstream = f"http://127.0.0.1:{upstream_port}"
+        self.max_request_bytes = max_request_bytes
+        self.checks = dict(checks or {})
+        self.refused = 0
+        """Requests answered by the guard itself with an error."""
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="openaligner-http-check")
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._session: Any = None
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Listen on ``host:port``; returns once connections are accepted.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        if self._thread is not None:
+            raise RuntimeError("already started")
+        self._thread = threading.Thread(target=self._run, name="openaligner-http-guard", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout_s):
+            raise RuntimeError(f"the HTTP front {self.host}:{self.port} did not start within {timeout_s} s")
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+
+    def is_alive(self) -> bool:
+        """Whether the guard's loop is running."""
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop listening and close every connection; safe to call twice."""
+        loop, stop, thread = self._loop, self._stop, self._thread
+        if loop is not None and stop is not None and thread is not None and thread.is_alive():
+            loop.call_soon_threadsafe(stop.set)
+            thread.join(timeout_s)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as e:  # reported to start(); the thread must not die silently
+            self._error = e
+            self._started.set()
+        finally:
+            loop.close()
+
+    async def _serve(self) -> None:
+        import aiohttp
+        from aiohttp import web
+
+        self._stop = asyncio.Event()
+        # No decompression and no timeout of ours on Triton's answers (a critic_train request may
+        # run for minutes; the client sets its own limit).
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            auto_decompress=False,
+        )
+        app = web.Application(client_max_size=self.max_request_bytes + 1)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        # auto_decompress=False: a compressed body is refused unread, never inflated (a zip bomb)
+        runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, auto_decompress=False, shutdown_timeout=1.0
+        )
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            await self._session.close()
+            raise
+        self._started.set()
+        try:
+            await self._stop.wait()
+        finally:
+            await runner.cleanup()
+            await self._session.close()
+
+    async def _handle(self, request: Any) -> Any:
+        method, path = request.method, request.path
+        if method in ("GET", "HEAD") and (path == "/v2" or path.startswith("/v2/")):
+            return await self._forward(request, request.raw_path, None, {})
+        match = INFER_PATH.match(path)
+        if method != "POST" or match is None:
+            return self._refuse(
+                405,
+                f"{method} {path} is not served here; this server answers GET on /v2 (health, model "
+                f"metadata) and POST on /v2/models/<name>/infer",
+            )
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            return self._refuse(
+                415,
+                f"compressed request bodies (Content-Encoding: {encoding}) are not accepted; send the body "
+                f"uncompressed",
+            )
+        declared = request.content_length
+        if declared is not None and declared > self.max_request_bytes:
+            return self._too_large(declared)
+        body = bytearray()
+        while chunk := await request.content.readany():
+            body += chunk
+            if len(body) > self.max_request_bytes:
+                return self._too_large(None)
+        model, version = match.group(1), match.group(2)
+        loop = asyncio.get_running_loop()
+        try:
+            payload, header_length = await loop.run_in_executor(
+                self._executor, self._prepare, model, bytes(body), request.headers.get(HEADER_LENGTH)
+            )
+        except UnauthorizedError as e:
+            return self._refuse(403, f"{model}: {e}")
+        except RequestError as e:
+            return self._refuse(400, f"{model}: {e}")
+        except Exception as e:  # a failure of ours, not the client's: its traceback goes to our log only
+            LOGGER.exception("the HTTP front failed on a request for %s", model)
+            failure = type(e).__name__
+            return self._refuse(500, f"{model}: the server failed while reading the request ({failure})")
+        target = f"/v2/models/{quote(model, safe='')}"
+        if version is not None:
+            target += f"/versions/{quote(version, safe='')}"
+        headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(header_length)}
+        return await self._forward(request, target + "/infer", payload, headers)
+
+    def _prepare(self, model: str, body: bytes, header_length: str | None) -> tuple[bytes, int]:
+        """Parse, judge and re-encode one request (on a worker thread)."""
+        parsed = parse_infer_request(body, header_length)
+        check = self.checks.get(model)
+        if check is not None:
+            check(parsed.arrays(), parsed.parameters)
+        return parsed.encode()
+
+    def _too_large(self, size: int | None) -> Any:
+        size_text = f"{size} bytes" if size is not None else f"more than {self.max_request_bytes} bytes"
+        return self._refuse(
+            413,
+            f"request body is {size_text}, over this server's limit of {self.max_request_bytes} bytes "
+            f"(max_request_bytes); send fewer rows per request",
+        )
+
+    def _refuse(self, status: int, message: str) -> Any:
+        from aiohttp import web
+
+        self.refused += 1
+        LOGGER.warning("%s", message)
+        return web.Response(status=status, body=_error_body(message), content_type="application/json")
+
+    async def _forward(self, request: Any, target: str, body: bytes | None, headers: dict[str, str]) -> Any:
+        import aiohttp
+        from aiohttp import web
+
+        if body is None:
+            headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        # Triton compresses its answer when asked; ask only for what the client asked for (aiohttp
+        # would otherwise ask for gzip on every client's behalf).
+        headers["Accept-Encoding"] = request.headers.get("Accept-Encoding", "identity")
+        try:
+            async with self._session.request(
+                request.method, self.upstream + target, data=body, headers=headers, allow_redirects=False
+            ) as upstream:
+                payload = await upstream.read()
+                out = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
+                if upstream.status >= 500:
+                    payload, out = _clean_failure(payload, out)
+                return web.Response(status=upstream.status, body=payload, headers=out)
+        except aiohttp.ClientError as e:
+            return self._refuse(
+                503,
+                f"tritonserver behind this address does not answer ({type(e).__name__}): it may have "
+                f"stopped; check the server log",
+            )
+
+
+def _clean_failure(payload: bytes, headers: dict[str, str]) -> tuple[bytes, dict[str, str]]:
+    """A server failure's ``{"error": ...}`` without PyTriton's tracebacks (server file paths)."""
+    encoding = next((v.strip().lower() for k, v in headers.items() if k.lower() == "content-encoding"), "")
+    try:
+        if encoding in ("gzip", "deflate"):
+            payload = zlib.decompress(payload, 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+        elif encoding not in ("", "identity"):
+            return payload, headers
+        text = json.loads(payload)["error"]
+    except (zlib.error, ValueError, KeyError, TypeError):
+        return payload, headers
+    if not isinstance(text, str):
+        return payload, headers
+    kept = {k: v for k, v in headers.items() if k.lower() not in ("content-encoding", "content-type")}
+    kept["Content-Type"] = "application/json"
+    return _error_body(without_traceback(text)), kept

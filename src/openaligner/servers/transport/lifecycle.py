@@ -1,0 +1,128 @@
+"""The life of a served model on every rank: start on rank 0, serve until asked, stop everything.
+
+A mixin shared by the reward server and the critic server. The class that uses it provides
+``handlers()`` (its opcode table), ``url``, ``_describe`` (for messages) and ``start()`` (rank 0:
+create ``_dispatcher``, then :meth:`ServerLifecycle._start_host`); the ranks are those of
+:mod:`openaligner.distributed`. Knows nothing of what the endpoints compute.
+
+A stop request may come at any moment, also while Triton is still starting (several seconds, with
+PyTriton polling Triton in blocking calls). Called from a signal handler during the start,
+:meth:`ServerLifecycle.request_stop` raises :class:`StartInterrupted` into the start, which stops
+whatever was started so far; the server then ends as after any stop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from openaligner import distributed as dp
+from openaligner.servers.distributed import Rank0Dispatcher, run_subscriber_loop
+from openaligner.servers.transport.triton import TritonHost
+
+
+class StartInterrupted(KeyboardInterrupt):
+    """A stop request that arrived while the server was starting; the start is abandoned.
+
+    A ``KeyboardInterrupt`` so that nothing on the way catches it as an ordinary error (PyTriton's
+    ``except Exception`` blocks, gevent's hub, which passes only system errors on to the waiting
+    code).
+    """
+
+
+class ServerLifecycle:
+    _describe: str  # "the reward model server": for messages
+    _dispatcher: Rank0Dispatcher | None
+    _host: TritonHost | None
+    _stop_requested: threading.Event
+    _start_interruptible: bool
+
+    def _init_lifecycle(self) -> None:
+        self._dispatcher = None
+        self._host = None
+        self._stop_requested = threading.Event()
+        self._start_interruptible = False
+
+    def _start_host(self, host: TritonHost) -> bool:
+        """Start ``host`` unless a stop was requested; False when a stop request comes first or
+        interrupts the start (``host`` is then stopped: no process, no files)."""
+        if self._stop_requested.is_set():
+            return False
+        self._start_interruptible = True
+        try:
+            host.start()
+            self._start_interruptible = False
+        except StartInterrupted:
+            self._start_interruptible = False
+            host.stop()  # a no-op unless the interruption came after host.start() had returned
+            return False
+        except BaseException:
+            self._start_interruptible = False
+            raise
+        self._host = host
+        return True
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def handlers(self) -> dict[int, Callable[[Any], Any]]:
+        raise NotImplementedError
+
+    def start(self) -> bool:
+        """Rank 0: start serving; True once serving, False if a stop request came first."""
+        raise NotImplementedError
+
+    @property
+    def triton(self) -> TritonHost | None:
+        """The running Triton host on rank 0 (None elsewhere or before :meth:`start`)."""
+        return self._host
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run_server` to return (safe from signal handlers and other threads).
+
+        From a signal handler while :meth:`start` is starting Triton (the handler runs in the main
+        thread, inside the start), it also abandons the start: it raises :class:`StartInterrupted`
+        there, once; :meth:`start` then returns False.
+        """
+        self._stop_requested.set()
+        if self._start_interruptible and threading.current_thread() is threading.main_thread():
+            self._start_interruptible = False  # a second signal must not interrupt the clean-up
+            raise StartInterrupted(f"{self._describe} was stopped while starting")
+
+    def stop(self) -> None:
+        """Rank 0: stop Triton, then release the other ranks with STOP. Safe to call twice."""
+        self._stop_requested.set()
+        if self._host is not None:
+            self._host.stop()
+        if self._dispatcher is not None:
+            self._dispatcher.stop()
+
+    def run_server(self) -> None:
+        """Serve until :meth:`request_stop` (rank 0) or STOP from rank 0 (other ranks).
+
+        Raises:
+            RuntimeError: tritonserver exited on its own (after the other ranks were released).
+        """
+        if not dp.is_leader():
+            run_subscriber_loop(self.handlers())
+            return
+        died = False
+        try:
+            if not self.start():
+                return  # stopped before it was ready
+            assert self._host is not None
+            while not self._stop_requested.wait(0.5):
+                if not self._host.is_alive():
+                    died = True
+                    break
+        finally:
+            self.stop()
+        if died:
+            raise RuntimeError(
+                f"tritonserver of {self._describe} at {self.url} exited unexpectedly; see its log"
+            )
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
