@@ -237,12 +237,14 @@ def _install_signal_handlers(server: Any, log: logging.Logger) -> None:
     """SIGINT/SIGTERM: rank 0 stops the server; other ranks keep following until rank 0's STOP."""
 
     from openaligner import distributed as dp
+    from openaligner.servers.transport.lifecycle import STOP_WHILE_STARTING_S
 
     def handle(signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if dp.is_leader():
             log.info("%s received: stopping", name)
-            server.request_stop()
+            # this process is the server's: a stop stuck in Triton's start ends it within seconds
+            server.request_stop(exit_process_after_s=STOP_WHILE_STARTING_S)
         else:
             log.info("%s received: waiting for rank 0 to stop the server", name)
 

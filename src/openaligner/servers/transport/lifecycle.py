@@ -8,18 +8,30 @@ create ``_dispatcher``, then :meth:`ServerLifecycle._start_host`); the ranks are
 A stop request may come at any moment, also while Triton is still starting (several seconds, with
 PyTriton polling Triton in blocking calls). Called from a signal handler during the start,
 :meth:`ServerLifecycle.request_stop` raises :class:`StartInterrupted` into the start, which stops
-whatever was started so far; the server then ends as after any stop.
+whatever was started so far; the server then ends as after any stop. Where the interrupted start
+cannot unwind promptly (the signal can land inside PyTriton code that waits on Triton), a
+watchdog ends the Triton tree and the process after :data:`STOP_WHILE_STARTING_S`, so a server
+signalled at any moment exits within seconds (armed only by a caller that owns the process: the
+``serve-*`` commands' signal handlers).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from openaligner import distributed as dp
 from openaligner.servers.distributed import Rank0Dispatcher, run_subscriber_loop
 from openaligner.servers.transport.triton import TritonHost
+
+LOGGER = logging.getLogger(__name__)
+
+STOP_WHILE_STARTING_S = 4.0
+"""How long a stop requested during start-up may take before the watchdog ends the process."""
 
 
 class StartInterrupted(KeyboardInterrupt):
@@ -43,6 +55,7 @@ class ServerLifecycle:
         self._host = None
         self._stop_requested = threading.Event()
         self._start_interruptible = False
+        self._starting: TritonHost | None = None
 
     def _start_host(self, host: TritonHost) -> bool:
         """Start ``host`` unless a stop was requested; False when a stop request comes first or
@@ -50,6 +63,7 @@ class ServerLifecycle:
         if self._stop_requested.is_set():
             return False
         self._start_interruptible = True
+        self._starting = host
         try:
             host.start()
             self._start_interruptible = False
@@ -79,17 +93,41 @@ class ServerLifecycle:
         """The running Triton host on rank 0 (None elsewhere or before :meth:`start`)."""
         return self._host
 
-    def request_stop(self) -> None:
+    def request_stop(self, exit_process_after_s: float | None = None) -> None:
         """Ask :meth:`run_server` to return (safe from signal handlers and other threads).
 
         From a signal handler while :meth:`start` is starting Triton (the handler runs in the main
         thread, inside the start), it also abandons the start: it raises :class:`StartInterrupted`
-        there, once; :meth:`start` then returns False.
+        there, once; :meth:`start` then returns False. With ``exit_process_after_s`` (a caller that
+        owns the process), a stop of the start that has not finished by then ends the Triton tree
+        and the process (exit code 0).
         """
         self._stop_requested.set()
         if self._start_interruptible and threading.current_thread() is threading.main_thread():
             self._start_interruptible = False  # a second signal must not interrupt the clean-up
+            if exit_process_after_s is not None:
+                self._arm_stop_watchdog(exit_process_after_s)
             raise StartInterrupted(f"{self._describe} was stopped while starting")
+
+    def _arm_stop_watchdog(self, after_s: float) -> None:
+        """End the Triton tree and this process if the stop has not finished in time (a daemon
+        thread: a process that exits first takes it along)."""
+        host = self._starting
+
+        def force() -> None:
+            time.sleep(after_s)
+            LOGGER.warning(
+                "%s was stopped while starting and has not exited after %.0f s; ending its Triton "
+                "processes and exiting",
+                self._describe,
+                after_s,
+            )
+            if host is not None:
+                host.kill()
+            logging.shutdown()
+            os._exit(0)  # the stop was asked for: exit as a stop does
+
+        threading.Thread(target=force, name="stop-watchdog", daemon=True).start()
 
     def stop(self) -> None:
         """Rank 0: stop Triton, then release the other ranks with STOP. Safe to call twice."""

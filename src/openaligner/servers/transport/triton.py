@@ -490,6 +490,13 @@ class TritonHost:
         if triton is not None:
             self.stop_time_s = time.perf_counter() - started
 
+    def kill(self) -> None:
+        """End this server's Triton tree at once (SIGKILL) and remove its workspace: for a stop that
+        must not wait on Triton or PyTriton (see ``ServerLifecycle.request_stop``)."""
+        workspace = self._workspace
+        if workspace is not None:
+            workspace.release(grace_s=0.0)
+
     def __enter__(self) -> TritonHost:
         self.start()
         return self
