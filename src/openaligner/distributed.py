@@ -83,6 +83,18 @@ def init_from_env(timeout_s: float = 1800.0) -> bool:
     return True
 
 
+def shutdown() -> None:
+    """Leave the process group in step with every rank (barrier, then destroy; no-op without one).
+
+    A process that exits with its gloo/NCCL group still alive can abort in the library's
+    destructors ("terminate called without an active exception", SIGABRT) after a run that
+    otherwise succeeded.
+    """
+    if is_distributed():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def collective_device() -> torch.device:
     """Where tensors must live for collectives: the current CUDA device under NCCL, else CPU."""
     if is_distributed() and dist.get_backend() == "nccl":

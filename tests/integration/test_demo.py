@@ -55,9 +55,9 @@ def test_ctrl_c_during_ppo_stops_the_servers(tmp_path):
     )
     assert proc.stdout is not None
     seen = []
-    for line in proc.stdout:  # wait until both servers answer and PPO has begun
+    for line in proc.stdout:  # wait until both servers answer and train-ppo is building its run
         seen.append(line)
-        if "stage 5/6" in line:
+        if "ppo_recipe: precision:" in line:  # logged by stage 5 (PPO) as it loads the actor
             break
     assert _processes_mentioning(str(out)), "".join(seen)
     proc.send_signal(signal.SIGINT)

@@ -62,7 +62,9 @@ def test_reward_server_stops_cleanly_on_ctrl_c_and_on_sigterm():
 
 def test_ctrl_c_stops_the_trainer_then_the_critic_server(tmp_path):
     server = CriticServer(tmp_path / "critic")
-    run = Trainer(tmp_path / "run", write_prompts(tmp_path / "prompts.jsonl"), server.port, 500)
+    # 200 passes over 48 prompts: the run cannot end on its own before the signal lands
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    run = Trainer(tmp_path / "run", prompts, server.port, 500, "trainer.max_epochs=200")
     try:
         wait_for(lambda: run.latest_step() >= 2, 240, "the run to checkpoint")
         trainer_code, trainer_s = ctrl_c(run)

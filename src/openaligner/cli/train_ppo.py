@@ -83,6 +83,7 @@ def _train(cfg: TrainPPOConfig) -> int:
     try:
         with RemoteGPTRMCriticClient(cfg.remote) as client:
             run_ppo(run, client, on_trainer=started.append)
+        dp.shutdown()
     except (ClientError, PeerFailedError, NonFiniteTrainingError, ResumeError) as e:
         stopped = ""
         if started:

@@ -115,7 +115,7 @@ def main(out: Path, fail_at: int | None = None) -> None:
         out.write_text(
             json.dumps({"history": history, "weights_sum": float(weights.double().sum()), "betas": betas})
         )
-    dp.barrier()
+    dp.shutdown()
 
 
 if __name__ == "__main__":
