@@ -7,6 +7,7 @@ what it gets without affecting other tests. Nothing is downloaded.
 from __future__ import annotations
 
 import copy
+import signal
 from functools import cache
 
 import pytest
@@ -21,6 +22,11 @@ from openaligner.models.builders import (
 from openaligner.models.critic import CriticModel
 from openaligner.models.reward import RewardModel
 from openaligner.models.tokenizers import build_char_tokenizer
+
+# A test run started in the background (`make test &`, some CI wrappers) inherits SIGINT as
+# ignored, and so would every server and trainer the tests start: the Ctrl-C tests need it
+# delivered. A handler set here is reset to the default in the processes the tests exec.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class TinyModels:
