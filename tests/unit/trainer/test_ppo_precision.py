@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from ppo_fakes import Done
 
 from openaligner.config import load_config
 from openaligner.io.metrics import MetricsLogger
@@ -25,21 +26,13 @@ SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, max_po
 TARGET = 7
 
 
-class _Done:
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
 class TargetTokenReward:
     """Reward = count of TARGET in the sequence; values = 0; critic training is a no-op."""
 
     def infer_rm_critic(self, batch):
         tokens = batch["response_tokens"]
         rewards = (tokens == TARGET).sum(-1).float()
-        return _Done((rewards, torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
+        return Done((rewards, torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
 
     def train(self, data):
         f = Future()
