@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from openaligner.cli.serve_reward import _device, _init_distributed, _install_signal_handlers, sequence_limit
-
-_SCHEDULERS = ("constant", "cosine", "linear")
+from openaligner.trainer.optim import OptimConfig
 
 
 @dataclass
@@ -100,28 +99,6 @@ class CriticTrainSettings:
 
 
 @dataclass
-class CriticOptimSettings:
-    lr: float = 9e-6  # AdamW peak learning rate
-    weight_decay: float = 0.1  # AdamW weight decay
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # AdamW betas
-    eps: float = 1e-8  # AdamW epsilon
-    scheduler: str = "cosine"  # after warm-up: constant, cosine or linear decay to min_lr at max_steps
-    warmup_steps: int = 10  # linear warm-up over this many optimizer steps
-    max_steps: int = 10000  # optimizer steps over which the decay runs (the schedule's length only)
-    min_lr: float = 9e-7  # learning rate at the end of the decay
-
-    def __post_init__(self) -> None:
-        if self.scheduler not in _SCHEDULERS:
-            raise ValueError(f"optim.scheduler must be one of {_SCHEDULERS}, got {self.scheduler!r}")
-        if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"need optim.lr > 0 and 0 <= optim.min_lr <= lr, got {self.lr}, {self.min_lr}")
-        if len(self.betas) != 2:
-            raise ValueError(f"optim.betas needs two values, got {self.betas}")
-        if self.warmup_steps < 0 or self.max_steps < 1:
-            raise ValueError("optim.warmup_steps must be >= 0 and optim.max_steps >= 1")
-
-
-@dataclass
 class CheckpointSettings:
     dir: str | None = None  # critic_save writes step_<N> here, start-up resumes; null: saving refused
     keep_last: int = 2  # checkpoints kept (0 keeps all); train-ppo resumes only from critics still kept
@@ -141,7 +118,17 @@ class ServeCriticConfig:
     reward_model: RewardModelSource = field(default_factory=RewardModelSource)  # the RM served when combined
     server: CriticServerSettings = field(default_factory=CriticServerSettings)  # how to serve
     train: CriticTrainSettings = field(default_factory=CriticTrainSettings)  # how critic_train trains
-    optim: CriticOptimSettings = field(default_factory=CriticOptimSettings)  # optimizer and LR schedule
+    optim: OptimConfig = field(  # optimizer and LR schedule; decay_steps is the schedule's length
+        default_factory=lambda: OptimConfig(
+            lr=9e-6,
+            min_lr=9e-7,
+            weight_decay=0.1,
+            betas=[0.9, 0.98],
+            scheduler="cosine",
+            warmup_steps=10,
+            decay_steps=10000,
+        )
+    )
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)  # where to save and resume
     log_dir: str | None = None  # train/* metrics (JSONL) go here; null: <checkpoint.dir>/logs, or none
     tensorboard: bool = False  # also write TensorBoard events under log_dir
@@ -153,6 +140,11 @@ class ServeCriticConfig:
             raise ValueError("set exactly one of model.path=<HF directory> or model.tiny=true")
         if self.model.tiny and self.reward_model.path is not None:
             raise ValueError("model.tiny=true serves the tiny reward model too; unset reward_model.path")
+        if self.optim.decay_steps is None and self.optim.scheduler != "constant":
+            raise ValueError(
+                f"optim.scheduler={self.optim.scheduler} needs optim.decay_steps: the critic server "
+                "cannot know how many steps training will take"
+            )
 
 
 SCHEMA = ServeCriticConfig
@@ -170,6 +162,7 @@ def run(cfg: ServeCriticConfig) -> int:
     from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
     from openaligner.servers.reward import make_tokenize_func
     from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
+    from openaligner.trainer.optim import build_optimizer
 
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
@@ -193,15 +186,9 @@ def run(cfg: ServeCriticConfig) -> int:
         limits = [position_limit(m.hf_model.config) for m in (critic, reward_model) if m is not None]
         max_len = sequence_limit(cfg.server.max_sequence_length, limits)
         tokenize = make_tokenize_func(tokenizer, max_length=max_len) if tokenizer is not None else None
-        o, t, s = cfg.optim, cfg.train, cfg.server
-        optimizer = torch.optim.AdamW(
-            [p for p in critic.parameters() if p.requires_grad],
-            lr=o.lr,
-            betas=(o.betas[0], o.betas[1]),
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(o))
+        t, s = cfg.train, cfg.server
+        # The server does not know how long training runs: the schedule's length is optim.decay_steps.
+        optimizer, scheduler = build_optimizer(critic.parameters(), cfg.optim, run_steps=None)
         ck = cfg.checkpoint
         checkpoints = CheckpointManager(ck.dir, keep_last=ck.keep_last) if ck.dir else None
         log_dir = cfg.log_dir or (str(Path(cfg.checkpoint.dir) / "logs") if cfg.checkpoint.dir else None)
@@ -267,23 +254,6 @@ def run(cfg: ServeCriticConfig) -> int:
             logger.close()
         if initialised_here and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def lr_factor(o: CriticOptimSettings) -> Any:
-    """Multiplier of ``o.lr`` at an optimizer step: linear warm-up, then constant, cosine or linear
-    decay to ``o.min_lr`` at ``o.max_steps`` (and ``min_lr`` after)."""
-    from openaligner.algorithms.schedules import lr_factor as schedule
-
-    def factor(step: int) -> float:
-        return schedule(
-            step,
-            warmup_steps=o.warmup_steps,
-            total_steps=o.max_steps,
-            schedule=o.scheduler,
-            min_ratio=o.min_lr / o.lr,
-        )
-
-    return factor
 
 
 def _load(cfg: ServeCriticConfig, device: Any, precision: Any) -> tuple[Any, Any, Any]:

@@ -16,6 +16,7 @@ from openaligner.algorithms import KL_KINDS, LOSS_AGGREGATIONS
 from openaligner.clients.critic import RemoteCriticConfig
 from openaligner.models.precision import check_precision, check_save_dtype
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
+from openaligner.trainer.optim import OptimConfig
 
 if TYPE_CHECKING:
     from openaligner.models.generation import SamplingParams
@@ -151,27 +152,6 @@ class PPOConfig:
 
 
 @dataclass
-class OptimConfig:
-    lr: float = 1e-5  # AdamW learning rate (> 0)
-    weight_decay: float = 0.0  # AdamW weight decay
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
-    eps: float = 1e-8  # AdamW epsilon
-    warmup_steps: int = 0  # linear warm-up, in optimizer steps
-    scheduler: str = "constant"  # constant | cosine (decays to min_lr over the run)
-    min_lr: float = 0.0  # cosine floor
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0 (e.g. 1e-5), got {self.lr}")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"need 0 <= optim.min_lr <= optim.lr={self.lr}, got min_lr={self.min_lr}")
-        if self.scheduler not in ("constant", "cosine"):
-            raise ValueError(f"optim.scheduler must be 'constant' or 'cosine', got {self.scheduler!r}")
-        if len(self.betas) != 2:
-            raise ValueError(f"optim.betas needs two values, got {self.betas}")
-
-
-@dataclass
 class DataConfig:
     train_path: str = "???"  # JSONL with {"prompt": ...} per line, or a datasets directory
     val_path: str | None = None  # validation prompts; null = the first num_val_samples training prompts
@@ -201,7 +181,7 @@ class TrainPPOConfig:
     device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:1, ... (torchrun: cuda:LOCAL_RANK)
     precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
     trainer: PPOConfig = field(default_factory=PPOConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, betas=[0.9, 0.95]))
     data: DataConfig = field(default_factory=DataConfig)
     remote: RemoteCriticConfig = field(default_factory=RemoteCriticConfig)
     exp: ExpConfig = field(default_factory=ExpConfig)

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from openaligner import distributed as dp
-from openaligner.algorithms.schedules import lr_factor
 from openaligner.config import StartupError, as_startup_error, config_to_yaml
 from openaligner.data.jsonl import DataFileError
 from openaligner.data.prompts import PromptDataset, build_prompt_dataset, read_prompt_texts
@@ -36,6 +35,7 @@ from openaligner.models.source import (
     source_position_limit,
 )
 from openaligner.tasks import task_scorer
+from openaligner.trainer.optim import build_optimizer
 from openaligner.trainer.ppo import (
     ActorOptim,
     PPOTrainer,
@@ -46,7 +46,7 @@ from openaligner.trainer.ppo import (
     max_time_s,
     restore_newest_checkpoint,
 )
-from openaligner.trainer.ppo_config import OptimConfig, TrainPPOConfig
+from openaligner.trainer.ppo_config import TrainPPOConfig
 from openaligner.trainer.rollout import PromptLoader, make_prompt_collate
 
 log = logging.getLogger(__name__)
@@ -120,11 +120,13 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         val_loader = PromptLoader(val_prompts, c.val_samples, c.seed, False, rank, world)
     prompts = Prompts(train=train_loader, val=val_loader, collate=make_prompt_collate(actor.pad_id))
     # 4. optimizer and schedule over the run's optimizer steps
-    optimizer = build_optimizer(actor, cfg.optim)
-    optim_steps = c.total_steps(train_loader.steps_per_epoch) * c.ppo_epochs * (
-        c.num_rollout_samples // c.global_batch_size
+    optim_steps = (
+        c.total_steps(train_loader.steps_per_epoch)
+        * c.ppo_epochs
+        * (c.num_rollout_samples // c.global_batch_size)
     )
-    optim = ActorOptim(optimizer, build_scheduler(optimizer, cfg.optim, optim_steps), precision.grad_scaler())
+    optimizer, scheduler = build_optimizer(actor.parameters(), cfg.optim, optim_steps)
+    optim = ActorOptim(optimizer, scheduler, precision.grad_scaler())
     # 5. checkpoints
     out = Path(cfg.exp.output_dir)
     keep_last = cfg.exp.keep_last
@@ -179,39 +181,6 @@ def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer],
         run.actor.save_pretrained(out / "actor", dtype=run.save_dtype)
         log.info("final actor written to %s (%s)", out / "actor", str(run.save_dtype).removeprefix("torch."))
     dp.barrier()
-
-
-def build_optimizer(actor: CausalLMActor, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over the actor's trainable parameters."""
-    beta1, beta2 = cfg.betas
-    return torch.optim.AdamW(
-        actor.parameters(),
-        lr=cfg.lr,
-        betas=(beta1, beta2),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        # One fused kernel per step instead of several small ops per tensor: 3–10 % of the actor
-        # update on CPU (docs/benchmarks.md).
-        fused=True,
-    )
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up, then constant or cosine to ``min_lr``, stepped once per optimizer step."""
-    min_ratio = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
-
-    def factor(step: int) -> float:
-        return lr_factor(
-            step,
-            warmup_steps=cfg.warmup_steps,
-            total_steps=total_steps,
-            schedule=cfg.scheduler,
-            min_ratio=min_ratio,
-        )
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def check_seq_length(cfg: TrainPPOConfig) -> None:

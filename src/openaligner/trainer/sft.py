@@ -34,10 +34,10 @@ from openaligner.models.source import (
     pick_device,
     resolve_tokenizer,
 )
+from openaligner.trainer.optim import OptimConfig
 from openaligner.trainer.supervised import (
     Batch,
     LoopConfig,
-    OptimConfig,
     SupervisedTrainer,
     load_train_val_records,
     require_full_batch,

@@ -23,7 +23,7 @@ import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
@@ -32,7 +32,6 @@ from torch import nn
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from openaligner.algorithms.schedules import lr_factor
 from openaligner.config import StartupError, as_startup_error
 from openaligner.data.jsonl import DataFileError, read_records, split_holdout
 from openaligner.data.prompts import EpochSampler
@@ -46,37 +45,16 @@ from openaligner.models.source import (
     source_position_limit,
 )
 from openaligner.models.weights import load_weights_into
+from openaligner.trainer.optim import OptimConfig, build_optimizer
+from openaligner.trainer.optim_step import optimizer_step
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Batch = dict[str, torch.Tensor]
 
-SCHEDULERS = ("constant", "cosine", "linear")
-
 
 # ---------------------------------------------------------------------- configs
-@dataclass
-class OptimConfig:
-    lr: float = 1e-4  # peak learning rate (AdamW)
-    min_lr: float = 0.0  # final learning rate of the cosine/linear decay
-    weight_decay: float = 0.0  # AdamW weight decay
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
-    warmup_steps: int = 0  # linear warm-up from 0 over this many steps
-    scheduler: str = "constant"  # after warm-up: constant, cosine or linear decay to min_lr at max_steps
-    max_grad_norm: float = 1.0  # clip the global gradient norm; 0 disables
-
-    def __post_init__(self) -> None:
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"optim.scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(
-                f"need 0 <= optim.min_lr <= optim.lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}"
-            )
-        if len(self.betas) != 2:
-            raise ValueError(f"optim.betas needs two values, got {self.betas}")
-
-
 @dataclass
 class LoopConfig:
     max_steps: int = 100  # optimizer steps; -1 = run max_epochs
@@ -90,6 +68,7 @@ class LoopConfig:
     save_interval: int = 50  # checkpoint every this many steps (and at the end); 0 = only at the end
     keep_last: int = 2  # checkpoints to keep (0 = all)
     log_interval: int = 1  # write training metrics every this many steps
+    gradient_clip_val: float = 1.0  # clip the global gradient norm to this; 0 disables
     seed: int = 0  # seeds data order, initialisation of new heads and dropout
 
     def __post_init__(self) -> None:
@@ -99,6 +78,10 @@ class LoopConfig:
             raise ValueError(
                 f"trainer.micro_batch_size={self.micro_batch_size} must divide "
                 f"trainer.global_batch_size={self.global_batch_size}"
+            )
+        if self.gradient_clip_val < 0:
+            raise ValueError(
+                f"trainer.gradient_clip_val must be >= 0 (0 disables), got {self.gradient_clip_val}"
             )
         if self.max_steps == 0 or self.max_steps < -1 or self.max_epochs < 1:
             raise ValueError("trainer.max_steps must be ≥ 1 or -1, and trainer.max_epochs ≥ 1")
@@ -280,10 +263,7 @@ class SupervisedTrainer(Generic[T]):
         objective.module.to(device)
         params = [p for p in objective.module.parameters() if p.requires_grad]
         self.params = params
-        self.optimizer = torch.optim.AdamW(
-            params, lr=optim.lr, betas=(optim.betas[0], optim.betas[1]), weight_decay=optim.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.optimizer, self.scheduler = build_optimizer(params, optim, self.max_steps)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep_last=loop.keep_last)
         self.state = TrainerState()
         self.start_step = 0  # the step fit() started from (after a resume: the checkpoint's)
@@ -334,19 +314,29 @@ class SupervisedTrainer(Generic[T]):
             units += float(count)
             for k, v in metric_sums.items():
                 sums[k] += float(v)
-        self.scaler.unscale_(self.optimizer)
+        # Gradients of sums become gradients of per-unit means (before unscaling: the same product).
         scale = 1.0 / max(units, 1.0)
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(scale)
-        grad_norm = self._clip()
         lr = float(self.scheduler.get_last_lr()[0])
-        self.scaler.step(self.optimizer)  # skipped when fp16 gradients overflowed
-        self.scaler.update()
-        self.scheduler.step()
+        outcome = optimizer_step(
+            self.params,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            max_grad_norm=self.loop.gradient_clip_val,
+            gradients="mean",
+        )
+        if not outcome.stepped:
+            log.warning(
+                "step %d skipped: the gradient norm is %s (weights, optimizer state and schedule unchanged)",
+                self.state.step + 1,
+                outcome.grad_norm,
+            )
         metrics = {f"train/{k}": v * scale for k, v in sums.items()}
         metrics |= {
-            "train/grad_norm": grad_norm,
+            "train/grad_norm": outcome.grad_norm,
             "train/lr": lr,
             "timing/step_s": time.perf_counter() - start,
         }
@@ -416,22 +406,6 @@ class SupervisedTrainer(Generic[T]):
         for start in range(0, len(indices), size):
             batch = self.collate([items[i] for i in indices[start : start + size]])
             yield {k: v.to(self.device) for k, v in batch.items()}
-
-    def _clip(self) -> float:
-        if self.optim_cfg.max_grad_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.max_grad_norm))
-        grads = [p.grad.norm() for p in self.params if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
-
-    def _lr_factor(self, step: int) -> float:
-        o = self.optim_cfg
-        return lr_factor(
-            step,
-            warmup_steps=o.warmup_steps,
-            total_steps=self.max_steps,
-            schedule=o.scheduler,
-            min_ratio=o.min_lr / o.lr,
-        )
 
     def _due(self, interval: int, last: bool) -> bool:
         return last or (interval > 0 and self.state.step % interval == 0)

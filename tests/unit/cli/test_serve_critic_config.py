@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from openaligner.cli.main import COMMANDS
-from openaligner.cli.serve_critic import SCHEMA, CriticOptimSettings, ServeCriticConfig, lr_factor
+from openaligner.cli.serve_critic import SCHEMA, ServeCriticConfig
 from openaligner.config import ConfigError, load_config
 
 YAML = Path(__file__).resolve().parents[3] / "configs" / "serve_critic.yaml"
@@ -49,11 +49,11 @@ def test_bad_values_name_the_key(overrides, needle):
         load_config(SCHEMA, YAML, overrides)
 
 
-def test_learning_rate_schedule():
-    cos = lr_factor(CriticOptimSettings(lr=1.0, min_lr=0.1, warmup_steps=3, max_steps=13, scheduler="cosine"))
-    assert [round(cos(s), 3) for s in (0, 2, 3, 8, 13, 100)] == [0.25, 0.75, 1.0, 0.55, 0.1, 0.1]
-    const = lr_factor(CriticOptimSettings(lr=1.0, min_lr=0.0, warmup_steps=0, scheduler="constant"))
-    assert const(0) == const(10_000) == 1.0
+def test_critic_schedule_needs_its_length():
+    with pytest.raises(ConfigError, match=r"optim\.decay_steps"):
+        load_config(SCHEMA, YAML, ["model.tiny=true", "optim.decay_steps=null"])
+    cfg = load_config(SCHEMA, YAML, ["model.tiny=true", "optim.decay_steps=null", "optim.scheduler=constant"])
+    assert cfg.optim.decay_steps is None
 
 
 def test_request_body_limit_default_is_the_servers():

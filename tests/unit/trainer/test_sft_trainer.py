@@ -186,3 +186,21 @@ def test_resume_with_checkpoint_key_conversions(tmp_path, arch):
 
 def test_resume_from_a_sharded_checkpoint(tmp_path):
     _resume_from_step_2(tmp_path, shard=True)
+
+
+def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path, "trainer.max_steps=1", "resume=false", "trainer.val_check_interval=0")
+    trainer = build_sft_trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.objective.module.state_dict().items()}
+    loss = trainer.objective.loss
+
+    def nan_loss(batch):
+        loss_sum, count, metrics = loss(batch)
+        return loss_sum * float("nan"), count, metrics
+
+    monkeypatch.setattr(trainer.objective, "loss", nan_loss)
+    history = trainer.fit()
+    assert history[0]["train/grad_norm"] != history[0]["train/grad_norm"]  # NaN, reported as such
+    after = trainer.objective.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert trainer.scheduler.last_epoch == 0  # the schedule did not advance either

@@ -1,0 +1,85 @@
+"""The optimizer and learning-rate schedule of every trained model: one config, one builder.
+
+Owns :class:`OptimConfig` (the ``optim`` section of train-sft, train-rm, train-ppo and
+serve-critic; each command picks its own defaults) and :func:`build_optimizer` (AdamW over the
+trainable parameters, with a warm-up + decay ``LambdaLR``). The schedule's shape is the pure
+:func:`openaligner.algorithms.schedules.lr_factor`; what happens at each step is
+:mod:`openaligner.trainer.optim_step`. Must not know about models, losses or servers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from openaligner.algorithms.schedules import SCHEDULES, lr_factor
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5  # AdamW peak learning rate (> 0)
+    min_lr: float = 0.0  # learning rate at the end of the cosine/linear decay
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 0  # linear warm-up over this many optimizer steps
+    scheduler: str = "constant"  # after warm-up: constant, or cosine / linear decay to min_lr
+    decay_steps: int | None = None  # optimizer steps the warm-up + decay span; null: the whole run
+
+    def __post_init__(self) -> None:
+        # {section}: this section's key in the command's schema (optim), filled in by the loader
+        if self.lr <= 0:
+            raise ValueError(f"{{section}}.lr must be > 0 (e.g. 1e-5), got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(
+                f"need 0 <= {{section}}.min_lr <= {{section}}.lr={self.lr}, got min_lr={self.min_lr}"
+            )
+        if self.scheduler not in SCHEDULES:
+            raise ValueError(f"{{section}}.scheduler must be one of {SCHEDULES}, got {self.scheduler!r}")
+        if len(self.betas) != 2:
+            raise ValueError(f"{{section}}.betas needs two values, got {self.betas}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"{{section}}.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ValueError(f"{{section}}.decay_steps must be >= 1 or null, got {self.decay_steps}")
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: OptimConfig, run_steps: int | None
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the parameters of ``params`` that require gradients, and its schedule.
+
+    The schedule is stepped once per optimizer step: linear warm-up, then constant or a decay to
+    ``min_lr`` at ``cfg.decay_steps`` (else ``run_steps``, the run's optimizer steps).
+
+    Raises:
+        ValueError: neither ``cfg.decay_steps`` nor ``run_steps`` says how long a decay runs.
+    """
+    total = cfg.decay_steps if cfg.decay_steps is not None else run_steps
+    if total is None and cfg.scheduler != "constant":
+        raise ValueError(f"optim.scheduler={cfg.scheduler} needs optim.decay_steps (the decay's length)")
+    trainable = [p for p in params if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        trainable,
+        lr=cfg.lr,
+        betas=(cfg.betas[0], cfg.betas[1]),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        # One fused kernel per step instead of several small ops per tensor: 3–10 % of the actor
+        # update on CPU (docs/benchmarks.md).
+        fused=True,
+    )
+    min_ratio = cfg.min_lr / cfg.lr
+
+    def factor(step: int) -> float:
+        return lr_factor(
+            step,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=total or 1,
+            schedule=cfg.scheduler,
+            min_ratio=min_ratio,
+        )
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
