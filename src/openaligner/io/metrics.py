@@ -9,13 +9,40 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from openaligner.io.checkpoint import write_text_atomic
 
 log = logging.getLogger(__name__)
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase, summed over repeats: ``with timer("generate"): ...``.
+
+    ``seconds`` keeps the phases in the order they first ran."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.start = time.perf_counter()  # when this timer was made
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        """The seconds so far, and start again from none."""
+        out = dict(self.seconds)
+        self.seconds.clear()
+        return out
 
 
 class MetricsLogger:

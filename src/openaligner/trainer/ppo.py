@@ -38,7 +38,7 @@ import torch
 from openaligner import distributed as dp
 from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance
 from openaligner.io.checkpoint import CheckpointManager, rng_state
-from openaligner.io.metrics import MetricsLogger
+from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
 from openaligner.trainer.checkpoint_files import TrainingFiles
 from openaligner.trainer.optim_step import optimizer_step
@@ -90,24 +90,6 @@ class RunTimer:
     def is_finished(self) -> bool:
         done = self.max_time_s is not None and time.monotonic() - self.start >= self.max_time_s
         return bool(dp.broadcast_object(done))
-
-
-class _PhaseTimer:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] += time.perf_counter() - t0
-
-    def pop(self) -> dict[str, float]:
-        out = dict(self.seconds)
-        self.seconds.clear()
-        return out
 
 
 class PromptBatches(Protocol):
@@ -225,7 +207,7 @@ class PPOTrainer:
         # The config is the one source of the sampling settings: the actor samples rollouts with
         # them and scores every log-prob (rollout, initial policy, loss) under the same distribution.
         model.set_sampling(cfg.sampling_params(model.eos_ids))
-        self._timer = _PhaseTimer()
+        self._timer = PhaseTimer()
         self._pending_critic_train: Future[Any] | None = None
         self._critic_train_in_flight = False
         """On every rank: a ``critic_train`` was sent (by rank 0) and its answer not yet shared."""

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from openaligner.io.metrics import read_jsonl
+from openaligner.io.metrics import PhaseTimer, read_jsonl
 
 Evaluation = dict[str, dict[str, float]]
 """``{"sft": metrics, "ppo": metrics}`` (see :func:`openaligner.cli.demo.evaluate.evaluate`)."""
@@ -26,20 +23,8 @@ Evaluation = dict[str, dict[str, float]]
 _STAGES = 6
 
 
-@dataclass
-class StageTimes:
+class StageTimes(PhaseTimer):
     """Wall-clock seconds per stage (``with times("sft"): ...``), in the order the stages ran."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-    start: float = field(default_factory=time.perf_counter)
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = time.perf_counter() - t0
 
     def stop(self) -> None:
         """Record ``total``: the seconds since this object was made."""
