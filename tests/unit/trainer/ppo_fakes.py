@@ -38,6 +38,29 @@ def target_share(batch) -> torch.Tensor:
     return (((tokens == TARGET) & resp).sum(-1) / resp.sum(-1).clamp_min(1)).float()
 
 
+def done_future(value) -> Future:
+    f = Future()
+    f.set_result(value)
+    return f
+
+
+class FakeRMCritic:
+    """Rewards from ``reward_fn(batch) -> [B]``, values 0, critic training and saving no-ops."""
+
+    def __init__(self, reward_fn):
+        self.reward_fn = reward_fn
+
+    def infer_rm_critic(self, batch):
+        tokens = batch["response_tokens"]
+        return Done((self.reward_fn(batch), torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
+
+    def train(self, data):
+        return done_future({"loss": 0.0})
+
+    def save(self):
+        return done_future(0)
+
+
 class TargetTokenScorer:
     """Reward = share of TARGET among response tokens; values = 0; records critic calls."""
 
@@ -52,15 +75,11 @@ class TargetTokenScorer:
     def train(self, data):
         assert set(data) == {"response_tokens", "returns", "values", "mask"}
         self.train_calls += 1
-        f = Future()
-        f.set_result({"loss": float((data["returns"] * data["mask"]).abs().sum())})
-        return f
+        return done_future({"loss": float((data["returns"] * data["mask"]).abs().sum())})
 
     def save(self):
         self.save_calls += 1
-        f = Future()
-        f.set_result(0)
-        return f
+        return done_future(0)
 
 
 def count_target(prompts, responses):

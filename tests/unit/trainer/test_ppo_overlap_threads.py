@@ -2,11 +2,9 @@
 reward/critic requests are in flight, the update while the critic trains, and the caller's thread
 count is back afterwards."""
 
-from concurrent.futures import Future
-
 import pytest
 import torch
-from ppo_fakes import Done
+from ppo_fakes import FakeRMCritic
 
 from openaligner.config import load_config
 from openaligner.io.metrics import MetricsLogger
@@ -19,22 +17,9 @@ from openaligner.trainer.rollout import PromptLoader, make_prompt_collate
 SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, max_positions=64)
 
 
-class ZeroCritic:
+def zero_critic():
     """Zero rewards and values; ``critic_train`` answers at once."""
-
-    def infer_rm_critic(self, batch):
-        tokens = batch["response_tokens"]
-        return Done((torch.zeros(tokens.shape[0]), torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
-
-    def train(self, data):
-        f = Future()
-        f.set_result({"loss": 0.0})
-        return f
-
-    def save(self):
-        f = Future()
-        f.set_result(0)
-        return f
+    return FakeRMCritic(lambda batch: torch.zeros(batch["response_tokens"].shape[0]))
 
 
 def _trainer(tmp_path, server_overlap_threads):
@@ -63,7 +48,7 @@ def _trainer(tmp_path, server_overlap_threads):
             val=None,
             collate=make_prompt_collate(actor.pad_id),
         ),
-        ZeroCritic(),
+        zero_critic(),
         RunOutputs(logger=MetricsLogger(tmp_path / "logs", tensorboard=False), progress=False),
         server_overlap_threads=server_overlap_threads,
     )

@@ -7,11 +7,9 @@ masters, AdamW on the bf16 weights rounded most updates away: 14.5 % of the weig
 against 99.7 % for the fp32-stored copy.
 """
 
-from concurrent.futures import Future
-
 import pytest
 import torch
-from ppo_fakes import Done
+from ppo_fakes import FakeRMCritic
 
 from openaligner.config import load_config
 from openaligner.io.metrics import MetricsLogger
@@ -26,23 +24,9 @@ SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, max_po
 TARGET = 7
 
 
-class TargetTokenReward:
+def target_token_reward():
     """Reward = count of TARGET in the sequence; values = 0; critic training is a no-op."""
-
-    def infer_rm_critic(self, batch):
-        tokens = batch["response_tokens"]
-        rewards = (tokens == TARGET).sum(-1).float()
-        return Done((rewards, torch.zeros(tokens.shape[0], tokens.shape[1] - 1)))
-
-    def train(self, data):
-        f = Future()
-        f.set_result({"loss": 0.0})
-        return f
-
-    def save(self):
-        f = Future()
-        f.set_result(0)
-        return f
+    return FakeRMCritic(lambda batch: (batch["response_tokens"] == TARGET).sum(-1).float())
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +72,7 @@ def share_changed_by_ppo(path, tmp_path, precision=None):
             val=None,
             collate=make_prompt_collate(actor.pad_id),
         ),
-        TargetTokenReward(),
+        target_token_reward(),
         RunOutputs(logger=MetricsLogger(tmp_path / path.name, tensorboard=False), progress=False),
     )
     trainer.fit()

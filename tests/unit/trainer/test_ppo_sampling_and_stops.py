@@ -127,9 +127,7 @@ def test_responses_end_on_the_tokenizer_eos_when_the_model_config_says_otherwise
     assert f"the tokenizer's EOS id {tokenizer.eos_token_id}" in caplog.text
     assert f"model config's eos_token_id {config_eos}" in caplog.text
     scorer = RecordingScorer()
-    cfg = ppo_cfg(
-        max_steps=2, val_check_interval=0, save_interval=0, **{"sampling.stop_token_ids": "null"}
-    )
+    cfg = ppo_cfg(max_steps=2, val_check_interval=0, save_interval=0, **{"sampling.stop_token_ids": "null"})
     prompts = [[tokenizer.bos_token_id, 4 + i % 4] for i in range(32)]
     history = make_trainer(tmp_path, cfg, actor=actor, client=scorer, prompts=prompts).fit()
     ended = 0
@@ -152,9 +150,7 @@ def test_a_response_ended_by_a_stop_string_keeps_its_last_token_in_the_text(tmp_
         texts.extend(responses)
         return [0.0] * len(responses)
 
-    cfg = ppo_cfg(
-        max_steps=1, val_check_interval=0, save_interval=0, **{"sampling.end_strings": '["b"]'}
-    )
+    cfg = ppo_cfg(max_steps=1, val_check_interval=0, save_interval=0, **{"sampling.end_strings": '["b"]'})
     prompts = [[tokenizer.bos_token_id, 4 + i % 4] for i in range(32)]
     make_trainer(tmp_path, cfg, actor=actor, client=scorer, prompts=prompts, scorer=score).fit()
     is_end = torch.cat([b["is_end"] for b in scorer.batches])
