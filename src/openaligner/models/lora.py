@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast, overload
@@ -39,6 +39,8 @@ from typing import Any, Protocol, TypeVar, cast, overload
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
 
 MERGED_DIR = "merged"
 """Sub-directory of a LoRA run's final export holding the merged model (``lora.merge_on_save``)."""
@@ -148,12 +150,16 @@ def add_lora(model: PreTrainedModel | HoldsHFModel, cfg: LoraConfig) -> PreTrain
 def _wrap(model: PreTrainedModel, cfg: LoraConfig, task_type: str) -> PreTrainedModel:
     peft = require_peft(f"lora.r={cfg.r}")
     targets: str | list[str] = ALL_LINEAR if cfg.target_modules == [ALL_LINEAR] else list(cfg.target_modules)
+    from transformers.pytorch_utils import Conv1D
+
     config = peft.LoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=targets,
         task_type=task_type,
+        # GPT-2's linear layers are Conv1D (weights stored transposed); peft would warn and set it
+        fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
     )
     try:
         wrapped = peft.get_peft_model(model, config)
@@ -165,12 +171,22 @@ def _wrap(model: PreTrainedModel, cfg: LoraConfig, task_type: str) -> PreTrained
             f"{type(model).__name__}; its linear layers are named {sorted(_linear_names(model))} "
             f"(or use lora.target_modules=[{ALL_LINEAR}])"
         ) from None
+    trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in wrapped.parameters())
+    log.info(
+        "LoRA r=%d on %s: %d of %d parameters train (%.2f%%)",
+        cfg.r,
+        targets,
+        trained,
+        total,
+        100.0 * trained / max(total, 1),
+    )
     # PeftModel forwards attributes and calls to the model it wraps: typed as that model.
     return cast(PreTrainedModel, wrapped)
 
 
 def _linear_names(model: nn.Module) -> set[str]:
-    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+    from transformers.pytorch_utils import Conv1D
 
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear | Conv1D)}
 
@@ -205,11 +221,6 @@ def unwrap(model: nn.Module) -> nn.Module:
         return model
     wrapper: Any = model  # a peft PeftModel (its API is untyped here)
     return cast(nn.Module, wrapper.get_base_model())
-
-
-def trainable_parameters(model: nn.Module) -> int:
-    """Elements of ``model``'s parameters that require gradients (the optimizer's share)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def merged_copy(model: nn.Module) -> PreTrainedModel:
@@ -259,12 +270,3 @@ def adapter_directory_problem(path: str | Path) -> str | None:
         f"holds a LoRA adapter, not a whole model, and no merged model ({merged}); run the stage that "
         "wrote it with lora.merge_on_save=true (adapters are not loaded over a base here)"
     )
-
-
-def lora_targets(model: nn.Module) -> Sequence[str]:
-    """Names of the layers of ``model`` that carry LoRA adapters (empty without ``peft``)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return []
-    return [name for name, m in model.named_modules() if isinstance(m, LoraLayer)]
