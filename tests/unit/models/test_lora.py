@@ -14,8 +14,8 @@ from openaligner.config import ConfigError, load_config
 from openaligner.models.lora import (
     LoraConfig,
     LoraError,
-    add_lora,
     adapter_directory_problem,
+    add_lora,
     is_peft_model,
     merged_copy,
 )
