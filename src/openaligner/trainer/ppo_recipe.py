@@ -175,7 +175,13 @@ def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer],
         if on_trainer is not None:
             on_trainer(trainer)
         if latest is not None:
-            trainer.load_checkpoint(latest)
+            try:
+                trainer.load_checkpoint(latest)
+            except ValueError as e:  # e.g. a LoRA checkpoint for a run without lora.r, or the reverse
+                raise StartupError(
+                    f"exp.resume=true cannot continue from {latest}: {e} (or set exp.resume=false, or "
+                    "another exp.output_dir)"
+                ) from None
         # 3. train
         trainer.fit()
     finally:

@@ -383,7 +383,12 @@ class SupervisedTrainer(Generic[T]):
         path = self.checkpoints.latest() if self.resume else None
         if path is None:
             return False
-        load_weights_into(self.objective.module, path / "model")
+        try:
+            load_weights_into(self.objective.module, path / "model")
+        except ValueError as e:  # e.g. a LoRA checkpoint for a run without lora.r, or the reverse
+            raise StartupError(
+                f"resume=true cannot continue from {path}: {e} (or set resume=false, or another output_dir)"
+            ) from None
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
         set_rng_state(torch.load(path / "rng.pt", weights_only=False))

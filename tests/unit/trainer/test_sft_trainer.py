@@ -241,3 +241,17 @@ def test_lora_trains_the_adapters_only_and_exports_adapter_and_merged_model(tmp_
 def test_lora_resume_from_an_adapter_checkpoint_equals_the_uninterrupted_run(tmp_path):
     pytest.importorskip("peft")
     _resume_from_step_2(tmp_path, "lora.r=4", "lora.dropout=0.1")
+
+
+def test_a_checkpoint_resumes_only_a_run_with_the_same_lora_setting(tmp_path):
+    pytest.importorskip("peft")
+    from openaligner.config import StartupError
+
+    for run in ("lora", "full"):
+        (tmp_path / run).mkdir()
+    build_sft_trainer(_cfg(tmp_path / "lora", "lora.r=4", "trainer.max_steps=1")).fit()
+    with pytest.raises(StartupError, match=r"resume=true cannot continue .* written with LoRA"):
+        build_sft_trainer(_cfg(tmp_path / "lora", "trainer.max_steps=2")).fit()
+    build_sft_trainer(_cfg(tmp_path / "full", "trainer.max_steps=1")).fit()
+    with pytest.raises(StartupError, match=r"written without LoRA cannot resume a run with lora\.r > 0"):
+        build_sft_trainer(_cfg(tmp_path / "full", "lora.r=4", "trainer.max_steps=2")).fit()
