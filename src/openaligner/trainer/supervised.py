@@ -12,6 +12,10 @@ Precision (:mod:`openaligner.models.precision`): the objective's module holds th
 weights; its loss is computed under the precision's autocast and backpropagated through the
 precision's loss scaler. Checkpoints hold the masters (exact resume); the final export is
 written in ``save_dtype``.
+
+LoRA (:mod:`openaligner.models.lora`): a module with adapters trains only what requires
+gradients; its checkpoints and export are its adapter directory, and on request the export also
+holds ``merged/``, the model with its adapters merged in.
 """
 
 from __future__ import annotations
