@@ -79,7 +79,8 @@ def main() -> None:
             if key != "full":
                 row["adamw_state_vs_full"] = row["adamw_state_mib"] / full["adamw_state_mib"]
         results[name] = rows
-    print(json.dumps({"threads": args.threads, "target_modules": ["all-linear"], "models": results}, indent=1))
+    report = {"threads": args.threads, "target_modules": ["all-linear"], "models": results}
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from typing import Any, Protocol, TypeVar, cast, overload
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +151,6 @@ def add_lora(model: PreTrainedModel | HoldsHFModel, cfg: LoraConfig) -> PreTrain
 def _wrap(model: PreTrainedModel, cfg: LoraConfig, task_type: str) -> PreTrainedModel:
     peft = require_peft(f"lora.r={cfg.r}")
     targets: str | list[str] = ALL_LINEAR if cfg.target_modules == [ALL_LINEAR] else list(cfg.target_modules)
-    from transformers.pytorch_utils import Conv1D
-
     config = peft.LoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
@@ -186,8 +185,6 @@ def _wrap(model: PreTrainedModel, cfg: LoraConfig, task_type: str) -> PreTrained
 
 
 def _linear_names(model: nn.Module) -> set[str]:
-    from transformers.pytorch_utils import Conv1D
-
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear | Conv1D)}
 
 
