@@ -62,8 +62,8 @@ class SequenceLayout:
 
     def special_ids(self, tokenizer: PreTrainedTokenizerBase) -> tuple[int | None, int | None]:
         """``(bos_id, eos_id)`` this layout adds with ``tokenizer``; None where it adds none."""
-        bos = tokenizer.bos_token_id if self.add_bos else None
-        eos = tokenizer.eos_token_id if self.add_eos else None
+        bos = getattr(tokenizer, "bos_token_id", None) if self.add_bos else None
+        eos = getattr(tokenizer, "eos_token_id", None) if self.add_eos else None
         return (None if bos is None else int(bos)), (None if eos is None else int(eos))
 
     def save(self, directory: str | Path) -> None:
