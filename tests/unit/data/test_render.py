@@ -138,3 +138,11 @@ def test_layout_record_round_trips_and_is_checked(tmp_path):
     (tmp_path / LAYOUT_FILE).write_text(json.dumps({"add_bos": "yes"}))
     with pytest.raises(LayoutError, match="must be a JSON object with the booleans"):
         SequenceLayout.load(tmp_path)
+
+
+def test_a_required_template_names_the_tokenizer_directory(tmp_path, tiny):
+    from openaligner.models.tokenizers import load_tokenizer
+
+    tiny.tokenizer.save_pretrained(str(tmp_path / "tok"))
+    with pytest.raises(LayoutError, match=f"the tokenizer in {tmp_path / 'tok'} has no chat template"):
+        use_chat_template("true", load_tokenizer(tmp_path / "tok"))

@@ -119,3 +119,18 @@ def test_sft_rm_and_ppo_render_a_conversation_the_same_way(tmp_path, chat_tokeni
     for d in ("sft_model", "rm_model"):
         assert SequenceLayout.load(tmp_path / d) == SequenceLayout(chat_template=True)
         assert load_tokenizer(tmp_path / d).chat_template == chat_tokenizer.chat_template
+
+
+def test_ppo_warns_when_the_actor_was_trained_with_another_layout(tmp_path, tiny, caplog):
+    from openaligner.trainer.ppo_recipe import prompt_layout
+
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "config.json").write_text("{}")  # enough for the config to load
+    SequenceLayout(add_bos=True, chat_template=True).save(tmp_path / "sft")
+    cfg = load_config(TrainPPOConfig, overrides=[f"actor.path={tmp_path / 'sft'}", "data.train_path=p.jsonl"])
+    assert prompt_layout(cfg, tiny.tokenizer) == SequenceLayout(chat_template=False)
+    assert "trained with add_bos=True, chat_template=True" in caplog.text
+    caplog.clear()
+    SequenceLayout().save(tmp_path / "sft")
+    prompt_layout(cfg, tiny.tokenizer)
+    assert "trained with" not in caplog.text
