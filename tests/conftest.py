@@ -60,3 +60,20 @@ def _classifier(arch: TinyArch, size: TinySize, seed: int) -> PreTrainedModel:
 @pytest.fixture(scope="session")
 def tiny() -> TinyModels:
     return TinyModels()
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A ChatML chat template (Qwen's turn layout, without its default system prompt)."""
+
+
+@pytest.fixture
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    """A fresh char tokenizer with ChatML's control tokens ``<|im_start|>`` = 100 and
+    ``<|im_end|>`` = 101 (102 ids) and :data:`CHATML` as its chat template; tests may change it."""
+    tok = build_char_tokenizer()
+    tok.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
+    tok.chat_template = CHATML
+    return tok

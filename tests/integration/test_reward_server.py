@@ -119,7 +119,11 @@ def test_sentences_are_tokenized_and_win_over_tokens(served, http, tiny):
         sentences=sentences, tokens=np.ones((2, 3), np.int64), sequence_lengths=np.ones((2, 1), np.int64)
     )
     np.testing.assert_array_equal(http.infer("reward_model", both).as_numpy("rewards"), only_text)
-    ids = [tiny.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    # laid out as train-rm lays out its sequences by default: BOS + text + EOS
+    tok = tiny.tokenizer
+    ids = [
+        [tok.bos_token_id, *tok(t, add_special_tokens=False)["input_ids"], tok.eos_token_id] for t in texts
+    ]
     tokens = torch.zeros(2, max(map(len, ids)), dtype=torch.long)
     for i, row in enumerate(ids):
         tokens[i, : len(row)] = torch.tensor(row)

@@ -1,7 +1,10 @@
-"""Preference pairs: ``{"prompt", "chosen", "rejected"}`` records tokenized for reward-model training.
+"""Preference pairs: :class:`~openaligner.data.formats.PreferenceRecord`s tokenized for reward-model training.
 
-Each side is ``[BOS] + prompt + response + [EOS]`` (BOS/EOS optional), the layout the reward
-model is later served with. Knows nothing of models beyond a tokenizer's ids.
+Each side is the prompt part followed by that response's part, laid out by a
+:class:`~openaligner.data.render.Renderer` (raw text: ``[BOS] + prompt + response + [EOS]``), the
+layout the reward model is later served with (``servers/reward.make_tokenize_func`` uses the same
+:class:`~openaligner.data.render.SequenceLayout`) and that the PPO actor's rollouts have. Knows
+nothing of models.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from openaligner.data.sft import Encode
+from openaligner.data.formats import PreferenceRecord
+from openaligner.data.render import Renderer, located
 
 log = logging.getLogger(__name__)
 
@@ -26,21 +30,20 @@ class PreferencePair:
 
 
 def build_preference_pairs(
-    records: Sequence[dict[str, str]],
-    encode: Encode,
-    max_length: int,
-    bos_id: int | None,
-    eos_id: int | None,
+    records: Sequence[PreferenceRecord], renderer: Renderer, max_length: int
 ) -> list[PreferencePair]:
     """Tokenize records; pairs where either side exceeds ``max_length`` (or is empty) are
-    dropped with a warning, as NeMo-Aligner's reward-model dataset does."""
+    dropped with a warning, as NeMo-Aligner's reward-model dataset does.
+
+    Raises:
+        LayoutError: a record cannot be rendered (named by its place in the file).
+    """
     pairs, dropped = [], 0
-    bos = [bos_id] if bos_id is not None else []
-    eos = [eos_id] if eos_id is not None else []
     for record in records:
-        prompt = bos + encode(record["prompt"])
-        chosen = prompt + encode(record["chosen"]) + eos
-        rejected = prompt + encode(record["rejected"]) + eos
+        with located(record.where):
+            prompt, chosen = renderer.example_ids(record.prompt, record.chosen)
+            _, rejected = renderer.example_ids(record.prompt, record.rejected)
+        chosen, rejected = prompt + chosen, prompt + rejected
         if not chosen or not rejected or max(len(chosen), len(rejected)) > max_length:
             dropped += 1
         else:

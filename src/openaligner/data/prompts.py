@@ -1,20 +1,23 @@
 """Prompt datasets for PPO and a deterministic, resumable per-epoch sampler.
 
-Prompts come from JSONL (``{"prompt": ...}``) or a local Hugging Face ``datasets`` directory
-(saved with ``save_to_disk``). Prompts too long to leave room for the response are dropped and
-counted. Knows nothing of models beyond a tokenizer's ``encode``-like callable.
+Prompts are :class:`~openaligner.data.formats.PromptRecord`s (text or a conversation, read from
+JSONL or a ``datasets`` directory by :mod:`openaligner.data.records` and
+:mod:`openaligner.data.formats`) tokenized by a :class:`~openaligner.data.render.Renderer`.
+Prompts too long to leave room for the response are dropped and counted. Knows nothing of models.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from openaligner.data.jsonl import DataFileError, read_records
+from openaligner.data.formats import Prompt, PromptRecord, prompt_record
+from openaligner.data.records import read_records
+from openaligner.data.render import Renderer, located
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +27,7 @@ class PromptDataset:
     """Tokenized prompts that fit ``max_prompt_length``."""
 
     prompts: list[list[int]]  # token ids of each kept prompt
-    texts: list[str]  # the prompt strings, aligned with ``prompts``
+    sources: list[Prompt]  # the prompts as read (text or conversation), aligned with ``prompts``
     dropped_too_long: int  # prompts longer than max_prompt_length
     dropped_empty: int  # prompts that tokenized to nothing
 
@@ -32,46 +35,37 @@ class PromptDataset:
         return len(self.prompts)
 
 
-def read_prompt_texts(path: str | Path, key: str = "prompt") -> list[str]:
-    """Prompt strings from a JSONL file or a ``datasets`` directory saved with ``save_to_disk``.
+def read_prompts(
+    path: str | Path, prompt_key: str = "prompt", messages_key: str = "messages", split: str | None = None
+) -> list[PromptRecord]:
+    """The prompts of a JSONL file or a ``datasets`` directory (its ``split`` if a DatasetDict).
 
     Raises:
-        DataFileError: the file or directory cannot be read, has no prompt, or lacks ``key``.
+        DataFileError: the file or directory cannot be read, holds no record, or a record is not a
+            prompt (:func:`~openaligner.data.formats.prompt_record`).
     """
-    p = Path(path)
-    if not p.is_dir():
-        return [r[key] for r in read_records(p, [key])]
-    try:
-        import datasets
-    except ImportError:
-        raise DataFileError(
-            p, "is a directory; reading a datasets directory needs `pip install datasets`"
-        ) from None
-    try:
-        ds = datasets.load_from_disk(str(p))
-    except (OSError, ValueError) as e:
-        raise DataFileError(p, f"is not a datasets directory saved with save_to_disk ({e})") from None
-    if key not in ds.column_names:
-        raise DataFileError(p, f"has no column {key!r}; columns are {ds.column_names}")
-    if len(ds) == 0:
-        raise DataFileError(p, "is empty (no rows)")
-    return [str(x) for x in ds[key]]
+    return [prompt_record(r, prompt_key, messages_key) for r in read_records(path, split)]
 
 
 def build_prompt_dataset(
-    texts: Sequence[str], encode: Callable[[str], list[int]], max_prompt_length: int
+    records: Sequence[PromptRecord], renderer: Renderer, max_prompt_length: int
 ) -> PromptDataset:
-    """Tokenize ``texts``; drop (and count) prompts longer than ``max_prompt_length`` or empty."""
-    kept, kept_texts, too_long, empty = [], [], 0, 0
-    for text in texts:
-        ids = list(encode(text))
+    """Tokenize prompts; drop (and count) those longer than ``max_prompt_length`` or empty.
+
+    Raises:
+        LayoutError: a prompt cannot be rendered (named by its place in the file).
+    """
+    kept, sources, too_long, empty = [], [], 0, 0
+    for record in records:
+        with located(record.where):
+            ids = renderer.prompt_ids(record.prompt)
         if not ids:
             empty += 1
         elif len(ids) > max_prompt_length:
             too_long += 1
         else:
             kept.append(ids)
-            kept_texts.append(text)
+            sources.append(record.prompt)
     if too_long or empty:
         log.warning(
             "dropped %d prompts longer than %d tokens and %d empty prompts; %d remain",
@@ -80,7 +74,7 @@ def build_prompt_dataset(
             empty,
             len(kept),
         )
-    return PromptDataset(kept, kept_texts, too_long, empty)
+    return PromptDataset(kept, sources, too_long, empty)
 
 
 class EpochSampler:

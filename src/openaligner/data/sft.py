@@ -1,21 +1,23 @@
-"""Supervised fine-tuning examples: ``{"prompt", "response"}`` records tokenized for a causal LM.
+"""Supervised fine-tuning examples: :class:`~openaligner.data.formats.SFTRecord`s tokenized for a causal LM.
 
-Each example is ``[BOS] + prompt + response + [EOS]`` (BOS/EOS optional); the loss covers the
-response tokens (EOS included) only. Knows nothing of models beyond a tokenizer's ids.
+Each example is a prompt part and a response part laid out by a
+:class:`~openaligner.data.render.Renderer` (raw text: ``[BOS] + prompt | response + [EOS]``; with a
+chat template: the rendered conversation up to the generation prompt | the assistant turn +
+``[EOS]``); the loss covers the response part only. Knows nothing of models.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger(__name__)
+from openaligner.data.formats import SFTRecord
+from openaligner.data.render import Renderer, located
 
-Encode = Callable[[str], list[int]]
-"""Text → token ids, without special tokens."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -26,19 +28,17 @@ class SFTExample:
     prompt_length: int  # number of leading prompt ids (no loss on them)
 
 
-def build_sft_examples(
-    records: Sequence[dict[str, str]],
-    encode: Encode,
-    max_length: int,
-    bos_id: int | None,
-    eos_id: int | None,
-) -> list[SFTExample]:
-    """Tokenize records; examples longer than ``max_length`` or with an empty response are
-    dropped with a warning (never truncated, so no response loses its end)."""
+def build_sft_examples(records: Sequence[SFTRecord], renderer: Renderer, max_length: int) -> list[SFTExample]:
+    """Tokenize records; examples longer than ``max_length`` or with an empty side are dropped
+    with a warning (never truncated, so no response loses its end).
+
+    Raises:
+        LayoutError: a record cannot be rendered (named by its place in the file).
+    """
     examples, too_long, empty = [], 0, 0
     for record in records:
-        prompt = ([bos_id] if bos_id is not None else []) + encode(record["prompt"])
-        response = encode(record["response"]) + ([eos_id] if eos_id is not None else [])
+        with located(record.where):
+            prompt, response = renderer.example_ids(record.prompt, record.response)
         if not response or not prompt:
             empty += 1
         elif len(prompt) + len(response) > max_length:

@@ -448,4 +448,3 @@ def _warn_if_eos_differs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
             tokenizer.eos_token,
             config_ids[0] if len(config_ids) == 1 else config_ids,
         )
-

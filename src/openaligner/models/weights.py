@@ -151,4 +151,3 @@ def _raise_on_mismatch(path: Path, what: str, problems: dict[str, list[str]]) ->
 def _widest_float_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     floats = [t.dtype for t in tensors if t.is_floating_point()]
     return max(floats, key=lambda d: torch.finfo(d).bits, default=torch.float32)
-

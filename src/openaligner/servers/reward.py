@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from openaligner import distributed as dp
+from openaligner.data.render import SequenceLayout, with_bos, with_eos
 from openaligner.servers.batching import (
     EndpointStats,
     merge_rows,
@@ -289,10 +290,21 @@ throws away (a 2 MB text held the server for seconds)."""
 
 
 def make_tokenize_func(
-    tokenizer: Any, max_length: int | None = None, max_chars_per_token: int = MAX_CHARS_PER_TOKEN
+    tokenizer: Any,
+    max_length: int | None = None,
+    max_chars_per_token: int = MAX_CHARS_PER_TOKEN,
+    layout: SequenceLayout | None = None,
 ) -> TokenizeFn:
-    """A :data:`TokenizeFn` from a Hugging Face tokenizer: no BOS/EOS added, truncated to
-    ``max_length``, right-padded with the tokenizer's pad id (0 when it has none).
+    """A :data:`TokenizeFn` from a Hugging Face tokenizer that lays each text out as train-rm laid
+    out its sequences (:class:`~openaligner.data.render.SequenceLayout`, by default train-rm's
+    default: ``[BOS] + ids(text) + [EOS]``, each added when the tokenizer has it and the text's ids
+    do not already start / end with it), truncated to ``max_length`` tokens (the text's ids are cut,
+    BOS and EOS kept), right-padded with the tokenizer's pad id (0 when it has none). A text
+    without ids of its own gets length 0, whatever the layout adds, so that it is refused.
+
+    ``layout`` is the one recorded next to the reward model (``SequenceLayout.load(model_dir)``);
+    a text is taken as the whole sequence between BOS and EOS, already rendered with the chat
+    template when ``layout.chat_template`` (the server renders nothing).
 
     With ``max_length``, each text is first cut to ``max_length * max_chars_per_token``
     characters, so that a request costs what the server keeps, however long its texts. Calls are
@@ -300,8 +312,12 @@ def make_tokenize_func(
     sets its truncation on the one shared Rust object at each call and fails with "Already
     borrowed" when another thread is encoding with it (huggingface/tokenizers#537).
     """
+    bos_id, eos_id = (layout if layout is not None else SequenceLayout()).special_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     max_chars = max_length * max_chars_per_token if max_length is not None else None
+    max_text = (
+        None if max_length is None else max(1, max_length - (bos_id is not None) - (eos_id is not None))
+    )
     lock = threading.Lock()
 
     def tokenize(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,12 +325,13 @@ def make_tokenize_func(
             texts = [t[:max_chars] for t in texts]
         with lock:
             ids = tokenizer(
-                texts, add_special_tokens=False, truncation=max_length is not None, max_length=max_length
+                texts, add_special_tokens=False, truncation=max_text is not None, max_length=max_text
             )["input_ids"]
-        width = max(1, max(len(x) for x in ids))
-        tokens = torch.full((len(ids), width), pad_id, dtype=torch.int64)
-        for i, row in enumerate(ids):
+        rows = [with_eos(with_bos(row, bos_id), eos_id) if row else [] for row in ids]
+        width = max(1, max(len(x) for x in rows))
+        tokens = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+        for i, row in enumerate(rows):
             tokens[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-        return tokens, torch.tensor([len(x) for x in ids], dtype=torch.int64)
+        return tokens, torch.tensor([len(x) for x in rows], dtype=torch.int64)
 
     return tokenize

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from openaligner.algorithms import KL_KINDS, LOSS_AGGREGATIONS
 from openaligner.clients.critic import RemoteCriticConfig
+from openaligner.data.render import check_chat_template_mode
 from openaligner.models.lora import LoraConfig
 from openaligner.models.precision import check_precision, check_save_dtype
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
@@ -154,11 +155,18 @@ class PPOConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = "???"  # JSONL with {"prompt": ...} per line, or a datasets directory
+    train_path: str = "???"  # JSONL or datasets directory of prompt records (docs/data.md)
     val_path: str | None = None  # validation prompts; null = the first num_val_samples training prompts
-    prompt_key: str = "prompt"  # field holding the prompt text
+    split: str = "train"  # split of a datasets directory holding a DatasetDict (train_path)
+    val_split: str = "test"  # split of a DatasetDict val_path
+    prompt_key: str = "prompt"  # field of the prompt: text, or a list of {"role", "content"} messages
+    messages_key: str = "messages"  # field of the conversation in records without prompt_key
+    chat_template: str = "auto"  # auto (the tokenizer's template if it has one) | true | false (raw text)
     seq_length: int = 256  # longest prompt + response (≤ the actor's positions); longer prompts are dropped
-    add_bos: bool = True  # prepend the tokenizer's BOS id to each prompt (as train-sft does by default)
+    add_bos: bool = True  # start each prompt with the tokenizer's BOS id (if it has one; never twice)
+
+    def __post_init__(self) -> None:
+        self.chat_template = check_chat_template_mode(self.chat_template, "data.chat_template")
 
 
 @dataclass

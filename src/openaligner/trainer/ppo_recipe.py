@@ -16,11 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from openaligner import distributed as dp
 from openaligner.config import StartupError, as_startup_error, config_to_yaml
-from openaligner.data.jsonl import DataFileError
-from openaligner.data.prompts import PromptDataset, build_prompt_dataset, read_prompt_texts
+from openaligner.data.formats import prompt_shape
+from openaligner.data.prompts import PromptDataset, build_prompt_dataset, read_prompts
+from openaligner.data.records import DataFileError
+from openaligner.data.render import LayoutError, Renderer, SequenceLayout, use_chat_template
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger, rewind_logs
 from openaligner.models.actor import CausalLMActor
@@ -64,6 +67,7 @@ class PPORun:
     decode: Callable[[Sequence[int]], str]  # token ids → text (special tokens skipped)
     checkpoints: CheckpointManager
     save_dtype: torch.dtype  # the final actor's dtype on disk
+    layout: SequenceLayout  # how prompts were laid out; recorded with the final actor
 
     @property
     def output_dir(self) -> Path:
@@ -84,15 +88,13 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     check_seq_length(cfg)
     with as_startup_error(SourceError):
         tokenizer = resolve_tokenizer(cfg.actor, cfg.tokenizer, key="actor")
-    bos = [tokenizer.bos_token_id] if cfg.data.add_bos and tokenizer.bos_token_id is not None else []
-
-    def encode(text: str) -> list[int]:
-        return bos + list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    layout = prompt_layout(cfg, tokenizer)
 
     def decode(ids: Sequence[int]) -> str:
         return str(tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    train_prompts, val_prompts = load_prompt_sets(cfg, encode)
+    with as_startup_error(LayoutError):
+        train_prompts, val_prompts = load_prompt_sets(cfg, Renderer(tokenizer, layout))
     # 2. the actor: float32 masters, computing in the precision's dtype
     device = pick_device(cfg.device)
     if device.type == "cuda" and world > 1:
@@ -136,7 +138,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     keep_last = cfg.exp.keep_last
     checkpoints = CheckpointManager(out / "checkpoints", keep_last=keep_last, best_metric="val_rewards")
     save_dtype = resolve_save_dtype(cfg.exp.save_dtype, cfg.actor.path)
-    return PPORun(cfg, actor, optim, prompts, decode, checkpoints, save_dtype)
+    return PPORun(cfg, actor, optim, prompts, decode, checkpoints, save_dtype, layout)
 
 
 def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer], None] | None = None) -> None:
@@ -191,6 +193,8 @@ def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer],
         run.actor.save_pretrained(out / "actor", dtype=run.save_dtype)
         if cfg.lora.merge_on_save:
             run.actor.save_merged(out / "actor" / MERGED_DIR, dtype=run.save_dtype)
+            run.layout.save(out / "actor" / MERGED_DIR)
+        run.layout.save(out / "actor")
         log.info("final actor written to %s (%s)", out / "actor", str(run.save_dtype).removeprefix("torch."))
     dp.barrier()
 
@@ -212,32 +216,63 @@ def check_seq_length(cfg: TrainPPOConfig) -> None:
         )
 
 
-def load_prompt_sets(
-    cfg: TrainPPOConfig, encode: Callable[[str], list[int]]
-) -> tuple[list[list[int]], list[list[int]]]:
-    """The training prompts and the validation prompts (``trainer.num_val_samples`` of them), as
-    token ids; prompts longer than ``data.seq_length − trainer.length.max_length`` are dropped.
+def prompt_layout(cfg: TrainPPOConfig, tokenizer: PreTrainedTokenizerBase) -> SequenceLayout:
+    """The layout of the run's prompts (``data.add_bos``, ``data.chat_template``); responses end
+    with the EOS the actor stops on (``add_eos``: the tokenizer has one), as train-rm's ``add_eos``
+    ends them. Warns when ``actor.path``
+    records (``sequence_layout.json``, from train-sft) another BOS or chat-template choice.
 
     Raises:
-        StartupError: a prompt file is missing, unreadable, empty or has a bad line; or too few
+        StartupError: ``data.chat_template=true`` and the tokenizer has no template, or the
+            actor's layout record cannot be read.
+    """
+    with as_startup_error(LayoutError):
+        use_template = use_chat_template(cfg.data.chat_template, tokenizer)
+        layout = SequenceLayout(cfg.data.add_bos, tokenizer.eos_token_id is not None, use_template)
+        trained = SequenceLayout.load(cfg.actor.path) if cfg.actor.path is not None else None
+    if trained is not None and (trained.add_bos, trained.chat_template) != (
+        layout.add_bos,
+        layout.chat_template,
+    ):
+        log.warning(
+            "the actor in %s was trained with add_bos=%s, chat_template=%s, but this run lays prompts out "
+            "with data.add_bos=%s, chat template %s: the policy sees prompts unlike its training data",
+            cfg.actor.path,
+            trained.add_bos,
+            trained.chat_template,
+            layout.add_bos,
+            "on" if layout.chat_template else "off",
+        )
+    return layout
+
+
+def load_prompt_sets(cfg: TrainPPOConfig, renderer: Renderer) -> tuple[list[list[int]], list[list[int]]]:
+    """The training prompts and the validation prompts (``trainer.num_val_samples`` of them), as
+    token ids laid out by ``renderer``; prompts longer than
+    ``data.seq_length − trainer.length.max_length`` are dropped.
+
+    Raises:
+        StartupError: a prompt file is missing, unreadable, empty or has a bad record; or too few
             prompts remain for one rollout batch (or, with validation on, one validation batch).
+        LayoutError: a prompt cannot be rendered (a conversation without a chat template, ...).
     """
     c, d = cfg.trainer, cfg.data
     max_prompt = d.seq_length - c.length.max_length
 
-    def read(key: str, path: str) -> PromptDataset:
+    def read(key: str, path: str, split_key: str, split: str) -> PromptDataset:
         try:
-            texts = read_prompt_texts(path, d.prompt_key)
+            records = read_prompts(path, d.prompt_key, d.messages_key, split)
         except DataFileError as e:
             raise StartupError(
-                f'{key}={e}; {key} must name a JSONL file with one {{"{d.prompt_key}": ...}} per line '
-                "(data.prompt_key) or a datasets directory"
+                f"{key}={e}; {key} must name a JSONL file with one record per line, or a datasets "
+                f"directory (save_to_disk; {split_key} picks the split of a DatasetDict), with records "
+                f"{prompt_shape(d.prompt_key, d.messages_key)} (data.prompt_key, data.messages_key)"
             ) from None
-        return build_prompt_dataset(texts, encode, max_prompt)
+        return build_prompt_dataset(records, renderer, max_prompt)
 
-    train = read("data.train_path", d.train_path)
+    train = read("data.train_path", d.train_path, "data.split", d.split)
     _require_prompts(train, "data.train_path", "trainer.num_rollout_samples", c.num_rollout_samples, cfg)
-    val = read("data.val_path", d.val_path) if d.val_path else train
+    val = read("data.val_path", d.val_path, "data.val_split", d.val_split) if d.val_path else train
     if c.val_check_interval > 0:
         _require_prompts(
             val,

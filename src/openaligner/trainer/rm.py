@@ -1,23 +1,27 @@
-"""Bradley–Terry reward-model training on ``{"prompt", "chosen", "rejected"}`` JSONL.
+"""Bradley–Terry reward-model training on preference pairs (``{"prompt", "chosen", "rejected"}`` records).
 
 Owns the reward-model training config and objective: ``loss = −log σ(r_chosen − r_rejected)``
 averaged over pairs, with pair accuracy (``r_chosen > r_rejected``) and the mean chosen/rejected
 rewards as metrics (NeMo-Aligner's ``loss, acc, rewards_chosen_mean, rewards_rejected_mean``).
 The model is a :class:`~openaligner.models.reward.RewardModel`, exported in the layout the reward
-server and the critic load. Loop, checkpoints and export come from
-:mod:`openaligner.trainer.supervised`.
+server and the critic load, with the sequence layout it was trained on (``sequence_layout.json``,
+:class:`~openaligner.data.render.SequenceLayout`) for the server's ``sentences``. Loop,
+checkpoints and export come from :mod:`openaligner.trainer.supervised`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from openaligner.config import as_startup_error
+from openaligner.data.formats import preference_record, preference_shape
 from openaligner.data.preference import PreferencePair, build_preference_pairs, collate_pairs
+from openaligner.data.render import LayoutError, Renderer, check_chat_template_mode
 from openaligner.models.lora import LoraConfig, LoraError, add_lora
 from openaligner.models.precision import (
     MASTER_DTYPE,
@@ -44,22 +48,29 @@ from openaligner.trainer.supervised import (
     load_train_val_records,
     require_full_batch,
     resolve_max_length,
-    special_id,
+    sequence_layout,
 )
-
-KEYS = ("prompt", "chosen", "rejected")
 
 
 @dataclass
 class RMDataConfig:
-    train_path: str = "???"  # JSONL with {"prompt": ..., "chosen": ..., "rejected": ...} per line
-    val_path: str | None = None  # validation JSONL; unset = hold out val_fraction of train_path
+    train_path: str = "???"  # JSONL or datasets directory of preference records (docs/data.md)
+    val_path: str | None = None  # validation pairs; unset = hold out val_fraction of train_path
     val_fraction: float = 0.1  # share of train_path held out for validation when val_path is unset
+    split: str = "train"  # split of a datasets directory holding a DatasetDict (train_path)
+    val_split: str = "test"  # split of a DatasetDict val_path
+    prompt_key: str = "prompt"  # field of the prompt: text or messages (unused by whole conversations)
+    chosen_key: str = "chosen"  # preferred response: text, an assistant message, or a whole conversation
+    rejected_key: str = "rejected"  # dispreferred response, as chosen_key
+    chat_template: str = "auto"  # auto (the tokenizer's template if it has one) | true | false (raw text)
     max_length: int = (
         0  # longest prompt + response (≤ the model's positions; longer are dropped); 0 = its limit
     )
-    add_bos: bool = True  # prepend the tokenizer's BOS id to the prompt
-    add_eos: bool = True  # append the EOS id to each response (as the PPO actor's responses end)
+    add_bos: bool = True  # start each sequence with the tokenizer's BOS id (if it has one; never twice)
+    add_eos: bool = True  # end each response with the EOS id, as PPO responses end (never twice)
+
+    def __post_init__(self) -> None:
+        self.chat_template = check_chat_template_mode(self.chat_template, "data.chat_template")
 
 
 @dataclass
@@ -117,28 +128,38 @@ class RMObjective:
 def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
     """Resolve sources, read and tokenize pairs, and wire the trainer (no training yet)."""
     torch.manual_seed(cfg.trainer.seed)  # also seeds a freshly initialised head
-    # data and length are checked before any weights load: a refused run costs nothing
-    max_length = resolve_max_length(cfg.data.max_length, cfg.model)
+    d = cfg.data
+    # data, layout and length are checked before any weights load: a refused run costs nothing
+    max_length = resolve_max_length(d.max_length, cfg.model)
     records, val_records = load_train_val_records(
-        cfg.data.train_path, cfg.data.val_path, KEYS, cfg.data.val_fraction, cfg.trainer.seed
+        d.train_path,
+        d.val_path,
+        partial(
+            preference_record, prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key
+        ),
+        preference_shape(d.prompt_key, d.chosen_key, d.rejected_key),
+        d.val_fraction,
+        cfg.trainer.seed,
+        d.split,
+        d.val_split,
     )
     with as_startup_error(SourceError):
         tokenizer = resolve_tokenizer(cfg.model, cfg.tokenizer)
+    layout = sequence_layout(tokenizer, d.chat_template, d.add_bos, d.add_eos)
+    with as_startup_error(LayoutError):
+        renderer = Renderer(tokenizer, layout)
+        train = build_preference_pairs(records, renderer, max_length)
+        held_out = len(val_records) if d.val_path is None else 0
+        require_full_batch(
+            len(train), len(records), held_out, max_length, cfg.trainer.global_batch_size, "pairs"
+        )
+        val = build_preference_pairs(val_records, renderer, max_length)
     device = pick_device(cfg.device)
     model = load_reward_model(cfg.model, len(tokenizer), device, dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model.hf_model)
     with as_startup_error(LoraError):
         model = add_lora(model, cfg.lora)  # adapters on the backbone, the head trained in full
-
-    def encode(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    bos, eos = special_id(tokenizer, "bos", cfg.data.add_bos), special_id(tokenizer, "eos", cfg.data.add_eos)
-    train = build_preference_pairs(records, encode, max_length, bos, eos)
-    held_out = len(val_records) if cfg.data.val_path is None else 0
-    require_full_batch(len(train), len(records), held_out, max_length, cfg.trainer.global_batch_size, "pairs")
-    val = build_preference_pairs(val_records, encode, max_length, bos, eos)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return SupervisedTrainer(
         RMObjective(model),
@@ -156,4 +177,5 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
         precision=Precision.resolve(cfg.precision, device),
         save_dtype=resolve_save_dtype(cfg.save_dtype, cfg.model.path),
         export_merged=cfg.lora.merge_on_save,
+        layout=layout,
     )

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning of a causal LM on ``{"prompt", "response"}`` JSONL: the recipe and its loss.
+"""Supervised fine-tuning of a causal LM on prompt/response or ``messages`` data: the recipe and its loss.
 
 Owns the SFT config schema and objective (negative log-likelihood of the response tokens only,
 token mean over the global batch, in the project's next-token layout: the loss mask is
@@ -9,6 +9,7 @@ token mean over the global batch, in the project's next-token layout: the loss m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,6 +17,8 @@ from transformers import PreTrainedModel
 
 from openaligner.algorithms import next_token_logprobs, response_mask
 from openaligner.config import as_startup_error
+from openaligner.data.formats import sft_record, sft_shape
+from openaligner.data.render import LayoutError, Renderer, check_chat_template_mode
 from openaligner.data.sft import SFTExample, build_sft_examples, collate_sft
 from openaligner.models.lora import LoraConfig, LoraError, add_lora
 from openaligner.models.precision import (
@@ -43,20 +46,29 @@ from openaligner.trainer.supervised import (
     load_train_val_records,
     require_full_batch,
     resolve_max_length,
-    special_id,
+    sequence_layout,
 )
 
 
 @dataclass
 class SFTDataConfig:
-    train_path: str = "???"  # JSONL with {"prompt": ..., "response": ...} per line
-    val_path: str | None = None  # validation JSONL; unset = hold out val_fraction of train_path
+    train_path: str = "???"  # JSONL or datasets directory of SFT records (docs/data.md)
+    val_path: str | None = None  # validation data; unset = hold out val_fraction of train_path
     val_fraction: float = 0.1  # share of train_path held out for validation when val_path is unset
+    split: str = "train"  # split of a datasets directory holding a DatasetDict (train_path)
+    val_split: str = "test"  # split of a DatasetDict val_path
+    prompt_key: str = "prompt"  # field of the prompt: text, or a list of {"role", "content"} messages
+    response_key: str = "response"  # field of the response: text, or one assistant message
+    messages_key: str = "messages"  # field of a whole conversation (records without prompt_key)
+    chat_template: str = "auto"  # auto (the tokenizer's template if it has one) | true | false (raw text)
     max_length: int = (
         0  # longest prompt + response (≤ the model's positions; longer are dropped); 0 = its limit
     )
-    add_bos: bool = True  # prepend the tokenizer's BOS id to the prompt
-    add_eos: bool = True  # append the EOS id to the response (so the model learns to stop)
+    add_bos: bool = True  # start each prompt with the tokenizer's BOS id (if it has one; never twice)
+    add_eos: bool = True  # end each response with the EOS id so the model learns to stop (never twice)
+
+    def __post_init__(self) -> None:
+        self.chat_template = check_chat_template_mode(self.chat_template, "data.chat_template")
 
 
 @dataclass
@@ -108,34 +120,38 @@ class SFTObjective:
 def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
     """Resolve sources, read and tokenize data, and wire the trainer (no training yet)."""
     torch.manual_seed(cfg.trainer.seed)
-    # data and length are checked before any weights load: a refused run costs nothing
-    max_length = resolve_max_length(cfg.data.max_length, cfg.model)
+    d = cfg.data
+    # data, layout and length are checked before any weights load: a refused run costs nothing
+    max_length = resolve_max_length(d.max_length, cfg.model)
     records, val_records = load_train_val_records(
-        cfg.data.train_path,
-        cfg.data.val_path,
-        ("prompt", "response"),
-        cfg.data.val_fraction,
+        d.train_path,
+        d.val_path,
+        partial(
+            sft_record, prompt_key=d.prompt_key, response_key=d.response_key, messages_key=d.messages_key
+        ),
+        sft_shape(d.prompt_key, d.response_key, d.messages_key),
+        d.val_fraction,
         cfg.trainer.seed,
+        d.split,
+        d.val_split,
     )
     with as_startup_error(SourceError):
         tokenizer = resolve_tokenizer(cfg.model, cfg.tokenizer)
+    layout = sequence_layout(tokenizer, d.chat_template, d.add_bos, d.add_eos)
+    with as_startup_error(LayoutError):
+        renderer = Renderer(tokenizer, layout)
+        train = build_sft_examples(records, renderer, max_length)
+        held_out = len(val_records) if d.val_path is None else 0
+        require_full_batch(
+            len(train), len(records), held_out, max_length, cfg.trainer.global_batch_size, "examples"
+        )
+        val = build_sft_examples(val_records, renderer, max_length)
     device = pick_device(cfg.device)
     model = load_causal_lm(cfg.model, len(tokenizer), device, dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model)
     with as_startup_error(LoraError):
         model = add_lora(model, cfg.lora)  # r = 0: the model as it is
-
-    def encode(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    bos, eos = special_id(tokenizer, "bos", cfg.data.add_bos), special_id(tokenizer, "eos", cfg.data.add_eos)
-    train = build_sft_examples(records, encode, max_length, bos, eos)
-    held_out = len(val_records) if cfg.data.val_path is None else 0
-    require_full_batch(
-        len(train), len(records), held_out, max_length, cfg.trainer.global_batch_size, "examples"
-    )
-    val = build_sft_examples(val_records, encode, max_length, bos, eos)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return SupervisedTrainer(
         SFTObjective(model),
@@ -153,4 +169,5 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
         precision=Precision.resolve(cfg.precision, device),
         save_dtype=resolve_save_dtype(cfg.save_dtype, cfg.model.path),
         export_merged=cfg.lora.merge_on_save,
+        layout=layout,
     )

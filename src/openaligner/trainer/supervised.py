@@ -37,8 +37,9 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from openaligner.config import StartupError, as_startup_error
-from openaligner.data.jsonl import DataFileError, read_records, split_holdout
 from openaligner.data.prompts import EpochSampler
+from openaligner.data.records import DataFileError, Record, read_records, split_holdout
+from openaligner.data.render import LayoutError, SequenceLayout, use_chat_template
 from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.lora import MERGED_DIR, merged_copy
@@ -56,6 +57,7 @@ from openaligner.trainer.optim_step import optimizer_step
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 Batch = dict[str, torch.Tensor]
 
 
@@ -93,41 +95,52 @@ class LoopConfig:
 
 
 # ---------------------------------------------------------------------- sources
-def special_id(tokenizer: PreTrainedTokenizerBase, name: str, enabled: bool) -> int | None:
-    """The tokenizer's ``bos``/``eos`` id when ``enabled`` (error if it has none), else ``None``."""
-    if not enabled:
-        return None
-    value = getattr(tokenizer, f"{name}_token_id")
-    if value is None:
-        raise ValueError(
-            f"data.add_{name} is true but the tokenizer has no {name} token; set data.add_{name}=false"
-        )
-    return int(value)
-
-
 def load_train_val_records(
-    train_path: str, val_path: str | None, keys: Sequence[str], val_fraction: float, seed: int
-) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """Training and validation records: ``val_path`` when given, else a seeded holdout of ``train_path``.
+    train_path: str,
+    val_path: str | None,
+    parse: Callable[[Record], R],
+    shape: str,
+    val_fraction: float,
+    seed: int,
+    split: str = "train",
+    val_split: str = "test",
+) -> tuple[list[R], list[R]]:
+    """Training and validation records, each read by ``parse`` (a :mod:`openaligner.data.formats`
+    reader): ``val_path`` when given, else a seeded holdout of ``train_path``. Either path is a JSONL
+    file or a ``datasets`` directory (``split`` / ``val_split`` of a DatasetDict).
 
     Raises:
         StartupError: naming ``data.train_path`` or ``data.val_path``, when that file is missing,
-            unreadable, empty or has a bad line.
+            unreadable, empty or has a record that is not ``shape``.
     """
-    records = _read_data_file("data.train_path", train_path, keys)
+    records = _read_data_file("data.train_path", train_path, "data.split", split, parse, shape)
     if val_path is not None:
-        return records, _read_data_file("data.val_path", val_path, keys)
+        return records, _read_data_file("data.val_path", val_path, "data.val_split", val_split, parse, shape)
     return split_holdout(records, val_fraction, seed)
 
 
-def _read_data_file(key: str, path: str, keys: Sequence[str]) -> list[dict[str, str]]:
+def _read_data_file(
+    key: str, path: str, split_key: str, split: str, parse: Callable[[Record], R], shape: str
+) -> list[R]:
     try:
-        return read_records(path, keys)
+        return [parse(r) for r in read_records(path, split)]
     except DataFileError as e:
-        fields = ", ".join(f'"{k}": ...' for k in keys)
         raise StartupError(
-            f"{key}={e}; {key} must name a JSONL file with one {{{fields}}} per line"
+            f"{key}={e}; {key} must name a JSONL file with one record per line, or a datasets directory "
+            f"(save_to_disk; {split_key} picks the split of a DatasetDict), with records {shape}"
         ) from None
+
+
+def sequence_layout(
+    tokenizer: PreTrainedTokenizerBase, chat_template: str, add_bos: bool, add_eos: bool
+) -> SequenceLayout:
+    """The layout of ``data.chat_template`` / ``data.add_bos`` / ``data.add_eos`` with ``tokenizer``.
+
+    Raises:
+        StartupError: ``data.chat_template=true`` and the tokenizer has no template.
+    """
+    with as_startup_error(LayoutError):
+        return SequenceLayout(add_bos, add_eos, use_chat_template(chat_template, tokenizer))
 
 
 def resolve_max_length(max_length: int, source: ModelSourceConfig) -> int:
@@ -229,6 +242,8 @@ class SupervisedTrainer(Generic[T]):
         export_merged: the objective's module carries LoRA adapters, and the final export also
             writes ``output_dir/merged``, the model with the adapters merged in
             (:func:`openaligner.models.lora.merged_copy`), weights as ``save_dtype``.
+        layout: the sequence layout the data was built with, recorded in every export as
+            ``sequence_layout.json`` (the reward server reads it); None writes none.
     """
 
     def __init__(
@@ -249,6 +264,7 @@ class SupervisedTrainer(Generic[T]):
         precision: Precision | None = None,
         save_dtype: torch.dtype | None = None,
         export_merged: bool = False,
+        layout: SequenceLayout | None = None,
     ) -> None:
         self.objective = objective
         self.train_items, self.val_items = train_items, val_items
@@ -262,6 +278,7 @@ class SupervisedTrainer(Generic[T]):
         self.scaler = self.precision.grad_scaler()
         self.save_dtype = save_dtype
         self.export_merged = export_merged
+        self.layout = layout
         self.sampler = EpochSampler(len(train_items), loop.global_batch_size, loop.seed)
         if self.sampler.steps_per_epoch == 0:
             raise ValueError(
@@ -412,9 +429,13 @@ class SupervisedTrainer(Generic[T]):
             directory.mkdir(parents=True, exist_ok=True)
             self.objective.save(directory, dtype)
             self.tokenizer.save_pretrained(str(directory))
+            if self.layout is not None:
+                self.layout.save(directory)
             if merged:
                 save_pretrained_as(merged_copy(self.objective.module), directory / MERGED_DIR, dtype)
                 self.tokenizer.save_pretrained(str(directory / MERGED_DIR))
+                if self.layout is not None:
+                    self.layout.save(directory / MERGED_DIR)
             return
         tmp = directory / f".export-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)

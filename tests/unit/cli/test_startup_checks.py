@@ -93,6 +93,17 @@ def test_ppo_refuses_a_prompt_file_with_a_bad_line(capsys, ppo_args, tmp_path):
     assert "data.train_path" in line and "bad.jsonl:2" in line and "prompt" in line
 
 
+def test_ppo_refuses_a_chat_template_the_tokenizer_does_not_have(capsys, ppo_args):
+    line = refused(capsys, "train-ppo", *ppo_args, "data.chat_template=true")
+    assert "data.chat_template=true but the built-in tokenizer has no chat template" in line
+
+
+def test_ppo_refuses_conversations_without_a_chat_template(capsys, ppo_args, tmp_path):
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "p"}]}] * 8)
+    line = refused(capsys, "train-ppo", *ppo_args, f"data.train_path={chat}")
+    assert f"{chat}:1: a conversation (messages) needs a chat template" in line
+
+
 def test_ppo_refuses_when_every_prompt_is_too_long(capsys, ppo_args, tmp_path):
     long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "x" * 40}] * 8)
     line = refused(
@@ -223,10 +234,36 @@ def test_supervised_refuses_a_missing_data_file(capsys, supervised, tmp_path):
     assert "data.train_path" in line and "does not exist" in line
 
 
-def test_supervised_refuses_a_directory_as_data_file(capsys, supervised, tmp_path):
+def test_supervised_refuses_a_directory_that_is_no_datasets_directory(capsys, supervised, tmp_path):
     command, args, _ = supervised
     line = refused(capsys, command, *args, f"data.train_path={tmp_path}")
-    assert "data.train_path" in line and "not a file" in line
+    assert "data.train_path" in line and "datasets" in line
+
+
+def test_supervised_refuses_a_chat_template_the_tokenizer_does_not_have(capsys, supervised):
+    command, args, _ = supervised
+    line = refused(capsys, command, *args, "data.chat_template=true")
+    assert "data.chat_template=true but the built-in tokenizer has no chat template" in line
+
+
+def test_supervised_refuses_conversations_without_a_chat_template(capsys, supervised, tmp_path):
+    command, args, _ = supervised
+    conversation = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"}]
+    record = (
+        {"messages": conversation}
+        if command == "train-sft"
+        else {"chosen": conversation, "rejected": conversation}
+    )
+    chat = write_jsonl(tmp_path / "chat.jsonl", [record] * 8)
+    line = refused(capsys, command, *args, f"data.train_path={chat}")
+    assert f"{chat}:1: a conversation (messages) needs a chat template" in line
+
+
+def test_supervised_names_the_record_and_the_shape_of_a_malformed_record(capsys, supervised, tmp_path):
+    command, args, record = supervised
+    bad = write_jsonl(tmp_path / "bad.jsonl", [record, {"prompt": "ab"}])
+    line = refused(capsys, command, *args, f"data.train_path={bad}")
+    assert f"{bad}:2: missing field" in line and "expected {" in line
 
 
 def test_supervised_refuses_an_empty_validation_file(capsys, supervised, tmp_path):

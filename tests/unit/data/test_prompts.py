@@ -1,29 +1,40 @@
+"""PPO prompts: reading, rendering, dropping; the resumable epoch sampler."""
+
 import json
 
 import pytest
 
-from openaligner.data.prompts import EpochSampler, build_prompt_dataset, read_prompt_texts
+from openaligner.data.formats import PromptRecord
+from openaligner.data.prompts import EpochSampler, build_prompt_dataset, read_prompts
+from openaligner.data.render import Renderer, SequenceLayout
 
 
-def test_read_jsonl_and_errors(tmp_path):
+def test_read_text_and_conversation_prompts_and_errors(tmp_path):
     p = tmp_path / "p.jsonl"
-    p.write_text(json.dumps({"prompt": "a b"}) + "\n\n" + json.dumps({"prompt": "c"}) + "\n")
-    assert read_prompt_texts(p) == ["a b", "c"]
+    user = {"role": "user", "content": "c"}
+    p.write_text(json.dumps({"prompt": "a b"}) + "\n\n" + json.dumps({"messages": [user]}) + "\n")
+    assert [r.prompt for r in read_prompts(p)] == ["a b", (user,)]
+    assert read_prompts(p)[1].where == f"{p}:3"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "x"}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:1.*'prompt'"):
-        read_prompt_texts(bad)
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: missing field \['prompt', 'messages'\]"):
+        read_prompts(bad)
+    assert [r.prompt for r in read_prompts(bad, prompt_key="text")] == ["x"]
     bad.write_text("{not json\n")
     with pytest.raises(ValueError, match="not valid JSON"):
-        read_prompt_texts(bad)
+        read_prompts(bad)
     with pytest.raises(ValueError, match="does not exist"):
-        read_prompt_texts(tmp_path / "nope.jsonl")
+        read_prompts(tmp_path / "nope.jsonl")
 
 
-def test_too_long_and_empty_prompts_are_dropped_and_counted():
-    ds = build_prompt_dataset(["a", "a b c d", "", "a b"], lambda s: [len(w) for w in s.split()], 3)
-    assert ds.texts == ["a", "a b"]
+def test_too_long_and_empty_prompts_are_dropped_and_counted(tiny):
+    records = [PromptRecord(t, "p.jsonl:1") for t in ["a", "abcd", "", "ab"]]
+    ds = build_prompt_dataset(records, Renderer(tiny.tokenizer, SequenceLayout(add_bos=False)), 3)
+    assert ds.sources == ["a", "ab"]
+    assert ds.prompts == [list(tiny.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in ("a", "ab")]
     assert (ds.dropped_too_long, ds.dropped_empty, len(ds)) == (1, 1, 2)
+    with_bos = build_prompt_dataset(records, Renderer(tiny.tokenizer, SequenceLayout()), 3)
+    assert with_bos.prompts[0][0] == tiny.tokenizer.bos_token_id and with_bos.dropped_empty == 0
 
 
 def test_sampler_is_deterministic_resumable_and_reshuffles_each_epoch():

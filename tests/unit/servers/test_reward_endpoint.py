@@ -203,11 +203,12 @@ def test_make_tokenize_func_pads_and_truncates():
     from openaligner.models.tokenizers import build_char_tokenizer
 
     tok = build_char_tokenizer()
-    fn = make_tokenize_func(tok, max_length=3)
+    fn = make_tokenize_func(tok, max_length=4)  # train-rm's layout: BOS + text + EOS
     tokens, lengths = fn(["abcdef", "x"])
-    assert lengths.tolist() == [3, 1]
-    assert tokens.shape == (2, 3) and tokens[1, 1:].tolist() == [tok.pad_token_id] * 2
-    assert tokens[0].tolist() == tok("abc", add_special_tokens=False)["input_ids"]
+    assert lengths.tolist() == [4, 3]
+    assert tokens.shape == (2, 4) and tokens[1, 3:].tolist() == [tok.pad_token_id]
+    ab = tok("ab", add_special_tokens=False)["input_ids"]
+    assert tokens[0].tolist() == [tok.bos_token_id, *ab, tok.eos_token_id]  # the text is cut, not BOS/EOS
 
 
 class SpyTokenizer:

@@ -14,7 +14,8 @@ import torch
 from openaligner.algorithms import response_mask
 from openaligner.cli.demo.presets import MAX_NEW_TOKENS
 from openaligner.clients.reward import RemoteGPTRMClient, RemoteRMConfig
-from openaligner.data.jsonl import read_records
+from openaligner.data.records import read_records
+from openaligner.data.render import Renderer, SequenceLayout, use_chat_template
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.generation import SamplingParams
 from openaligner.models.tokenizers import load_tokenizer
@@ -36,10 +37,10 @@ def evaluate(run_dir: Path, seed: int, samples: int, host: str, rm_port: int) ->
         ``kl_to_sft`` (nats per response), ``response_tokens`` and ``properly_ended``.
     """
     tokenizer = load_tokenizer(run_dir / "tokenizer")
-    prompts = [r["prompt"] for r in read_records(run_dir / "data" / "val_prompts.jsonl", ["prompt"])]
+    prompts = [str(r.fields["prompt"]) for r in read_records(run_dir / "data" / "val_prompts.jsonl")]
     prompts = prompts[:samples]
-    bos = [tokenizer.bos_token_id]
-    ids = [bos + tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    renderer = Renderer(tokenizer, SequenceLayout(chat_template=use_chat_template("auto", tokenizer)))
+    ids = [renderer.prompt_ids(p) for p in prompts]  # laid out as train-ppo lays out its prompts
     batch = make_prompt_collate(0)(ids)
     sft = CausalLMActor.from_pretrained(run_dir / "sft", init_policy=False)
     ppo = CausalLMActor.from_pretrained(run_dir / "ppo" / "actor", init_policy=False)

@@ -1,0 +1,248 @@
+"""The shapes a PPO prompt, an SFT example and a preference pair may have in a data file, and the
+typed records they become.
+
+Owns which shapes are accepted and the errors that name the record and the shape expected. Knows
+nothing of tokenizers or chat templates: :mod:`openaligner.data.render` turns these records into
+token ids. Field names are arguments (each command's ``data.*_key``); the defaults are below.
+
+A *message* is ``{"role": str, "content": str}`` (other keys are kept and handed to the chat
+template); a *conversation* is a non-empty list of messages. The shapes follow TRL's "standard"
+(text) and "conversational" dataset formats, which OpenRLHF's ``--apply_chat_template`` data
+also uses:
+
+* **prompt** (train-ppo): ``{"prompt": str}``; ``{"prompt": conversation}``; or, when a record has
+  no ``prompt`` field, ``{"messages": conversation}``. A prompt conversation ends with the turn the
+  policy answers, so not with an assistant turn.
+* **SFT example** (train-sft): ``{"prompt": str | conversation, "response": str | assistant
+  message | [assistant message]}``; or ``{"messages": conversation}`` whose last turn is the
+  assistant's: that turn is the response, every turn before it the prompt (earlier assistant
+  turns included, with no loss on them).
+* **preference pair** (train-rm): ``{"prompt": str | conversation, "chosen": str | assistant
+  message | [assistant message], "rejected": (the same)}`` (explicit prompt); or ``{"chosen":
+  conversation, "rejected": conversation}``, two whole conversations that are the same up to
+  their last turn, an assistant turn each (implicit prompt: the shared turns). Whole
+  conversations (more than one message) are read this way even when the record also has a
+  ``prompt`` field, which is then not used (as TRL does for e.g. UltraFeedback-binarized data).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from openaligner.data.records import Record
+
+Message = Mapping[str, Any]
+"""``{"role": str, "content": str, ...}``."""
+
+Conversation = tuple[Message, ...]
+"""Messages in order, at least one."""
+
+Prompt = str | Conversation
+"""Raw text, or the conversation the policy answers."""
+
+MESSAGES_SHAPE = '[{"role": str, "content": str}, ...]'
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """A PPO prompt."""
+
+    prompt: Prompt
+    where: str  # the record's place in its file, for errors
+
+
+@dataclass(frozen=True)
+class SFTRecord:
+    """A prompt and the assistant response the model learns."""
+
+    prompt: Prompt
+    response: Message  # an assistant message
+    where: str
+
+
+@dataclass(frozen=True)
+class PreferenceRecord:
+    """A prompt with a preferred and a dispreferred assistant response."""
+
+    prompt: Prompt
+    chosen: Message  # an assistant message
+    rejected: Message  # an assistant message
+    where: str
+
+
+def prompt_shape(prompt_key: str = "prompt", messages_key: str = "messages") -> str:
+    """The accepted prompt records, for messages."""
+    messages = MESSAGES_SHAPE
+    return f'{{"{prompt_key}": str}}, {{"{prompt_key}": {messages}}} or {{"{messages_key}": {messages}}}'
+
+
+def sft_shape(
+    prompt_key: str = "prompt", response_key: str = "response", messages_key: str = "messages"
+) -> str:
+    """The accepted SFT records, for messages."""
+    return (
+        f'{{"{prompt_key}": str or messages, "{response_key}": str or assistant message}} or '
+        f'{{"{messages_key}": {MESSAGES_SHAPE} ending with an assistant turn}}'
+    )
+
+
+def preference_shape(
+    prompt_key: str = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected"
+) -> str:
+    """The accepted preference records, for messages."""
+    return (
+        f'{{"{prompt_key}": str or messages, "{chosen_key}": str or assistant message, "{rejected_key}": '
+        f'str or assistant message}} or {{"{chosen_key}": {MESSAGES_SHAPE}, "{rejected_key}": '
+        f"{MESSAGES_SHAPE}}} (whole conversations differing only in their last, assistant, turn)"
+    )
+
+
+def prompt_record(record: Record, prompt_key: str = "prompt", messages_key: str = "messages") -> PromptRecord:
+    """A PPO prompt from ``record``.
+
+    Raises:
+        DataFileError: naming the record, the problem and :func:`prompt_shape`.
+    """
+    shape = prompt_shape(prompt_key, messages_key)
+    key = prompt_key if prompt_key in record.fields else messages_key
+    if key not in record.fields:
+        raise _missing(record, (prompt_key, messages_key), shape)
+    return PromptRecord(_prompt(record, key, shape), record.where)
+
+
+def sft_record(
+    record: Record, prompt_key: str = "prompt", response_key: str = "response", messages_key: str = "messages"
+) -> SFTRecord:
+    """An SFT example from ``record``.
+
+    Raises:
+        DataFileError: naming the record, the problem and :func:`sft_shape`.
+    """
+    shape = sft_shape(prompt_key, response_key, messages_key)
+    f = record.fields
+    if prompt_key in f or response_key in f:
+        if prompt_key not in f or response_key not in f:
+            raise _missing(record, (prompt_key, response_key), shape)
+        return SFTRecord(
+            _prompt(record, prompt_key, shape), _response(record, response_key, shape), record.where
+        )
+    if messages_key not in f:
+        raise _missing(record, (prompt_key, response_key, messages_key), shape)
+    messages = _conversation(record, messages_key, shape)
+    if messages[-1]["role"] != "assistant":
+        raise record.error(
+            f"field {messages_key!r} must end with the assistant turn to learn, not a "
+            f"{messages[-1]['role']!r} turn; expected {shape}"
+        )
+    return SFTRecord(messages[:-1], messages[-1], record.where)
+
+
+def preference_record(
+    record: Record, prompt_key: str = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected"
+) -> PreferenceRecord:
+    """A preference pair from ``record``.
+
+    Raises:
+        DataFileError: naming the record, the problem and :func:`preference_shape`.
+    """
+    shape = preference_shape(prompt_key, chosen_key, rejected_key)
+    f = record.fields
+    if chosen_key not in f or rejected_key not in f:
+        raise _missing(record, (chosen_key, rejected_key), shape)
+    chosen, rejected = f[chosen_key], f[rejected_key]
+    if isinstance(chosen, list) and isinstance(rejected, list) and max(len(chosen), len(rejected)) > 1:
+        return _implicit_prompt_pair(record, chosen_key, rejected_key, shape)
+    if prompt_key not in f:
+        raise _missing(record, (prompt_key, chosen_key, rejected_key), shape)
+    return PreferenceRecord(
+        _prompt(record, prompt_key, shape),
+        _response(record, chosen_key, shape),
+        _response(record, rejected_key, shape),
+        record.where,
+    )
+
+
+def _implicit_prompt_pair(record: Record, chosen_key: str, rejected_key: str, shape: str) -> PreferenceRecord:
+    chosen = _conversation(record, chosen_key, shape)
+    rejected = _conversation(record, rejected_key, shape)
+    for key, conv in ((chosen_key, chosen), (rejected_key, rejected)):
+        if conv[-1]["role"] != "assistant":
+            role = conv[-1]["role"]
+            raise record.error(
+                f"field {key!r} must end with an assistant turn, not a {role!r} turn; expected {shape}"
+            )
+    if list(chosen[:-1]) != list(rejected[:-1]):
+        differ = next(
+            (i for i, (a, b) in enumerate(zip(chosen[:-1], rejected[:-1], strict=False)) if a != b),
+            min(len(chosen), len(rejected)) - 1,
+        )
+        raise record.error(
+            f"fields {chosen_key!r} and {rejected_key!r} must be the same conversation up to their last "
+            f"(assistant) turn, but differ at turn {differ}; expected {shape}"
+        )
+    return PreferenceRecord(chosen[:-1], chosen[-1], rejected[-1], record.where)
+
+
+def _missing(record: Record, keys: tuple[str, ...], shape: str) -> Exception:
+    absent = [k for k in keys if k not in record.fields]
+    return record.error(f"missing field {absent} (fields: {sorted(record.fields)}); expected {shape}")
+
+
+def _prompt(record: Record, key: str, shape: str) -> Prompt:
+    value = record.fields[key]
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise record.error(
+            f"field {key!r} must be a string or a list of messages, got {_kind(value)}; expected {shape}"
+        )
+    messages = _conversation(record, key, shape)
+    if messages[-1]["role"] == "assistant":
+        raise record.error(
+            f"field {key!r} ends with an assistant turn; a prompt ends with the turn the policy answers "
+            f"(expected {shape})"
+        )
+    return messages
+
+
+def _response(record: Record, key: str, shape: str) -> Message:
+    value = record.fields[key]
+    if isinstance(value, str):
+        return {"role": "assistant", "content": value}
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    message = _message(record, key, value, shape) if isinstance(value, Mapping) else None
+    if message is None or message["role"] != "assistant":
+        raise record.error(
+            f"field {key!r} must be a string or one assistant message, got {_kind(value)}; expected {shape}"
+        )
+    return message
+
+
+def _conversation(record: Record, key: str, shape: str) -> Conversation:
+    value = record.fields[key]
+    if not isinstance(value, list) or not value:
+        raise record.error(
+            f"field {key!r} must be a non-empty list of messages, got {_kind(value)}; expected {shape}"
+        )
+    return tuple(_message(record, f"{key}[{i}]", m, shape) for i, m in enumerate(value))
+
+
+def _message(record: Record, key: str, value: Any, shape: str) -> Message:
+    if not (
+        isinstance(value, Mapping)
+        and isinstance(value.get("role"), str)
+        and isinstance(value.get("content"), str)
+    ):
+        raise record.error(
+            f'{key} must be a message {{"role": str, "content": str}}, got {_kind(value)}; expected {shape}'
+        )
+    return dict(value)
+
+
+def _kind(value: Any) -> str:
+    """A short description of a JSON value for messages: its type and a clipped repr."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"

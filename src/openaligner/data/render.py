@@ -1,0 +1,250 @@
+"""How prompts and responses become token ids: the one sequence layout that train-sft, train-rm,
+train-ppo and the reward server's ``sentences`` share.
+
+Owns the :class:`SequenceLayout` (BOS, EOS, chat template on or off) and its record next to a
+trained model (``sequence_layout.json``), whether a tokenizer's chat template is used
+(``auto | true | false``), rendering conversations with it, the check that the rendered prompt
+starts the rendered conversation, and the BOS/EOS rule (added once, never doubled). Knows
+tokenizers; nothing of models, configs or training.
+
+The layout of one prompt + response sequence (a PPO prompt is its first part):
+
+* **raw text** (no chat template): ``[BOS] + ids(prompt) | ids(response) + [EOS]``.
+* **chat template**: the prompt part is the template's rendering of the conversation so far with
+  the generation prompt (``<|im_start|>assistant\\n`` and the like); the response part is the rest
+  of the rendering of the whole conversation (the assistant turn with the template's end-of-turn
+  text), without the whitespace the template puts after it, since the actor's response ends at its
+  stop token; ``+ [EOS]``. A text prompt is a single user message.
+
+Both parts are tokenized apart (as at PPO time, where the response is generated after the prompt
+ids) with ``add_special_tokens=False``: the special tokens are the ones the template writes, plus
+BOS when ``add_bos`` and the prompt's ids do not already start with it (templates that write
+``{{ bos_token }}`` get none added), and EOS when ``add_eos`` and the response's ids do not already
+end with it (ChatML templates whose end-of-turn token is the EOS). Templates are rendered to text
+(``tokenize=False``), never tokenized by ``apply_chat_template``: its tokenized return type
+changed in transformers 5 (a ``BatchEncoding``, not a list of ids).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from openaligner.data.formats import Message, Prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+LAYOUT_FILE = "sequence_layout.json"
+"""The layout a model was trained with, written next to its weights by train-sft and train-rm."""
+
+CHAT_TEMPLATE_MODES = ("auto", "true", "false")
+"""``data.chat_template``: auto = use the tokenizer's template when it has one; true = require it;
+false = raw text."""
+
+
+class LayoutError(ValueError):
+    """Data that cannot be laid out with this tokenizer: a conversation without a chat template,
+    a template that breaks the prefix rule, a layout file that cannot be read."""
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """How a sequence is laid out in tokens (see the module docstring)."""
+
+    add_bos: bool = True  # the tokenizer's BOS id starts each sequence (when it has one; never doubled)
+    add_eos: bool = True  # the EOS id ends each response (never doubled)
+    chat_template: bool = False  # conversations rendered with the tokenizer's chat template
+
+    def special_ids(self, tokenizer: PreTrainedTokenizerBase) -> tuple[int | None, int | None]:
+        """``(bos_id, eos_id)`` this layout adds with ``tokenizer``; None where it adds none."""
+        bos = getattr(tokenizer, "bos_token_id", None) if self.add_bos else None
+        eos = getattr(tokenizer, "eos_token_id", None) if self.add_eos else None
+        return (None if bos is None else int(bos)), (None if eos is None else int(eos))
+
+    def save(self, directory: str | Path) -> None:
+        """Write ``directory/sequence_layout.json``."""
+        (Path(directory) / LAYOUT_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> SequenceLayout | None:
+        """The layout recorded in ``directory`` (None when it has no ``sequence_layout.json``).
+
+        Raises:
+            LayoutError: the file is not a JSON object of booleans with this class's fields.
+        """
+        path = Path(directory) / LAYOUT_FILE
+        if not path.is_file():
+            return None
+        try:
+            fields = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise LayoutError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+        names = set(cls.__dataclass_fields__)
+        if (
+            not isinstance(fields, dict)
+            or set(fields) != names
+            or not all(isinstance(v, bool) for v in fields.values())
+        ):
+            raise LayoutError(
+                f"{path} must be a JSON object with the booleans {sorted(names)}, got {fields!r}"
+            )
+        return cls(**fields)
+
+
+def with_bos(ids: Sequence[int], bos_id: int | None) -> list[int]:
+    """``[bos_id] + ids``, unless ``bos_id`` is None or ``ids`` already start with it."""
+    return list(ids) if bos_id is None or list(ids[:1]) == [bos_id] else [bos_id, *ids]
+
+
+def with_eos(ids: Sequence[int], eos_id: int | None) -> list[int]:
+    """``ids + [eos_id]``, unless ``eos_id`` is None or ``ids`` already end with it."""
+    return list(ids) if eos_id is None or list(ids[-1:]) == [eos_id] else [*ids, eos_id]
+
+
+def check_chat_template_mode(value: str, key: str) -> str:
+    """``value`` of ``key`` normalised to one of :data:`CHAT_TEMPLATE_MODES` (YAML's ``true`` reaches a
+    string field as ``"True"``).
+
+    Raises:
+        ValueError: naming ``key`` and the accepted values.
+    """
+    mode = str(value).strip().lower()
+    if mode not in CHAT_TEMPLATE_MODES:
+        raise ValueError(f"{key} must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {value!r}")
+    return mode
+
+
+def tokenizer_name(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Where a tokenizer was loaded from, for messages (``the built-in tokenizer`` when in-process)."""
+    name = getattr(tokenizer, "name_or_path", "") or ""
+    return f"the tokenizer in {name}" if name else "the built-in tokenizer"
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether ``tokenizer`` carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def use_chat_template(mode: str, tokenizer: PreTrainedTokenizerBase, key: str = "data.chat_template") -> bool:
+    """Whether to render with ``tokenizer``'s chat template under ``mode`` (``auto | true | false``).
+
+    Raises:
+        LayoutError: ``mode`` is ``true`` and the tokenizer has no chat template.
+    """
+    if mode == "true" and not has_chat_template(tokenizer):
+        raise LayoutError(
+            f"{key}=true but {tokenizer_name(tokenizer)} has no chat template (no chat_template in its "
+            f"tokenizer_config.json nor a chat_template.jinja); use a tokenizer that has one, or set "
+            f"{key}=false to train on raw text"
+        )
+    return has_chat_template(tokenizer) if mode == "auto" else mode == "true"
+
+
+@contextmanager
+def located(where: str) -> Iterator[None]:
+    """Prefix a :class:`LayoutError` raised inside with ``where`` (a record's place in its file)."""
+    try:
+        yield
+    except LayoutError as e:
+        raise LayoutError(f"{where}: {e}") from None
+
+
+class Renderer:
+    """Token ids of prompts and of prompt + response examples, laid out by one :class:`SequenceLayout`.
+
+    Args:
+        tokenizer: any Hugging Face tokenizer.
+        layout: the layout; with ``chat_template`` the tokenizer must have a template.
+
+    Raises:
+        LayoutError: ``layout.chat_template`` without a template, or ``add_eos`` without an EOS token.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, layout: SequenceLayout) -> None:
+        if layout.chat_template and not has_chat_template(tokenizer):
+            raise LayoutError(
+                f"{tokenizer_name(tokenizer)} has no chat template to render conversations with"
+            )
+        self.tokenizer = tokenizer
+        self.layout = layout
+        self.bos_id, self.eos_id = layout.special_ids(tokenizer)
+        if layout.add_eos and self.eos_id is None:
+            name = tokenizer_name(tokenizer)
+            raise LayoutError(f"data.add_eos is true but {name} has no EOS token; set data.add_eos=false")
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The ids of a prompt, ending where the response starts: ``[BOS] + ids(text)``, or the
+        template's rendering with the generation prompt (``[BOS]`` added unless it writes one)."""
+        return with_bos(self._encode(self._prompt_text(prompt)), self.bos_id)
+
+    def example_ids(self, prompt: Prompt, response: Message) -> tuple[list[int], list[int]]:
+        """``(prompt ids, response ids)`` of a prompt and its assistant response; the prompt ids
+        equal :meth:`prompt_ids`. The response ids end with ``[EOS]`` (when ``add_eos``).
+
+        Raises:
+            LayoutError: a conversation without the chat template, or a template whose rendering of
+                the prompt (with the generation prompt) does not start its rendering of the whole
+                conversation.
+        """
+        prompt_text = self._prompt_text(prompt)
+        if self.layout.chat_template:
+            full = self._render([*self._conversation(prompt), response], generation_prompt=False)
+            if not full.startswith(prompt_text):
+                raise LayoutError(self._prefix_problem(prompt_text, full))
+            response_text = full[len(prompt_text) :].rstrip()
+        else:
+            response_text = str(response["content"])
+        prompt_ids = with_bos(self._encode(prompt_text), self.bos_id)
+        return prompt_ids, with_eos(self._encode(response_text), self.eos_id)
+
+    # ------------------------------------------------------------------ helpers
+    def _prompt_text(self, prompt: Prompt) -> str:
+        if self.layout.chat_template:
+            return self._render(self._conversation(prompt), generation_prompt=True)
+        if not isinstance(prompt, str):
+            why = (
+                "data.chat_template is false"
+                if has_chat_template(self.tokenizer)
+                else f"{tokenizer_name(self.tokenizer)} has no chat template"
+            )
+            raise LayoutError(
+                f"a conversation (messages) needs a chat template to become text, but {why}; use a "
+                "tokenizer with a chat template (data.chat_template=auto or true), or give text prompts"
+            )
+        return prompt
+
+    @staticmethod
+    def _conversation(prompt: Prompt) -> list[Message]:
+        """A text prompt is a single user message."""
+        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+    def _render(self, messages: list[Message], generation_prompt: bool) -> str:
+        out: Any = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=generation_prompt
+        )
+        if isinstance(out, list) and len(out) == 1:
+            out = out[0]
+        if not isinstance(out, str):
+            raise LayoutError(
+                f"{tokenizer_name(self.tokenizer)}: apply_chat_template(tokenize=False) returned "
+                f"{type(out).__name__}, not the rendered text"
+            )
+        return out
+
+    def _encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    def _prefix_problem(self, prompt_text: str, full: str) -> str:
+        at = next((i for i, (a, b) in enumerate(zip(prompt_text, full, strict=False)) if a != b), len(full))
+        return (
+            f"the chat template of {tokenizer_name(self.tokenizer)} renders the prompt with the "
+            "generation prompt differently from the start of the whole conversation, so the response "
+            f"cannot be cut from it: at character {at} the prompt has {prompt_text[at : at + 30]!r} and "
+            f"the conversation {full[at : at + 30]!r}. Use a template whose generation prompt starts "
+            "the assistant turn as written in the conversation, or set data.chat_template=false"
+        )
