@@ -45,7 +45,7 @@ class SourceError(ValueError):
 @dataclass
 class ModelSourceConfig:
     path: str | None = None  # local Hugging Face model directory; when set, the tiny.* keys are ignored
-    tiny: str = "gpt2"  # built-in random model when path is unset: gpt2, llama, gpt_neox or mixtral
+    tiny: str | None = "gpt2"  # built-in random model when path is unset: gpt2, llama, gpt_neox or mixtral; null: none
     tiny_vocab_size: int = 0  # tiny model vocabulary; 0 = the tokenizer's length
     tiny_hidden_size: int = 64  # tiny model width
     tiny_num_layers: int = 2  # tiny model transformer blocks
@@ -55,7 +55,9 @@ class ModelSourceConfig:
 
     def __post_init__(self) -> None:
         # {section}: this section's key in the command's schema (model, actor, ...), see above
-        if self.path is None and self.tiny not in TINY_ARCHS:
+        # tiny=None with no path names no model: loading it is refused (require_model), so that a
+        # command can default to "nothing chosen" (the servers never serve a model nobody named).
+        if self.path is None and self.tiny is not None and self.tiny not in TINY_ARCHS:
             raise ValueError(
                 f"{{section}}.tiny must be one of {TINY_ARCHS} (or set {{section}}.path), got {self.tiny!r}"
             )
@@ -66,7 +68,13 @@ class ModelSourceConfig:
 
     @property
     def tiny_arch(self) -> TinyArch:
-        """``tiny`` as the builders' architecture name (validated above)."""
+        """``tiny`` as the builders' architecture name (validated above).
+
+        Raises:
+            SourceError: ``tiny`` is None (see :func:`require_model`).
+        """
+        if self.tiny is None:
+            raise SourceError("no model is named: set its path=<HF directory> or tiny=gpt2")
         return cast(TinyArch, self.tiny)
 
     def tiny_size(self, vocab_size: int) -> TinySize:
@@ -94,6 +102,12 @@ class TokenizerSourceConfig:
             raise ValueError(f"{{section}}.path={self.path!r} is not a directory")
 
 
+def require_model(src: ModelSourceConfig, key: str = "model") -> None:
+    """Refuse (:class:`SourceError`) a source that names no model: no ``path`` and ``tiny`` null."""
+    if src.path is None and src.tiny is None:
+        raise SourceError(f"no model is named: set {key}.path=<HF directory> or {key}.tiny=gpt2")
+
+
 def resolve_tokenizer(
     model: ModelSourceConfig, tokenizer: TokenizerSourceConfig, key: str = "model"
 ) -> PreTrainedTokenizerBase:
@@ -102,14 +116,32 @@ def resolve_tokenizer(
     messages (e.g. ``actor``).
 
     Raises:
-        SourceError: ``model.path`` holds no tokenizer and ``tokenizer.path`` is unset.
+        SourceError: ``model.path`` holds no tokenizer and ``tokenizer.path`` is unset, or
+            ``model`` names no model.
     """
+    found = find_tokenizer(model, tokenizer, key)
+    if found is None:
+        raise SourceError(f"{key}.path={model.path!r} holds no tokenizer; set tokenizer.path")
+    return found
+
+
+def find_tokenizer(
+    model: ModelSourceConfig, tokenizer: TokenizerSourceConfig, key: str = "model"
+) -> PreTrainedTokenizerBase | None:
+    """As :func:`resolve_tokenizer`, but None where that refuses a ``model.path`` without a
+    tokenizer (a server can still take token ids). A ``tokenizer.path`` that does not load
+    raises whatever loading raised.
+
+    Raises:
+        SourceError: ``model`` names no model.
+    """
+    require_model(model, key)
     if tokenizer.path is not None:
         return load_tokenizer(tokenizer.path)
     if model.path is not None:
         if any((Path(model.path) / f).is_file() for f in _TOKENIZER_FILES):
             return load_tokenizer(model.path)
-        raise SourceError(f"{key}.path={model.path!r} holds no tokenizer; set tokenizer.path")
+        return None
     return build_char_tokenizer()
 
 
@@ -131,8 +163,9 @@ def source_position_limit(src: ModelSourceConfig, key: str = "model") -> int | N
     an architecture transformers does not know), or ``tiny_max_positions``. None: no stated limit.
 
     Raises:
-        SourceError: ``config.json`` is not valid JSON.
+        SourceError: ``config.json`` is not valid JSON, or ``src`` names no model.
     """
+    require_model(src, key)
     if src.path is None:
         return src.tiny_max_positions
     try:
@@ -154,9 +187,13 @@ def position_limit_key(src: ModelSourceConfig, key: str = "model") -> str:
 
 
 def pick_device(name: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU; anything else as given."""
+    """The device ``name`` means for this process: ``auto`` → CUDA when available, else CPU;
+    ``cuda`` (``auto`` included) → the current CUDA device, which under torchrun is this rank's
+    (:func:`openaligner.distributed.init_from_env` selects it); anything else as given."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
 
