@@ -47,11 +47,12 @@ from support import (
     valid_infer_body,
 )
 
-from openaligner.cli.serve_critic import CriticServerSettings
-from openaligner.cli.serve_reward import RewardServerSettings
+from openaligner.cli.serve_critic import ServeCriticConfig
+from openaligner.cli.serve_reward import ServeRewardConfig
+from openaligner.models.source import ModelSourceConfig
 from openaligner.servers.critic import CriticServerConfig
 from openaligner.servers.protocol import DEFAULT_HOST, TOKEN_ENV, TOKEN_PARAMETER
-from openaligner.servers.reward import RewardModelServer
+from openaligner.servers.reward import RewardModelServer, RewardServerConfig
 from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.transport.triton import TritonHost
 
@@ -144,12 +145,13 @@ def critic_values(port: int) -> dict[str, np.ndarray]:
 def test_every_server_binds_loopback_by_default(cli_servers):
     assert DEFAULT_HOST == "127.0.0.1"
     assert (
-        RewardServerSettings().host
-        == CriticServerSettings().host
+        RewardServerConfig().host
         == CriticServerConfig().host
+        == ServeRewardConfig(model=ModelSourceConfig()).server.host
+        == ServeCriticConfig(model=ModelSourceConfig()).server.host
         == DEFAULT_HOST
     )
-    assert RewardModelServer(infer_fn=lambda t, n: t).host == DEFAULT_HOST
+    assert RewardModelServer(infer_fn=lambda t, n: t).cfg.host == DEFAULT_HOST
     for served, port in (
         (cli_servers.reward, cli_servers.reward_port),
         (cli_servers.critic, cli_servers.critic_port),

@@ -45,7 +45,7 @@ class SourceError(ValueError):
 @dataclass
 class ModelSourceConfig:
     path: str | None = None  # local Hugging Face model directory; when set, the tiny.* keys are ignored
-    tiny: str | None = "gpt2"  # built-in random model when path is unset: gpt2, llama, gpt_neox or mixtral; null: none
+    tiny: str | None = "gpt2"  # built-in random model if no path: gpt2, llama, gpt_neox, mixtral; null: none
     tiny_vocab_size: int = 0  # tiny model vocabulary; 0 = the tokenizer's length
     tiny_hidden_size: int = 64  # tiny model width
     tiny_num_layers: int = 2  # tiny model transformer blocks
@@ -61,10 +61,8 @@ class ModelSourceConfig:
             raise ValueError(
                 f"{{section}}.tiny must be one of {TINY_ARCHS} (or set {{section}}.path), got {self.tiny!r}"
             )
-        if self.path is not None and not (Path(self.path) / "config.json").is_file():
-            raise ValueError(
-                f"{{section}}.path={self.path!r} is not a Hugging Face model directory (no config.json)"
-            )
+        if self.path is not None:
+            check_model_dir(self.path, "{section}.path")
 
     @property
     def tiny_arch(self) -> TinyArch:
@@ -86,6 +84,12 @@ class ModelSourceConfig:
             num_heads=self.tiny_num_heads,
             max_positions=self.tiny_max_positions,
         )
+
+
+def check_model_dir(path: str, key: str) -> None:
+    """Refuse (``ValueError``, naming ``key``) a ``path`` that is not a Hugging Face model directory."""
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"{key}={path!r} is not a Hugging Face model directory (no config.json)")
 
 
 @dataclass
