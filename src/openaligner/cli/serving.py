@@ -113,7 +113,7 @@ def process_group() -> Iterator[None]:
         yield
     finally:
         if joined_here and dist.is_initialized():
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # no barrier (dp.shutdown): after a failure peers may be gone
 
 
 def prepare_runtime(
