@@ -53,7 +53,7 @@ def rm(served):
 
 @pytest.fixture()
 def http(served):
-    client = triton_http.InferenceServerClient(f"127.0.0.1:{served[0].port}")
+    client = triton_http.InferenceServerClient(f"127.0.0.1:{served[0].cfg.port}")
     yield client
     client.close()
 
@@ -221,7 +221,7 @@ def test_pytriton_model_client_works_unchanged(served):
 
 
 def test_wrong_model_name_readiness_error(served):
-    port = served[0].port
+    port = served[0].cfg.port
     with pytest.raises(ServerTimeoutError) as info:  # noqa: SIM117 - the client is what raises
         with RemoteGPTRMClient(RemoteRMConfig(port=port, name="rewards", init_timeout_s=0.5)):
             pass
