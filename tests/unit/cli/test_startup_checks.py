@@ -315,6 +315,20 @@ def test_servers_refuse_max_sequence_length_beyond_the_models_positions():
     assert sequence_limit(None, [None]) is None
 
 
+@pytest.mark.parametrize("command", ["serve-reward", "serve-critic"])
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        ((), "no model to serve: set model.path=<HF directory> or model.tiny=gpt2"),  # never a random one
+        (("model.tiny=true",), "model.tiny=true is now model.tiny=gpt2"),
+        (("model.tiny=gpt2", "model.seed=1"), "model.seed is now model.tiny_seed"),
+        (("model.tokenizer_path=/tok",), "model.tokenizer_path is now tokenizer.path"),
+    ],
+)
+def test_servers_refuse_to_start_without_a_named_model_or_with_old_keys(capsys, command, args, says):
+    assert refused(capsys, command, *args).startswith(f"openaligner {command}: {says}")
+
+
 @pytest.mark.parametrize("lr", ["0", "-1e-6"])
 def test_serve_critic_refuses_a_learning_rate_that_is_not_positive(capsys, lr):
     line = refused(capsys, "serve-critic", "model.tiny=gpt2", f"optim.lr={lr}")
