@@ -94,13 +94,13 @@ def serve(conn: Connection, port: int, threads: int, settings: dict[str, Any]) -
         CriticServerConfig(
             port=port,
             inference_micro_batch_size=settings["inference_micro_batch_size"],
+            model_forward_micro_batch_size=settings["model_forward_micro_batch_size"],
             max_queue_delay_microseconds=settings["max_queue_delay_microseconds"],
             max_batch_size=settings["max_batch_size"],
             max_sequence_length=256,
         ),
         trainer,
         None,
-        model_forward_micro_batch_size=settings["model_forward_micro_batch_size"],
         reward_model=reward_model,
     )
     started = time.perf_counter()

@@ -40,6 +40,7 @@ def make_server(tiny, port, *, combined, checkpoints=None, token=None):
         port=port,
         combine_rm_and_critic_server=combined,
         inference_micro_batch_size=[4],
+        model_forward_micro_batch_size=4,
         max_queue_delay_microseconds=20_000,
         max_batch_size=64,
         max_sequence_length=tiny.size.max_positions,
@@ -56,7 +57,6 @@ def make_server(tiny, port, *, combined, checkpoints=None, token=None):
         cfg,
         trainer,
         None,
-        model_forward_micro_batch_size=4,
         reward_model=tiny.reward_model() if combined else None,
     )
 
@@ -165,7 +165,7 @@ def test_separate_mode_serves_values_only_and_the_client_asks_the_reward_server(
         pad_to_length=PAD_TO,
         combine_rm_and_critic_server=False,
         critic=CriticAddress(port=critic_server.cfg.port),
-        reward_model=RewardModelAddress(port=rm_server.port),
+        reward_model=RewardModelAddress(port=rm_server.cfg.port),
         init_timeout_s=10,
     )
     batch = rollout(1, 3)

@@ -52,7 +52,7 @@ def rollout() -> dict[str, torch.Tensor]:
 def test_cli_trains_saves_stops_on_sigint_and_resumes_stopped_by_sigterm(tmp_path, tiny):
     port = free_port()
     args = [
-        "model.tiny=true", f"server.port={port}", f"checkpoint.dir={tmp_path / 'ckpt'}", "threads=1",
+        "model.tiny=gpt2", f"server.port={port}", f"checkpoint.dir={tmp_path / 'ckpt'}", "threads=1",
         "train.global_batch_size=4", "train.micro_batch_size=2", "optim.lr=1e-3", "optim.warmup_steps=0",
     ]  # fmt: skip
     cfg = RemoteCriticConfig(

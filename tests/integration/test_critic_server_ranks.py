@@ -29,15 +29,15 @@ def build(port: int, micro_batch_size: int, ckpt_dir: str | None) -> CriticServe
     hf = build_tiny_sequence_classifier("gpt2", SIZE, seed=0)
     critic = CriticModel(hf).eval()
     reward_model = RewardModel(build_tiny_sequence_classifier("gpt2", SIZE, seed=0))
-    cfg = CriticServerConfig(port=port, inference_micro_batch_size=[2], heartbeat_s=5.0)
+    cfg = CriticServerConfig(
+        port=port, inference_micro_batch_size=[2], model_forward_micro_batch_size=2, heartbeat_s=5.0
+    )
     # plain SGD: the comparison sees gradient differences at their own size (Adam's first step is ~sign)
     optimizer = torch.optim.SGD(critic.parameters(), lr=0.05)
     checkpoints = CheckpointManager(ckpt_dir) if ckpt_dir else None
     train_cfg = CriticTrainConfig(global_batch_size=GBS, micro_batch_size=micro_batch_size)
     trainer = CriticTrainer(train_cfg, critic, optimizer, checkpoints=checkpoints)
-    return CriticServerTrainer(
-        cfg, trainer, None, model_forward_micro_batch_size=2, reward_model=reward_model
-    )
+    return CriticServerTrainer(cfg, trainer, None, reward_model=reward_model)
 
 
 def rank_main(rank: int, dist_port: int, http_port: int, ckpt_dir: str, ready, stop) -> None:

@@ -45,7 +45,7 @@ def served(tiny):
 def rm(served):
     server, _ = served
     client = RemoteGPTRMClient(
-        RemoteRMConfig(port=server.port, pad_to_length=PAD_TO, max_workers=8, init_timeout_s=10)
+        RemoteRMConfig(port=server.cfg.port, pad_to_length=PAD_TO, max_workers=8, init_timeout_s=10)
     )
     with client:
         yield client
@@ -53,7 +53,7 @@ def rm(served):
 
 @pytest.fixture()
 def http(served):
-    client = triton_http.InferenceServerClient(f"127.0.0.1:{served[0].port}")
+    client = triton_http.InferenceServerClient(f"127.0.0.1:{served[0].cfg.port}")
     yield client
     client.close()
 
@@ -214,7 +214,7 @@ def test_pytriton_model_client_works_unchanged(served):
     server, model = served
     batch = rollout(7, 3, width=10)
     with ModelClient(
-        f"http://127.0.0.1:{server.port}", "reward_model", init_timeout_s=10, inference_timeout_s=10
+        f"http://127.0.0.1:{server.cfg.port}", "reward_model", init_timeout_s=10, inference_timeout_s=10
     ) as client:
         out = client.infer_batch(
             tokens=batch["response_tokens"].numpy(),
@@ -225,7 +225,7 @@ def test_pytriton_model_client_works_unchanged(served):
 
 
 def test_wrong_model_name_readiness_error(served):
-    port = served[0].port
+    port = served[0].cfg.port
     with pytest.raises(ServerTimeoutError) as info:  # noqa: SIM117 - the client is what raises
         with RemoteGPTRMClient(RemoteRMConfig(port=port, name="rewards", init_timeout_s=0.5)):
             pass
@@ -236,7 +236,7 @@ def test_wrong_model_name_readiness_error(served):
 
 def test_client_close_with_requests_in_flight_returns_promptly(served):
     server, _ = served
-    client = RemoteGPTRMClient(RemoteRMConfig(port=server.port, pad_to_length=PAD_TO, max_workers=2))
+    client = RemoteGPTRMClient(RemoteRMConfig(port=server.cfg.port, pad_to_length=PAD_TO, max_workers=2))
     client.wait_until_ready()
     futures = [client.infer_rm(rollout(i, 2)) for i in range(20)]
     stopper = threading.Thread(target=client.close)
@@ -287,7 +287,7 @@ def test_stop_is_quick_and_leaves_no_process_or_files(short_dir):
     assert processes, "expected tritonserver and its python backend to run from the workspace"
     new_copies = [c for c in _model_copies() - copies if str(tmp_path) in (c / "config.pbtxt").read_text()]
     assert not new_copies, new_copies
-    keepalive = triton_http.InferenceServerClient(f"127.0.0.1:{server.port}")
+    keepalive = triton_http.InferenceServerClient(f"127.0.0.1:{server.cfg.port}")
     assert keepalive.is_model_ready("reward_model")  # an open keep-alive connection used to cost 30 s
     server.stop()
     keepalive.close()

@@ -47,7 +47,7 @@ def test_cli_single_rank_stops_cleanly_on_sigint(tiny):
         "-m",
         "openaligner",
         "serve-reward",
-        "model.tiny=true",
+        "model.tiny=gpt2",
         f"server.port={port}",
         "threads=1",
     ]
@@ -61,7 +61,7 @@ def test_cli_two_ranks_under_torchrun_stop_cleanly_on_sigterm(tiny):
     port = free_port()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "-m", "openaligner", "serve-reward", "model.tiny=true", f"server.port={port}", "threads=1",
+        "-m", "openaligner", "serve-reward", "model.tiny=gpt2", f"server.port={port}", "threads=1",
         "server.inference_micro_batch_size=[2]", "server.model_forward_micro_batch_size=2",
     ]  # fmt: skip
     served = Served(cmd)

@@ -28,8 +28,8 @@ class CriticServer:
     def __init__(self, ckpt_dir: Path, log: Path) -> None:
         self.port = free_port()
         args = [
-            "model.tiny=true",
-            "model.seed=0",
+            "model.tiny=gpt2",
+            "model.tiny_seed=0",
             f"server.port={self.port}",
             f"checkpoint.dir={ckpt_dir}",
             "train.global_batch_size=16",

@@ -70,7 +70,7 @@ def cli_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CLIServers
     token = "cli-reliability-token"
     ckpt = tmp_path_factory.mktemp("cli_critic_ckpt")
     reward_port, critic_port = free_port(), free_port()
-    common = ["model.tiny=true", "threads=1"]
+    common = ["model.tiny=gpt2", "threads=1"]
     reward = Served(
         [sys.executable, "-m", "openaligner", "serve-reward", *common, f"server.port={reward_port}"]
     )

@@ -39,7 +39,7 @@ class CriticServer(Served):
         self.port = port if port is not None else free_port()
         self.ckpt_dir = ckpt_dir
         args = [
-            "model.tiny=true", "model.seed=0", f"server.port={self.port}", f"checkpoint.dir={ckpt_dir}",
+            "model.tiny=gpt2", "model.tiny_seed=0", f"server.port={self.port}", f"checkpoint.dir={ckpt_dir}",
             "train.global_batch_size=16", "train.micro_batch_size=16", "optim.lr=1e-3",
             "optim.warmup_steps=0", "optim.scheduler=constant", "server.inference_micro_batch_size=[8]",
             "server.model_forward_micro_batch_size=8", "threads=1",
@@ -56,7 +56,7 @@ class RewardServer(Served):
 
     def __init__(self) -> None:
         self.port = free_port()
-        args = ["model.tiny=true", f"server.port={self.port}", "threads=1"]
+        args = ["model.tiny=gpt2", f"server.port={self.port}", "threads=1"]
         super().__init__([sys.executable, "-m", "openaligner", "serve-reward", *args], env=ENV)
 
 

@@ -73,6 +73,7 @@ def critic_server(
     settings: dict[str, Any] = dict(
         port=port,
         inference_micro_batch_size=[4],
+        model_forward_micro_batch_size=4,
         max_batch_size=MAX_BATCH,
         max_train_rows=MAX_TRAIN_ROWS,
         token=token,
@@ -88,7 +89,6 @@ def critic_server(
         CriticServerConfig(**{**settings, **cfg}),
         trainer,
         make_tokenize_func(tiny.tokenizer, max_length=POSITIONS),
-        model_forward_micro_batch_size=4,
         reward_model=tiny.reward_model(),
     )
 

@@ -450,7 +450,7 @@ def test_what_a_killed_server_left_is_removed_when_the_next_one_starts():
     live server. Both use a private temp directory, where the default workspace_dir lies."""
     with short_tmp_dir() as tmp:
         env = {**ENV, "TMPDIR": str(tmp)}
-        args = [sys.executable, "-m", "openaligner", "serve-reward", "model.tiny=true", "threads=1"]
+        args = [sys.executable, "-m", "openaligner", "serve-reward", "model.tiny=gpt2", "threads=1"]
         killed = Served([*args, f"server.port={free_port()}"], env=env)
         try:
             killed.wait_ready()

@@ -750,11 +750,11 @@ def assert_same_answer(before: dict[str, np.ndarray], after: dict[str, np.ndarra
 
 
 def test_reward_model_refuses_generated_bad_requests_and_keeps_serving(reward):
-    before = valid_answer(reward.port, "reward_model")
-    seen = fuzz(reward.port, "reward_model", infer_families(REWARD))
+    before = valid_answer(reward.cfg.port, "reward_model")
+    seen = fuzz(reward.cfg.port, "reward_model", infer_families(REWARD))
     assert_coverage(seen, families=len(infer_families(REWARD)))
     assert reward.triton is not None and reward.triton.is_alive()
-    assert_same_answer(before, valid_answer(reward.port, "reward_model"))
+    assert_same_answer(before, valid_answer(reward.cfg.port, "reward_model"))
 
 
 def test_critic_infer_refuses_generated_bad_requests_and_keeps_serving(critic):
@@ -901,7 +901,7 @@ HOSTILE: dict[str, tuple[bytes, dict[str, str], tuple[Needle, ...]]] = {
 
 @pytest.fixture(scope="module")
 def infer_ports(reward, critic) -> dict[str, int]:
-    return {"reward_model": reward.port, "critic_infer": critic.cfg.port}
+    return {"reward_model": reward.cfg.port, "critic_infer": critic.cfg.port}
 
 
 @pytest.fixture(scope="module")

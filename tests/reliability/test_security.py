@@ -47,11 +47,12 @@ from support import (
     valid_infer_body,
 )
 
-from openaligner.cli.serve_critic import CriticServerSettings
-from openaligner.cli.serve_reward import RewardServerSettings
+from openaligner.cli.serve_critic import ServeCriticConfig
+from openaligner.cli.serve_reward import ServeRewardConfig
+from openaligner.models.source import ModelSourceConfig
 from openaligner.servers.critic import CriticServerConfig
 from openaligner.servers.protocol import DEFAULT_HOST, TOKEN_ENV, TOKEN_PARAMETER
-from openaligner.servers.reward import RewardModelServer
+from openaligner.servers.reward import RewardModelServer, RewardServerConfig
 from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.transport.triton import TritonHost
 
@@ -144,12 +145,13 @@ def critic_values(port: int) -> dict[str, np.ndarray]:
 def test_every_server_binds_loopback_by_default(cli_servers):
     assert DEFAULT_HOST == "127.0.0.1"
     assert (
-        RewardServerSettings().host
-        == CriticServerSettings().host
+        RewardServerConfig().host
         == CriticServerConfig().host
+        == ServeRewardConfig(model=ModelSourceConfig()).server.host
+        == ServeCriticConfig(model=ModelSourceConfig()).server.host
         == DEFAULT_HOST
     )
-    assert RewardModelServer(infer_fn=lambda t, n: t).host == DEFAULT_HOST
+    assert RewardModelServer(infer_fn=lambda t, n: t).cfg.host == DEFAULT_HOST
     for served, port in (
         (cli_servers.reward, cli_servers.reward_port),
         (cli_servers.critic, cli_servers.critic_port),
@@ -178,12 +180,12 @@ def test_non_loopback_addresses_are_warned_about(host, caplog):
 def test_a_server_bound_to_all_interfaces_warns_and_keeps_triton_on_loopback(exposed_reward):
     server, warnings = exposed_reward
     assert any(
-        f"binding 0.0.0.0:{server.port}, which is reachable from other machines" in w for w in warnings
+        f"binding 0.0.0.0:{server.cfg.port}, which is reachable from other machines" in w for w in warnings
     )
-    assert reward_infer(server.port).shape == (2, 1)
+    assert reward_infer(server.cfg.port).shape == (2, 1)
     assert server.triton is not None and server.triton.triton_port is not None
     sockets = listening_sockets(os.getpid())
-    assert ("0.0.0.0", server.port) in sockets and ("127.0.0.1", server.triton.triton_port) in sockets
+    assert ("0.0.0.0", server.cfg.port) in sockets and ("127.0.0.1", server.triton.triton_port) in sockets
 
 
 # ---------------------------------------------------------------------------- token
@@ -289,9 +291,9 @@ def test_too_many_rows_are_refused_and_the_server_goes_on(exposed_reward):
     rows = MAX_BATCH + 1
     tokens, lengths = np.full((rows, 4), 5, np.int64), np.full((rows, 1), 4, np.int64)
     body = json_body([array_json("tokens", tokens), array_json("sequence_lengths", lengths)])
-    answer = post(server.port, infer_path("reward_model"), body)
+    answer = post(server.cfg.port, infer_path("reward_model"), body)
     assert answer.status == 400 and f"accepts at most {MAX_BATCH} per request" in answer.error
-    assert reward_infer(server.port).shape == (2, 1)
+    assert reward_infer(server.cfg.port).shape == (2, 1)
 
 
 def test_the_deployed_servers_limit_sequences_to_the_models_positions(cli_servers):
@@ -309,7 +311,7 @@ def test_the_deployed_servers_limit_sequences_to_the_models_positions(cli_server
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(exposed_reward):
-    port = exposed_reward[0].port
+    port = exposed_reward[0].cfg.port
     before = reward_infer(port)
     width = BODY_LIMIT // 2  # ", 5" is 3 bytes a token
     big = json_body(
@@ -343,7 +345,7 @@ def declared_length_answer(port: int, declared: int) -> tuple[int, str]:
 def test_a_declared_length_over_the_limit_is_refused_at_once(cli_servers, exposed_reward):
     status, error = declared_length_answer(cli_servers.reward_port, DEFAULT_MAX_REQUEST_BYTES + 1)
     assert status == 413 and f"{DEFAULT_MAX_REQUEST_BYTES + 1} bytes, over this server's limit" in error
-    status, error = declared_length_answer(exposed_reward[0].port, 10 * 2**30)
+    status, error = declared_length_answer(exposed_reward[0].cfg.port, 10 * 2**30)
     assert status == 413 and f"limit of {BODY_LIMIT} bytes" in error
     assert reward_infer(cli_servers.reward_port).shape == (2, 1)
 

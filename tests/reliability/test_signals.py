@@ -108,7 +108,7 @@ def test_sigterm_stops_a_trainer_waiting_on_a_stuck_critic_server_then_the_serve
 
 def _critic_cli(*extra: str) -> Served:
     """`openaligner serve-critic` with the tiny models (not waited for)."""
-    args = ["model.tiny=true", f"server.port={free_port()}", "threads=1", *extra]
+    args = ["model.tiny=gpt2", f"server.port={free_port()}", "threads=1", *extra]
     return Served([sys.executable, "-m", "openaligner", "serve-critic", *args])
 
 

@@ -5,7 +5,8 @@ Owns the two errors a command refuses a run with: :class:`ConfigError` at load t
 hold under different keys (a model source is ``model`` in train-sft, ``actor`` in train-ppo) cannot
 know its own key: its ``__post_init__`` writes ``{section}`` in the message where the key belongs,
 and :func:`load_config` replaces it with the key the user wrote (``{section}.path`` →
-``actor.path``).
+``actor.path``). A key that a schema renamed is refused with its new name: the schema lists it in
+a ``RENAMED_KEYS`` class attribute (see :data:`RENAMED_KEYS`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ T = TypeVar("T")
 
 SECTION = "{section}"
 """Stands for the key of the section whose ``__post_init__`` raised, in a ``ValueError`` message."""
+
+RENAMED_KEYS = "RENAMED_KEYS"
+"""The class attribute (a ``ClassVar[dict[str, str]]``) in which a schema maps a key it no longer
+has — a dotted key, or ``key=value`` for a value no longer meant that way — to what to write
+instead; a config file or override that still writes it is refused with ``"<old> is now <new>"``."""
+_ABSENT = object()
 
 
 class ConfigError(ValueError):
@@ -89,14 +96,28 @@ def _merge(schema: type[Any], path: str | Path | None, overrides: Sequence[str])
             p = Path(path)
             if not p.is_file():
                 raise ConfigError(f"config file {p} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(p))
+            from_file = OmegaConf.load(p)
+            _refuse_renamed(schema, from_file, f" (in {p})")
+            merged = OmegaConf.merge(merged, from_file)
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"overrides must look like key=value, got {bad}")
         if overrides:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+            dotlist = OmegaConf.from_dotlist(list(overrides))
+            _refuse_renamed(schema, dotlist)
+            merged = OmegaConf.merge(merged, dotlist)
     assert isinstance(merged, DictConfig)
     return merged
+
+
+def _refuse_renamed(schema: type[Any], given: Any, where: str = "") -> None:
+    """Refuse ``given`` (a file's or the overrides' raw config) if it writes a key, or a
+    ``key=value``, that ``schema``'s :data:`RENAMED_KEYS` lists, naming what replaced it."""
+    for old, new in getattr(schema, RENAMED_KEYS, {}).items():
+        key, _, value = old.partition("=")
+        found = OmegaConf.select(given, key, default=_ABSENT) if isinstance(given, DictConfig) else _ABSENT
+        if found is not _ABSENT and (not value or str(found).lower() == value):
+            raise ConfigError(f"{old} is now {new}{where}")
 
 
 def _instantiate(node: DictConfig, key: str = "") -> Any:

@@ -46,7 +46,7 @@ class SourceError(ValueError):
 @dataclass
 class ModelSourceConfig:
     path: str | None = None  # local Hugging Face model directory; when set, the tiny.* keys are ignored
-    tiny: str = "gpt2"  # built-in random model when path is unset: gpt2, llama, gpt_neox or mixtral
+    tiny: str | None = "gpt2"  # built-in random model if no path: gpt2, llama, gpt_neox, mixtral; null: none
     tiny_vocab_size: int = 0  # tiny model vocabulary; 0 = the tokenizer's length
     tiny_hidden_size: int = 64  # tiny model width
     tiny_num_layers: int = 2  # tiny model transformer blocks
@@ -56,21 +56,27 @@ class ModelSourceConfig:
 
     def __post_init__(self) -> None:
         # {section}: this section's key in the command's schema (model, actor, ...), see above
-        if self.path is None and self.tiny not in TINY_ARCHS:
+        # tiny=None with no path names no model: loading it is refused (require_model), so that a
+        # command can default to "nothing chosen" (the servers never serve a model nobody named).
+        if self.path is None and self.tiny is not None and self.tiny not in TINY_ARCHS:
             raise ValueError(
                 f"{{section}}.tiny must be one of {TINY_ARCHS} (or set {{section}}.path), got {self.tiny!r}"
             )
         problem = adapter_directory_problem(self.path) if self.path is not None else None
         if problem is not None:
             raise ValueError(f"{{section}}.path={self.path!r} {problem}")
-        if self.path is not None and not (Path(self.path) / "config.json").is_file():
-            raise ValueError(
-                f"{{section}}.path={self.path!r} is not a Hugging Face model directory (no config.json)"
-            )
+        if self.path is not None:
+            check_model_dir(self.path, "{section}.path")
 
     @property
     def tiny_arch(self) -> TinyArch:
-        """``tiny`` as the builders' architecture name (validated above)."""
+        """``tiny`` as the builders' architecture name (validated above).
+
+        Raises:
+            SourceError: ``tiny`` is None (see :func:`require_model`).
+        """
+        if self.tiny is None:
+            raise SourceError("no model is named: set its path=<HF directory> or tiny=gpt2")
         return cast(TinyArch, self.tiny)
 
     def tiny_size(self, vocab_size: int) -> TinySize:
@@ -82,6 +88,12 @@ class ModelSourceConfig:
             num_heads=self.tiny_num_heads,
             max_positions=self.tiny_max_positions,
         )
+
+
+def check_model_dir(path: str, key: str) -> None:
+    """Refuse (``ValueError``, naming ``key``) a ``path`` that is not a Hugging Face model directory."""
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"{key}={path!r} is not a Hugging Face model directory (no config.json)")
 
 
 @dataclass
@@ -98,6 +110,12 @@ class TokenizerSourceConfig:
             raise ValueError(f"{{section}}.path={self.path!r} is not a directory")
 
 
+def require_model(src: ModelSourceConfig, key: str = "model") -> None:
+    """Refuse (:class:`SourceError`) a source that names no model: no ``path`` and ``tiny`` null."""
+    if src.path is None and src.tiny is None:
+        raise SourceError(f"no model is named: set {key}.path=<HF directory> or {key}.tiny=gpt2")
+
+
 def resolve_tokenizer(
     model: ModelSourceConfig, tokenizer: TokenizerSourceConfig, key: str = "model"
 ) -> PreTrainedTokenizerBase:
@@ -106,14 +124,32 @@ def resolve_tokenizer(
     messages (e.g. ``actor``).
 
     Raises:
-        SourceError: ``model.path`` holds no tokenizer and ``tokenizer.path`` is unset.
+        SourceError: ``model.path`` holds no tokenizer and ``tokenizer.path`` is unset, or
+            ``model`` names no model.
     """
+    found = find_tokenizer(model, tokenizer, key)
+    if found is None:
+        raise SourceError(f"{key}.path={model.path!r} holds no tokenizer; set tokenizer.path")
+    return found
+
+
+def find_tokenizer(
+    model: ModelSourceConfig, tokenizer: TokenizerSourceConfig, key: str = "model"
+) -> PreTrainedTokenizerBase | None:
+    """As :func:`resolve_tokenizer`, but None where that refuses a ``model.path`` without a
+    tokenizer (a server can still take token ids). A ``tokenizer.path`` that does not load
+    raises whatever loading raised.
+
+    Raises:
+        SourceError: ``model`` names no model.
+    """
+    require_model(model, key)
     if tokenizer.path is not None:
         return load_tokenizer(tokenizer.path)
     if model.path is not None:
         if any((Path(model.path) / f).is_file() for f in _TOKENIZER_FILES):
             return load_tokenizer(model.path)
-        raise SourceError(f"{key}.path={model.path!r} holds no tokenizer; set tokenizer.path")
+        return None
     return build_char_tokenizer()
 
 
@@ -135,8 +171,9 @@ def source_position_limit(src: ModelSourceConfig, key: str = "model") -> int | N
     an architecture transformers does not know), or ``tiny_max_positions``. None: no stated limit.
 
     Raises:
-        SourceError: ``config.json`` is not valid JSON.
+        SourceError: ``config.json`` is not valid JSON, or ``src`` names no model.
     """
+    require_model(src, key)
     if src.path is None:
         return src.tiny_max_positions
     try:
@@ -158,9 +195,13 @@ def position_limit_key(src: ModelSourceConfig, key: str = "model") -> str:
 
 
 def pick_device(name: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU; anything else as given."""
+    """The device ``name`` means for this process: ``auto`` → CUDA when available, else CPU;
+    ``cuda`` (``auto`` included) → the current CUDA device, which under torchrun is this rank's
+    (:func:`openaligner.distributed.init_from_env` selects it); anything else as given."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
 

@@ -45,6 +45,7 @@ from openaligner.servers.batching import (
     split_rows,
     strip_columns,
 )
+from openaligner.servers.config import ServingConfig
 from openaligner.servers.distributed import Opcode, Rank0Dispatcher
 from openaligner.servers.protocol import (
     CLIP_FRACTION,
@@ -59,7 +60,6 @@ from openaligner.servers.protocol import (
     CRITIC_TRAIN_INPUTS,
     CRITIC_TRAIN_NAME,
     CRITIC_TRAIN_OUTPUTS,
-    DEFAULT_HOST,
     DUMMY_VAR,
     EXPLAINED_VARIANCE,
     GRAD_NORM,
@@ -79,9 +79,7 @@ from openaligner.servers.protocol import (
     VALUES,
     TensorSpec,
 )
-from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.transport.lifecycle import ServerLifecycle
-from openaligner.servers.transport.triton import Batching, TritonHost
 from openaligner.servers.validation import (
     RequestError,
     SequenceRequest,
@@ -92,6 +90,7 @@ from openaligner.servers.validation import (
     check_known_inputs,
     check_mask,
     check_token_ids,
+    check_whole_input,
     parse_sequence_request,
 )
 from openaligner.trainer.critic import CriticBatch, CriticTrainer, TrainResult
@@ -99,34 +98,22 @@ from openaligner.trainer.critic import CriticBatch, CriticTrainer, TrainResult
 LOGGER = logging.getLogger(__name__)
 
 
-@dataclass
-class CriticServerConfig:
-    """How the critic server serves (how the critic trains is
-    :class:`~openaligner.trainer.critic.CriticTrainConfig`)."""
+@dataclass(kw_only=True)
+class CriticServerConfig(ServingConfig):
+    """How the critic server serves: the ``server`` section of ``openaligner serve-critic`` (the
+    keys both servers share are :class:`~openaligner.servers.config.ServingConfig`'s; the
+    inference keys apply to ``critic_infer``). How the critic trains is
+    :class:`~openaligner.trainer.critic.CriticTrainConfig`."""
 
-    host: str = DEFAULT_HOST  # address to bind; anything but loopback is logged as a warning
     port: int = CRITIC_DEFAULT_PORT  # HTTP port
     combine_rm_and_critic_server: bool = True  # also serve rewards from a frozen reward model
-    inference_micro_batch_size: int | list[int] = 4  # preferred infer rows per rank (Triton batcher)
-    max_queue_delay_microseconds: int = 2000  # how long Triton holds an infer request to merge it
-    strip_sequence_length_to_multiple: int | None = None  # compute width multiple (null: longest row)
-    max_batch_size: int = 1024  # most rows per infer request and per formed batch
-    max_train_rows: int = 16384  # most rows per train request
-    max_sequence_length: int | None = None  # longest accepted sequence; None: the critic's position limit
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # largest HTTP request body (HTTP 413 above)
-    token: str | None = None  # shared secret for critic_train/critic_save; None: $OPENALIGNER_TOKEN or open
-    heartbeat_s: float | None = 60.0  # idle heartbeat to the other ranks
-    exit_timeout_s: int = 3  # at stop, how long calls in progress may take to finish
-    log_file: str | None = None  # tritonserver's log file; None: temporary, removed at stop
-    workspace_dir: str | None = None  # root of the server's own files; None: <tmp>/openaligner-servers-<uid>
+    max_train_rows: int = 16384  # most rows per critic_train request
+    token: str | None = None  # shared secret for critic_train/critic_save; null: $OPENALIGNER_TOKEN or open
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
-        if self.max_train_rows < 1 or self.max_batch_size < 1:
-            raise ValueError("max_train_rows and max_batch_size must be >= 1")
-        if self.max_request_bytes < 1:
-            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        super().__post_init__()
+        if self.max_train_rows < 1:
+            raise ValueError("{section}.max_train_rows must be >= 1")
 
 
 # ----------------------------------------------------------------------------- infer endpoint
@@ -233,21 +220,6 @@ def train_outputs(result: TrainResult) -> dict[str, np.ndarray]:
     }
 
 
-def _check_whole(inputs: Mapping[str, np.ndarray], spec: TensorSpec) -> np.ndarray:
-    """A required input of a non-batched endpoint, with its dtype and number of dimensions."""
-    if spec.name not in inputs:
-        raise RequestError(
-            f"input '{spec.name}' ({spec.dtype_name} {spec.wire_shape}: {spec.doc}) is required"
-        )
-    array = inputs[spec.name]
-    if array.dtype != np.dtype(spec.dtype) or array.ndim != len(spec.shape):
-        raise RequestError(
-            f"input '{spec.name}': expected {spec.dtype_name} {spec.wire_shape}, got {array.dtype} "
-            f"{list(array.shape)}"
-        )
-    return array
-
-
 class CriticTrainEndpoint:
     """``critic_train`` (not batched): one request is one training pass.
 
@@ -283,8 +255,8 @@ class CriticTrainEndpoint:
             RequestError: naming the input, and the row and position where it matters.
         """
         check_known_inputs(inputs, self.inputs)
-        tokens = _check_whole(inputs, TRAIN_TOKENS)
-        aligned = {spec.name: _check_whole(inputs, spec) for spec in (RETURNS, PREV_VALUES, MASK)}
+        tokens = check_whole_input(inputs, TRAIN_TOKENS)
+        aligned = {spec.name: check_whole_input(inputs, spec) for spec in (RETURNS, PREV_VALUES, MASK)}
         check_aligned_width(tokens, aligned)
         if tokens.shape[0] > self.max_rows:
             raise RequestError(
@@ -354,7 +326,7 @@ class CriticSaveEndpoint:
             RequestError: no checkpoint directory, or a ``restore_step`` the server cannot restore.
         """
         check_known_inputs(inputs, self.inputs)
-        _check_whole(inputs, DUMMY_VAR)
+        check_whole_input(inputs, DUMMY_VAR)
         if not self.enabled:
             raise RequestError(
                 "this critic server has no checkpoint directory, so nothing can be saved; start it with "
@@ -362,7 +334,7 @@ class CriticSaveEndpoint:
             )
         if RESTORE_STEP.name not in inputs:
             return None
-        array = _check_whole(inputs, RESTORE_STEP)
+        array = check_whole_input(inputs, RESTORE_STEP)
         if array.size != 1:
             raise RequestError(f"input '{RESTORE_STEP.name}': expected int64 [1], got {list(array.shape)}")
         step = int(array[0])
@@ -391,13 +363,12 @@ class CriticServerTrainer(ServerLifecycle):
     critic equal to rank 0's.
 
     Args:
-        cfg: serving settings.
+        cfg: serving settings (``max_sequence_length`` None: the models' position limit).
         trainer: the critic, how it trains and where its checkpoints go: ``critic_train`` runs its
             :meth:`~openaligner.trainer.critic.CriticTrainer.train_pass`; ``critic_save`` writes,
             restores from and start-up resumes from its checkpoints (none: ``critic_save`` is
             refused). Its precision's autocast also runs every inference forward.
         tokenize_func: for ``sentences`` infer requests; None refuses them.
-        model_forward_micro_batch_size: infer rows per forward pass on one rank.
         reward_model: the frozen reward model served in combined mode (required there).
         resume: load the trainer's latest complete checkpoint at construction.
         resume_step: with ``resume``, load the checkpoint of this critic step instead of the
@@ -411,7 +382,6 @@ class CriticServerTrainer(ServerLifecycle):
         cfg: CriticServerConfig,
         trainer: CriticTrainer,
         tokenize_func: TokenizeFn | None,
-        model_forward_micro_batch_size: int,
         *,
         reward_model: RewardModel | None = None,
         resume: bool = True,
@@ -420,14 +390,11 @@ class CriticServerTrainer(ServerLifecycle):
         self.cfg = cfg
         self.trainer = trainer
         self.combined = cfg.combine_rm_and_critic_server
-        if model_forward_micro_batch_size < 1:
-            raise ValueError("model_forward_micro_batch_size must be >= 1")
         if self.combined and reward_model is None:
             raise ValueError("combine_rm_and_critic_server=True needs the reward_model to serve")
         self.reward_model = reward_model if self.combined else None
         if self.reward_model is not None:
             self.reward_model.eval().requires_grad_(False)
-        self.forward_micro_batch_size = model_forward_micro_batch_size
         self.token = cfg.token or os.environ.get(TOKEN_ENV) or None
         self.lock = threading.Lock()
         """The one lock: at most one of infer, train and save runs at a time."""
@@ -446,7 +413,7 @@ class CriticServerTrainer(ServerLifecycle):
             vocab_size=vocab_size,
             max_sequence_length=self.max_sequence_length,
             max_batch_size=cfg.max_batch_size,
-            forward_micro_batch_size=model_forward_micro_batch_size,
+            forward_micro_batch_size=cfg.model_forward_micro_batch_size,
             strip_sequence_length_to_multiple=cfg.strip_sequence_length_to_multiple,
             dp_size=dp.world_size(),
         )
@@ -526,23 +493,9 @@ class CriticServerTrainer(ServerLifecycle):
         cfg = self.cfg
         if self._dispatcher is None:
             self._dispatcher = Rank0Dispatcher(self.handlers(), heartbeat_s=cfg.heartbeat_s)
-        host = TritonHost(
-            cfg.host,
-            cfg.port,
-            exit_timeout_s=cfg.exit_timeout_s,
-            log_file=cfg.log_file,
-            max_request_bytes=cfg.max_request_bytes,
-            workspace_dir=cfg.workspace_dir,
-        )
-        sizes = cfg.inference_micro_batch_size
-        per_rank = [sizes] if isinstance(sizes, int) else list(sizes)
-        batching = Batching(
-            max_batch_size=cfg.max_batch_size,
-            preferred_batch_sizes=tuple(int(s) * dp.world_size() for s in per_rank),
-            max_queue_delay_microseconds=int(cfg.max_queue_delay_microseconds),
-        )
+        host = cfg.triton_host()
         guard = self._authorize if self.token is not None else None
-        host.bind(self.infer_endpoint, batching, self.lock)
+        host.bind(self.infer_endpoint, cfg.batching(dp.world_size()), self.lock)
         host.bind(self.train_endpoint, None, self.lock, guard)
         host.bind(self.save_endpoint, None, self.lock, guard)
         try:
@@ -586,7 +539,7 @@ class CriticServerTrainer(ServerLifecycle):
         """FORWARD on every rank: receive the batch, compute this rank's rows, gather all rows."""
         tokens = dp.local_rows(dp.broadcast_tensor(batch[0] if batch is not None else None))
         lengths = dp.local_rows(dp.broadcast_tensor(batch[1] if batch is not None else None))
-        mbs = self.forward_micro_batch_size
+        mbs = self.cfg.model_forward_micro_batch_size
         device = dp.collective_device()
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:

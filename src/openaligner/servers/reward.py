@@ -1,10 +1,11 @@
 """The reward model server: a frozen reward function behind Triton's ``reward_model`` endpoint.
 
 Owns the reward endpoint's logic (:class:`RewardEndpoint`: validate one request, answer a formed
-batch) and its deployment (:class:`RewardModelServer`: rank 0 runs Triton and leads, other ranks
-follow the FORWARD opcode). The reward function is any callable ``infer_fn(tokens, lengths)``;
-``RewardModel.infer`` from :mod:`openaligner.models.reward` is the usual one. Must not know how
-rewards are computed, nor about HTTP details (see :mod:`openaligner.servers.transport.triton`).
+batch), its deployment (:class:`RewardModelServer`: rank 0 runs Triton and leads, other ranks
+follow the FORWARD opcode) and its serving settings (:class:`RewardServerConfig`). The reward
+function is any callable ``infer_fn(tokens, lengths)``; ``RewardModel.infer`` from
+:mod:`openaligner.models.reward` is the usual one. Must not know how rewards are computed, nor
+about HTTP details (see :mod:`openaligner.servers.transport.triton`).
 
 Wire contract (see :mod:`openaligner.servers.protocol`): inputs ``sentences`` (bytes [B, 1]),
 ``tokens`` (int64 [B, S], right-padded) with ``sequence_lengths`` (int64 [B, 1]); output
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -32,17 +33,15 @@ from openaligner.servers.batching import (
     split_rows,
     strip_columns,
 )
+from openaligner.servers.config import ServingConfig
 from openaligner.servers.distributed import Opcode, Rank0Dispatcher
 from openaligner.servers.protocol import (
-    DEFAULT_HOST,
     REWARD_DEFAULT_PORT,
     REWARD_INPUTS,
     REWARD_MODEL_NAME,
     REWARD_OUTPUTS,
 )
-from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.transport.lifecycle import ServerLifecycle
-from openaligner.servers.transport.triton import Batching, TritonHost
 from openaligner.servers.validation import SequenceRequest, TokenizeFn, parse_sequence_request
 
 LOGGER = logging.getLogger(__name__)
@@ -136,99 +135,75 @@ def micro_batched(infer_fn: InferFn, micro_batch_size: int) -> InferFn:
     return run
 
 
-@dataclass
+@dataclass(kw_only=True)
+class RewardServerConfig(ServingConfig):
+    """How the reward model server serves: the ``server`` section of ``openaligner serve-reward``
+    (the keys both servers share are :class:`~openaligner.servers.config.ServingConfig`'s)."""
+
+    port: int = REWARD_DEFAULT_PORT  # HTTP port
+    model_name: str = REWARD_MODEL_NAME  # Triton model name that clients ask for
+
+
 class RewardModelServer(ServerLifecycle):
-    """Serve ``infer_fn`` as Triton model ``model_name`` on ``host:port``.
+    """Serve ``infer_fn`` as Triton model ``cfg.model_name`` on ``cfg.host:cfg.port``.
 
     Create it after ``torch.distributed`` is initialised (if it is used at all): with several
     processes, rank 0 runs Triton and every rank holds a replica of the model and computes an
     equal share of each formed batch.
 
-    Attributes:
-        infer_fn: ``(tokens [b, S] int64, lengths [b] int64) -> rewards [b]`` (no grad).
+    Args:
+        infer_fn: ``(tokens [b, S] int64, lengths [b] int64) -> rewards [b]`` (no grad), called
+            once per ``cfg.model_forward_micro_batch_size`` rows.
         tokenize_func: tokenizer for ``sentences``; None refuses sentences.
-        model_name: Triton model name.
-        port: HTTP port.
-        inference_micro_batch_size: preferred rows per rank in a formed batch (int or list);
-            Triton's preferred batch sizes are these times the number of ranks.
-        model_forward_micro_batch_size: rows per ``infer_fn`` call.
-        strip_sequence_length_to_multiple: compute width multiple (None: the longest row).
-        max_queue_delay_microseconds: how long Triton holds a request to merge it with others.
-        host: address to bind (loopback by default; others are warned about).
+        cfg: serving settings (default :class:`RewardServerConfig`). Here ``max_sequence_length``
+            None skips the length check: the server does not know the model's positions.
         vocab_size: refuse token ids outside ``[0, vocab_size)``; None skips the check.
-        max_sequence_length: refuse longer sequences; None skips the check.
-        max_batch_size: most rows per request and per formed batch.
-        max_request_bytes: largest HTTP request body (HTTP 413 above it).
-        heartbeat_s: idle heartbeat to the other ranks (see :class:`Rank0Dispatcher`).
-        exit_timeout_s: at stop, how long calls in progress may take to finish.
-        log_file: tritonserver's log file; None: a temporary file removed at stop.
-        workspace_dir: root of the server's own directory (Triton's workspace, its log); None:
-            ``<tmp>/openaligner-servers-<uid>`` (see :mod:`openaligner.servers.transport.workspace`).
+        **settings: :class:`RewardServerConfig` keys that replace ``cfg``'s, as the keyword
+            arguments of NeMo-Aligner's ``RewardModelServer``:
+            ``RewardModelServer(infer_fn=f, port=5555, inference_micro_batch_size=[4, 8])``.
+
+    Raises:
+        ValueError: a setting is invalid, or the preferred batch sizes on this many ranks exceed
+            ``max_batch_size``.
     """
 
     _describe = "the reward model server"
 
-    infer_fn: InferFn
-    tokenize_func: TokenizeFn | None = None
-    model_name: str = REWARD_MODEL_NAME
-    port: int = REWARD_DEFAULT_PORT
-    inference_micro_batch_size: int | list[int] = 4
-    model_forward_micro_batch_size: int = 4
-    strip_sequence_length_to_multiple: int | None = None
-    max_queue_delay_microseconds: float = 2000
-    host: str = DEFAULT_HOST
-    vocab_size: int | None = None
-    max_sequence_length: int | None = None
-    max_batch_size: int = 1024
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    heartbeat_s: float | None = 60.0
-    exit_timeout_s: int = 3
-    log_file: str | None = None
-    workspace_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        sizes = self.preferred_batch_sizes
-        if self.model_forward_micro_batch_size < 1:
-            raise ValueError("model_forward_micro_batch_size must be >= 1")
-        if self.max_request_bytes < 1:
-            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
-        if min(sizes) < 1:
-            raise ValueError(
-                f"inference_micro_batch_size must be >= 1, got {self.inference_micro_batch_size}"
-            )
-        if max(sizes) > self.max_batch_size:
+    def __init__(
+        self,
+        infer_fn: InferFn,
+        tokenize_func: TokenizeFn | None = None,
+        cfg: RewardServerConfig | None = None,
+        *,
+        vocab_size: int | None = None,
+        **settings: Any,
+    ) -> None:
+        self.cfg = replace(cfg or RewardServerConfig(), **settings)
+        sizes = self.cfg.preferred_batch_sizes(dp.world_size())
+        if max(sizes) > self.cfg.max_batch_size:
             raise ValueError(
                 f"preferred batch size {max(sizes)} (inference_micro_batch_size x "
-                f"{dp.world_size()} ranks) exceeds max_batch_size {self.max_batch_size}; "
+                f"{dp.world_size()} ranks) exceeds max_batch_size {self.cfg.max_batch_size}; "
                 f"raise max_batch_size"
             )
-        if self.strip_sequence_length_to_multiple is not None and self.strip_sequence_length_to_multiple < 1:
-            raise ValueError("strip_sequence_length_to_multiple must be >= 1 or None")
-        self._local_infer = micro_batched(self.infer_fn, self.model_forward_micro_batch_size)
+        self._local_infer = micro_batched(infer_fn, self.cfg.model_forward_micro_batch_size)
         self._init_lifecycle()
         self.endpoint = RewardEndpoint(
             self._forward_from_rank0,
-            model_name=self.model_name,
-            tokenize_func=self.tokenize_func,
-            vocab_size=self.vocab_size,
-            max_sequence_length=self.max_sequence_length,
-            max_batch_size=self.max_batch_size,
-            forward_micro_batch_size=self.model_forward_micro_batch_size,
-            strip_sequence_length_to_multiple=self.strip_sequence_length_to_multiple,
+            model_name=self.cfg.model_name,
+            tokenize_func=tokenize_func,
+            vocab_size=vocab_size,
+            max_sequence_length=self.cfg.max_sequence_length,
+            max_batch_size=self.cfg.max_batch_size,
+            forward_micro_batch_size=self.cfg.model_forward_micro_batch_size,
+            strip_sequence_length_to_multiple=self.cfg.strip_sequence_length_to_multiple,
             dp_size=dp.world_size(),
         )
 
     @property
-    def preferred_batch_sizes(self) -> tuple[int, ...]:
-        """``inference_micro_batch_size`` (each) times the number of ranks."""
-        sizes = self.inference_micro_batch_size
-        per_rank = [sizes] if isinstance(sizes, int) else list(sizes)
-        return tuple(int(s) * dp.world_size() for s in per_rank)
-
-    @property
     def url(self) -> str:
         """``http://host:port`` of the HTTP endpoint."""
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self.cfg.host}:{self.cfg.port}"
 
     def handlers(self) -> dict[int, Callable[[Any], Any]]:
         """The opcode table every rank runs (the critic server adds TRAIN and SAVE)."""
@@ -241,21 +216,9 @@ class RewardModelServer(ServerLifecycle):
         if not dp.is_leader() or self._host is not None or self._stop_requested.is_set():
             return self._host is not None
         if self._dispatcher is None:
-            self._dispatcher = Rank0Dispatcher(self.handlers(), heartbeat_s=self.heartbeat_s)
-        host = TritonHost(
-            self.host,
-            self.port,
-            exit_timeout_s=self.exit_timeout_s,
-            log_file=self.log_file,
-            max_request_bytes=self.max_request_bytes,
-            workspace_dir=self.workspace_dir,
-        )
-        batching = Batching(
-            max_batch_size=self.max_batch_size,
-            preferred_batch_sizes=self.preferred_batch_sizes,
-            max_queue_delay_microseconds=int(self.max_queue_delay_microseconds),
-        )
-        host.bind(self.endpoint, batching, threading.Lock())
+            self._dispatcher = Rank0Dispatcher(self.handlers(), heartbeat_s=self.cfg.heartbeat_s)
+        host = self.cfg.triton_host()
+        host.bind(self.endpoint, self.cfg.batching(dp.world_size()), threading.Lock())
         try:
             return self._start_host(host)
         except BaseException:

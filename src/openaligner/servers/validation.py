@@ -57,6 +57,25 @@ def check_spec(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
     return array
 
 
+def check_whole_input(inputs: Mapping[str, np.ndarray], spec: TensorSpec) -> np.ndarray:
+    """A required input of a non-batched endpoint (its spec's shape is the whole array's).
+
+    Raises:
+        RequestError: the input is missing, or its dtype or number of dimensions is wrong.
+    """
+    if spec.name not in inputs:
+        raise RequestError(
+            f"input '{spec.name}' ({spec.dtype_name} {spec.wire_shape}: {spec.doc}) is required"
+        )
+    array = inputs[spec.name]
+    if array.dtype != np.dtype(spec.dtype) or array.ndim != len(spec.shape):
+        raise RequestError(
+            f"input '{spec.name}': expected {spec.dtype_name} {spec.wire_shape}, got {array.dtype} "
+            f"{list(array.shape)}"
+        )
+    return array
+
+
 def check_batch_size(rows: int, max_batch_size: int) -> None:
     """At least one row, at most ``max_batch_size``."""
     if rows < 1:

@@ -49,7 +49,8 @@ CRITIC_FILES = TrainingFiles(model_dir=CRITIC_DIR, state_file=STATE_FILE)
 
 @dataclass
 class CriticTrainConfig:
-    """How the critic trains (the optimizer and its schedule come built)."""
+    """How the critic trains (the optimizer and its schedule come built): the ``train`` section of
+    ``openaligner serve-critic``."""
 
     global_batch_size: int  # rows per optimizer step, over all ranks; a batch pads to a multiple
     micro_batch_size: int = 1  # training rows per forward/backward on one rank
@@ -57,12 +58,16 @@ class CriticTrainConfig:
     gradient_clip_val: float = 1.0  # clip the global gradient norm; 0 disables
 
     def __post_init__(self) -> None:
+        # {section}: this section's key in the command's schema (serve-critic: train), filled in
+        # by the config loader
         if self.global_batch_size < 1:
-            raise ValueError(f"global_batch_size must be >= 1, got {self.global_batch_size}")
+            raise ValueError(f"{{section}}.global_batch_size must be >= 1, got {self.global_batch_size}")
         if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+            raise ValueError(f"{{section}}.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.loss_clip_val < 0 or self.gradient_clip_val < 0:
-            raise ValueError("loss_clip_val and gradient_clip_val must be >= 0 (0 disables)")
+            raise ValueError(
+                "{section}.loss_clip_val and {section}.gradient_clip_val must be >= 0 (0 disables)"
+            )
 
 
 @dataclass(frozen=True)

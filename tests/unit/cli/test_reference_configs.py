@@ -17,8 +17,8 @@ REQUIRED = {
     "train-sft": ["data.train_path=x.jsonl"],
     "train-rm": ["data.train_path=x.jsonl"],
     "train-ppo": ["data.train_path=x.jsonl"],
-    "serve-reward": ["model.tiny=true"],
-    "serve-critic": ["model.tiny=true"],
+    "serve-reward": ["model.tiny=gpt2"],
+    "serve-critic": ["model.tiny=gpt2"],
 }
 
 

@@ -338,7 +338,7 @@ def test_supervised_still_names_the_model_key(capsys, supervised, tmp_path):
 def test_servers_refuse_max_sequence_length_beyond_the_models_positions():
     # The function serve-reward and serve-critic call once the model is loaded (a run of the command
     # that is not refused would serve until stopped, so the test calls it directly).
-    from openaligner.cli.serve_reward import sequence_limit
+    from openaligner.cli.serving import sequence_limit
     from openaligner.config import StartupError
 
     with pytest.raises(
@@ -352,9 +352,23 @@ def test_servers_refuse_max_sequence_length_beyond_the_models_positions():
     assert sequence_limit(None, [None]) is None
 
 
+@pytest.mark.parametrize("command", ["serve-reward", "serve-critic"])
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        ((), "no model to serve: set model.path=<HF directory> or model.tiny=gpt2"),  # never a random one
+        (("model.tiny=true",), "model.tiny=true is now model.tiny=gpt2"),
+        (("model.tiny=gpt2", "model.seed=1"), "model.seed is now model.tiny_seed"),
+        (("model.tokenizer_path=/tok",), "model.tokenizer_path is now tokenizer.path"),
+    ],
+)
+def test_servers_refuse_to_start_without_a_named_model_or_with_old_keys(capsys, command, args, says):
+    assert refused(capsys, command, *args).startswith(f"openaligner {command}: {says}")
+
+
 @pytest.mark.parametrize("lr", ["0", "-1e-6"])
 def test_serve_critic_refuses_a_learning_rate_that_is_not_positive(capsys, lr):
-    line = refused(capsys, "serve-critic", "model.tiny=true", f"optim.lr={lr}")
+    line = refused(capsys, "serve-critic", "model.tiny=gpt2", f"optim.lr={lr}")
     assert "optim.lr" in line and "> 0" in line
 
 

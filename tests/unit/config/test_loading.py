@@ -1,4 +1,5 @@
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import pytest
 
@@ -88,3 +89,34 @@ def test_describe_config_shows_missing_values_and_still_checks_complete_sections
         describe_config(TwoUses, None, ["second.shared.size=0"])
     text, missing = describe_config(TwoUses, None, ["name=x", "first.size=3"])
     assert missing == [] and "size: 3" in text
+
+
+@dataclass
+class Renamed:
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "inner.rate": "inner.lr",
+        "inner.name=default": "inner.name=adam",
+    }
+
+    inner: Inner = field(default_factory=Inner)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["inner.rate=0.1"], "inner.rate is now inner.lr"),
+        (["inner.name=default"], "inner.name=default is now inner.name=adam"),
+        (["inner.name=DEFAULT"], "inner.name=default is now inner.name=adam"),
+    ],
+)
+def test_renamed_keys_are_refused_naming_the_new_key(overrides, message):
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        load_config(Renamed, None, overrides)
+
+
+def test_renamed_keys_in_a_file_are_refused_naming_the_file(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("inner:\n  rate: 0.1\n")
+    with pytest.raises(ConfigError, match=f"inner.rate is now inner.lr \\(in {path}\\)"):
+        load_config(Renamed, path)
+    assert load_config(Renamed, None, ["inner.name=sgd", "inner.lr=0.1"]).inner.name == "sgd"

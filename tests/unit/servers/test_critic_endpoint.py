@@ -39,10 +39,9 @@ def make_trainer(
     checkpoints = CheckpointManager(tmp_path) if tmp_path is not None else None
     train_cfg = CriticTrainConfig(global_batch_size=gbs, micro_batch_size=mbs, loss_clip_val=clip)
     return CriticServerTrainer(
-        CriticServerConfig(combine_rm_and_critic_server=combined, **cfg),
+        CriticServerConfig(combine_rm_and_critic_server=combined, model_forward_micro_batch_size=2, **cfg),
         CriticTrainer(train_cfg, critic, optimizer, checkpoints=checkpoints),
         None,
-        model_forward_micro_batch_size=2,
         reward_model=tiny.reward_model() if combined else None,
         resume_step=resume_step,
     )
@@ -464,14 +463,11 @@ def test_constructor_checks(tiny):
         CriticTrainConfig(global_batch_size=4), critic, torch.optim.SGD(critic.parameters(), lr=0.1)
     )
     with pytest.raises(ValueError, match="needs the reward_model"):
-        CriticServerTrainer(CriticServerConfig(), trainer, None, model_forward_micro_batch_size=2)
+        CriticServerTrainer(CriticServerConfig(), trainer, None)
     with pytest.raises(ValueError, match="model_forward_micro_batch_size"):
-        CriticServerTrainer(
-            CriticServerConfig(combine_rm_and_critic_server=False),
-            trainer,
-            None,
-            model_forward_micro_batch_size=0,
-        )
+        CriticServerConfig(model_forward_micro_batch_size=0)
     with pytest.raises(ValueError, match="max_request_bytes"):
         CriticServerConfig(max_request_bytes=0)
+    with pytest.raises(ValueError, match="max_train_rows"):
+        CriticServerConfig(max_train_rows=0)
     copy.deepcopy(CriticServerConfig())

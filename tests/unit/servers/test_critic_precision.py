@@ -10,6 +10,8 @@ lr 1e-3 the float32 scalar head alone moves the values and the two look alike.)"
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -42,10 +44,9 @@ def server(critic, precision=None, lr=1e-5):
         precision=precision,
     )
     return CriticServerTrainer(
-        CriticServerConfig(combine_rm_and_critic_server=False),
+        CriticServerConfig(combine_rm_and_critic_server=False, model_forward_micro_batch_size=8),
         trainer,
         None,
-        model_forward_micro_batch_size=8,
     )
 
 
@@ -142,13 +143,15 @@ def test_serve_critic_and_serve_reward_load_masters_and_compute_dtype_models():
     from openaligner.models.precision import Precision
 
     mixed = Precision.resolve("bf16-mixed", CPU)
-    cfg = load_config(serve_critic.ServeCriticConfig, None, ["model.tiny=true", "model.precision=bf16-mixed"])
-    critic, reward_model, _ = serve_critic._load(cfg, CPU, mixed)
+    log = logging.getLogger("test")
+    overrides = ["model.tiny=gpt2", "runtime.precision=bf16-mixed"]
+    cfg = load_config(serve_critic.ServeCriticConfig, None, overrides)
+    critic, reward_model, _ = serve_critic.load_models(cfg, CPU, mixed, log)
     assert {p.dtype for p in critic.parameters()} == {torch.float32}  # trained: masters
     assert reward_model.backbone.get_input_embeddings().weight.dtype == torch.bfloat16  # frozen: compute
     assert reward_model.head.weight.dtype == torch.float32
-    source = load_config(serve_reward.ServeRewardConfig, None, ["model.tiny=true"]).model
-    model, _ = serve_reward._load(source, CPU, mixed.inference_dtype)
+    reward_cfg = load_config(serve_reward.ServeRewardConfig, None, ["model.tiny=gpt2"])
+    model, _ = serve_reward.load_model(reward_cfg, CPU, mixed, log)
     assert model.backbone.get_input_embeddings().weight.dtype == torch.bfloat16
     rewards = mixed.autocast_fn(model.infer)(torch.randint(4, 90, (2, 5)), torch.tensor([5, 3]))
     assert rewards.dtype == torch.float32

@@ -193,7 +193,7 @@ def test_server_config_checks():
     with pytest.raises(ValueError, match="exceeds max_batch_size 8"):
         RewardModelServer(infer_fn=toy_reward, inference_micro_batch_size=[4, 16], max_batch_size=8)
     srv = RewardModelServer(infer_fn=toy_reward, inference_micro_batch_size=[2, 8])
-    assert srv.preferred_batch_sizes == (2, 8)  # x 1 rank
+    assert srv.cfg.preferred_batch_sizes(world_size=1) == (2, 8)
     # without start(), the endpoint computes in-process: usable as a plain callable
     out = srv.endpoint.run([srv.endpoint.validate(tok_request([[1, 2, 3]], [2]))])
     assert out[0]["rewards"].tolist() == [[7.0]]

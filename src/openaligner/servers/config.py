@@ -1,0 +1,81 @@
+"""The serving settings both servers share, checked once: address, Triton's batcher, the endpoint's
+limits and micro-batches, the rank-0 heartbeat and the server's files.
+
+Owns :class:`ServingConfig`, the base of :class:`~openaligner.servers.reward.RewardServerConfig`
+and :class:`~openaligner.servers.critic.CriticServerConfig` (each adds its own keys and its
+default port). The ``serve-*`` commands hold these dataclasses as their ``server`` section as they
+are, so the load-time messages write ``{section}`` where that key belongs (see
+:mod:`openaligner.config.loading`). Must not know what an endpoint computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from openaligner.servers.protocol import DEFAULT_HOST
+from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
+from openaligner.servers.transport.triton import Batching, TritonHost
+
+
+@dataclass(kw_only=True)
+class ServingConfig:
+    """How a server serves; every key as the ``server`` section of its command."""
+
+    host: str = DEFAULT_HOST  # address to bind; anything but loopback is logged as a warning
+    port: int  # HTTP port (each server's config sets its default)
+    inference_micro_batch_size: list[int] = field(default_factory=lambda: [4])  # preferred rows per rank
+    model_forward_micro_batch_size: int = 4  # rows per forward pass on one rank
+    strip_sequence_length_to_multiple: int | None = None  # compute width multiple (null: longest row)
+    max_queue_delay_microseconds: int = 2000  # how long Triton holds a request for others to merge with
+    max_batch_size: int = 1024  # most rows per request and per formed batch
+    max_sequence_length: int | None = None  # longest accepted sequence; null: the model's position limit
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # largest HTTP request body (HTTP 413 above)
+    exit_timeout_s: int = 3  # at stop, how long calls in progress may take to finish
+    heartbeat_s: float | None = 60.0  # idle heartbeat to the other ranks, within the pg timeout; null: none
+    log_file: str | None = None  # tritonserver's log file; null: a temporary file removed at stop
+    workspace_dir: str | None = None  # root of the server's own files; null: <tmp>/openaligner-servers-<uid>
+
+    def __post_init__(self) -> None:
+        # {section}: the key this section has in the command's schema (server), see the docstring
+        if isinstance(self.inference_micro_batch_size, int):  # the seed API's int form
+            self.inference_micro_batch_size = [self.inference_micro_batch_size]
+        if not 0 < self.port < 65536:
+            raise ValueError(f"{{section}}.port must be in 1..65535, got {self.port}")
+        if not self.inference_micro_batch_size or min(self.inference_micro_batch_size) < 1:
+            raise ValueError(
+                "{section}.inference_micro_batch_size must be a list of sizes >= 1, e.g. [4], "
+                f"got {self.inference_micro_batch_size}"
+            )
+        if self.model_forward_micro_batch_size < 1:
+            raise ValueError("{section}.model_forward_micro_batch_size must be >= 1")
+        if self.strip_sequence_length_to_multiple is not None and self.strip_sequence_length_to_multiple < 1:
+            raise ValueError("{section}.strip_sequence_length_to_multiple must be >= 1 or null")
+        if self.max_batch_size < 1:
+            raise ValueError("{section}.max_batch_size must be >= 1")
+        if self.heartbeat_s is not None and self.heartbeat_s <= 0:
+            raise ValueError("{section}.heartbeat_s must be > 0 (or null: no heartbeat)")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"{{section}}.max_request_bytes must be >= 1, got {self.max_request_bytes}")
+
+    def preferred_batch_sizes(self, world_size: int) -> tuple[int, ...]:
+        """Triton's preferred batch sizes: each ``inference_micro_batch_size`` times the ranks."""
+        return tuple(int(s) * world_size for s in self.inference_micro_batch_size)
+
+    def batching(self, world_size: int) -> Batching:
+        """Triton's dynamic batcher for the batched endpoint, on ``world_size`` ranks."""
+        return Batching(
+            max_batch_size=self.max_batch_size,
+            preferred_batch_sizes=self.preferred_batch_sizes(world_size),
+            max_queue_delay_microseconds=int(self.max_queue_delay_microseconds),
+        )
+
+    def triton_host(self) -> TritonHost:
+        """The Triton process and its HTTP front, not started."""
+        return TritonHost(
+            self.host,
+            self.port,
+            exit_timeout_s=self.exit_timeout_s,
+            log_file=self.log_file,
+            max_request_bytes=self.max_request_bytes,
+            workspace_dir=self.workspace_dir,
+        )
