@@ -23,7 +23,9 @@ from transformers import PreTrainedTokenizerBase
 
 from openaligner.cli import serving
 from openaligner.cli.serving import RuntimeConfig
+from openaligner.config import as_startup_error
 from openaligner.models.critic import CriticModel
+from openaligner.models.lora import LoraConfig, LoraError, add_lora
 from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig, check_model_dir
@@ -80,6 +82,9 @@ class ServeCriticConfig:
             decay_steps=10000,
         )
     )
+    lora: LoraConfig = field(
+        default_factory=LoraConfig
+    )  # LoRA critic: adapters on the backbone, head in full
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)  # where to save and resume
     log_dir: str | None = None  # train/* metrics (JSONL) go here; null: <checkpoint.dir>/logs, or none
     tensorboard: bool = False  # also write TensorBoard events under log_dir
@@ -95,6 +100,11 @@ class ServeCriticConfig:
                 f"optim.scheduler={self.optim.scheduler} needs optim.decay_steps: the critic server "
                 "cannot know how many steps training will take"
             )
+        if self.lora.merge_on_save:
+            raise ValueError(
+                "lora.merge_on_save does not apply to the critic server: it has no final export "
+                "(critic_save writes adapter checkpoints)"
+            )
 
 
 SCHEMA = ServeCriticConfig
@@ -106,7 +116,6 @@ def run(cfg: ServeCriticConfig) -> int:
     from openaligner.io.metrics import MetricsLogger
     from openaligner.models.positions import position_limit
     from openaligner.servers.critic import CriticServerTrainer
-    from openaligner.servers.reward import make_tokenize_func
     from openaligner.trainer.critic import CriticTrainer
     from openaligner.trainer.optim import build_optimizer
 
@@ -114,9 +123,11 @@ def run(cfg: ServeCriticConfig) -> int:
     with serving.process_group(), ExitStack() as cleanup:
         device, precision = serving.prepare_runtime(cfg.runtime, cfg.threads, log)
         critic, reward_model, tokenizer = load_models(cfg, device, precision, log)
+        critic = with_lora(critic, cfg.lora)
         limits = [position_limit(m.hf_model.config) for m in (critic, reward_model) if m is not None]
         max_len = serving.sequence_limit(cfg.server.max_sequence_length, limits)
-        tokenize = make_tokenize_func(tokenizer, max_length=max_len) if tokenizer is not None else None
+        # sentences are laid out as the reward model was trained (the critic starts from it)
+        tokenize = serving.sentences_tokenizer(tokenizer, cfg.reward_model.path or cfg.model.path, max_len)
         # The server does not know how long training runs: the schedule's length is optim.decay_steps.
         optimizer, scheduler = build_optimizer(critic.parameters(), cfg.optim, run_steps=None)
         ck = cfg.checkpoint
@@ -157,6 +168,20 @@ def run(cfg: ServeCriticConfig) -> int:
         if dp.is_leader():
             print(f"critic server stopped at step {server.step}", flush=True)
     return 0
+
+
+def with_lora(critic: CriticModel, cfg: LoraConfig) -> CriticModel:
+    """``critic`` with LoRA adapters on its backbone and its head trained in full (``cfg.r`` = 0:
+    as it is). The adapters start the same on every rank and every start.
+
+    Raises:
+        StartupError: the adapters cannot be added (see :class:`~openaligner.models.lora.LoraError`).
+    """
+    # peft draws the adapters' first matrices from the global RNG: seeded here, so that every
+    # rank (each holds a replica) and every restart start from the same adapters
+    torch.manual_seed(0)
+    with as_startup_error(LoraError):
+        return add_lora(critic, cfg)
 
 
 def load_models(

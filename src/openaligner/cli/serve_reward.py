@@ -45,7 +45,7 @@ SCHEMA = ServeRewardConfig
 def run(cfg: ServeRewardConfig) -> int:
     from openaligner import distributed as dp
     from openaligner.models.positions import position_limit
-    from openaligner.servers.reward import RewardModelServer, make_tokenize_func
+    from openaligner.servers.reward import RewardModelServer
 
     log = serving.setup_logging(cfg.log_level, "openaligner.serve_reward")
     with serving.process_group():
@@ -53,7 +53,7 @@ def run(cfg: ServeRewardConfig) -> int:
         model, tokenizer = load_model(cfg, device, precision, log)
         hf_config = model.hf_model.config
         max_len = serving.sequence_limit(cfg.server.max_sequence_length, [position_limit(hf_config)])
-        tokenize = make_tokenize_func(tokenizer, max_length=max_len) if tokenizer is not None else None
+        tokenize = serving.sentences_tokenizer(tokenizer, cfg.model.path, max_len)
         server = RewardModelServer(
             precision.autocast_fn(model.infer),
             tokenize,

@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from openaligner import distributed as dp
 from openaligner.config import StartupError, as_startup_error
+from openaligner.data.render import LayoutError, SequenceLayout
 from openaligner.models.precision import Precision, check_precision
 from openaligner.models.source import (
     ModelSourceConfig,
@@ -32,7 +33,9 @@ from openaligner.models.source import (
     find_tokenizer,
     pick_device,
 )
+from openaligner.servers.reward import make_tokenize_func
 from openaligner.servers.transport.lifecycle import STOP_WHILE_STARTING_S, ServerLifecycle
+from openaligner.servers.validation import TokenizeFn
 
 RENAMED_KEYS: dict[str, str] = {
     "model.tiny=true": "model.tiny=gpt2",
@@ -142,6 +145,24 @@ def serving_tokenizer(
     if found is None:
         log.info("no tokenizer in %s (set tokenizer.path); `sentences` requests will be refused", model.path)
     return found
+
+
+def sentences_tokenizer(
+    tokenizer: PreTrainedTokenizerBase | None, reward_model_dir: str | None, max_length: int | None
+) -> TokenizeFn | None:
+    """How ``sentences`` requests become token ids: laid out as the reward model was trained
+    (the ``sequence_layout.json`` train-rm wrote into ``reward_model_dir``; train-rm's default
+    layout when there is none, e.g. a reward model from elsewhere), cut to ``max_length``. None
+    without a tokenizer (token ids only).
+
+    Raises:
+        StartupError: the layout file cannot be read.
+    """
+    if tokenizer is None:
+        return None
+    with as_startup_error(LayoutError):
+        layout = SequenceLayout.load(reward_model_dir) if reward_model_dir is not None else None
+    return make_tokenize_func(tokenizer, max_length=max_length, layout=layout)
 
 
 def sequence_limit(configured: int | None, model_limits: list[int | None]) -> int | None:
