@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from transformers import (
@@ -39,19 +39,10 @@ from openaligner.models.critic import CriticModel
 from openaligner.models.reward import RewardModel
 from openaligner.models.tokenizers import BOS_ID, EOS_ID, PAD_ID
 
-TinyArch = Literal["gpt2", "llama", "gpt_neox", "mixtral", "qwen2", "mistral", "gemma", "gemma2", "phi3", "opt"]
-TINY_ARCHS: tuple[str, ...] = (
-    "gpt2",
-    "llama",
-    "gpt_neox",
-    "mixtral",
-    "qwen2",
-    "mistral",
-    "gemma",
-    "gemma2",
-    "phi3",
-    "opt",
-)
+TinyArch = Literal[
+    "gpt2", "llama", "gpt_neox", "mixtral", "qwen2", "mistral", "gemma", "gemma2", "phi3", "opt"
+]
+TINY_ARCHS: tuple[str, ...] = get_args(TinyArch)
 
 
 @dataclass(frozen=True)
