@@ -280,7 +280,6 @@ def _opt(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
         do_layer_norm_before=True,
         dropout=0.0,
         attention_dropout=0.0,
-        activation_dropout=0.0,
         layerdrop=0.0,
         tie_word_embeddings=True,
         **ids,
