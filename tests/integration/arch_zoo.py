@@ -40,6 +40,7 @@ class Family:
     unk: str | None
     checks: str  # what this architecture exercises, for docs/models.md
     chat_template: str | None = None
+    config: tuple[tuple[str, object], ...] = ()  # config.json settings a user's checkpoint has on top
 
 
 _LLAMA_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
@@ -82,7 +83,9 @@ FAMILIES: dict[str, Family] = {
             bos="<s>",
             pad="<pad>",
             unk="<unk>",
-            checks="sparse mixture of experts (4 experts, 2 per token; fused in memory, per expert on disk)",
+            checks="sparse mixture of experts (4 experts, 2 per token; fused in memory, per expert on "
+            "disk); output_router_logits on, as MoE fine-tuning recipes save it",
+            config=(("output_router_logits", True),),
         ),
         Family(
             "qwen2",
@@ -185,6 +188,8 @@ def save_model_dir(family: Family, directory: Path, seed: int = 0) -> PreTrained
     tokenizer = build_tokenizer(family)
     size = replace(MODEL_SIZE, vocab_size=len(tokenizer))
     model = build_tiny_causal_lm(family.arch, size, seed, ids=SpecialIds.of(tokenizer))
+    for key, value in family.config:
+        setattr(model.config, key, value)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return tokenizer

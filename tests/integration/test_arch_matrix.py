@@ -337,12 +337,24 @@ def run_interleaved(pipelines: dict[str, Pipeline], max_starting: int) -> dict[s
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ArchRun | BaseException]]:
+def matrix(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, ArchRun | BaseException]]:
+    """Every selected architecture's pipeline (``-k mixtral`` runs one), interleaved."""
+    selected = [
+        item.callspec.params["arch"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    ]
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the servers starting meanwhile need the other core
     t0 = time.monotonic()
-    pipelines = {arch: arch_pipeline(arch, tmp_path_factory.mktemp(arch)) for arch in TINY_ARCHS}
-    results = run_interleaved(pipelines, MAX_STARTING)
-    print(f"\narchitecture matrix: {len(TINY_ARCHS)} architectures in {time.monotonic() - t0:.0f} s")
+    pipelines = {arch: arch_pipeline(arch, tmp_path_factory.mktemp(arch)) for arch in selected}
+    try:
+        results = run_interleaved(pipelines, MAX_STARTING)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"\narchitecture matrix: {len(selected)} architecture(s) in {time.monotonic() - t0:.0f} s")
     yield results
 
 

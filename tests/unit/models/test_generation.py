@@ -134,6 +134,21 @@ def test_greedy_tokens_are_the_argmax_of_a_full_forward_for_every_architecture(
         assert row[0, p:].tolist() == logits[p - 1 : n - 1].argmax(-1).tolist(), i
 
 
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_a_mixture_of_experts_configured_to_output_router_logits_generates(tiny, cache):
+    """``output_router_logits: true`` in a config (as MoE fine-tuning recipes save it, to train with
+    the load-balancing loss) made every cached decoding step fail: the step's router logits cover
+    the new token only, while the load-balancing loss reduces them over the whole attention mask.
+    Generation needs no router logits and asks for none."""
+    model = tiny.causal_lm("mixtral")
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    params = SamplingParams(greedy=True, max_new_tokens=6, stop_token_ids=())
+    expected = generate(model, prompts, lengths, params, pad_id=0, cache=cache)
+    model.config.output_router_logits = True
+    out = generate(model, prompts, lengths, params, pad_id=0, cache=cache)
+    assert torch.equal(out.tokens, expected.tokens)
+
+
 def _modified_gpt2(tiny, how):
     model = tiny.causal_lm("gpt2")
     if how == "train":
