@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import deque
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
@@ -77,6 +78,7 @@ class ArchRun:
     resume_log: list[str] = field(default_factory=list)  # train-ppo's resume messages (second run)
     first_servers: list[Served] = field(default_factory=list)
     restarted_servers: list[Served] = field(default_factory=list)
+    rewards_of_text_and_tokens: tuple[float, float] = (float("nan"), float("nan"))  # one sequence, served
     logits_max_diff: float = float("nan")  # reloaded vs trained actor
     logits_moved: float = float("nan")  # trained actor vs the SFT model (PPO changed the policy)
     loading_info: dict[str, list[str]] = field(default_factory=dict)  # from_pretrained's, of the actor
@@ -200,6 +202,7 @@ def arch_pipeline(arch: str, root: Path) -> Pipeline:
     run.first_servers = yield commands
     run.exit_codes["train-ppo"] = main(_ppo_args(arch, sft, data["prompts"], ppo, ports, steps=1))
     run.checkpoints_after_first_run = sorted(p.name for p in (ppo / "checkpoints").glob("step_*"))
+    run.rewards_of_text_and_tokens = _served_rewards(arch, run.first_servers, rm, data["sft"])
     # 3. the servers stopped and started again: the critic resumes from its checkpoint
     _stop(run.first_servers)
     commands, ports = _server_commands(arch, rm, root / "critic")
@@ -219,6 +222,31 @@ def arch_pipeline(arch: str, root: Path) -> Pipeline:
         run.logits_max_diff = float((_logits(reloaded, tokens, mask) - final).abs().max())
         run.logits_moved = float((_logits(sft_model, tokens, mask) - final).abs().max())
     return run
+
+
+def _served_rewards(arch: str, servers: list[Served], rm: Path, sft_data: Path) -> tuple[float, float]:
+    """The reward the server gives one SFT example sent as text (tokenized by the server, with the
+    tokenizer of the reward model's directory) and as the token ids of that tokenizer."""
+    example = json.loads(sft_data.read_text().splitlines()[0])
+    text = example["prompt"] + " " + example["response"]
+    ids = load_tokenizer(rm)(text, add_special_tokens=False)["input_ids"]
+    separate = arch in SEPARATE_REWARD_SERVER
+    url = (servers[1] if separate else servers[0]).wait_ready()
+    name = "reward_model" if separate else "critic_infer"
+    by_text = [{"name": "sentences", "datatype": "BYTES", "shape": [1, 1], "data": [text]}]
+    by_tokens = [
+        {"name": "tokens", "datatype": "INT64", "shape": [1, len(ids)], "data": ids},
+        {"name": "sequence_lengths", "datatype": "INT64", "shape": [1, 1], "data": [len(ids)]},
+    ]
+    return _infer_reward(url, name, by_text), _infer_reward(url, name, by_tokens)
+
+
+def _infer_reward(url: str, model: str, inputs: list[dict[str, Any]]) -> float:
+    body = json.dumps({"inputs": inputs}).encode()
+    request = urllib.request.Request(f"{url}/v2/models/{model}/infer", data=body, method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        outputs = json.loads(response.read())["outputs"]
+    return float(next(o for o in outputs if o["name"] == "rewards")["data"][0])
 
 
 def _stop(servers: list[Served]) -> None:
@@ -383,6 +411,10 @@ def test_architecture_trains_serves_resumes_and_reloads(matrix, arch):
     critic = run.restarted_servers[0]
     assert "step_1 at step 1" in critic.output, critic.output[-2000:]  # "critic resumed from ..."
     assert any("went back to critic step 1" in line for line in run.resume_log), run.resume_log
+    # the servers found the tokenizer in the reward model's directory and tokenize as it does
+    assert all("no tokenizer" not in server.output for server in run.first_servers)
+    by_text, by_tokens = run.rewards_of_text_and_tokens
+    assert by_text == pytest.approx(by_tokens, abs=1e-6)
     assert any("resumed from" in line and "at step 1" in line for line in run.resume_log), run.resume_log
     state = json.loads((ppo / "checkpoints" / "step_2" / "trainer_state.json").read_text())
     assert (state["step"], state["consumed_samples"]) == (2, 16)
