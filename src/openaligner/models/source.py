@@ -45,7 +45,7 @@ class SourceError(ValueError):
 @dataclass
 class ModelSourceConfig:
     path: str | None = None  # local Hugging Face model directory; when set, the tiny.* keys are ignored
-    tiny: str = "gpt2"  # built-in random model when path is unset: gpt2, llama, gpt_neox or mixtral
+    tiny: str = "gpt2"  # built-in random model when path is unset: a TINY_ARCHS name (gpt2, qwen2, ...)
     tiny_vocab_size: int = 0  # tiny model vocabulary; 0 = the tokenizer's length
     tiny_hidden_size: int = 64  # tiny model width
     tiny_num_layers: int = 2  # tiny model transformer blocks
