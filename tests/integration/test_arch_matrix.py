@@ -154,7 +154,7 @@ def _server_commands(arch: str, rm: Path, critic_dir: Path) -> tuple[ServerComma
     return [critic, reward], {"critic": critic_port, "reward": reward_port}
 
 
-def _ppo_args(arch: str, sft: Path, prompts: Path, out: Path, ports: dict[str, int], steps: int) -> list[str]:
+def _ppo_args(sft: Path, prompts: Path, out: Path, ports: dict[str, int], steps: int) -> list[str]:
     remote = [f"remote.critic.port={ports['critic']}"]
     if "reward" in ports:
         remote += ["remote.combine_rm_and_critic_server=false", f"remote.reward_model.port={ports['reward']}"]
@@ -200,7 +200,7 @@ def arch_pipeline(arch: str, root: Path) -> Pipeline:
     # 2. serve, and one PPO step with its checkpoint (actor and critic)
     commands, ports = _server_commands(arch, rm, root / "critic")
     run.first_servers = yield commands
-    run.exit_codes["train-ppo"] = main(_ppo_args(arch, sft, data["prompts"], ppo, ports, steps=1))
+    run.exit_codes["train-ppo"] = main(_ppo_args(sft, data["prompts"], ppo, ports, steps=1))
     run.checkpoints_after_first_run = sorted(p.name for p in (ppo / "checkpoints").glob("step_*"))
     run.rewards_of_text_and_tokens = _served_rewards(arch, run.first_servers, rm, data["sft"])
     # 3. the servers stopped and started again: the critic resumes from its checkpoint
@@ -209,7 +209,7 @@ def arch_pipeline(arch: str, root: Path) -> Pipeline:
     run.restarted_servers = yield commands
     trained: list[PreTrainedModel] = []
     with _keeping_the_trained_actor(trained), _log_lines("openaligner.trainer.ppo") as resume_log:
-        run.exit_codes["train-ppo resumed"] = main(_ppo_args(arch, sft, data["prompts"], ppo, ports, steps=2))
+        run.exit_codes["train-ppo resumed"] = main(_ppo_args(sft, data["prompts"], ppo, ports, steps=2))
     run.resume_log = resume_log
     _stop(run.restarted_servers)
     # 4. the final actor as plain transformers loads it, against the trained actor in memory
