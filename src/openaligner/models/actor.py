@@ -22,9 +22,10 @@ Conventions:
 * Precision (:mod:`openaligner.models.precision`): the policy holds float32 master weights;
   generation and the scoring and training forwards run under the precision's autocast (the
   backward, which the trainer runs, follows the forward's dtypes). The initial policy is a float32
-  copy scored under the same autocast, so that at step 0 its log-probs equal the policy's bit for
-  bit and the KL penalty starts at exactly 0 (a bf16-cast copy would differ by ~1e-3 per token, a
-  bias the absolute KL estimator never averages out). Under a mixed precision the rollout and
+  copy (with LoRA: the policy itself, adapters disabled) scored under the same autocast, so that
+  at step 0 its log-probs equal the policy's bit for bit and the KL penalty starts at exactly 0 (a
+  bf16-cast copy would differ by ~1e-3 per token, a bias the absolute KL estimator never averages
+  out). Under a mixed precision the rollout and
   training log-probs of the same weights agree to the compute dtype's rounding, not bit for bit.
 """
 
@@ -51,6 +52,7 @@ from openaligner.models.generation import (
     generate,
     mask_early_stops,
 )
+from openaligner.models.lora import is_peft_model, merged_copy
 from openaligner.models.precision import Precision, save_pretrained_as
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,8 @@ class CausalLMActor:
         entropy_coef: weight of the entropy bonus in the loss (NeMo-Aligner's ``entropy_bonus``).
         loss_aggregation: ``token_mean`` or ``seq_mean_token_mean``.
         init_policy: the frozen initial policy for the KL penalty. ``None`` deep-copies ``model``
-            (or, for a PEFT model, uses ``model`` with its adapters disabled); ``False`` keeps no
+            (or, for a LoRA (``peft``) model, uses ``model`` itself with its adapters disabled: no
+            second copy, see :mod:`openaligner.models.lora`); ``False`` keeps no
             initial policy (KL coefficient 0). Pass the SFT model explicitly when resuming, so the
             reference stays the original policy.
         cache: KV cache kind for generation through the HF forward (``static`` or ``dynamic``); plain
@@ -154,8 +157,17 @@ class CausalLMActor:
     def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write the policy as a Hugging Face directory (``config.json`` + ``model.safetensors``;
         plus the tokenizer files when a tokenizer is attached), with the weights as ``dtype``
-        (None: as they are, i.e. the masters)."""
+        (None: as they are, i.e. the masters). A LoRA policy writes its adapter directory instead
+        (float32 adapters, see :func:`openaligner.models.precision.save_pretrained_as`)."""
         save_pretrained_as(self.model, directory, dtype)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(directory))
+
+    def save_merged(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write a LoRA policy with its adapters merged in as a plain Hugging Face causal-LM
+        directory (plus the tokenizer), weights as ``dtype``; the live policy is not changed
+        (:func:`openaligner.models.lora.merged_copy`)."""
+        save_pretrained_as(merged_copy(self.model), directory, dtype)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(directory))
 
@@ -343,7 +355,7 @@ class CausalLMActor:
             return None
         if isinstance(init_policy, nn.Module):
             frozen = init_policy
-        elif _is_peft(self.model):
+        elif is_peft_model(self.model):
             return self.model  # the same weights; adapters are disabled while it scores
         else:
             frozen = copy.deepcopy(self.model)
@@ -352,7 +364,7 @@ class CausalLMActor:
         return frozen
 
     def _init_policy_context(self) -> AbstractContextManager[object]:
-        if self.init_policy is self.model and _is_peft(self.model):
+        if self.init_policy is self.model and is_peft_model(self.model):
             ctx = getattr(self.model, "disable_adapter")()  # noqa: B009 (PEFT API, untyped here)
             assert isinstance(ctx, AbstractContextManager)
             return ctx
@@ -448,11 +460,3 @@ def _warn_if_router_loss_is_asked_for(model: PreTrainedModel) -> None:
             "router_aux_loss_coef=%s): the PPO loss does not include that loss",
             getattr(model.config, "router_aux_loss_coef", None),
         )
-
-
-def _is_peft(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)

@@ -37,6 +37,8 @@ from typing import Literal, ParamSpec, TypeVar
 import torch
 from transformers import PreTrainedModel
 
+from openaligner.models.lora import is_peft_model
+
 PrecisionName = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16-mixed", "fp16-mixed")
 """The values of a command's ``precision`` key."""
@@ -172,7 +174,16 @@ def save_pretrained_as(
     """``model.save_pretrained(directory)`` with its floating weights written as ``dtype`` (None:
     as they are). The live model is not touched; tied weights stay tied (cast once), integer
     buffers keep their dtype, and ``config.json`` states ``dtype`` so that loaders with
-    ``dtype="auto"`` read the weights back in it."""
+    ``dtype="auto"`` read the weights back in it.
+
+    A LoRA model (a ``peft`` ``PeftModel``, :mod:`openaligner.models.lora`) writes its adapter
+    directory (``adapter_config.json`` + ``adapter_model.safetensors``) with the adapters (and a
+    trained head) as they are, float32 masters, whatever ``dtype``: they are small, and a merge
+    into the base should start from the masters; ``dtype`` applies to the merged model."""
+    if is_peft_model(model):
+        # No embedding layers unless adapted ("auto" may look the base up by name to compare vocabularies).
+        model.save_pretrained(str(directory), save_embedding_layers=False)
+        return
     if dtype is None or all(p.dtype == dtype for p in model.parameters()):
         model.save_pretrained(str(directory))
         return

@@ -9,6 +9,9 @@ Owns the head layout on disk and the read-out rules:
   what is saved here loads in ``transformers``. The head is kept and computed in float32.
 * The reward of a sequence is the head applied to the last valid token's hidden state
   (index ``length - 1``); the critic (``critic.py``) applies the same head at every position.
+* With LoRA (:func:`openaligner.models.lora.add_lora`) ``hf_model`` is a ``peft`` model wrapping
+  the classifier: the backbone's layers carry the adapters, the head is trained in full, and
+  ``save_pretrained`` writes the adapter directory (adapters and head).
 * Inputs are right-padded: ``tokens`` [B, S] int64 with ``lengths`` [B] valid tokens per row.
   Under the causal mask, padding after a row's length cannot change any valid position; the
   padding is also masked out of attention (``attention_mask`` built from ``lengths``).
@@ -19,13 +22,14 @@ Must not know about serving, PPO or training loops; those call ``forward`` / ``i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
+from openaligner.models.lora import unwrap
 from openaligner.models.precision import save_pretrained_as
 
 Standardization = tuple[float, float]
@@ -62,15 +66,18 @@ class ScalarHeadModel(nn.Module):
 
     @property
     def backbone(self) -> nn.Module:
-        """The decoder without the head (e.g. ``GPT2Model``, ``LlamaModel``)."""
-        module = self.hf_model.base_model
+        """The decoder without the head (e.g. ``GPT2Model``, ``LlamaModel``; with LoRA, the same
+        decoder, whose layers carry the adapters)."""
+        module = unwrap(self.hf_model).base_model
         assert isinstance(module, nn.Module)
         return module
 
     @property
     def head(self) -> nn.Linear:
-        """The float32 scalar head, weight [1, H]."""
-        head = self.hf_model.score
+        """The float32 scalar head, weight [1, H] (with LoRA, the trained copy ``peft`` keeps)."""
+        head: Any = unwrap(self.hf_model).score
+        if not isinstance(head, nn.Linear):  # peft's ModulesToSaveWrapper: the active adapter's copy
+            head = head.modules_to_save[head.active_adapters[0]]
         assert isinstance(head, nn.Linear)
         return head
 

@@ -29,6 +29,7 @@ from openaligner.models.builders import (
     build_tiny_sequence_classifier,
 )
 from openaligner.models.critic import CriticModel
+from openaligner.models.lora import adapter_directory_problem
 from openaligner.models.positions import position_limit
 from openaligner.models.precision import MASTER_DTYPE
 from openaligner.models.reward import RewardModel
@@ -59,6 +60,9 @@ class ModelSourceConfig:
             raise ValueError(
                 f"{{section}}.tiny must be one of {TINY_ARCHS} (or set {{section}}.path), got {self.tiny!r}"
             )
+        problem = adapter_directory_problem(self.path) if self.path is not None else None
+        if problem is not None:
+            raise ValueError(f"{{section}}.path={self.path!r} {problem}")
         if self.path is not None and not (Path(self.path) / "config.json").is_file():
             raise ValueError(
                 f"{{section}}.path={self.path!r} is not a Hugging Face model directory (no config.json)"

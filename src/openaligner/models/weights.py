@@ -24,9 +24,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from openaligner.models.lora import ADAPTER_CONFIG, is_peft_model
 from openaligner.models.reward import ScalarHeadModel
-
-_ADAPTER_CONFIG = "adapter_config.json"
 
 
 def load_weights_into(model: nn.Module, directory: str | Path) -> None:
@@ -51,7 +50,7 @@ def load_weights_into(model: nn.Module, directory: str | Path) -> None:
     path = Path(directory)
     if isinstance(model, ScalarHeadModel):
         model = model.hf_model
-    if _is_peft_model(model):
+    if is_peft_model(model):
         _load_adapters(model, path)
     elif isinstance(model, PreTrainedModel):
         _load_full(model, path)
@@ -66,10 +65,10 @@ def _load_full(model: PreTrainedModel, path: Path) -> None:
     """Load ``path`` with ``type(model).from_pretrained`` and copy its state into ``model``."""
     if not path.is_dir():
         raise ValueError(f"{path} is not a directory; expected a Hugging Face model directory")
-    if (path / _ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
+    if (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
         raise ValueError(
-            f"{path} holds a PEFT adapter, but the model is a plain {type(model).__name__}; "
-            "wrap it with peft before resuming"
+            f"{path} holds a LoRA adapter, but the model is a plain {type(model).__name__}: the "
+            "checkpoint was written with LoRA; resume with the lora settings it was written with"
         )
     live = model.state_dict()
     # The widest live float dtype (e.g. float32 when a bfloat16 backbone has a float32 head), so
@@ -114,10 +113,11 @@ def _load_adapters(model: nn.Module, path: Path) -> None:
     live = model.state_dict()
     for name in names:
         adapter_dir = path if name == "default" else path / name
-        if not (adapter_dir / _ADAPTER_CONFIG).is_file():
+        if not (adapter_dir / ADAPTER_CONFIG).is_file():
             raise ValueError(
-                f"{adapter_dir} has no {_ADAPTER_CONFIG}; expected the PEFT adapter directory that "
-                "PeftModel.save_pretrained writes"
+                f"{adapter_dir} has no {ADAPTER_CONFIG}; expected the LoRA adapter directory that "
+                "PeftModel.save_pretrained writes (a checkpoint written without LoRA cannot resume a "
+                "run with lora.r > 0)"
             )
         weights = load_peft_weights(str(adapter_dir), device="cpu")
         try:
@@ -152,10 +152,3 @@ def _widest_float_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     floats = [t.dtype for t in tensors if t.is_floating_point()]
     return max(floats, key=lambda d: torch.finfo(d).bits, default=torch.float32)
 
-
-def _is_peft_model(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from openaligner.algorithms import KL_KINDS, LOSS_AGGREGATIONS
 from openaligner.clients.critic import RemoteCriticConfig
+from openaligner.models.lora import LoraConfig
 from openaligner.models.precision import check_precision, check_save_dtype
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
 from openaligner.trainer.optim import OptimConfig
@@ -182,6 +183,7 @@ class TrainPPOConfig:
     precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
     trainer: PPOConfig = field(default_factory=PPOConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, betas=[0.9, 0.95]))
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA actor; initial policy = adapters disabled
     data: DataConfig = field(default_factory=DataConfig)
     remote: RemoteCriticConfig = field(default_factory=RemoteCriticConfig)
     exp: ExpConfig = field(default_factory=ExpConfig)

@@ -24,6 +24,7 @@ from openaligner.data.prompts import PromptDataset, build_prompt_dataset, read_p
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger, rewind_logs
 from openaligner.models.actor import CausalLMActor
+from openaligner.models.lora import MERGED_DIR, LoraError, add_lora
 from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
 from openaligner.models.source import (
     SourceError,
@@ -101,6 +102,9 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     model = load_causal_lm(cfg.actor, len(tokenizer), device, dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model, key="actor")
+    # with LoRA the initial policy is this same model with its adapters disabled: no second copy
+    with as_startup_error(LoraError):
+        model = add_lora(model, cfg.lora)
     actor = CausalLMActor(
         model,
         tokenizer,
@@ -171,14 +175,22 @@ def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer],
         if on_trainer is not None:
             on_trainer(trainer)
         if latest is not None:
-            trainer.load_checkpoint(latest)
+            try:
+                trainer.load_checkpoint(latest)
+            except ValueError as e:  # e.g. a LoRA checkpoint for a run without lora.r, or the reverse
+                raise StartupError(
+                    f"exp.resume=true cannot continue from {latest}: {e} (or set exp.resume=false, or "
+                    "another exp.output_dir)"
+                ) from None
         # 3. train
         trainer.fit()
     finally:
         logger.close()
-    # 4. the final actor, in the documented dtype
+    # 4. the final actor, in the documented dtype (with LoRA: its adapter, and the merged actor if asked)
     if rank == 0:
         run.actor.save_pretrained(out / "actor", dtype=run.save_dtype)
+        if cfg.lora.merge_on_save:
+            run.actor.save_merged(out / "actor" / MERGED_DIR, dtype=run.save_dtype)
         log.info("final actor written to %s (%s)", out / "actor", str(run.save_dtype).removeprefix("torch."))
     dp.barrier()
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from openaligner.config import as_startup_error
 from openaligner.data.preference import PreferencePair, build_preference_pairs, collate_pairs
+from openaligner.models.lora import LoraConfig, LoraError, add_lora
 from openaligner.models.precision import (
     MASTER_DTYPE,
     Precision,
@@ -67,6 +68,7 @@ class RMConfig:
     tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # how to tokenize
     data: RMDataConfig = field(default_factory=RMDataConfig)  # training and validation pairs
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))  # AdamW and LR schedule
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full fine-tuning
     trainer: LoopConfig = field(
         default_factory=LoopConfig
     )  # steps, batch sizes (in pairs), validation, checkpoints
@@ -126,6 +128,8 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
     model = load_reward_model(cfg.model, len(tokenizer), device, dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model.hf_model)
+    with as_startup_error(LoraError):
+        model = add_lora(model, cfg.lora)  # adapters on the backbone, the head trained in full
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -151,4 +155,5 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
         tensorboard=cfg.tensorboard,
         precision=Precision.resolve(cfg.precision, device),
         save_dtype=resolve_save_dtype(cfg.save_dtype, cfg.model.path),
+        export_merged=cfg.lora.merge_on_save,
     )

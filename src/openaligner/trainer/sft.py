@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from openaligner.algorithms import next_token_logprobs, response_mask
 from openaligner.config import as_startup_error
 from openaligner.data.sft import SFTExample, build_sft_examples, collate_sft
+from openaligner.models.lora import LoraConfig, LoraError, add_lora
 from openaligner.models.precision import (
     MASTER_DTYPE,
     Precision,
@@ -64,6 +65,7 @@ class SFTConfig:
     tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # how to tokenize
     data: SFTDataConfig = field(default_factory=SFTDataConfig)  # training and validation data
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))  # AdamW and LR schedule
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full fine-tuning
     trainer: LoopConfig = field(default_factory=LoopConfig)  # steps, batch sizes, validation, checkpoints
     output_dir: str = "runs/sft"  # final HF model + tokenizer, checkpoints/ and metrics.jsonl
     resume: bool = True  # continue from the newest complete checkpoint in output_dir
@@ -121,6 +123,8 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
     model = load_causal_lm(cfg.model, len(tokenizer), device, dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model)
+    with as_startup_error(LoraError):
+        model = add_lora(model, cfg.lora)  # r = 0: the model as it is
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -148,4 +152,5 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
         tensorboard=cfg.tensorboard,
         precision=Precision.resolve(cfg.precision, device),
         save_dtype=resolve_save_dtype(cfg.save_dtype, cfg.model.path),
+        export_merged=cfg.lora.merge_on_save,
     )

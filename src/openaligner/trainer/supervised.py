@@ -12,6 +12,10 @@ Precision (:mod:`openaligner.models.precision`): the objective's module holds th
 weights; its loss is computed under the precision's autocast and backpropagated through the
 precision's loss scaler. Checkpoints hold the masters (exact resume); the final export is
 written in ``save_dtype``.
+
+LoRA (:mod:`openaligner.models.lora`): a module with adapters trains only what requires
+gradients; its checkpoints and export are its adapter directory, and on request the export also
+holds ``merged/``, the model with its adapters merged in.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from openaligner.data.jsonl import DataFileError, read_records, split_holdout
 from openaligner.data.prompts import EpochSampler
 from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
 from openaligner.io.metrics import MetricsLogger
-from openaligner.models.precision import Precision
+from openaligner.models.lora import MERGED_DIR, merged_copy
+from openaligner.models.precision import Precision, save_pretrained_as
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
@@ -221,6 +226,9 @@ class SupervisedTrainer(Generic[T]):
         precision: autocast and loss scaling of the training and validation forwards (default
             ``fp32``: neither).
         save_dtype: dtype of the final export's weights (None: as trained, float32).
+        export_merged: the objective's module carries LoRA adapters, and the final export also
+            writes ``output_dir/merged``, the model with the adapters merged in
+            (:func:`openaligner.models.lora.merged_copy`), weights as ``save_dtype``.
     """
 
     def __init__(
@@ -240,6 +248,7 @@ class SupervisedTrainer(Generic[T]):
         tensorboard: bool = False,
         precision: Precision | None = None,
         save_dtype: torch.dtype | None = None,
+        export_merged: bool = False,
     ) -> None:
         self.objective = objective
         self.train_items, self.val_items = train_items, val_items
@@ -252,6 +261,7 @@ class SupervisedTrainer(Generic[T]):
         self.precision = precision if precision is not None else Precision()
         self.scaler = self.precision.grad_scaler()
         self.save_dtype = save_dtype
+        self.export_merged = export_merged
         self.sampler = EpochSampler(len(train_items), loop.global_batch_size, loop.seed)
         if self.sampler.steps_per_epoch == 0:
             raise ValueError(
@@ -298,7 +308,8 @@ class SupervisedTrainer(Generic[T]):
         finally:
             bar.close()
             logger.close()
-        self.export(self.output_dir, dtype=self.save_dtype)  # 5. final Hugging Face model + tokenizer
+        # 5. final Hugging Face model (or LoRA adapter, and the merged model) + tokenizer
+        self.export(self.output_dir, dtype=self.save_dtype, merged=self.export_merged)
         return history
 
     def _train_step(self, indices: list[int]) -> dict[str, float]:
@@ -376,7 +387,12 @@ class SupervisedTrainer(Generic[T]):
         path = self.checkpoints.latest() if self.resume else None
         if path is None:
             return False
-        load_weights_into(self.objective.module, path / "model")
+        try:
+            load_weights_into(self.objective.module, path / "model")
+        except ValueError as e:  # e.g. a LoRA checkpoint for a run without lora.r, or the reverse
+            raise StartupError(
+                f"resume=true cannot continue from {path}: {e} (or set resume=false, or another output_dir)"
+            ) from None
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
         set_rng_state(torch.load(path / "rng.pt", weights_only=False))
@@ -384,19 +400,28 @@ class SupervisedTrainer(Generic[T]):
         log.info("resumed from %s at step %d", path, self.state.step)
         return True
 
-    def export(self, directory: Path, atomic: bool = True, dtype: torch.dtype | None = None) -> None:
+    def export(
+        self, directory: Path, atomic: bool = True, dtype: torch.dtype | None = None, merged: bool = False
+    ) -> None:
         """Save the model and tokenizer as a Hugging Face directory, weights as ``dtype`` (None: the
-        float32 masters, as checkpoints need). With ``atomic`` the files are written to a temporary
+        float32 masters, as checkpoints need); a LoRA model saves its adapter directory, and with
+        ``merged`` also ``directory/merged``, the model with its adapters merged in (weights as
+        ``dtype``) and the tokenizer. With ``atomic`` the files are written to a temporary
         sibling first and moved in one by one with ``os.replace``."""
         if not atomic:
             directory.mkdir(parents=True, exist_ok=True)
             self.objective.save(directory, dtype)
             self.tokenizer.save_pretrained(str(directory))
+            if merged:
+                save_pretrained_as(merged_copy(self.objective.module), directory / MERGED_DIR, dtype)
+                self.tokenizer.save_pretrained(str(directory / MERGED_DIR))
             return
         tmp = directory / f".export-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.export(tmp, atomic=False, dtype=dtype)
+        self.export(tmp, atomic=False, dtype=dtype, merged=merged)
         for f in tmp.iterdir():
+            if f.is_dir() and (directory / f.name).is_dir():  # os.replace cannot replace a directory
+                shutil.rmtree(directory / f.name)
             os.replace(f, directory / f.name)
         tmp.rmdir()
 

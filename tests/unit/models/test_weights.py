@@ -107,5 +107,5 @@ def test_an_adapter_of_another_rank_is_refused(tiny, tmp_path):
 
 def test_an_adapter_directory_is_refused_for_a_plain_model(tiny, tmp_path):
     _lora(tiny).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="PEFT adapter"):
+    with pytest.raises(ValueError, match="holds a LoRA adapter"):
         load_weights_into(tiny.causal_lm("llama"), tmp_path)

@@ -88,3 +88,38 @@ def test_config_checks():
         CriticTrainConfig(global_batch_size=0)
     with pytest.raises(ValueError, match="gradient_clip_val"):
         CriticTrainConfig(global_batch_size=4, gradient_clip_val=-1)
+
+
+def test_a_lora_critic_trains_adapters_and_head_and_resumes_from_its_adapter_checkpoint(tiny, tmp_path):
+    """What serve-critic runs with `lora.r` set: add_lora on the loaded critic, the optimizer over
+    what then requires gradients."""
+    pytest.importorskip("peft")
+    from openaligner.models.lora import LoraConfig, add_lora
+    from openaligner.trainer.optim import OptimConfig, build_optimizer
+
+    def lora_trainer(checkpoints):
+        torch.manual_seed(0)  # peft draws the adapters' A matrices from the global RNG
+        critic = add_lora(tiny.critic(), LoraConfig(r=4))
+        optimizer, scheduler = build_optimizer(critic.parameters(), OptimConfig(lr=1e-2), None)
+        cfg = CriticTrainConfig(global_batch_size=4, micro_batch_size=2)
+        return CriticTrainer(cfg, critic, optimizer, scheduler, checkpoints=checkpoints)
+
+    straight = lora_trainer(None)
+    before = {k: v.clone() for k, v in straight.model.state_dict().items()}
+    for _ in range(3):
+        straight.train_pass(a_batch())
+    changed = {k for k, v in straight.model.state_dict().items() if not torch.equal(v, before[k])}
+    assert any("score.modules_to_save" in k for k in changed)
+    assert all("lora_" in k or "score.modules_to_save" in k for k in changed)
+
+    stopped = lora_trainer(CheckpointManager(tmp_path))
+    for _ in range(2):
+        stopped.train_pass(a_batch())
+    path = stopped.write_checkpoint()
+    assert (path / "critic" / "adapter_config.json").is_file()
+    resumed = lora_trainer(CheckpointManager(tmp_path))
+    resumed.resume()
+    assert resumed.step == 2
+    resumed.train_pass(a_batch())
+    for k, v in resumed.model.state_dict().items():
+        assert torch.equal(v, straight.model.state_dict()[k]), k

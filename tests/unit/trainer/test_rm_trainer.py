@@ -143,3 +143,43 @@ def test_resume_with_checkpoint_key_conversions(tmp_path, arch):
     assert resumed.objective.module.head.weight.dtype == torch.float32
     for k, v in resumed.objective.module.state_dict().items():
         torch.testing.assert_close(v, final[k], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- LoRA
+def test_lora_trains_adapters_and_the_head_and_exports_a_merged_reward_model(tmp_path):
+    pytest.importorskip("peft")
+    cfg = _cfg(tmp_path, "lora.r=4", "lora.merge_on_save=true", "trainer.max_steps=3")
+    trainer = build_rm_trainer(cfg)
+    module = trainer.objective.module
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer.fit()
+    after = module.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any("score.modules_to_save" in k for k in changed)  # the head trains in full
+    assert all("lora_" in k or "score.modules_to_save" in k for k in changed)  # the base does not move
+    out = Path(cfg.output_dir)
+    assert (out / "adapter_config.json").is_file() and not (out / "model.safetensors").exists()
+    # the merged directory is what serve-reward and serve-critic load
+    merged = RewardModel.from_pretrained(out / "merged")
+    critic = CriticModel.from_pretrained(out / "merged")
+    tokens, lengths = torch.tensor([[2, 40, 41, 42, 43, 44]]), torch.tensor([6])
+    torch.testing.assert_close(merged.infer(tokens, lengths), module.infer(tokens, lengths))
+    assert torch.equal(critic.head.weight, merged.head.weight)
+
+
+def test_lora_resume_from_an_adapter_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    pytest.importorskip("peft")
+    overrides = ("trainer.max_steps=4", "trainer.save_interval=2", "trainer.keep_last=0", "lora.r=4")
+    full = build_rm_trainer(_cfg(tmp_path, *overrides))
+    full.fit()
+    final = {k: v.clone() for k, v in full.objective.module.state_dict().items()}
+    ckpts = Path(full.output_dir) / "checkpoints"
+    assert (ckpts / "step_2" / "model" / "adapter_config.json").is_file()
+    shutil.rmtree(ckpts / "step_4")
+    (ckpts / "latest").write_text("step_2\n")
+
+    resumed = build_rm_trainer(_cfg(tmp_path, *overrides))
+    resumed.fit()
+    assert resumed.start_step == 2 and resumed.state.step == 4
+    for k, v in resumed.objective.module.state_dict().items():
+        torch.testing.assert_close(v, final[k], rtol=0, atol=0)

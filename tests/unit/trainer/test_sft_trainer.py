@@ -204,3 +204,54 @@ def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights(tmp_path, mo
     after = trainer.objective.module.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert trainer.scheduler.last_epoch == 0  # the schedule did not advance either
+
+
+# ---------------------------------------------------------------------------- LoRA
+def test_lora_trains_the_adapters_only_and_exports_adapter_and_merged_model(tmp_path):
+    pytest.importorskip("peft")
+    cfg = _cfg(tmp_path, "lora.r=4", "lora.merge_on_save=true", "trainer.max_steps=3")
+    trainer = build_sft_trainer(cfg)
+    module = trainer.objective.module
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    assert [p for g in trainer.optimizer.param_groups for p in g["params"]] == trainable
+    history = trainer.fit()
+    assert history[-1]["train/loss"] < history[0]["train/loss"]
+    after = module.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("lora_" in k for k in changed)  # the base weights did not move
+    out = Path(cfg.output_dir)
+    # the adapter directory (+ tokenizer) is the export; checkpoints hold the adapters too
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists()
+    assert (out / "checkpoints" / "step_3" / "model" / "adapter_config.json").is_file()
+    # the merged directory is a plain model that loads with the adapted model's logits
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", local_files_only=True)
+    assert len(load_tokenizer(out / "merged")) == 100
+    tokens = torch.tensor([[2, 40, 41, 42, 43, 44]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            merged(tokens).logits, module(input_ids=tokens).logits, rtol=1e-5, atol=1e-5
+        )
+    # a next stage is pointed at the merged directory
+    with pytest.raises(ConfigError, match=f"use the merged directory {out / 'merged'}"):
+        _cfg(tmp_path, f"model.path={out}")
+
+
+def test_lora_resume_from_an_adapter_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    pytest.importorskip("peft")
+    _resume_from_step_2(tmp_path, "lora.r=4", "lora.dropout=0.1")
+
+
+def test_a_checkpoint_resumes_only_a_run_with_the_same_lora_setting(tmp_path):
+    pytest.importorskip("peft")
+    from openaligner.config import StartupError
+
+    for run in ("lora", "full"):
+        (tmp_path / run).mkdir()
+    build_sft_trainer(_cfg(tmp_path / "lora", "lora.r=4", "trainer.max_steps=1")).fit()
+    with pytest.raises(StartupError, match=r"resume=true cannot continue .* written with LoRA"):
+        build_sft_trainer(_cfg(tmp_path / "lora", "trainer.max_steps=2")).fit()
+    build_sft_trainer(_cfg(tmp_path / "full", "trainer.max_steps=1")).fit()
+    with pytest.raises(StartupError, match=r"written without LoRA cannot resume a run with lora\.r > 0"):
+        build_sft_trainer(_cfg(tmp_path / "full", "lora.r=4", "trainer.max_steps=2")).fit()

@@ -106,3 +106,19 @@ def test_save_dtype_overrides_the_stored_dtype(stored, tmp_path):
     train(stored, "sft", "bf16", tmp_path, "trainer.max_steps=1", "save_dtype=fp32")
     assert stored_dtypes(tmp_path) == {torch.float32}
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("kind", ["sft", "rm"])
+def test_lora_under_bf16_mixed_keeps_float32_adapters_and_exports_the_merged_model_as_stored(
+    stored, tmp_path, kind
+):
+    pytest.importorskip("peft")
+    changed, module = train(
+        stored, kind, "bf16", tmp_path, "precision=bf16-mixed", "lora.r=4", "lora.merge_on_save=true"
+    )
+    assert 0 < changed < 0.2  # the adapters (and a reward model's head) moved, nothing else
+    assert {p.dtype for p in module.parameters()} == {torch.float32}
+    # adapters are written as the float32 masters; the merged model in the stored dtype
+    with safe_open(str(tmp_path / "adapter_model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}  # noqa: SIM118
+    assert stored_dtypes(tmp_path / "merged") == {torch.bfloat16}

@@ -1,0 +1,269 @@
+"""LoRA adapters through ``peft``: the ``lora`` section of a command, putting adapters on a model,
+and the model with its adapters merged in.
+
+Owns:
+
+* :class:`LoraConfig` — the ``lora`` section of train-sft, train-rm and train-ppo (and of
+  serve-critic's critic). ``r = 0`` (the default) is off: every weight trains, ``peft`` is not
+  needed.
+* :func:`add_lora` — rank-``r`` adapters on ``target_modules``, every other weight frozen. A causal
+  LM becomes a ``peft`` ``PeftModelForCausalLM``; a scalar-head model (the reward model or the
+  critic, :mod:`openaligner.models.reward`) gets its ``hf_model`` wrapped in place, with its scalar
+  head ``score`` trained in full (``peft``'s ``modules_to_save``: a fresh head learns nothing
+  through a low-rank update of a frozen random one).
+* :func:`merged_copy` — the plain Hugging Face model with the adapters merged in, built on the CPU
+  beside the live model (which is left as it is).
+* :func:`adapter_directory_problem` — what to say when a model path names an adapter directory.
+
+Conventions: adapters start as ``peft`` initialises LoRA (``B = 0``, so the adapted model equals
+its base until the first step, and a PPO actor's KL to its initial policy starts at 0); they are
+float32 masters like every trained weight (:mod:`openaligner.models.precision`), and so is the
+frozen base, kept in the dtype the command loaded it in. A saved adapter directory is what
+``PeftModel.save_pretrained`` writes (``adapter_config.json`` + ``adapter_model.safetensors``);
+the merged directory (``<export>/merged``) is a plain Hugging Face model directory.
+
+Must not know about configs of other sections, trainers, optimizers or servers; ``peft`` is
+imported only when adapters are asked for, so that everything else runs without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, cast, overload
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
+
+log = logging.getLogger(__name__)
+
+MERGED_DIR = "merged"
+"""Sub-directory of a LoRA run's final export holding the merged model (``lora.merge_on_save``)."""
+ADAPTER_CONFIG = "adapter_config.json"
+"""The file that marks a ``peft`` adapter directory."""
+ALL_LINEAR = "all-linear"
+"""``peft``'s name for every linear layer except the output head."""
+INSTALL_HINT = "pip install 'openaligner[lora]' (or pip install peft)"
+
+
+class LoraError(ValueError):
+    """Adapters that cannot be put on this model; the message names the ``lora`` key and the fix."""
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0  # adapter rank; 0 = no LoRA (every weight trains); > 0 trains only the adapters (and heads)
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / r (peft's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapters' input while training (off in the PPO actor: eval mode)
+    target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])  # layer names, or all-linear
+    merge_on_save: bool = False  # final export also writes <export>/merged: a plain HF model, adapters merged
+
+    def __post_init__(self) -> None:
+        # {section}: this section's key in the command's schema (lora), filled in by the loader
+        if self.r < 0:
+            raise ValueError(f"{{section}}.r must be >= 0 (0 = no LoRA), got {self.r}")
+        if self.r == 0:
+            if self.merge_on_save:
+                raise ValueError(
+                    "{section}.merge_on_save=true needs {section}.r > 0: without adapters the export "
+                    "already is the whole model"
+                )
+            return
+        if self.alpha <= 0:
+            raise ValueError(f"{{section}}.alpha must be > 0 (e.g. 16), got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{{section}}.dropout must lie in [0, 1), got {self.dropout}")
+        if not self.target_modules or (ALL_LINEAR in self.target_modules and len(self.target_modules) > 1):
+            raise ValueError(
+                f"{{section}}.target_modules must be [{ALL_LINEAR}] or a non-empty list of layer names "
+                f"(e.g. [q_proj, v_proj]), got {list(self.target_modules)}"
+            )
+        if not peft_installed():
+            raise ValueError(
+                f"{{section}}.r={self.r} needs the peft package, which is not installed: {INSTALL_HINT}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether adapters are put on the model (``r > 0``)."""
+        return self.r > 0
+
+
+class HoldsHFModel(Protocol):
+    """A module that keeps its Hugging Face model as ``hf_model`` and computes through it (the
+    reward model and the critic: :class:`~openaligner.models.reward.ScalarHeadModel`)."""
+
+    hf_model: PreTrainedModel
+
+
+_H = TypeVar("_H", bound=HoldsHFModel)
+
+
+@overload
+def add_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel: ...
+
+
+@overload
+def add_lora(model: _H, cfg: LoraConfig) -> _H: ...
+
+
+def add_lora(model: PreTrainedModel | HoldsHFModel, cfg: LoraConfig) -> PreTrainedModel | HoldsHFModel:
+    """``model`` with LoRA adapters of ``cfg`` (``cfg.r = 0``: ``model`` itself, untouched).
+
+    Args:
+        model: a causal LM (returned as a ``peft`` ``PeftModelForCausalLM``, which forwards every
+            attribute and call to it: use it where the model was used), or a scalar-head model
+            (returned itself, its ``hf_model`` now a ``PeftModelForSequenceClassification`` whose
+            head ``score`` trains in full). Wrap before building the optimizer.
+        cfg: the ``lora`` section.
+
+    Only the adapters (and a scalar head) require gradients afterwards; the base weights keep
+    their values, dtype and device, and are not copied.
+
+    Raises:
+        LoraError: ``peft`` is missing, or no layer of the model matches ``cfg.target_modules``.
+        TypeError: ``model`` is neither a causal LM nor a scalar-head model.
+    """
+    if not cfg.enabled:
+        return model
+    if isinstance(model, PreTrainedModel):
+        if not model.can_generate():
+            raise TypeError(
+                f"{type(model).__name__} is not a causal LM; put LoRA on a reward model or critic "
+                "(RewardModel, CriticModel) rather than on its Hugging Face classifier"
+            )
+        return _wrap(model, cfg, "CAUSAL_LM")
+    if isinstance(getattr(model, "hf_model", None), PreTrainedModel):
+        # SEQ_CLS: peft keeps a trained copy of the head (modules_to_save: classifier, score).
+        model.hf_model = _wrap(model.hf_model, cfg, "SEQ_CLS")
+        return model
+    raise TypeError(
+        f"cannot put LoRA adapters on a {type(model).__name__}: expected a causal LM or a ScalarHeadModel"
+    )
+
+
+def _wrap(model: PreTrainedModel, cfg: LoraConfig, task_type: str) -> PreTrainedModel:
+    peft = require_peft(f"lora.r={cfg.r}")
+    targets: str | list[str] = ALL_LINEAR if cfg.target_modules == [ALL_LINEAR] else list(cfg.target_modules)
+    config = peft.LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        task_type=task_type,
+        # GPT-2's linear layers are Conv1D (weights stored transposed); peft would warn and set it
+        fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
+    )
+    try:
+        wrapped = peft.get_peft_model(model, config)
+    except ValueError as e:
+        if "not found in the base model" not in str(e) and "no target modules" not in str(e).lower():
+            raise
+        raise LoraError(
+            f"lora.target_modules={list(cfg.target_modules)} matches no layer of the "
+            f"{type(model).__name__}; its linear layers are named {sorted(_linear_names(model))} "
+            f"(or use lora.target_modules=[{ALL_LINEAR}])"
+        ) from None
+    trained = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in wrapped.parameters())
+    log.info(
+        "LoRA r=%d on %s: %d of %d parameters train (%.2f%%)",
+        cfg.r,
+        targets,
+        trained,
+        total,
+        100.0 * trained / max(total, 1),
+    )
+    # PeftModel forwards attributes and calls to the model it wraps: typed as that model.
+    return cast(PreTrainedModel, wrapped)
+
+
+def _linear_names(model: nn.Module) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear | Conv1D)}
+
+
+def peft_installed() -> bool:
+    """Whether ``peft`` can be imported (checked without importing it)."""
+    try:
+        return importlib.util.find_spec("peft") is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules holds peft without a spec (or None)
+        return False
+
+
+def require_peft(what: str) -> Any:
+    """The ``peft`` module; :class:`LoraError` naming ``what`` (the setting that needs it) if missing."""
+    try:
+        import peft
+    except ImportError:
+        raise LoraError(f"{what} needs the peft package, which is not installed: {INSTALL_HINT}") from None
+    return peft
+
+
+def is_peft_model(model: object) -> bool:
+    """Whether ``model`` is a ``peft`` ``PeftModel`` (False whenever ``peft`` was never imported:
+    then nothing can be one)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model a ``PeftModel`` wraps (its layers carry the adapters), or ``model`` itself."""
+    if not is_peft_model(model):
+        return model
+    wrapper: Any = model  # a peft PeftModel (its API is untyped here)
+    return cast(nn.Module, wrapper.get_base_model())
+
+
+def merged_copy(model: nn.Module) -> PreTrainedModel:
+    """A plain Hugging Face model (the class :func:`add_lora` wrapped) on the CPU, with the
+    adapters merged into its weights (``W + alpha / r · B A``) and a trained head in place.
+
+    Args:
+        model: what :func:`add_lora` returned: a ``peft`` model, or a scalar-head model holding
+            one as ``hf_model`` (the merged model is then that ``*ForSequenceClassification``).
+
+    ``model`` is not changed: its tensors are copied to the CPU one by one (no second copy on its
+    device), and the copy is merged. Its logits equal the adapted model's to float rounding.
+    """
+    peft_model = model if is_peft_model(model) else getattr(model, "hf_model", None)
+    if not is_peft_model(peft_model):
+        raise TypeError(f"{type(model).__name__} has no LoRA adapters to merge")
+    merged = _cpu_copy(cast(nn.Module, peft_model)).merge_and_unload()
+    assert isinstance(merged, PreTrainedModel)
+    return merged
+
+
+def _cpu_copy(module: nn.Module) -> Any:
+    """A deep copy of ``module`` whose parameters and buffers are CPU copies (tied ones stay tied)."""
+    memo: dict[int, Any] = {}
+    with torch.no_grad():
+        for p in module.parameters():
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+        for b in module.buffers():
+            if id(b) not in memo:
+                memo[id(b)] = b.detach().to("cpu", copy=True)
+    return copy.deepcopy(module, memo)
+
+
+def adapter_directory_problem(path: str | Path) -> str | None:
+    """What is wrong with ``path`` as a model directory if it holds a LoRA adapter without a model
+    (``None`` otherwise): a next stage loads whole models, so it is pointed at the merged directory
+    a LoRA run writes (its base is not loaded from the adapter's ``base_model_name_or_path``: a
+    built-in tiny base has none)."""
+    p = Path(path)
+    if not (p / ADAPTER_CONFIG).is_file() or (p / "config.json").is_file():
+        return None
+    merged = p / MERGED_DIR
+    if (merged / "config.json").is_file():
+        return f"holds a LoRA adapter, not a whole model: use the merged directory {merged}"
+    return (
+        f"holds a LoRA adapter, not a whole model, and no merged model ({merged}); run the stage that "
+        "wrote it with lora.merge_on_save=true (adapters are not loaded over a base here)"
+    )
