@@ -95,6 +95,20 @@ class Served:
         self.kill()
         raise AssertionError(f"server did not become ready:\n{self.output[-3000:]}")
 
+    def ready_url(self) -> str | None:
+        """What :meth:`wait_ready` returns once the server is ready, else None, without waiting.
+
+        Raises:
+            AssertionError: the process exited before it was ready.
+        """
+        match = re.search(self.ready_pattern, self.output)
+        if match:
+            return match.group(self.ready_group)
+        if self.proc.poll() is not None:
+            code = self.proc.returncode
+            raise AssertionError(f"server exited ({code}) before it was ready:\n{self.output[-3000:]}")
+        return None
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)

@@ -117,6 +117,7 @@ class CausalLMActor:
         self.eos_ids = default_eos_ids(model, tokenizer)
         """The EOS id(s) responses end with by default (the tokenizer's, else the model config's)."""
         _warn_if_eos_differs(model, tokenizer)
+        _warn_if_router_loss_is_asked_for(model)
         self.eos_id: int | None = self.eos_ids[0] if self.eos_ids else None
         self.sampling = SamplingParams()
         self.set_sampling(sampling or SamplingParams())
@@ -447,4 +448,15 @@ def _warn_if_eos_differs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
             int(tokenizer.eos_token_id),
             tokenizer.eos_token,
             config_ids[0] if len(config_ids) == 1 else config_ids,
+        )
+
+
+def _warn_if_router_loss_is_asked_for(model: PreTrainedModel) -> None:
+    """Warn when a mixture of experts' config asks for the router load-balancing loss, which the
+    PPO loss does not include (the forwards still compute it; nothing adds it to the loss)."""
+    if getattr(model.config, "output_router_logits", False):
+        log.warning(
+            "the model's config sets output_router_logits (the mixture-of-experts load-balancing loss, "
+            "router_aux_loss_coef=%s): the PPO loss does not include that loss",
+            getattr(model.config, "router_aux_loss_coef", None),
         )

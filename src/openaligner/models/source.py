@@ -46,7 +46,9 @@ class SourceError(ValueError):
 @dataclass
 class ModelSourceConfig:
     path: str | None = None  # local Hugging Face model directory; when set, the tiny.* keys are ignored
-    tiny: str | None = "gpt2"  # built-in random model if no path: gpt2, llama, gpt_neox, mixtral; null: none
+    tiny: str | None = (
+        "gpt2"  # built-in random model if no path: a TINY_ARCHS name (gpt2, qwen2, ...); null: none
+    )
     tiny_vocab_size: int = 0  # tiny model vocabulary; 0 = the tokenizer's length
     tiny_hidden_size: int = 64  # tiny model width
     tiny_num_layers: int = 2  # tiny model transformer blocks

@@ -1,18 +1,20 @@
 """Tokenizers: load any Hugging Face tokenizer from a local directory, or build a tiny one in-process.
 
-Owns the project's special-token convention for locally built tokenizers (``<pad>`` = 0,
-``<eos>`` = 1, ``<bos>`` = 2, ``<unk>`` = 3, ordinary symbols from 4) and the offline loading
-rule (``local_files_only``: nothing is ever downloaded). Must not know about models, datasets or
-training: callers decide whether to add BOS/EOS (the tokenizers built here add nothing).
+Owns the project's special-token convention for the locally built char and word tokenizers
+(``<pad>`` = 0, ``<eos>`` = 1, ``<bos>`` = 2, ``<unk>`` = 3, ordinary symbols from 4), the small
+trained byte-level BPE tokenizers that stand in for real models' tokenizers (any special tokens,
+any chat template), and the offline loading rule (``local_files_only``: nothing is ever
+downloaded). Must not know about models, datasets or training: callers decide whether to add
+BOS/EOS (the tokenizers built here add nothing).
 """
 
 from __future__ import annotations
 
 import string
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD_ID = 0
@@ -66,6 +68,66 @@ def build_word_tokenizer(words: Sequence[str]) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return _wrap(tok)
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    special_tokens: Sequence[str],
+    *,
+    eos_token: str,
+    bos_token: str | None = None,
+    pad_token: str | None = None,
+    unk_token: str | None = None,
+    chat_template: str | None = None,
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (GPT-2's scheme) trained on ``texts``; deterministic.
+
+    Ids: ``special_tokens`` first, in the order given, then the 256 byte symbols, then the merges
+    learnt from ``texts`` up to ``vocab_size`` ids. Every text encodes (bytes need no ``<unk>``),
+    and ``decode`` restores it exactly. Special tokens written in a text encode as their one id
+    (so a chat-formatted prompt keeps its turn markers).
+
+    Args:
+        special_tokens: every special token, id order; the named roles below must be among them,
+            the others become extra special tokens (e.g. ``<|im_start|>``).
+        eos_token, bos_token, pad_token, unk_token: which special token plays each role; None:
+            the tokenizer has none (e.g. GPT-2 has no pad token, Qwen2 no BOS).
+        chat_template: a Jinja chat template, saved with the tokenizer.
+
+    Raises:
+        ValueError: a role names a token not in ``special_tokens``, or ``vocab_size`` leaves no
+            room for the byte symbols.
+    """
+    roles = {"eos_token": eos_token, "bos_token": bos_token, "pad_token": pad_token, "unk_token": unk_token}
+    unknown = {k: v for k, v in roles.items() if v is not None and v not in special_tokens}
+    if unknown:
+        raise ValueError(f"{unknown} are not among the special tokens {list(special_tokens)}")
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(special_tokens) + len(alphabet):
+        raise ValueError(
+            f"vocab_size={vocab_size} leaves no room for {len(special_tokens)} special tokens and "
+            f"{len(alphabet)} byte symbols"
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=alphabet,
+        min_frequency=1,
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    named = {v for v in roles.values() if v is not None}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        extra_special_tokens=[t for t in special_tokens if t not in named],
+        padding_side="right",
+        chat_template=chat_template,
+        **{k: v for k, v in roles.items() if v is not None},
+    )
 
 
 def _vocab(symbols: list[str]) -> dict[str, int]:

@@ -240,3 +240,18 @@ def test_peft_init_policy_disables_adapters(tiny):
     assert not torch.allclose(
         actor.get_inference_log_probs(tokens, lengths), base.get_inference_log_probs(tokens, lengths)
     )
+
+
+def test_a_mixture_of_experts_asking_for_router_logits_rolls_out_scores_and_warns(tiny, caplog):
+    """``output_router_logits: true`` (saved by MoE fine-tuning recipes): rollouts and the PPO loss
+    work, and the log says that the load-balancing loss it asks for is not part of the PPO loss."""
+    model = tiny.causal_lm("mixtral")
+    model.config.output_router_logits = True
+    with caplog.at_level("WARNING", logger="openaligner.models.actor"):
+        actor = CausalLMActor(model, sampling=SamplingParams(max_new_tokens=5, stop_token_ids=()))
+    assert "output_router_logits" in caplog.text and "does not include" in caplog.text
+    out = _rollout(actor, tiny.size.vocab_size)
+    logprobs = actor.get_inference_log_probs(out["response_tokens"], out["response_lengths"])
+    assert torch.equal(
+        logprobs, actor.get_init_policy_logprobs(out["response_tokens"], out["response_lengths"])
+    )

@@ -7,6 +7,7 @@ import torch
 
 from openaligner.models.builders import (
     TINY_ARCHS,
+    SpecialIds,
     TinySize,
     build_tiny_causal_lm,
     build_tiny_reward_model,
@@ -43,14 +44,43 @@ def test_special_ids_and_sizes(arch):
     assert not model.training
 
 
-@pytest.mark.parametrize("arch", ["gpt_neox", "mixtral"])
-def test_new_architectures_build_both_roles_from_the_config_name(arch):
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_every_architecture_builds_both_roles_from_the_config_name(arch):
     source = ModelSourceConfig(tiny=arch)
     assert source.tiny_arch == arch
     classifier = build_tiny_sequence_classifier(source.tiny_arch, SMALL)
+    assert type(classifier).__name__.endswith("ForSequenceClassification")
     assert classifier.config.num_labels == 1 and classifier.score.weight.shape == (1, 32)
+
+
+GQA = {"llama", "mistral", "qwen2", "gemma2", "mixtral"}  # 2 key/value heads for 4 query heads
+TIED = {"gpt2", "qwen2", "gemma", "gemma2", "opt"}  # LM head is the input embedding
+SLIDING = {"mistral": ["sliding_attention"] * 2, "gemma2": ["sliding_attention", "full_attention"]}
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_each_architecture_keeps_its_family_feature_on(arch):
+    size = TinySize(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4)
+    model = build_tiny_causal_lm(arch, size)
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    assert kv_heads == (2 if arch in GQA else 1 if arch == "gemma" else 4)
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == (arch in TIED)
+    if arch in SLIDING:  # a window shorter than the test sequences, so that it acts
+        assert config.sliding_window == size.sliding_window < 16
+        assert list(getattr(config, "layer_types", None) or ["sliding_attention"] * 2) == SLIDING[arch]
     if arch == "mixtral":
-        assert (classifier.config.num_local_experts, classifier.config.num_experts_per_tok) == (4, 2)
+        assert (config.num_local_experts, config.num_experts_per_tok) == (4, 2)
+
+
+def test_special_ids_of_another_tokenizer_are_written_into_the_config():
+    ids = SpecialIds(pad=None, eos=7, bos=None)
+    for arch in ("gpt2", "qwen2", "opt"):
+        config = tiny_config(arch, SMALL, ids)
+        assert (config.pad_token_id, config.eos_token_id, config.bos_token_id) == (None, 7, None)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny_config("llama", SMALL, SpecialIds(eos=40))
 
 
 def test_invalid_sizes_are_refused():

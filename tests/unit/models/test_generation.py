@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from openaligner.models import generation
+from openaligner.models.builders import TINY_ARCHS
 from openaligner.models.decoders.gpt2 import gpt2_fast_path_supported
 from openaligner.models.generation import SamplingParams, generate, select_tokens
 
@@ -103,6 +104,49 @@ def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache, fast_path
     assert bool(out.is_end[0])
     assert [type(d).__name__ for d in made] == [decoder]
     assert made[0].compactions  # finished rows were dropped from the cache on the way
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_greedy_tokens_are_the_argmax_of_a_full_forward_for_every_architecture(
+    tiny, arch, cache, monkeypatch
+):
+    """The KV-cached, left-padded sampling loop against the plainest reference: one row at a time
+    through the model's forward without a cache. Rows run past Mistral's and Gemma2's sliding
+    window (8 tokens) and one ends early, so that finished rows are dropped from the (windowed)
+    cache layers; OPT's offset positions and Gemma's scaled embeddings are checked on the way."""
+    model = tiny.causal_lm(arch)
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    free = generate(
+        model, prompts, lengths, SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=()), pad_id=0
+    )
+    stop = int(free.tokens[0, PROMPT_LENGTHS[0] + 3])  # row 0 ends after 4 tokens
+    made = _spy_decoders(monkeypatch)
+    params = SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=(stop,))
+    out = generate(model, prompts, lengths, params, pad_id=0, cache=cache)
+    assert made[0].compactions
+    assert int(out.response_lengths.max()) > tiny.size.sliding_window
+    for i, n in enumerate(out.response_lengths.tolist()):
+        row = out.tokens[i : i + 1, :n]
+        with torch.no_grad():
+            logits = model(input_ids=row).logits[0]
+        p = PROMPT_LENGTHS[i]
+        assert row[0, p:].tolist() == logits[p - 1 : n - 1].argmax(-1).tolist(), i
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_a_mixture_of_experts_configured_to_output_router_logits_generates(tiny, cache):
+    """``output_router_logits: true`` in a config (as MoE fine-tuning recipes save it, to train with
+    the load-balancing loss) made every cached decoding step fail: the step's router logits cover
+    the new token only, while the load-balancing loss reduces them over the whole attention mask.
+    Generation needs no router logits and asks for none."""
+    model = tiny.causal_lm("mixtral")
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    params = SamplingParams(greedy=True, max_new_tokens=6, stop_token_ids=())
+    expected = generate(model, prompts, lengths, params, pad_id=0, cache=cache)
+    model.config.output_router_logits = True
+    out = generate(model, prompts, lengths, params, pad_id=0, cache=cache)
+    assert torch.equal(out.tokens, expected.tokens)
 
 
 def _modified_gpt2(tiny, how):

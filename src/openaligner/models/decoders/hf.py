@@ -1,7 +1,9 @@
 """The general decoder: any Hugging Face causal LM stepped through its own forward with a HF KV cache.
 
-Owns the Hugging Face cache objects (static or dynamic) and their row compaction. Works for every
-architecture, PEFT wrapper, hooked or replaced layer and training mode; knows nothing of sampling.
+Owns the Hugging Face cache objects (static or dynamic) and their row compaction, and what the
+forward is asked for while decoding (logits of the last position; no router logits). Works for
+every architecture, PEFT wrapper, hooked or replaced layer and training mode; knows nothing of
+sampling.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ class HFDecoder:
     def __init__(self, model: PreTrainedModel, attention: torch.Tensor, total: int, cache: CacheKind) -> None:
         self.model = model
         self.attention = attention
+        # A mixture of experts whose config asks for router logits (to train with the
+        # load-balancing loss) would reduce a cached step's router logits, which cover the new
+        # tokens only, over the whole attention mask, and fail; decoding needs none.
+        self.extra: dict[str, bool] = (
+            {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
+        )
         self.cache: Cache = (
             StaticCache(config=model.config, max_cache_len=total)
             if cache == "static"
@@ -51,6 +59,7 @@ class HFDecoder:
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1,
+            **self.extra,
         )
         logits = out.logits
         assert isinstance(logits, torch.Tensor)
