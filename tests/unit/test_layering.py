@@ -31,3 +31,34 @@ def test_nothing_in_trainer_imports_servers():
     for path in (SRC / "trainer").glob("*.py"):
         servers = [m for m in openaligner_imports(path) if m.startswith("openaligner.servers")]
         assert not servers, (path.name, servers)
+
+
+def documented_modules() -> set[str]:
+    """The files the layout block of docs/architecture.md names, as paths below ``src/openaligner``."""
+    import re
+
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    section = text[text.index("## Layout: one home per concern") :]
+    block = section.split("```\n")[1]
+    named, parents = set(), {0: ""}
+    for line in block.splitlines():
+        m = re.match(r"^( *)(\S+)", line)
+        if m is None or not m.group(2).endswith((".py", "/")):
+            continue  # a description's continuation line
+        depth = len(m.group(1)) // 2
+        path = parents[depth] + m.group(2)
+        if path.endswith("/"):
+            parents[depth + 1] = path
+        else:
+            named.add(path)
+    return named
+
+
+def test_the_architecture_doc_names_every_module_there_is():
+    real = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if p.name != "__init__.py"}
+    real.add("cli/demo/__init__.py")  # the demo's recipe lives in its package module
+    documented = documented_modules()
+    assert not real - documented, f"modules missing from docs/architecture.md: {sorted(real - documented)}"
+    assert not documented - real, (
+        f"docs/architecture.md names modules that do not exist: {sorted(documented - real)}"
+    )
