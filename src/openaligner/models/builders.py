@@ -137,135 +137,77 @@ def _gpt2(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
     )
 
 
+def _decoder(size: TinySize, *, ffn: int = 2, **specific: Any) -> dict[str, Any]:
+    """The keys the Llama-style configs share (sizes, no attention dropout), plus ``specific``:
+    the ones that make the family what it is."""
+    return {
+        "vocab_size": size.vocab_size,
+        "hidden_size": size.hidden_size,
+        "intermediate_size": size.intermediate_size or ffn * size.hidden_size,
+        "num_hidden_layers": size.num_layers,
+        "num_attention_heads": size.num_heads,
+        "max_position_embeddings": size.max_positions,
+        "attention_dropout": 0.0,
+        **specific,
+    }
+
+
+def _gqa(size: TinySize) -> int:
+    """Grouped-query attention: half as many key/value heads as query heads."""
+    return max(1, size.num_heads // 2)
+
+
 def _llama(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
-    return LlamaConfig(
-        vocab_size=size.vocab_size,
-        hidden_size=size.hidden_size,
-        intermediate_size=size.intermediate_size or 2 * size.hidden_size,
-        num_hidden_layers=size.num_layers,
-        num_attention_heads=size.num_heads,
-        num_key_value_heads=max(1, size.num_heads // 2),
-        max_position_embeddings=size.max_positions,
-        tie_word_embeddings=False,
-        **ids,
-    )
+    return LlamaConfig(**_decoder(size, num_key_value_heads=_gqa(size), tie_word_embeddings=False), **ids)
 
 
 def _gpt_neox(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
-    return GPTNeoXConfig(
-        vocab_size=size.vocab_size,
-        hidden_size=size.hidden_size,
-        intermediate_size=size.intermediate_size or 4 * size.hidden_size,
-        num_hidden_layers=size.num_layers,
-        num_attention_heads=size.num_heads,
-        max_position_embeddings=size.max_positions,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-        **ids,
-    )
+    return GPTNeoXConfig(**_decoder(size, ffn=4, hidden_dropout=0.0, tie_word_embeddings=False), **ids)
 
 
 def _mixtral(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
+    experts = {"num_local_experts": 4, "num_experts_per_tok": 2}
     return MixtralConfig(
-        vocab_size=size.vocab_size,
-        hidden_size=size.hidden_size,
-        intermediate_size=size.intermediate_size or 2 * size.hidden_size,
-        num_hidden_layers=size.num_layers,
-        num_attention_heads=size.num_heads,
-        num_key_value_heads=max(1, size.num_heads // 2),
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=size.max_positions,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-        **ids,
+        **_decoder(size, num_key_value_heads=_gqa(size), tie_word_embeddings=False, **experts), **ids
     )
 
 
 def _qwen2(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
-    return Qwen2Config(
-        vocab_size=size.vocab_size,
-        hidden_size=size.hidden_size,
-        intermediate_size=size.intermediate_size or 2 * size.hidden_size,
-        num_hidden_layers=size.num_layers,
-        num_attention_heads=size.num_heads,
-        num_key_value_heads=max(1, size.num_heads // 2),
-        max_position_embeddings=size.max_positions,
-        use_sliding_window=False,
-        attention_dropout=0.0,
-        tie_word_embeddings=True,
-        **ids,
-    )
+    specific = {"num_key_value_heads": _gqa(size), "use_sliding_window": False, "tie_word_embeddings": True}
+    return Qwen2Config(**_decoder(size, **specific), **ids)
 
 
 def _mistral(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
-    return MistralConfig(
-        vocab_size=size.vocab_size,
-        hidden_size=size.hidden_size,
-        intermediate_size=size.intermediate_size or 2 * size.hidden_size,
-        num_hidden_layers=size.num_layers,
-        num_attention_heads=size.num_heads,
-        num_key_value_heads=max(1, size.num_heads // 2),
-        head_dim=size.head_dim,
-        max_position_embeddings=size.max_positions,
-        sliding_window=size.sliding_window,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-        **ids,
-    )
+    specific = {"num_key_value_heads": _gqa(size), "head_dim": size.head_dim}
+    window = {"sliding_window": size.sliding_window, "tie_word_embeddings": False}
+    return MistralConfig(**_decoder(size, **specific, **window), **ids)
 
 
 def _gemma(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
-    return GemmaConfig(
-        vocab_size=size.vocab_size,
-        hidden_size=size.hidden_size,
-        intermediate_size=size.intermediate_size or 2 * size.hidden_size,
-        num_hidden_layers=size.num_layers,
-        num_attention_heads=size.num_heads,
-        num_key_value_heads=1,
-        head_dim=size.head_dim,
-        max_position_embeddings=size.max_positions,
-        attention_dropout=0.0,
-        tie_word_embeddings=True,
-        **ids,
-    )
+    specific = {"num_key_value_heads": 1, "head_dim": size.head_dim, "tie_word_embeddings": True}
+    return GemmaConfig(**_decoder(size, **specific), **ids)
 
 
 def _gemma2(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
-    return Gemma2Config(
-        vocab_size=size.vocab_size,
-        hidden_size=size.hidden_size,
-        intermediate_size=size.intermediate_size or 2 * size.hidden_size,
-        num_hidden_layers=size.num_layers,
-        num_attention_heads=size.num_heads,
-        num_key_value_heads=max(1, size.num_heads // 2),
-        head_dim=size.head_dim,
-        query_pre_attn_scalar=size.head_dim,
-        max_position_embeddings=size.max_positions,
-        sliding_window=size.sliding_window,
-        attention_dropout=0.0,
-        tie_word_embeddings=True,
-        **ids,
-    )
+    specific = {
+        "num_key_value_heads": _gqa(size),
+        "head_dim": size.head_dim,
+        "query_pre_attn_scalar": size.head_dim,
+        "sliding_window": size.sliding_window,
+        "tie_word_embeddings": True,
+    }
+    return Gemma2Config(**_decoder(size, **specific), **ids)
 
 
 def _phi3(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
-    return Phi3Config(
-        vocab_size=size.vocab_size,
-        hidden_size=size.hidden_size,
-        intermediate_size=size.intermediate_size or 2 * size.hidden_size,
-        num_hidden_layers=size.num_layers,
-        num_attention_heads=size.num_heads,
-        num_key_value_heads=size.num_heads,
-        max_position_embeddings=size.max_positions,
-        original_max_position_embeddings=size.max_positions,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-        **ids,
-    )
+    specific = {
+        "num_key_value_heads": size.num_heads,
+        "original_max_position_embeddings": size.max_positions,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "tie_word_embeddings": False,
+    }
+    return Phi3Config(**_decoder(size, **specific), **ids)
 
 
 def _opt(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
