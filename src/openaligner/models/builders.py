@@ -166,30 +166,38 @@ def _gpt_neox(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
 
 
 def _mixtral(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
-    experts = {"num_local_experts": 4, "num_experts_per_tok": 2}
+    experts: dict[str, Any] = {"num_local_experts": 4, "num_experts_per_tok": 2}
     return MixtralConfig(
         **_decoder(size, num_key_value_heads=_gqa(size), tie_word_embeddings=False, **experts), **ids
     )
 
 
 def _qwen2(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
-    specific = {"num_key_value_heads": _gqa(size), "use_sliding_window": False, "tie_word_embeddings": True}
+    specific: dict[str, Any] = {
+        "num_key_value_heads": _gqa(size),
+        "use_sliding_window": False,
+        "tie_word_embeddings": True,
+    }
     return Qwen2Config(**_decoder(size, **specific), **ids)
 
 
 def _mistral(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
-    specific = {"num_key_value_heads": _gqa(size), "head_dim": size.head_dim}
-    window = {"sliding_window": size.sliding_window, "tie_word_embeddings": False}
+    specific: dict[str, Any] = {"num_key_value_heads": _gqa(size), "head_dim": size.head_dim}
+    window: dict[str, Any] = {"sliding_window": size.sliding_window, "tie_word_embeddings": False}
     return MistralConfig(**_decoder(size, **specific, **window), **ids)
 
 
 def _gemma(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
-    specific = {"num_key_value_heads": 1, "head_dim": size.head_dim, "tie_word_embeddings": True}
+    specific: dict[str, Any] = {
+        "num_key_value_heads": 1,
+        "head_dim": size.head_dim,
+        "tie_word_embeddings": True,
+    }
     return GemmaConfig(**_decoder(size, **specific), **ids)
 
 
 def _gemma2(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
-    specific = {
+    specific: dict[str, Any] = {
         "num_key_value_heads": _gqa(size),
         "head_dim": size.head_dim,
         "query_pre_attn_scalar": size.head_dim,
@@ -200,7 +208,7 @@ def _gemma2(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
 
 
 def _phi3(size: TinySize, ids: dict[str, Any]) -> PretrainedConfig:
-    specific = {
+    specific: dict[str, Any] = {
         "num_key_value_heads": size.num_heads,
         "original_max_position_embeddings": size.max_positions,
         "resid_pdrop": 0.0,

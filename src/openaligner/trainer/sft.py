@@ -20,28 +20,23 @@ from openaligner.config import as_startup_error
 from openaligner.data.formats import sft_record, sft_shape
 from openaligner.data.render import LayoutError, Renderer, check_chat_template_mode
 from openaligner.data.sft import SFTExample, build_sft_examples, collate_sft
-from openaligner.models.lora import LoraConfig, LoraError, add_lora
+from openaligner.models.lora import LoraError, add_lora
 from openaligner.models.precision import (
     MASTER_DTYPE,
     Precision,
-    check_precision,
-    check_save_dtype,
     resolve_save_dtype,
     save_pretrained_as,
 )
 from openaligner.models.source import (
-    ModelSourceConfig,
     SourceError,
-    TokenizerSourceConfig,
     check_vocab,
     load_causal_lm,
     pick_device,
     resolve_tokenizer,
 )
-from openaligner.trainer.optim import OptimConfig
 from openaligner.trainer.supervised import (
     Batch,
-    LoopConfig,
+    SupervisedRunConfig,
     SupervisedTrainer,
     load_train_val_records,
     require_full_batch,
@@ -72,24 +67,9 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTConfig:
-    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)  # what to fine-tune
-    tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # how to tokenize
+class SFTConfig(SupervisedRunConfig):
     data: SFTDataConfig = field(default_factory=SFTDataConfig)  # training and validation data
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))  # AdamW and LR schedule
-    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full fine-tuning
-    trainer: LoopConfig = field(default_factory=LoopConfig)  # steps, batch sizes, validation, checkpoints
     output_dir: str = "runs/sft"  # final HF model + tokenizer, checkpoints/ and metrics.jsonl
-    resume: bool = True  # continue from the newest complete checkpoint in output_dir
-    device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:1, ...
-    precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
-    save_dtype: str = "auto"  # final model dtype: auto (as model.path is stored, fp32 tiny), fp32, bf16, fp16
-    progress: bool = True  # tqdm progress bar
-    tensorboard: bool = False  # also write TensorBoard events under output_dir/tensorboard
-
-    def __post_init__(self) -> None:
-        check_precision(self.precision, "precision")
-        check_save_dtype(self.save_dtype, "save_dtype")
 
 
 class SFTObjective:

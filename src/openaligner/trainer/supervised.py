@@ -27,7 +27,7 @@ import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
@@ -42,11 +42,12 @@ from openaligner.data.records import DataFileError, Record, read_records, split_
 from openaligner.data.render import LayoutError, SequenceLayout, use_chat_template
 from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
 from openaligner.io.metrics import MetricsLogger
-from openaligner.models.lora import MERGED_DIR, merged_copy
-from openaligner.models.precision import Precision, save_pretrained_as
+from openaligner.models.lora import MERGED_DIR, LoraConfig, merged_copy
+from openaligner.models.precision import Precision, check_precision, check_save_dtype, save_pretrained_as
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
+    TokenizerSourceConfig,
     position_limit_key,
     source_position_limit,
 )
@@ -92,6 +93,28 @@ class LoopConfig:
             )
         if self.max_steps == 0 or self.max_steps < -1 or self.max_epochs < 1:
             raise ValueError("trainer.max_steps must be ≥ 1 or -1, and trainer.max_epochs ≥ 1")
+
+
+@dataclass
+class SupervisedRunConfig:
+    """What train-sft and train-rm share; each adds its ``data`` section and names its output_dir."""
+
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)  # the model to train
+    tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # how to tokenize
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))  # AdamW and LR schedule
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full fine-tuning
+    trainer: LoopConfig = field(default_factory=LoopConfig)  # steps, batch sizes, validation, checkpoints
+    output_dir: str = "runs/supervised"  # final HF model + tokenizer, checkpoints/ and metrics.jsonl
+    resume: bool = True  # continue from the newest complete checkpoint in output_dir
+    device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:1, ...
+    precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
+    save_dtype: str = "auto"  # final model dtype: auto (as model.path is stored, fp32 tiny), fp32, bf16, fp16
+    progress: bool = True  # tqdm progress bar
+    tensorboard: bool = False  # also write TensorBoard events under output_dir/tensorboard
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision, "precision")
+        check_save_dtype(self.save_dtype, "save_dtype")
 
 
 # ---------------------------------------------------------------------- sources
