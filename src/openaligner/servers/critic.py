@@ -38,12 +38,7 @@ from openaligner.models.critic import CriticModel
 from openaligner.models.positions import position_limit
 from openaligner.models.reward import RewardModel
 from openaligner.servers.batching import (
-    EndpointStats,
-    merge_rows,
-    pad_rows,
-    padding_multiple,
     split_rows,
-    strip_columns,
 )
 from openaligner.servers.config import ServingConfig
 from openaligner.servers.distributed import Opcode, Rank0Dispatcher
@@ -79,6 +74,7 @@ from openaligner.servers.protocol import (
     VALUES,
     TensorSpec,
 )
+from openaligner.servers.sequence_endpoint import SequenceEndpoint
 from openaligner.servers.transport.lifecycle import ServerLifecycle
 from openaligner.servers.validation import (
     RequestError,
@@ -91,7 +87,6 @@ from openaligner.servers.validation import (
     check_mask,
     check_token_ids,
     check_whole_input,
-    parse_sequence_request,
 )
 from openaligner.trainer.critic import CriticBatch, CriticTrainer, TrainResult
 
@@ -121,7 +116,7 @@ InferForward = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.
 """``(tokens [B, S], lengths [B]) -> (values [B, S], rewards [B] or None)`` for a shaped batch."""
 
 
-class CriticInferEndpoint:
+class CriticInferEndpoint(SequenceEndpoint):
     """``critic_infer``: values at every token, plus rewards in combined mode.
 
     Inputs as the reward model's endpoint (``sentences`` or ``tokens`` + ``sequence_lengths``,
@@ -132,7 +127,7 @@ class CriticInferEndpoint:
     Args:
         forward: see :data:`InferForward`; ``B`` is a multiple of ``dp_size``.
         combined: whether ``forward`` also returns rewards.
-        Others: as :class:`openaligner.servers.reward.RewardEndpoint`.
+        model_name, settings: see :class:`~openaligner.servers.sequence_endpoint.SequenceEndpoint`.
     """
 
     inputs = CRITIC_INFER_INPUTS
@@ -143,56 +138,23 @@ class CriticInferEndpoint:
         *,
         combined: bool,
         model_name: str = CRITIC_INFER_NAME,
-        tokenize_func: TokenizeFn | None = None,
-        vocab_size: int | None = None,
-        max_sequence_length: int | None = None,
-        max_batch_size: int = 1024,
-        forward_micro_batch_size: int = 4,
-        strip_sequence_length_to_multiple: int | None = None,
-        dp_size: int = 1,
+        **settings: Any,
     ) -> None:
+        super().__init__(model_name=model_name, **settings)
         self.forward = forward
         self.combined = combined
-        self.model_name = model_name
-        self.tokenize_func = tokenize_func
-        self.vocab_size = vocab_size
-        self.max_sequence_length = max_sequence_length
-        self.max_batch_size = max_batch_size
-        self.forward_micro_batch_size = forward_micro_batch_size
-        self.strip_multiple = strip_sequence_length_to_multiple
-        self.dp_size = dp_size
-        self.stats = EndpointStats()
 
     @property
     def outputs(self) -> tuple[TensorSpec, ...]:
         return CRITIC_INFER_OUTPUTS_COMBINED if self.combined else CRITIC_INFER_OUTPUTS_SEPARATE
 
-    def validate(self, inputs: Mapping[str, np.ndarray]) -> SequenceRequest:
-        """Check one request (see :func:`openaligner.servers.validation.parse_sequence_request`)."""
-        return parse_sequence_request(
-            inputs,
-            tokenize_func=self.tokenize_func,
-            vocab_size=self.vocab_size,
-            max_sequence_length=self.max_sequence_length,
-            max_batch_size=self.max_batch_size,
-        )
-
     def run(self, requests: Sequence[SequenceRequest]) -> list[dict[str, np.ndarray]]:
-        """Merge, strip, pad rows, forward, then give each request its rows at its own width."""
-        tokens, lengths = merge_rows([(r.tokens, r.lengths) for r in requests])
-        width = tokens.shape[1]
-        tokens = strip_columns(tokens, lengths, self.strip_multiple)
-        rows = tokens.shape[0]
-        tokens, lengths, extra = pad_rows(
-            tokens, lengths, padding_multiple(rows, self.forward_micro_batch_size, self.dp_size)
-        )
+        """Shape the formed batch, forward, then give each request its rows at its own width."""
+        width = max(r.tokens.shape[1] for r in requests)
+        tokens, lengths = self.shaped_batch(requests)
         values, rewards = self.forward(tokens, lengths)
         values = values.detach().to("cpu", torch.float32)
         values = torch.nn.functional.pad(values, (0, width - values.shape[1]))  # stripped columns are 0
-        self.stats.calls += 1
-        self.stats.requests += len(requests)
-        self.stats.rows += rows
-        self.stats.padded_rows += extra
         counts = [r.rows for r in requests]
         answers = [
             {VALUES.name: v[:, : r.tokens.shape[1]].numpy()}

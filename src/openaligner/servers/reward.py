@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,12 +26,7 @@ import torch
 from openaligner import distributed as dp
 from openaligner.data.render import SequenceLayout, with_bos, with_eos
 from openaligner.servers.batching import (
-    EndpointStats,
-    merge_rows,
-    pad_rows,
-    padding_multiple,
     split_rows,
-    strip_columns,
 )
 from openaligner.servers.config import ServingConfig
 from openaligner.servers.distributed import Opcode, Rank0Dispatcher
@@ -41,8 +36,9 @@ from openaligner.servers.protocol import (
     REWARD_MODEL_NAME,
     REWARD_OUTPUTS,
 )
+from openaligner.servers.sequence_endpoint import SequenceEndpoint
 from openaligner.servers.transport.lifecycle import ServerLifecycle
-from openaligner.servers.validation import SequenceRequest, TokenizeFn, parse_sequence_request
+from openaligner.servers.validation import SequenceRequest, TokenizeFn
 
 LOGGER = logging.getLogger(__name__)
 
@@ -50,20 +46,13 @@ InferFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(tokens [b, S] int64, lengths [b] int64) -> rewards [b]``; called once per micro-batch."""
 
 
-class RewardEndpoint:
+class RewardEndpoint(SequenceEndpoint):
     """The ``reward_model`` endpoint as a plain object (see :class:`~.transport.triton.Endpoint`).
 
     Args:
         forward: ``(tokens [B, S], lengths [B]) -> rewards [B]`` for a whole shaped batch, where
             ``B`` is a multiple of ``dp_size`` (usually the dispatcher's FORWARD).
-        tokenize_func: turns ``sentences`` into tokens; None refuses sentences.
-        vocab_size: token ids must lie in ``[0, vocab_size)``; None skips the check.
-        max_sequence_length: longest accepted sequence; None skips the check.
-        max_batch_size: most rows per request.
-        forward_micro_batch_size: rows per forward pass on one rank.
-        strip_sequence_length_to_multiple: compute at a width that is a multiple of this; None: the
-            longest row (see :func:`strip_columns`).
-        dp_size: number of ranks sharing the batch.
+        model_name, settings: see :class:`~openaligner.servers.sequence_endpoint.SequenceEndpoint`.
     """
 
     inputs = REWARD_INPUTS
@@ -74,50 +63,15 @@ class RewardEndpoint:
         forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
         model_name: str = REWARD_MODEL_NAME,
-        tokenize_func: TokenizeFn | None = None,
-        vocab_size: int | None = None,
-        max_sequence_length: int | None = None,
-        max_batch_size: int = 1024,
-        forward_micro_batch_size: int = 4,
-        strip_sequence_length_to_multiple: int | None = None,
-        dp_size: int = 1,
+        **settings: Any,
     ) -> None:
+        super().__init__(model_name=model_name, **settings)
         self.forward = forward
-        self.model_name = model_name
-        self.tokenize_func = tokenize_func
-        self.vocab_size = vocab_size
-        self.max_sequence_length = max_sequence_length
-        self.max_batch_size = max_batch_size
-        self.forward_micro_batch_size = forward_micro_batch_size
-        self.strip_multiple = strip_sequence_length_to_multiple
-        self.dp_size = dp_size
-        self.stats = EndpointStats()
-        self._stats_lock = threading.Lock()
-
-    def validate(self, inputs: Mapping[str, np.ndarray]) -> SequenceRequest:
-        """Check one request and convert it to tensors (see :func:`parse_sequence_request`)."""
-        return parse_sequence_request(
-            inputs,
-            tokenize_func=self.tokenize_func,
-            vocab_size=self.vocab_size,
-            max_sequence_length=self.max_sequence_length,
-            max_batch_size=self.max_batch_size,
-        )
 
     def run(self, requests: Sequence[SequenceRequest]) -> list[dict[str, np.ndarray]]:
-        """Answer a formed batch: merge, strip, pad rows, forward, drop padding, split per request."""
-        tokens, lengths = merge_rows([(r.tokens, r.lengths) for r in requests])
-        tokens = strip_columns(tokens, lengths, self.strip_multiple)
-        rows = tokens.shape[0]
-        tokens, lengths, extra = pad_rows(
-            tokens, lengths, padding_multiple(rows, self.forward_micro_batch_size, self.dp_size)
-        )
+        """Answer a formed batch: shape it, forward, drop padding, split per request."""
+        tokens, lengths = self.shaped_batch(requests)
         rewards = self.forward(tokens, lengths).detach().to("cpu", torch.float32).reshape(-1)
-        with self._stats_lock:
-            self.stats.calls += 1
-            self.stats.requests += len(requests)
-            self.stats.rows += rows
-            self.stats.padded_rows += extra
         pieces = split_rows(rewards, [r.rows for r in requests])
         return [{"rewards": p.reshape(-1, 1).numpy()} for p in pieces]
 
