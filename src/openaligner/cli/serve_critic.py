@@ -63,7 +63,7 @@ def _train_defaults() -> CriticTrainConfig:
 
 @dataclass
 class ServeCriticConfig:
-    RENAMED_KEYS: ClassVar[dict[str, str]] = serving.RENAMED_KEYS
+    RENAMED_KEYS: ClassVar[dict[str, str]] = serving.RENAMED_KEYS | {"optim.max_steps": "optim.decay_steps"}
 
     model: ModelSourceConfig = field(default_factory=serving.no_model)  # the critic's initial weights
     tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # for `sentences`

@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, Protocol, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -98,6 +98,8 @@ class LoopConfig:
 @dataclass
 class SupervisedRunConfig:
     """What train-sft and train-rm share; each adds its ``data`` section and names its output_dir."""
+
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"optim.max_grad_norm": "trainer.gradient_clip_val"}
 
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)  # the model to train
     tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # how to tokenize

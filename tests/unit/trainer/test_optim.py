@@ -61,3 +61,23 @@ def test_bad_values_name_the_commands_key(override, needle):
 
     with pytest.raises(ConfigError, match=needle):
         load_config(SFTConfig, None, ["data.train_path=x.jsonl", override])
+
+
+@pytest.mark.parametrize(
+    ("command", "old", "new"),
+    [
+        ("train-sft", "optim.max_grad_norm=0.5", "trainer.gradient_clip_val"),
+        ("train-rm", "optim.max_grad_norm=0.5", "trainer.gradient_clip_val"),
+        ("serve-critic", "optim.max_steps=100", "optim.decay_steps"),
+    ],
+)
+def test_the_optimizer_keys_that_moved_are_refused_with_their_new_names(command, old, new):
+    import importlib
+
+    from openaligner.cli.main import COMMANDS
+
+    schema = importlib.import_module(COMMANDS[command][0]).SCHEMA
+    with pytest.raises(ConfigError, match=rf"{old.split('=')[0]} is now {new}"):
+        load_config(
+            schema, None, ["data.train_path=x.jsonl" if command != "serve-critic" else "model.tiny=gpt2", old]
+        )
