@@ -95,7 +95,9 @@ def _read_datasets_dir(p: Path, split: str | None) -> list[Record]:
         import datasets
     except ImportError:
         raise DataFileError(
-            p, "is a directory; reading a datasets directory (save_to_disk) needs `pip install datasets` (the `data` extra)"
+            p,
+            "is a directory; reading a datasets directory (save_to_disk) needs `pip install datasets` "
+            "(the `data` extra)",
         ) from None
     try:
         ds = datasets.load_from_disk(str(p))
