@@ -108,7 +108,7 @@ class RemoteCriticConfig:
     max_workers: int = 4  # requests in flight at once, per server
     retries_on_rejected_batch: int = 3  # resends of a valid request rejected with an invalid one
     reconnect_grace_s: float = 0.0  # after a lost connection, wait this long for a restarted server (0: fail)
-    reward_input: str = "tokens"  # auto | tokens (policy ids) | text (conversations the RM server lays out)
+    reward_input: str = "auto"  # auto | tokens (policy ids) | text (conversations the RM server lays out)
 
     def __post_init__(self) -> None:
         self.reward_input = str(self.reward_input).strip().lower()

@@ -150,7 +150,8 @@ def tokenizer_fingerprint(
     tokenizer: PreTrainedTokenizerBase, layout: SequenceLayout | None = None, *, template: bool = True
 ) -> str:
     """A stable sha256 hex digest of what decides the token ids of a text: the vocabulary (token ->
-    id, added tokens included), the special tokens and their ids, the chat template (unless
+    id, added tokens included), the special tokens and their ids (not the pad token: padding is
+    never read, and loaders make the EOS the pad of a tokenizer without one), the chat template (unless
     ``template`` is false: what ids *mean* does not depend on it) and, when given, the
     :class:`SequenceLayout`. Equal for a tokenizer saved and reloaded; different when any of these
     differ. The tokenizer's name and class are left out (the same files under two paths, or a slow
@@ -158,7 +159,7 @@ def tokenizer_fingerprint(
     special = {
         name: [str(value), tokenizer.convert_tokens_to_ids(str(value))]
         for name, value in sorted(getattr(tokenizer, "special_tokens_map", {}).items())
-        if isinstance(value, str)
+        if isinstance(value, str) and name != "pad_token"  # padding is never read: loaders set it freely
     }
     identity = {
         "vocab": sorted((str(t), int(i)) for t, i in tokenizer.get_vocab().items()),

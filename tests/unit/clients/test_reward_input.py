@@ -61,3 +61,26 @@ def test_the_config_key_is_checked():
     assert load_config(RemoteCriticConfig, None, ["reward_input=AUTO"]).reward_input == "auto"
     with pytest.raises(ConfigError, match="reward_input must be one of auto, tokens, text"):
         load_config(RemoteCriticConfig, None, ["reward_input=ids"])
+
+
+def test_the_client_asks_both_servers_and_refuses_a_critic_of_another_tokenizer():
+    from openaligner.clients.critic import RemoteGPTRMCriticClient
+
+    def described(identity):
+        return lambda *model: {
+            "name": identity.name,
+            "fingerprint": identity.fingerprint,
+            "vocab_fingerprint": identity.vocab_fingerprint,
+        }
+
+    cfg = RemoteCriticConfig(combine_rm_and_critic_server=False)
+    client = RemoteGPTRMCriticClient(cfg)
+    try:
+        client._critic.tokenizer = described(POLICY)  # type: ignore[method-assign]
+        client._rm.tokenizer = described(OTHER)  # type: ignore[method-assign,union-attr]
+        assert client.configure_reward_input(POLICY, lambda batch: []) == "text"
+        client._critic.tokenizer = described(OTHER)  # type: ignore[method-assign]
+        with pytest.raises(TokenizerMismatchError, match=r"rm-B.*policy-A"):
+            client.configure_reward_input(POLICY, lambda batch: [])
+    finally:
+        client.close()

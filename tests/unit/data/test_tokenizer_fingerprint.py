@@ -31,3 +31,9 @@ def test_a_different_vocab_template_or_layout_changes_the_fingerprint(chat_token
     # the layout the model was trained with
     raw, chat = SequenceLayout(), SequenceLayout(chat_template=True)
     assert tokenizer_fingerprint(chat_tokenizer, raw) != tokenizer_fingerprint(chat_tokenizer, chat)
+
+
+def test_the_pad_token_a_loader_sets_does_not_change_the_fingerprint():
+    tok, padded = build_char_tokenizer(), build_char_tokenizer()
+    padded.pad_token = padded.eos_token
+    assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(padded)
