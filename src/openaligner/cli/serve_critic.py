@@ -151,6 +151,7 @@ def run(cfg: ServeCriticConfig) -> int:
             trainer,
             tokenize,
             reward_model=reward_model,
+            tokenizer_info=serving.served_tokenizer(tokenizer, cfg.reward_model.path or cfg.model.path)[1],
             resume=ck.resume,
             resume_step=ck.resume_step,
         )

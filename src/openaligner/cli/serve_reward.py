@@ -54,10 +54,13 @@ def run(cfg: ServeRewardConfig) -> int:
         hf_config = model.hf_model.config
         max_len = serving.sequence_limit(cfg.server.max_sequence_length, [position_limit(hf_config)])
         tokenize = serving.sentences_tokenizer(tokenizer, cfg.model.path, max_len)
+        render, described = serving.served_tokenizer(tokenizer, cfg.model.path)
         server = RewardModelServer(
             precision.autocast_fn(model.infer),
             tokenize,
             cfg.server,
+            render_func=render,
+            tokenizer_info=described,
             vocab_size=int(hf_config.vocab_size),
             max_sequence_length=max_len,
         )

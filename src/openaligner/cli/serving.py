@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from openaligner import distributed as dp
 from openaligner.config import StartupError, as_startup_error
-from openaligner.data.render import LayoutError, SequenceLayout
+from openaligner.data.render import LayoutError, SequenceLayout, tokenizer_identity
 from openaligner.models.precision import Precision, check_precision
 from openaligner.models.source import (
     ModelSourceConfig,
@@ -33,9 +33,10 @@ from openaligner.models.source import (
     find_tokenizer,
     pick_device,
 )
-from openaligner.servers.reward import make_tokenize_func
+from openaligner.servers.protocol import tokenizer_description
+from openaligner.servers.reward import make_render_func, make_tokenize_func
 from openaligner.servers.transport.lifecycle import STOP_WHILE_STARTING_S, ServerLifecycle
-from openaligner.servers.validation import TokenizeFn
+from openaligner.servers.validation import RenderFn, TokenizeFn
 
 RENAMED_KEYS: dict[str, str] = {
     "model.tiny=true": "model.tiny=gpt2",
@@ -163,6 +164,29 @@ def sentences_tokenizer(
     with as_startup_error(LayoutError):
         layout = SequenceLayout.load(reward_model_dir) if reward_model_dir is not None else None
     return make_tokenize_func(tokenizer, max_length=max_length, layout=layout)
+
+
+def served_tokenizer(
+    tokenizer: PreTrainedTokenizerBase | None, model_dir: str | None
+) -> tuple[RenderFn | None, dict[str, object]]:
+    """How ``messages`` requests are laid out (with the layout recorded in ``model_dir``, as in
+    :func:`sentences_tokenizer`) and what the tokenizer route says: ``(None, no tokenizer)``
+    without a tokenizer.
+
+    Raises:
+        StartupError: the layout file cannot be read.
+    """
+    if tokenizer is None:
+        return None, tokenizer_description(None, None, None)
+    with as_startup_error(LayoutError):
+        layout = SequenceLayout.load(model_dir) if model_dir is not None else None
+    try:
+        render: RenderFn | None = make_render_func(tokenizer, layout)
+    except LayoutError as e:  # e.g. add_eos without an EOS token: `sentences` still work
+        logging.getLogger(__name__).warning("`messages` requests will be refused: %s", e)
+        render = None
+    name, fingerprint, vocab_fingerprint = tokenizer_identity(tokenizer, layout)
+    return render, tokenizer_description(name, fingerprint, vocab_fingerprint)
 
 
 def sequence_limit(configured: int | None, model_limits: list[int | None]) -> int | None:

@@ -68,8 +68,9 @@ def _resume_note(out: Path) -> str:
 
 def _train(cfg: TrainPPOConfig) -> int:
     from openaligner import distributed as dp
-    from openaligner.clients.critic import RemoteGPTRMCriticClient
+    from openaligner.clients.critic import RemoteGPTRMCriticClient, TokenizerMismatchError
     from openaligner.clients.errors import ClientError
+    from openaligner.config import as_startup_error
     from openaligner.trainer.ppo import NonFiniteTrainingError, PeerFailedError, PPOTrainer, ResumeError
     from openaligner.trainer.ppo_recipe import prepare_ppo_run, run_ppo
 
@@ -82,6 +83,11 @@ def _train(cfg: TrainPPOConfig) -> int:
     started: list[PPOTrainer] = []
     try:
         with RemoteGPTRMCriticClient(cfg.remote) as client:
+            with as_startup_error(TokenizerMismatchError):
+                mode = client.configure_reward_input(run.tokenizer, run.conversations)
+            logging.getLogger(__name__).info(
+                "the reward model reads %s (remote.reward_input=%s)", mode, cfg.remote.reward_input
+            )
             run_ppo(run, client, on_trainer=started.append)
         dp.shutdown()
     except (ClientError, PeerFailedError, NonFiniteTrainingError, ResumeError) as e:

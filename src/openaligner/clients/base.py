@@ -31,6 +31,7 @@ Time-outs (no answer within ``request_timeout_s``) are never resent: the server 
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import queue
 import socket
@@ -53,7 +54,7 @@ from openaligner.clients.errors import (
     ServerTimeoutError,
     ServerUnavailableError,
 )
-from openaligner.servers.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope
+from openaligner.servers.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope, tokenizer_route
 
 LOGGER = logging.getLogger(__name__)
 
@@ -171,6 +172,36 @@ class TritonHTTPClient:
     def where(self, model: str) -> str:
         """``reward model server http://127.0.0.1:5555 (model 'reward_model')`` — for messages."""
         return f"{self.server_name} {self.url} (model '{model}')"
+
+    def tokenizer(self, model: str) -> dict[str, Any] | None:
+        """What the server says of the tokenizer ``model`` lays text out with (GET
+        :data:`~openaligner.servers.protocol.TOKENIZER_ROUTE`): ``name``, ``fingerprint`` and
+        ``vocab_fingerprint``; None when it has no tokenizer, or is too old to say.
+
+        Raises:
+            ServerUnavailableError: the server cannot be reached.
+        """
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=self.request_timeout_s)
+        try:
+            connection.request("GET", tokenizer_route(model))
+            answer = connection.getresponse()
+            body = answer.read()
+        except (ConnectionError, OSError, http.client.HTTPException) as e:
+            raise ServerUnavailableError(
+                f"{self.where(model)}: asking for its tokenizer failed ({type(e).__name__}: {e}). "
+                f"{self.hint}",
+                url=self.url,
+                model=model,
+            ) from None
+        finally:
+            connection.close()
+        if answer.status != 200:
+            return None  # a server from before the tokenizer route
+        try:
+            info = json.loads(body).get("tokenizer")
+        except (ValueError, AttributeError):
+            return None
+        return info if isinstance(info, dict) else None
 
     # -- readiness ---------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +55,10 @@ from openaligner.servers.protocol import (
     TOKENS,
     VALUES,
 )
+
+ToConversations = Callable[[Mapping[str, torch.Tensor]], list[list[dict[str, str]]]]
+"""A rollout micro-batch -> each row as a conversation ``[{"role", "content"}, ...]`` ending with
+the assistant's response (see :class:`~openaligner.trainer.rollout.RolloutConversations`)."""
 
 _HINT = (
     "Check that `openaligner serve-critic` is running and has printed its URL, and that this client's "
@@ -104,8 +108,14 @@ class RemoteCriticConfig:
     max_workers: int = 4  # requests in flight at once, per server
     retries_on_rejected_batch: int = 3  # resends of a valid request rejected with an invalid one
     reconnect_grace_s: float = 0.0  # after a lost connection, wait this long for a restarted server (0: fail)
+    reward_input: str = "auto"  # auto | tokens (policy ids) | text (conversations the RM server lays out)
 
     def __post_init__(self) -> None:
+        self.reward_input = str(self.reward_input).strip().lower()
+        if self.reward_input not in REWARD_INPUT_MODES:
+            raise ValueError(
+                f"reward_input must be one of {', '.join(REWARD_INPUT_MODES)}, got {self.reward_input!r}"
+            )
         if self.reconnect_grace_s < 0:
             raise ValueError(
                 f"reconnect_grace_s must be >= 0 (0: fail at once), got {self.reconnect_grace_s}"
@@ -117,6 +127,100 @@ class RemoteCriticConfig:
             raise ValueError(f"pad_to_length must be >= 2 or null, got {self.pad_to_length}")
         if self.init_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("init_timeout_s and request_timeout_s must be > 0")
+
+
+REWARD_INPUT_MODES = ("auto", "tokens", "text")
+"""``remote.reward_input``: auto = tokens when the reward server's tokenizer and layout are the
+policy's, text when they differ; tokens = send the policy's token ids; text = send each rollout as
+a conversation that the reward server lays out with its own tokenizer and template."""
+
+
+class TokenizerMismatchError(ValueError):
+    """The servers' tokenizers cannot serve this policy's rollouts; names both tokenizers."""
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """Which tokenizer a model lays text out with (see
+    :func:`~openaligner.data.render.tokenizer_identity`)."""
+
+    name: str  # where it was loaded from, for messages
+    fingerprint: str  # sha256 of the tokenizer, its template and the model's sequence layout
+    vocab_fingerprint: str  # sha256 of the vocabulary and special tokens: what the ids mean
+
+    @classmethod
+    def from_server(cls, info: Mapping[str, Any] | None, where: str) -> TokenizerIdentity | None:
+        """From a server's tokenizer description (None: the server has no tokenizer)."""
+        if info is None:
+            return None
+        return cls(
+            f"{info.get('name') or 'its tokenizer'} ({where})",
+            str(info.get("fingerprint")),
+            str(info.get("vocab_fingerprint")),
+        )
+
+
+def choose_reward_input(
+    mode: str,
+    policy: TokenizerIdentity,
+    *,
+    reward: TokenizerIdentity | None,
+    critic: TokenizerIdentity | None,
+    combined: bool,
+) -> str:
+    """``tokens`` or ``text``: how rollouts reach the reward model under ``remote.reward_input``.
+
+    The critic scores the policy's token ids, so its tokenizer must mean the same ids
+    (``vocab_fingerprint``); in combined mode the reward model does too. With a separate reward
+    server, ``auto`` picks ``tokens`` when its tokenizer and layout are the policy's
+    (``fingerprint``) and ``text`` when they differ; a server that says nothing of its tokenizer
+    (none loaded, or from before the tokenizer route) gets ``tokens``, as before.
+
+    Args:
+        mode: ``auto``, ``tokens`` or ``text``.
+        policy: the policy's tokenizer with the prompts' layout.
+        reward: the separate reward server's (None: it has none, or the reward comes from the critic).
+        critic: the critic server's (None: it has none).
+        combined: the critic server also answers rewards.
+
+    Raises:
+        TokenizerMismatchError: naming both tokenizers and what to change.
+    """
+    if critic is not None and critic.vocab_fingerprint != policy.vocab_fingerprint:
+        what = "the critic and reward model score" if combined else "the critic scores"
+        raise TokenizerMismatchError(
+            f"the critic server uses {critic.name}, which differs from the policy's {policy.name}: {what} "
+            "the policy's token ids, so they must share its tokenizer; serve a critic initialised with the "
+            "policy's tokenizer (serve-critic tokenizer.path)"
+            + (
+                ", or serve the reward model apart (remote.combine_rm_and_critic_server=false, "
+                "remote.reward_input=auto) so that it reads text"
+                if combined
+                else ""
+            )
+        )
+    if combined:
+        if mode == "text":
+            raise TokenizerMismatchError(
+                "remote.reward_input=text needs a separate reward model server "
+                "(remote.combine_rm_and_critic_server=false, remote.reward_model.*): the combined critic "
+                f"server scores the policy's token ids ({policy.name})"
+            )
+        return "tokens"
+    if mode == "tokens":
+        return "tokens"
+    if reward is None:
+        if mode == "text":
+            raise TokenizerMismatchError(
+                "remote.reward_input=text but the reward model server says it has no tokenizer (start "
+                "serve-reward with tokenizer.path, or from a model directory with its tokenizer), so it "
+                "cannot lay out text; or set remote.reward_input=tokens to send the policy's ids "
+                f"({policy.name})"
+            )
+        return "tokens"
+    if mode == "text":
+        return "text"
+    return "tokens" if reward.fingerprint == policy.fingerprint else "text"
 
 
 class RMCriticFutureResult:
@@ -211,6 +315,33 @@ class RemoteGPTRMCriticClient:
             )
         self._last_train: Future[dict[str, float]] | None = None
         self._order = threading.Lock()
+        self._to_conversations: ToConversations | None = None
+        self.reward_input = "tokens"
+        """How rollouts reach the reward model: ``tokens`` until :meth:`configure_reward_input`."""
+
+    def configure_reward_input(self, policy: TokenizerIdentity, to_conversations: ToConversations) -> str:
+        """Ask the servers for their tokenizers and settle ``cfg.reward_input`` (see
+        :func:`choose_reward_input`); in ``text`` mode rollouts then reach the reward server as the
+        conversations ``to_conversations(rollout_batch)`` gives. Returns ``tokens`` or ``text``.
+
+        Raises:
+            TokenizerMismatchError: the servers' tokenizers cannot serve this policy's rollouts.
+            ServerUnavailableError: a server cannot be reached.
+        """
+        infer = self.cfg.critic.name.infer
+        critic = TokenizerIdentity.from_server(self._critic.tokenizer(infer), self._critic.where(infer))
+        reward = None
+        if self._rm is not None:
+            reward = TokenizerIdentity.from_server(self._rm.tokenizer(), self._rm.url)
+        self.reward_input = choose_reward_input(
+            self.cfg.reward_input,
+            policy,
+            reward=reward,
+            critic=critic,
+            combined=self.cfg.combine_rm_and_critic_server,
+        )
+        self._to_conversations = to_conversations if self.reward_input == "text" else None
+        return self.reward_input
 
     @property
     def url(self) -> str:
@@ -265,11 +396,19 @@ class RemoteGPTRMCriticClient:
         inputs = {TOKENS.name: tokens, SEQUENCE_LENGTHS.name: lengths.reshape(-1, 1)}
         critic = self._critic.submit(model, inputs, decode)
         try:
-            rewards = self._rm.infer_rm(rollout_batch) if self._rm is not None else None
+            rewards = self._infer_rewards(rollout_batch)
         except BaseException:
             critic.cancel()  # nobody will read it: leave no future behind
             raise
         return RMCriticFutureResult(critic, rewards, width, rollout_batch["response_tokens"].device)
+
+    def _infer_rewards(self, rollout_batch: Mapping[str, torch.Tensor]) -> Future[torch.Tensor] | None:
+        if self._rm is None:
+            return None
+        if self._to_conversations is None:
+            return self._rm.infer_rm(rollout_batch)
+        device = rollout_batch["response_tokens"].device
+        return self._rm.infer_rm_conversations(self._to_conversations(rollout_batch), device)
 
     # -- train ---------------------------------------------------------------------------------
     def train(self, ppo_rollout_data: Mapping[str, torch.Tensor]) -> Future[dict[str, float]]:

@@ -8,9 +8,11 @@ server computes rewards; transport, readiness and errors come from :mod:`openali
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ from openaligner.clients.base import TritonHTTPClient
 from openaligner.clients.errors import BadRequestError
 from openaligner.servers.protocol import (
     DEFAULT_HOST,
+    MESSAGES,
     REWARD_DEFAULT_PORT,
     REWARD_MODEL_NAME,
     REWARDS,
@@ -92,6 +95,45 @@ class RemoteGPTRMClient:
         """Block until the server serves ``cfg.name``; raises ``ServerTimeoutError`` otherwise."""
         self._client.wait_until_ready([self.cfg.name])
 
+    def tokenizer(self) -> dict[str, Any] | None:
+        """The server's tokenizer (see :meth:`~openaligner.clients.base.TritonHTTPClient.tokenizer`)."""
+        return self._client.tokenizer(self.cfg.name)
+
+    def infer_rm_conversations(
+        self, conversations: Sequence[Sequence[Mapping[str, str]]], device: torch.device | str = "cpu"
+    ) -> Future[torch.Tensor]:
+        """Request rewards for conversations that the server lays out with its own tokenizer and
+        template, as its model was trained (the ``messages`` input).
+
+        Args:
+            conversations: B lists of ``{"role", "content"}``, each ending with the assistant's
+                response.
+            device: where the rewards are put.
+
+        Returns:
+            A future whose ``result()`` is rewards [B] float32 on ``device``.
+        """
+        rows = [json.dumps([{"role": m["role"], "content": m["content"]} for m in c]) for c in conversations]
+        inputs = {MESSAGES.name: np.array([[r.encode("utf-8")] for r in rows], dtype=np.object_)}
+        return self._client.submit(self.cfg.name, inputs, self._to_rewards(len(rows), device))
+
+    def _to_rewards(
+        self, rows: int, device: torch.device | str
+    ) -> Callable[[dict[str, np.ndarray]], torch.Tensor]:
+        def to_rewards(outputs: dict[str, np.ndarray]) -> torch.Tensor:
+            rewards = outputs.get(REWARDS.name)
+            if rewards is None or rewards.shape[0] != rows:
+                raise BadRequestError(
+                    f"{self._client.where(self.cfg.name)} answered without {rows} "
+                    f"'{REWARDS.name}' rows (got {None if rewards is None else rewards.shape}): "
+                    f"is it a reward model server?",
+                    url=self.url,
+                    model=self.cfg.name,
+                )
+            return torch.from_numpy(np.asarray(rewards, dtype=np.float32).reshape(-1).copy()).to(device)
+
+        return to_rewards
+
     def infer_rm(self, rollout_batch: Mapping[str, torch.Tensor]) -> Future[torch.Tensor]:
         """Request rewards for a rollout micro-batch.
 
@@ -111,19 +153,7 @@ class RemoteGPTRMClient:
         device = rollout_batch["response_tokens"].device
         inputs = {TOKENS.name: tokens, SEQUENCE_LENGTHS.name: lengths.reshape(-1, 1)}
 
-        def to_rewards(outputs: dict[str, np.ndarray]) -> torch.Tensor:
-            rewards = outputs.get(REWARDS.name)
-            if rewards is None or rewards.shape[0] != tokens.shape[0]:
-                raise BadRequestError(
-                    f"{self._client.where(self.cfg.name)} answered without {tokens.shape[0]} "
-                    f"'{REWARDS.name}' rows (got {None if rewards is None else rewards.shape}): "
-                    f"is it a reward model server?",
-                    url=self.url,
-                    model=self.cfg.name,
-                )
-            return torch.from_numpy(np.asarray(rewards, dtype=np.float32).reshape(-1).copy()).to(device)
-
-        return self._client.submit(self.cfg.name, inputs, to_rewards)
+        return self._client.submit(self.cfg.name, inputs, self._to_rewards(tokens.shape[0], device))
 
     def _prepare(self, batch: Mapping[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
         where = self._client.where(self.cfg.name)

@@ -27,6 +27,7 @@ changed in transformers 5 (a ``BatchEncoding``, not a list of ids).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -143,6 +144,43 @@ def use_chat_template(mode: str, tokenizer: PreTrainedTokenizerBase, key: str = 
             f"{key}=false to train on raw text"
         )
     return has_chat_template(tokenizer) if mode == "auto" else mode == "true"
+
+
+def tokenizer_fingerprint(
+    tokenizer: PreTrainedTokenizerBase, layout: SequenceLayout | None = None, *, template: bool = True
+) -> str:
+    """A stable sha256 hex digest of what decides the token ids of a text: the vocabulary (token ->
+    id, added tokens included), the special tokens and their ids (not the pad token: padding is
+    never read, and loaders make the EOS the pad of a tokenizer without one), the chat template (unless
+    ``template`` is false: what ids *mean* does not depend on it) and, when given, the
+    :class:`SequenceLayout`. Equal for a tokenizer saved and reloaded; different when any of these
+    differ. The tokenizer's name and class are left out (the same files under two paths, or a slow
+    and a fast tokenizer of one vocabulary, give the same ids)."""
+    special = {
+        name: [str(value), tokenizer.convert_tokens_to_ids(str(value))]
+        for name, value in sorted(getattr(tokenizer, "special_tokens_map", {}).items())
+        if isinstance(value, str) and name != "pad_token"  # padding is never read: loaders set it freely
+    }
+    identity = {
+        "vocab": sorted((str(t), int(i)) for t, i in tokenizer.get_vocab().items()),
+        "special": special,
+        "chat_template": (getattr(tokenizer, "chat_template", None) or None) if template else None,
+        "layout": None if layout is None else asdict(layout),
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+
+def tokenizer_identity(
+    tokenizer: PreTrainedTokenizerBase, layout: SequenceLayout | None
+) -> tuple[str, str, str]:
+    """``(name, fingerprint, vocab_fingerprint)`` of a tokenizer: where it was loaded from, its
+    :func:`tokenizer_fingerprint` with ``layout`` (how a model lays text out with it) and without
+    layout or template (what its ids mean)."""
+    return (
+        tokenizer_name(tokenizer),
+        tokenizer_fingerprint(tokenizer, layout if layout is not None else SequenceLayout()),
+        tokenizer_fingerprint(tokenizer, template=False),
+    )
 
 
 @contextmanager

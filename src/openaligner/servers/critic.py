@@ -331,6 +331,8 @@ class CriticServerTrainer(ServerLifecycle):
             restores from and start-up resumes from its checkpoints (none: ``critic_save`` is
             refused). Its precision's autocast also runs every inference forward.
         tokenize_func: for ``sentences`` infer requests; None refuses them.
+        tokenizer_info: what the tokenizer route of ``critic_infer`` says (see
+            :func:`~openaligner.servers.protocol.tokenizer_description`); None: no tokenizer.
         reward_model: the frozen reward model served in combined mode (required there).
         resume: load the trainer's latest complete checkpoint at construction.
         resume_step: with ``resume``, load the checkpoint of this critic step instead of the
@@ -348,6 +350,7 @@ class CriticServerTrainer(ServerLifecycle):
         reward_model: RewardModel | None = None,
         resume: bool = True,
         resume_step: int | None = None,
+        tokenizer_info: Mapping[str, object] | None = None,
     ) -> None:
         self.cfg = cfg
         self.trainer = trainer
@@ -372,6 +375,7 @@ class CriticServerTrainer(ServerLifecycle):
             self._forward_from_rank0,
             combined=self.combined,
             tokenize_func=tokenize_func,
+            tokenizer_info=tokenizer_info,
             vocab_size=vocab_size,
             max_sequence_length=self.max_sequence_length,
             max_batch_size=cfg.max_batch_size,

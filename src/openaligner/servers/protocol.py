@@ -64,13 +64,21 @@ class TensorSpec:
 SENTENCES = TensorSpec(
     "sentences", np.bytes_, (1,), optional=True, doc="UTF-8 text per row; tokenized by the server"
 )
+MESSAGES = TensorSpec(
+    "messages",
+    np.bytes_,
+    (1,),
+    optional=True,
+    doc='UTF-8 JSON conversation per row, [{"role", "content"}, ...] ending with the assistant\'s '
+    "response; laid out by the server as its model was trained",
+)
 TOKENS = TensorSpec("tokens", np.int64, (-1,), optional=True, doc="right-padded token ids")
 SEQUENCE_LENGTHS = TensorSpec(
     "sequence_lengths", np.int64, (1,), optional=True, doc="valid tokens per row, 1 ≤ length ≤ S"
 )
 REWARDS = TensorSpec("rewards", np.float32, (1,), doc="scalar head at index sequence_length − 1")
 
-REWARD_INPUTS: tuple[TensorSpec, ...] = (SENTENCES, TOKENS, SEQUENCE_LENGTHS)
+REWARD_INPUTS: tuple[TensorSpec, ...] = (SENTENCES, MESSAGES, TOKENS, SEQUENCE_LENGTHS)
 REWARD_OUTPUTS: tuple[TensorSpec, ...] = (REWARDS,)
 
 # -- critic server ---------------------------------------------------------------------------
@@ -84,7 +92,8 @@ CRITIC_DEFAULT_PORT = 5556
 
 VALUES = TensorSpec("values", np.float32, (-1,), doc="value at every token (0 at index ≥ sequence_length)")
 
-CRITIC_INFER_INPUTS: tuple[TensorSpec, ...] = REWARD_INPUTS
+CRITIC_INFER_INPUTS: tuple[TensorSpec, ...] = (SENTENCES, TOKENS, SEQUENCE_LENGTHS)
+"""The critic scores the policy's token ids (it shares the policy's tokenizer): no ``messages``."""
 CRITIC_INFER_OUTPUTS_COMBINED: tuple[TensorSpec, ...] = (VALUES, REWARDS)
 CRITIC_INFER_OUTPUTS_SEPARATE: tuple[TensorSpec, ...] = (VALUES,)
 
@@ -134,6 +143,27 @@ STATUS = _scalar("status", np.int64, "0 = done: checkpoint written (or restored)
 
 CRITIC_SAVE_INPUTS: tuple[TensorSpec, ...] = (DUMMY_VAR, RESTORE_STEP)
 CRITIC_SAVE_OUTPUTS: tuple[TensorSpec, ...] = (STATUS, STEP)
+
+TOKENIZER_ROUTE = "/v2/models/{model}/tokenizer"
+"""GET route the HTTP front answers itself (Triton never sees it) with the JSON
+:func:`tokenizer_description` of the tokenizer the model lays text out with."""
+
+
+def tokenizer_route(model: str) -> str:
+    """The :data:`TOKENIZER_ROUTE` of ``model``."""
+    return TOKENIZER_ROUTE.format(model=model)
+
+
+def tokenizer_description(
+    name: str | None, fingerprint: str | None, vocab_fingerprint: str | None
+) -> dict[str, object]:
+    """What a server says of its tokenizer: ``{"tokenizer": null}`` when it has none, else its
+    ``name`` (where it was loaded from), ``fingerprint`` (tokenizer + the sequence layout the model
+    was trained with) and ``vocab_fingerprint`` (tokenizer alone), sha256 hex digests."""
+    if fingerprint is None:
+        return {"tokenizer": None}
+    return {"tokenizer": {"name": name, "fingerprint": fingerprint, "vocab_fingerprint": vocab_fingerprint}}
+
 
 TOKEN_PARAMETER = "openaligner_token"
 """Triton request parameter carrying the shared secret that ``critic_train`` / ``critic_save``

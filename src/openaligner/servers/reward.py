@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from openaligner import distributed as dp
-from openaligner.data.render import SequenceLayout, with_bos, with_eos
+from openaligner.data.render import LayoutError, Renderer, SequenceLayout, with_bos, with_eos
 from openaligner.servers.batching import (
     split_rows,
 )
@@ -38,7 +38,7 @@ from openaligner.servers.protocol import (
 )
 from openaligner.servers.sequence_endpoint import SequenceEndpoint
 from openaligner.servers.transport.lifecycle import ServerLifecycle
-from openaligner.servers.validation import SequenceRequest, TokenizeFn
+from openaligner.servers.validation import RenderFn, RequestError, SequenceRequest, TokenizeFn
 
 LOGGER = logging.getLogger(__name__)
 
@@ -109,6 +109,9 @@ class RewardModelServer(ServerLifecycle):
         infer_fn: ``(tokens [b, S] int64, lengths [b] int64) -> rewards [b]`` (no grad), called
             once per ``cfg.model_forward_micro_batch_size`` rows.
         tokenize_func: tokenizer for ``sentences``; None refuses sentences.
+        render_func: lays out ``messages`` (:func:`make_render_func`); None refuses messages.
+        tokenizer_info: what the tokenizer route says (see
+            :func:`~openaligner.servers.protocol.tokenizer_description`); None: no tokenizer.
         cfg: serving settings (default :class:`RewardServerConfig`). Here ``max_sequence_length``
             None skips the length check: the server does not know the model's positions.
         vocab_size: refuse token ids outside ``[0, vocab_size)``; None skips the check.
@@ -129,6 +132,8 @@ class RewardModelServer(ServerLifecycle):
         tokenize_func: TokenizeFn | None = None,
         cfg: RewardServerConfig | None = None,
         *,
+        render_func: RenderFn | None = None,
+        tokenizer_info: Mapping[str, object] | None = None,
         vocab_size: int | None = None,
         **settings: Any,
     ) -> None:
@@ -146,6 +151,8 @@ class RewardModelServer(ServerLifecycle):
             self._forward_from_rank0,
             model_name=self.cfg.model_name,
             tokenize_func=tokenize_func,
+            render_func=render_func,
+            tokenizer_info=tokenizer_info,
             vocab_size=vocab_size,
             max_sequence_length=self.cfg.max_sequence_length,
             max_batch_size=self.cfg.max_batch_size,
@@ -252,3 +259,54 @@ def make_tokenize_func(
         return tokens, torch.tensor([len(x) for x in rows], dtype=torch.int64)
 
     return tokenize
+
+
+def make_render_func(tokenizer: Any, layout: SequenceLayout | None = None) -> RenderFn:
+    """A :data:`~openaligner.servers.validation.RenderFn` that lays each conversation out exactly as
+    train-rm laid out a preference example (:meth:`~openaligner.data.render.Renderer.example_ids`
+    of the conversation before the last message and that last, assistant, message): rendered with
+    the reward model's chat template when ``layout.chat_template``, else raw text, where the prompt
+    must be a single user message (as a text prompt is). A sequence longer than ``max_length`` keeps
+    its first ``max_length - 1`` ids and its last one (the EOS the reward is read at). Rows are
+    right-padded with the tokenizer's pad id (0 when it has none). Calls are serialised (see
+    :func:`make_tokenize_func`).
+
+    Args:
+        tokenizer: the reward model's tokenizer.
+        layout: the layout recorded next to the reward model (train-rm's default when None).
+    """
+    renderer = Renderer(tokenizer, layout if layout is not None else SequenceLayout())
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    lock = threading.Lock()
+
+    def render(
+        conversations: list[list[dict[str, str]]], max_length: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = []
+        for row, conversation in enumerate(conversations):
+            prompt_messages, response = conversation[:-1], conversation[-1]
+            prompt: str | tuple[dict[str, str], ...] = tuple(prompt_messages)
+            if not renderer.layout.chat_template:
+                if len(prompt_messages) != 1 or prompt_messages[0]["role"] != "user":
+                    raise RequestError(
+                        f"input 'messages': row {row} has {len(prompt_messages)} message(s) before the "
+                        "response, but this reward model was trained on raw text (no chat template): send "
+                        "one user message and the assistant's response, or 'sentences'"
+                    )
+                prompt = prompt_messages[0]["content"]
+            try:
+                with lock:
+                    prompt_ids, response_ids = renderer.example_ids(prompt, response)
+            except LayoutError as e:
+                raise RequestError(f"input 'messages': row {row} cannot be laid out: {e}") from None
+            ids = prompt_ids + response_ids
+            if max_length is not None and len(ids) > max_length:
+                ids = ids[: max_length - 1] + ids[-1:]
+            rows.append(ids)
+        width = max(1, max((len(r) for r in rows), default=1))
+        tokens = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+        for i, ids in enumerate(rows):
+            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        return tokens, torch.tensor([len(r) for r in rows], dtype=torch.int64)
+
+    return render

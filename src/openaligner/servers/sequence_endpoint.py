@@ -1,7 +1,8 @@
 """What the two inference endpoints (``reward_model``, ``critic_infer``) share: their settings, the
 check of one request, and the shaping of a formed batch before the forward pass.
 
-Owns :class:`SequenceEndpoint`: a request is ``sentences`` or ``tokens`` + ``sequence_lengths``
+Owns :class:`SequenceEndpoint`: a request is ``sentences``, ``messages`` (reward model only) or
+``tokens`` + ``sequence_lengths``
 (checked by :func:`~openaligner.servers.validation.parse_sequence_request`), and a formed batch is
 merged, stripped to a width multiple and padded to whole micro-batches on every rank
 (:mod:`openaligner.servers.batching`), with the endpoint's counters updated. What the forward
@@ -20,7 +21,8 @@ import numpy as np
 import torch
 
 from openaligner.servers.batching import EndpointStats, merge_rows, pad_rows, padding_multiple, strip_columns
-from openaligner.servers.validation import SequenceRequest, TokenizeFn, parse_sequence_request
+from openaligner.servers.protocol import tokenizer_description
+from openaligner.servers.validation import RenderFn, SequenceRequest, TokenizeFn, parse_sequence_request
 
 
 class SequenceEndpoint:
@@ -29,6 +31,9 @@ class SequenceEndpoint:
     Args:
         model_name: the Triton model name it is served under.
         tokenize_func: turns ``sentences`` into tokens; None refuses sentences.
+        render_func: lays ``messages`` out as the model was trained; None refuses messages.
+        tokenizer_info: what the server says of its tokenizer on the tokenizer route
+            (:func:`~openaligner.servers.protocol.tokenizer_description`); None: it has none.
         vocab_size: token ids must lie in ``[0, vocab_size)``; None skips the check.
         max_sequence_length: longest accepted sequence; None skips the check.
         max_batch_size: most rows per request.
@@ -43,6 +48,8 @@ class SequenceEndpoint:
         *,
         model_name: str,
         tokenize_func: TokenizeFn | None = None,
+        render_func: RenderFn | None = None,
+        tokenizer_info: Mapping[str, object] | None = None,
         vocab_size: int | None = None,
         max_sequence_length: int | None = None,
         max_batch_size: int = 1024,
@@ -52,6 +59,8 @@ class SequenceEndpoint:
     ) -> None:
         self.model_name = model_name
         self.tokenize_func = tokenize_func
+        self.render_func = render_func
+        self.tokenizer_info = dict(tokenizer_info or tokenizer_description(None, None, None))
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.max_batch_size = max_batch_size
@@ -66,6 +75,7 @@ class SequenceEndpoint:
         return parse_sequence_request(
             inputs,
             tokenize_func=self.tokenize_func,
+            render_func=self.render_func,
             vocab_size=self.vocab_size,
             max_sequence_length=self.max_sequence_length,
             max_batch_size=self.max_batch_size,

@@ -14,13 +14,21 @@ are repeated here so the endpoint logic is safe on its own and testable on in-me
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from openaligner.servers.protocol import REWARD_INPUTS, SENTENCES, SEQUENCE_LENGTHS, TOKENS, TensorSpec
+from openaligner.servers.protocol import (
+    MESSAGES,
+    REWARD_INPUTS,
+    SENTENCES,
+    SEQUENCE_LENGTHS,
+    TOKENS,
+    TensorSpec,
+)
 
 
 class RequestError(ValueError):
@@ -143,8 +151,9 @@ def check_tokens(
     return tokens.astype(np.int64, copy=False), flat.astype(np.int64, copy=False)
 
 
-def decode_sentences(sentences: np.ndarray) -> list[str]:
-    """UTF-8 decode ``sentences`` [B, 1] (bytes or object of bytes) into B strings."""
+def decode_sentences(sentences: np.ndarray, name: str = SENTENCES.name) -> list[str]:
+    """UTF-8 decode ``sentences`` [B, 1] (bytes or object of bytes) into B strings (``name``: the
+    input, for messages)."""
     texts: list[str] = []
     for row, value in enumerate(sentences.reshape(-1)):
         if isinstance(value, str):
@@ -155,7 +164,7 @@ def decode_sentences(sentences: np.ndarray) -> list[str]:
             texts.append(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
             raise RequestError(
-                f"input 'sentences': row {row} is not valid UTF-8 (byte {raw[e.start]:#04x} at offset "
+                f"input '{name}': row {row} is not valid UTF-8 (byte {raw[e.start]:#04x} at offset "
                 f"{e.start}); encode text with UTF-8"
             ) from None
     return texts
@@ -230,6 +239,50 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int | None, name: str = "tok
 
 # ----------------------------------------------------------------------------- sequence requests
 TokenizeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
+RenderFn = Callable[[list[list[dict[str, str]]], int | None], tuple[torch.Tensor, torch.Tensor]]
+"""``(conversations, max_length) -> (tokens [B, S] int64 right-padded, lengths [B] int64)``: each
+conversation (its last message the assistant's response) laid out as the model was trained; raises
+:class:`RequestError` for a conversation it cannot lay out."""
+
+_MESSAGES_SHAPE = (
+    'a JSON list of {"role": str, "content": str} objects, at least a user message and, last, the '
+    "assistant's response"
+)
+
+
+def decode_messages(messages: np.ndarray) -> list[list[dict[str, str]]]:
+    """The conversations of ``messages`` [B, 1]: one UTF-8 JSON list of ``{"role", "content"}``
+    per row, ending with the assistant's response.
+
+    Raises:
+        RequestError: naming the row and what was expected.
+    """
+    conversations: list[list[dict[str, str]]] = []
+    for row, text in enumerate(decode_sentences(messages, MESSAGES.name)):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RequestError(
+                f"input '{MESSAGES.name}': row {row} is not JSON ({e.msg} at character {e.pos}); "
+                f"send {_MESSAGES_SHAPE}"
+            ) from None
+        ok = (
+            isinstance(value, list)
+            and len(value) >= 2
+            and all(
+                isinstance(m, dict)
+                and set(m) == {"role", "content"}
+                and isinstance(m["role"], str)
+                and isinstance(m["content"], str)
+                for m in value
+            )
+        )
+        if not ok or value[-1]["role"] != "assistant":
+            raise RequestError(
+                f"input '{MESSAGES.name}': row {row} is {text[:80]!r}; send {_MESSAGES_SHAPE}"
+            )
+        conversations.append([{"role": m["role"], "content": m["content"]} for m in value])
+    return conversations
 """``texts -> (tokens [B, S] int64 right-padded, lengths [B] int64)``."""
 
 
@@ -253,9 +306,11 @@ def parse_sequence_request(
     vocab_size: int | None,
     max_sequence_length: int | None,
     max_batch_size: int,
+    render_func: RenderFn | None = None,
 ) -> SequenceRequest:
-    """Check one ``sentences`` or ``tokens`` + ``sequence_lengths`` request and convert it to
-    tensors; shared by the reward model's and the critic's inference endpoints.
+    """Check one ``sentences``, ``messages`` or ``tokens`` + ``sequence_lengths`` request and
+    convert it to tensors; shared by the reward model's and the critic's inference endpoints
+    (``sentences`` wins over ``messages``, which wins over ``tokens``).
 
     Raises:
         RequestError: which input is wrong and what was expected.
@@ -264,6 +319,16 @@ def parse_sequence_request(
     if SENTENCES.name in inputs:
         sentences = check_spec(inputs[SENTENCES.name], SENTENCES)
         return _from_sentences(sentences, tokenize_func, max_sequence_length, max_batch_size)
+    if MESSAGES.name in inputs:
+        messages = check_spec(inputs[MESSAGES.name], MESSAGES)
+        if render_func is None:
+            raise RequestError(
+                f"this server has no tokenizer to lay out conversations with, so '{MESSAGES.name}' "
+                f"cannot be served; send '{TOKENS.name}' with '{SEQUENCE_LENGTHS.name}' instead"
+            )
+        check_batch_size(messages.shape[0], max_batch_size)
+        rendered, rendered_lengths = render_func(decode_messages(messages), max_sequence_length)
+        return SequenceRequest(rendered.to(torch.int64), rendered_lengths.reshape(-1).to(torch.int64))
     if TOKENS.name not in inputs:
         raise RequestError(
             f"request has neither '{TOKENS.name}' nor '{SENTENCES.name}'; send '{TOKENS.name}' "

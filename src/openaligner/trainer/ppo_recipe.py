@@ -12,18 +12,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from openaligner import distributed as dp
+from openaligner.clients.critic import TokenizerIdentity
 from openaligner.config import StartupError, as_startup_error, config_to_yaml
 from openaligner.data.formats import prompt_shape
 from openaligner.data.prompts import PromptDataset, build_prompt_dataset, read_prompts
 from openaligner.data.records import DataFileError
-from openaligner.data.render import LayoutError, Renderer, SequenceLayout, use_chat_template
+from openaligner.data.render import (
+    LayoutError,
+    Renderer,
+    SequenceLayout,
+    tokenizer_identity,
+    use_chat_template,
+)
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger, rewind_logs
 from openaligner.models.actor import CausalLMActor
@@ -51,7 +58,7 @@ from openaligner.trainer.ppo import (
     restore_newest_checkpoint,
 )
 from openaligner.trainer.ppo_config import TrainPPOConfig
-from openaligner.trainer.rollout import PromptLoader, make_prompt_collate
+from openaligner.trainer.rollout import PromptLoader, RolloutConversations, make_prompt_collate
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,8 @@ class PPORun:
     checkpoints: CheckpointManager
     save_dtype: torch.dtype  # the final actor's dtype on disk
     layout: SequenceLayout  # how prompts were laid out; recorded with the final actor
+    tokenizer: TokenizerIdentity  # the policy's tokenizer with ``layout``, for remote.reward_input
+    conversations: RolloutConversations  # rollouts as conversations, for remote.reward_input=text
 
     @property
     def output_dir(self) -> Path:
@@ -94,7 +103,11 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         return str(tokenizer.decode(list(ids), skip_special_tokens=True))
 
     with as_startup_error(LayoutError):
-        train_prompts, val_prompts = load_prompt_sets(cfg, Renderer(tokenizer, layout))
+        train_set, val_set = load_prompt_sets(cfg, Renderer(tokenizer, layout))
+    train_prompts, val_prompts = train_set.prompts, val_set.prompts
+    conversations = RolloutConversations(
+        train_prompts + val_prompts, train_set.sources + val_set.sources, decode
+    )
     # 2. the actor: float32 masters, computing in the precision's dtype
     device = pick_device(cfg.device)
     if device.type == "cuda" and world > 1:
@@ -138,7 +151,10 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     keep_last = cfg.exp.keep_last
     checkpoints = CheckpointManager(out / "checkpoints", keep_last=keep_last, best_metric="val_rewards")
     save_dtype = resolve_save_dtype(cfg.exp.save_dtype, cfg.actor.path)
-    return PPORun(cfg, actor, optim, prompts, decode, checkpoints, save_dtype, layout)
+    identity = TokenizerIdentity(*tokenizer_identity(tokenizer, layout))
+    return PPORun(
+        cfg, actor, optim, prompts, decode, checkpoints, save_dtype, layout, identity, conversations
+    )
 
 
 def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer], None] | None = None) -> None:
@@ -246,9 +262,9 @@ def prompt_layout(cfg: TrainPPOConfig, tokenizer: PreTrainedTokenizerBase) -> Se
     return layout
 
 
-def load_prompt_sets(cfg: TrainPPOConfig, renderer: Renderer) -> tuple[list[list[int]], list[list[int]]]:
+def load_prompt_sets(cfg: TrainPPOConfig, renderer: Renderer) -> tuple[PromptDataset, PromptDataset]:
     """The training prompts and the validation prompts (``trainer.num_val_samples`` of them), as
-    token ids laid out by ``renderer``; prompts longer than
+    token ids laid out by ``renderer`` with the prompts as read; prompts longer than
     ``data.seq_length − trainer.length.max_length`` are dropped.
 
     Raises:
@@ -282,7 +298,7 @@ def load_prompt_sets(cfg: TrainPPOConfig, renderer: Renderer) -> tuple[list[list
             cfg,
             " (null: trainer.num_rollout_samples)" if c.num_val_samples is None else "",
         )
-    return train.prompts, val.prompts[: c.val_samples]
+    return train, replace(val, prompts=val.prompts[: c.val_samples], sources=val.sources[: c.val_samples])
 
 
 def _require_prompts(

@@ -1,15 +1,16 @@
 """Rollouts outside the model: prompt batches per step, rank slices, micro-batches, collation, texts.
 
-Knows prompt token lists, rollout tensors and a ``decode`` callable; nothing of models, servers or
-PPO math.
+Knows prompt token lists (and the prompts as read, for :class:`RolloutConversations`), rollout
+tensors and a ``decode`` callable; nothing of models, servers or PPO math.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 
+from openaligner.data.formats import Prompt
 from openaligner.data.prompts import EpochSampler
 
 Collate = Callable[[Sequence[Sequence[int]]], dict[str, torch.Tensor]]
@@ -115,3 +116,55 @@ def rollout_texts(
         prompts.append(decode(tokens[i, :p].tolist()))
         responses.append(decode(tokens[i, p:end].tolist()))
     return prompts, responses
+
+
+class RolloutConversations:
+    """Rollouts as the conversations they continue, for a reward model with its own tokenizer
+    (``remote.reward_input=text``): each row's prompt as read (a text prompt is one user message),
+    found by its token ids, then the response decoded with the policy's tokenizer (special tokens
+    and padding dropped) as the assistant's message.
+
+    The prompt is looked up by its ids rather than carried through the sampler: the rollout already
+    holds them, and a rendered prompt cannot be turned back into its conversation by decoding.
+
+    Args:
+        prompts: token ids of every prompt the run samples (train and validation).
+        sources: the prompts as read, aligned with ``prompts``.
+        decode: policy token ids → text (special tokens skipped).
+    """
+
+    def __init__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sources: Sequence[Prompt],
+        decode: Callable[[Sequence[int]], str],
+    ) -> None:
+        if len(prompts) != len(sources):
+            raise ValueError(f"{len(prompts)} prompts but {len(sources)} sources")
+        self._sources = {tuple(int(i) for i in ids): s for ids, s in zip(prompts, sources, strict=True)}
+        self._decode = decode
+
+    def __call__(self, rollout_batch: Mapping[str, torch.Tensor]) -> list[list[dict[str, str]]]:
+        """``response_tokens`` [B, S], ``prompt_lengths`` [B], ``response_lengths`` [B] → B
+        conversations ``[{"role", "content"}, ...]`` ending with the assistant's response.
+
+        Raises:
+            KeyError: a row's prompt is not one of ``prompts``.
+        """
+        tokens = rollout_batch["response_tokens"].cpu()
+        prompt_lengths = rollout_batch["prompt_lengths"].reshape(-1).tolist()
+        ends = rollout_batch["response_lengths"].reshape(-1).tolist()
+        conversations = []
+        for i, (p, end) in enumerate(zip(prompt_lengths, ends, strict=True)):
+            key = tuple(tokens[i, : int(p)].tolist())
+            if key not in self._sources:
+                raise KeyError(f"rollout row {i}: its prompt ids are not those of any prompt of the run")
+            source = self._sources[key]
+            messages = (
+                [{"role": "user", "content": source}]
+                if isinstance(source, str)
+                else [{"role": str(m["role"]), "content": str(m["content"])} for m in source]
+            )
+            response = self._decode(tokens[i, int(p) : int(end)].tolist())
+            conversations.append([*messages, {"role": "assistant", "content": response}])
+        return conversations

@@ -44,6 +44,8 @@ DEFAULT_MAX_REQUEST_BYTES = 256 * 2**20
 tokens is about 84 MB in binary form)."""
 
 INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
+TOKENIZER_PATH = re.compile(r"^/v2/models/([^/]+)/tokenizer$")
+""":data:`~openaligner.servers.protocol.TOKENIZER_ROUTE`, answered by the guard itself."""
 
 RequestCheck = Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], None]
 """Judges one decoded request — ``(inputs, request parameters)`` — before it is forwarded; raises
@@ -109,6 +111,8 @@ class HTTPGuard:
         max_request_bytes: largest accepted request body.
         checks: model name -> its :data:`RequestCheck`; requests for other models are only parsed.
         workers: threads that parse and check requests.
+        tokenizers: model name -> what ``GET /v2/models/<name>/tokenizer`` answers (JSON), for
+            the models that have such a route.
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class HTTPGuard:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         checks: Mapping[str, RequestCheck] | None = None,
         workers: int = 4,
+        tokenizers: Mapping[str, Mapping[str, object]] | None = None,
     ) -> None:
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
@@ -127,6 +132,7 @@ class HTTPGuard:
         self.upstream = f"http://127.0.0.1:{upstream_port}"
         self.max_request_bytes = max_request_bytes
         self.checks = dict(checks or {})
+        self.tokenizers = {name: json.dumps(info).encode() for name, info in (tokenizers or {}).items()}
         self.refused = 0
         """Requests answered by the guard itself with an error."""
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="openaligner-http-check")
@@ -211,6 +217,12 @@ class HTTPGuard:
 
     async def _handle(self, request: Any) -> Any:
         method, path = request.method, request.path
+        tokenizer = TOKENIZER_PATH.match(path)
+        if method == "GET" and tokenizer is not None and tokenizer.group(1) in self.tokenizers:
+            from aiohttp import web
+
+            described = self.tokenizers[tokenizer.group(1)]
+            return web.Response(status=200, body=described, content_type="application/json")
         if method in ("GET", "HEAD") and (path == "/v2" or path.startswith("/v2/")):
             return await self._forward(request, request.raw_path, None, {})
         match = INFER_PATH.match(path)

@@ -396,6 +396,7 @@ class TritonHost:
         triton = Triton(config=config, workspace=workspace.triton_dir, triton_lifecycle_policy=local_store)
         self._triton = triton
         checks: dict[str, RequestCheck] = {}
+        tokenizers: dict[str, Mapping[str, object]] = {}
         for endpoint, batching, lock, authorize in self._bindings:
             if batching is None:
                 model_config = ModelConfig(batching=False)
@@ -411,6 +412,9 @@ class TritonHost:
             call = TritonCallable(endpoint, lock, authorize)
             self._callables.append(call)
             checks[endpoint.model_name] = call.check
+            info = getattr(endpoint, "tokenizer_info", None)
+            if info is not None:
+                tokenizers[endpoint.model_name] = info
             triton.bind(
                 model_name=endpoint.model_name,
                 infer_func=call,
@@ -422,7 +426,12 @@ class TritonHost:
         workspace.started()
         # After Triton is ready: until then clients see a refused connection, as before.
         self.guard = HTTPGuard(
-            self.host, self.port, self.triton_port, max_request_bytes=self.max_request_bytes, checks=checks
+            self.host,
+            self.port,
+            self.triton_port,
+            max_request_bytes=self.max_request_bytes,
+            checks=checks,
+            tokenizers=tokenizers,
         )
         self.guard.start()
 
