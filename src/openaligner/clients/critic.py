@@ -171,7 +171,8 @@ def choose_reward_input(
     """``tokens`` or ``text``: how rollouts reach the reward model under ``remote.reward_input``.
 
     The critic scores the policy's token ids, so its tokenizer must mean the same ids
-    (``vocab_fingerprint``); in combined mode the reward model does too. With a separate reward
+    (``vocab_fingerprint``); in combined mode the reward model does too, and under ``auto`` it
+    must also lay sequences out as the policy's prompts are (``fingerprint``). With a separate reward
     server, ``auto`` picks ``tokens`` when its tokenizer and layout are the policy's
     (``fingerprint``) and ``text`` when they differ; a server that says nothing of its tokenizer
     (none loaded, or from before the tokenizer route) gets ``tokens``, as before.
@@ -205,6 +206,16 @@ def choose_reward_input(
                 "remote.reward_input=text needs a separate reward model server "
                 "(remote.combine_rm_and_critic_server=false, remote.reward_model.*): the combined critic "
                 f"server scores the policy's token ids ({policy.name})"
+            )
+        if mode == "auto" and critic is not None and critic.fingerprint != policy.fingerprint:
+            # same ids, another layout (BOS/EOS or chat template): the reward model would score
+            # sequences laid out unlike the ones it was trained on
+            raise TokenizerMismatchError(
+                f"the combined critic server's reward model lays sequences out with {critic.name} unlike "
+                f"the policy's prompts ({policy.name}: BOS/EOS or chat template differ), so it would score "
+                "a layout it was not trained on; serve the reward model apart "
+                "(remote.combine_rm_and_critic_server=false) so that it reads text, align data.add_bos / "
+                "data.chat_template with train-rm's, or set remote.reward_input=tokens to send the ids anyway"
             )
         return "tokens"
     if mode == "tokens":

@@ -165,9 +165,17 @@ def tokenizer_fingerprint(
         "vocab": sorted((str(t), int(i)) for t, i in tokenizer.get_vocab().items()),
         "special": special,
         "chat_template": (getattr(tokenizer, "chat_template", None) or None) if template else None,
-        "layout": None if layout is None else asdict(layout),
+        "layout": None if layout is None else _effective_layout(tokenizer, layout),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+
+def _effective_layout(tokenizer: PreTrainedTokenizerBase, layout: SequenceLayout) -> dict[str, object]:
+    """What ``layout`` does with ``tokenizer``: the BOS/EOS ids it adds (None: none, e.g. asked for
+    but the tokenizer has no BOS) and whether a template renders conversations. Two layouts that
+    differ only in a switch the tokenizer cannot act on lay text out alike, so they compare equal."""
+    bos, eos = layout.special_ids(tokenizer)
+    return {"bos": bos, "eos": eos, "chat_template": layout.chat_template and has_chat_template(tokenizer)}
 
 
 def tokenizer_identity(

@@ -84,3 +84,12 @@ def test_the_client_asks_both_servers_and_refuses_a_critic_of_another_tokenizer(
             client.configure_reward_input(POLICY, lambda batch: [])
     finally:
         client.close()
+
+
+def test_combined_with_the_same_ids_laid_out_otherwise_is_refused_unless_forced():
+    """The combined reward model would score the policy's ids in a layout it was not trained on."""
+    with pytest.raises(TokenizerMismatchError) as e:
+        choose("auto", None, critic=OTHER_LAYOUT, combined=True)
+    assert "rm-A-chat" in str(e.value) and "policy-A" in str(e.value)
+    assert "remote.reward_input=tokens" in str(e.value)
+    assert choose("tokens", None, critic=OTHER_LAYOUT, combined=True) == "tokens"

@@ -37,3 +37,19 @@ def test_the_pad_token_a_loader_sets_does_not_change_the_fingerprint():
     tok, padded = build_char_tokenizer(), build_char_tokenizer()
     padded.pad_token = padded.eos_token
     assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(padded)
+
+
+def test_layout_switches_the_tokenizer_cannot_act_on_do_not_change_the_fingerprint():
+    """A BOS asked for by one side but absent from the tokenizer lays text out as not asking does."""
+    no_bos = train_bpe_tokenizer(["sort 3 1 2: 1 2 3"] * 4, 300, ["<pad>", "<eos>"], eos_token="<eos>")
+    assert no_bos.bos_token_id is None
+    assert tokenizer_fingerprint(no_bos, SequenceLayout(add_bos=True)) == tokenizer_fingerprint(
+        no_bos, SequenceLayout(add_bos=False)
+    )
+    assert tokenizer_fingerprint(no_bos, SequenceLayout(add_eos=True)) != tokenizer_fingerprint(
+        no_bos, SequenceLayout(add_eos=False)
+    )
+    # a chat_template switch on a tokenizer without a template renders nothing differently
+    assert tokenizer_fingerprint(no_bos, SequenceLayout(chat_template=True)) == tokenizer_fingerprint(
+        no_bos, SequenceLayout()
+    )
