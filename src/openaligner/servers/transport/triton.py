@@ -354,6 +354,7 @@ class TritonHost:
         """
         if self._triton is not None or self._workspace is not None:
             raise RuntimeError("already started")
+        _pass_interrupts_quietly()
         started = time.perf_counter()
         check_port_free(self.host, self.port)
         try:
@@ -552,3 +553,19 @@ def _quiet_expected_rejections() -> None:
 def _tensor(tensor_cls: Any, spec: TensorSpec) -> Any:
     dtype: Any = bytes if spec.dtype is np.bytes_ else spec.dtype
     return tensor_cls(name=spec.name, dtype=dtype, shape=spec.shape, optional=spec.optional)
+
+
+def _pass_interrupts_quietly() -> None:
+    """Let a stop that arrives during the start reach it without a printed traceback.
+
+    PyTriton waits for Triton on gevent; a signal handler's stop (a ``KeyboardInterrupt``) raised
+    while this thread's gevent hub runs is printed by the hub as an error before the hub passes it
+    on to the start. It is how a stop arrives, not an error: the hub passes it on without printing.
+    """
+    try:
+        from gevent import get_hub
+    except ImportError:  # no gevent: nothing prints
+        return
+    hub = get_hub()
+    if not issubclass(KeyboardInterrupt, hub.NOT_ERROR):
+        hub.NOT_ERROR = (*hub.NOT_ERROR, KeyboardInterrupt)
