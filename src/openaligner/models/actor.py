@@ -54,6 +54,7 @@ from openaligner.models.generation import (
 )
 from openaligner.models.lora import is_peft_model, merged_copy
 from openaligner.models.precision import Precision, save_pretrained_as
+from openaligner.models.sharding import compute_device, gathered
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,8 @@ class CausalLMActor:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where the policy computes (a sharded policy's shards may live in CPU memory)."""
+        return compute_device(self.model)
 
     def to(self, device: str | torch.device) -> CausalLMActor:
         """Move the policy and the initial policy."""
@@ -227,7 +229,8 @@ class CausalLMActor:
             )
         params = sampling or self.sampling
         self.model.eval()
-        with self.precision.autocast():
+        # A sharded policy is gathered once for the whole loop (see models.sharding.gathered).
+        with gathered(self.model), self.precision.autocast():
             out = generate(
                 self.model,
                 inference_batch[key],

@@ -278,11 +278,11 @@ def decode_messages(messages: np.ndarray) -> list[list[dict[str, str]]]:
             )
         )
         if not ok or value[-1]["role"] != "assistant":
-            raise RequestError(
-                f"input '{MESSAGES.name}': row {row} is {text[:80]!r}; send {_MESSAGES_SHAPE}"
-            )
+            raise RequestError(f"input '{MESSAGES.name}': row {row} is {text[:80]!r}; send {_MESSAGES_SHAPE}")
         conversations.append([{"role": m["role"], "content": m["content"]} for m in value])
     return conversations
+
+
 """``texts -> (tokens [B, S] int64 right-padded, lengths [B] int64)``."""
 
 

@@ -3,7 +3,8 @@
 Owns what happens between a step's last backward and the next step: gradient sync over ranks,
 unscaling (fp16 loss scaling), clipping the global gradient norm, skipping the step when that
 norm is inf/NaN, the optimizer and LR-schedule step, and the loss scaler's update. How gradients
-are synchronised (replicas today, sharding later) is decided here once for both trainers. Must not
+are synchronised (replicas: one all-reduce here; shards: the backward's reduce-scatter) is decided
+here once for all trainers. Must not
 know about losses, batches, PPO, servers, or what a trainer does about a skipped step.
 """
 
@@ -17,6 +18,7 @@ from typing import Literal
 import torch
 
 from openaligner import distributed as dp
+from openaligner.models.sharding import grad_norm_value, has_sharded_params
 
 _NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
 """A pass-through loss scaler (``step`` is ``optimizer.step()``)."""
@@ -67,7 +69,13 @@ def optimizer_step(
         weights, optimizer state and schedule are untouched, and a dynamic loss scaler has
         lowered its scale.
     """
-    if gradients == "mean":
+    if has_sharded_params(params):
+        # Shards: the backward's reduce-scatter already summed the gradients over ranks.
+        if gradients == "mean" and dp.world_size() > 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(dp.world_size())
+    elif gradients == "mean":
         dp.average_gradients(params)
     else:
         dp.sum_gradients(params)
@@ -79,7 +87,7 @@ def optimizer_step(
         scaler = _NO_SCALER
     scaler.unscale_(optimizer)  # a no-op unless fp16 loss scaling is on
     max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
-    norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm)) if with_grad else 0.0
+    norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(with_grad, max_norm)) if with_grad else 0.0
     # The norm is the same on every rank (gradients are synced first), so all ranks skip alike.
     if math.isfinite(norm):
         scaler.step(optimizer)

@@ -17,6 +17,7 @@ from openaligner.clients.critic import RemoteCriticConfig
 from openaligner.data.render import check_chat_template_mode
 from openaligner.models.lora import LoraConfig
 from openaligner.models.precision import check_precision, check_save_dtype
+from openaligner.models.sharding import ParallelConfig
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
 from openaligner.trainer.optim import OptimConfig
 
@@ -192,12 +193,14 @@ class TrainPPOConfig:
     trainer: PPOConfig = field(default_factory=PPOConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, betas=[0.9, 0.95]))
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA actor; initial policy = adapters disabled
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # ddp replicas or fsdp shards
     data: DataConfig = field(default_factory=DataConfig)
     remote: RemoteCriticConfig = field(default_factory=RemoteCriticConfig)
     exp: ExpConfig = field(default_factory=ExpConfig)
 
     def __post_init__(self) -> None:
         check_precision(self.precision, "precision")
+        self.parallel.check_precision(self.precision)
         check_save_dtype(self.exp.save_dtype, "exp.save_dtype")
         if self.exp.server_overlap_threads is not None and self.exp.server_overlap_threads < 1:
             raise ValueError(

@@ -10,13 +10,14 @@ the prompt loaders and the checkpoint manager — and running them against a rew
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from openaligner import distributed as dp
 from openaligner.clients.critic import TokenizerIdentity
@@ -34,8 +35,9 @@ from openaligner.data.render import (
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger, rewind_logs
 from openaligner.models.actor import CausalLMActor
-from openaligner.models.lora import MERGED_DIR, LoraError, add_lora
+from openaligner.models.lora import MERGED_DIR, LoraError, add_lora, is_peft_model
 from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
+from openaligner.models.sharding import ParallelConfig, ShardingError, shard
 from openaligner.models.source import (
     SourceError,
     check_vocab,
@@ -120,6 +122,9 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     # with LoRA the initial policy is this same model with its adapters disabled: no second copy
     with as_startup_error(LoraError):
         model = add_lora(model, cfg.lora)
+    init_policy = initial_policy(model, cfg.parallel) if c.initial_policy_kl_penalty > 0 else False
+    with as_startup_error(ShardingError):
+        model = shard(model, cfg.parallel, name="actor")
     actor = CausalLMActor(
         model,
         tokenizer,
@@ -129,7 +134,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         dual_clip=c.dual_clip,
         entropy_coef=c.entropy_bonus,
         loss_aggregation=c.loss_aggregation,
-        init_policy=None if c.initial_policy_kl_penalty > 0 else False,
+        init_policy=init_policy,
         precision=precision,
     )
     # 3. prompts: this rank's share of every global batch
@@ -155,6 +160,20 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     return PPORun(
         cfg, actor, optim, prompts, decode, checkpoints, save_dtype, layout, identity, conversations
     )
+
+
+def initial_policy(model: PreTrainedModel, parallel: ParallelConfig) -> PreTrainedModel | None:
+    """The frozen initial policy: a float32 copy of ``model`` (call before ``model`` is sharded),
+    sharded alike (its shards on the CPU with ``parallel.offload_init_policy``); None for a LoRA
+    policy, whose initial policy is itself with the adapters disabled (the actor's default)."""
+    if is_peft_model(model):
+        return None
+    frozen = copy.deepcopy(model)
+    frozen.requires_grad_(False)
+    frozen.eval()
+    with as_startup_error(ShardingError):
+        shard(frozen, parallel, offload=parallel.offload_init_policy, name="initial policy")
+    return frozen
 
 
 def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer], None] | None = None) -> None:

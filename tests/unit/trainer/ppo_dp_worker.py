@@ -3,10 +3,12 @@
 Used by test_ppo_distributed.py: ``python ppo_dp_worker.py OUT [FAIL_AT]`` or
 ``torchrun --nproc_per_node 2 ppo_dp_worker.py OUT [FAIL_AT]``. With ``FAIL_AT`` = N the N-th
 ``critic_train`` answer is an error; every rank then writes ``OUT.rank<r>`` (the error it stopped
-with and when) and exits 3.
+with and when) and exits 3. ``STRATEGY=fsdp`` in the environment shards the actor and its initial
+policy (``parallel.strategy``) as train-ppo does; ``ARCH`` picks the tiny model (default gpt2).
 """
 
 import json
+import os
 import sys
 import time
 from concurrent.futures import Future
@@ -20,8 +22,10 @@ from openaligner.config import load_config
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
+from openaligner.models.sharding import ParallelConfig, full_state_dict, shard
 from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
 from openaligner.trainer.ppo_config import PPOConfig
+from openaligner.trainer.ppo_recipe import initial_policy
 from openaligner.trainer.rollout import PromptLoader, make_prompt_collate
 
 
@@ -80,10 +84,11 @@ def main(out: Path, fail_at: int | None = None) -> None:
             "gate_unfinished=false",
         ],
     )
-    model = build_tiny_causal_lm(
-        "gpt2", TinySize(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2), seed=0
-    )
-    actor = CausalLMActor(model)
+    parallel = ParallelConfig(strategy=os.environ.get("STRATEGY", "ddp"))
+    size = TinySize(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2)
+    model = build_tiny_causal_lm(os.environ.get("ARCH", "gpt2"), size, seed=0)
+    init = initial_policy(model, parallel)
+    actor = CausalLMActor(shard(model, parallel), init_policy=init)
     prompts = [[3 + (i % 20), 4 + (i % 7), 5][: 1 + i % 3] for i in range(32)]
     opt = torch.optim.SGD(actor.parameters(), lr=0.5)
     logs = MetricsLogger(out.parent / f"logs-{dp.world_size()}", tensorboard=False, enabled=dp.rank() == 0)
@@ -109,12 +114,12 @@ def main(out: Path, fail_at: int | None = None) -> None:
             sys.exit(3)
         raise AssertionError("the failed critic_train did not stop the run")
     history = trainer.fit()
-    weights = torch.cat([p.detach().reshape(-1) for p in actor.parameters()])
+    state = full_state_dict(actor.model)  # the whole weights (a collective when sharded)
     betas = dp.gather_objects(trainer.kl_controller.value)
     if dp.rank() == 0:
-        out.write_text(
-            json.dumps({"history": history, "weights_sum": float(weights.double().sum()), "betas": betas})
-        )
+        assert state is not None
+        weights = {k: float(v.double().sum()) for k, v in state.items()}
+        out.write_text(json.dumps({"history": history, "weights": weights, "betas": betas}))
     dp.shutdown()
 
 

@@ -1,7 +1,9 @@
-"""Two data-parallel ranks (torchrun, gloo) equal one process on the same global batch, keep one
-adaptive KL coefficient, and all stop at once when rank 0's critic request fails."""
+"""Two data-parallel ranks (torchrun, gloo) equal one process on the same global batch, with
+replicas (ddp) and with shards (fsdp), keep one adaptive KL coefficient, and all stop at once when
+rank 0's critic request fails."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,37 +15,27 @@ WORKER = Path(__file__).with_name("ppo_dp_worker.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-@pytest.mark.slow
-def test_two_ranks_match_one_rank(tmp_path):
-    one, two = tmp_path / "one.json", tmp_path / "two.json"
-    subprocess.run([sys.executable, str(WORKER), str(one)], check=True, timeout=300)
-    subprocess.run([*TORCHRUN, str(WORKER), str(two)], check=True, timeout=300)
-    a, b = json.loads(one.read_text()), json.loads(two.read_text())
-    assert len(a["history"]) == len(b["history"]) == 2
-    for m1, m2 in zip(a["history"], b["history"], strict=True):
-        for key in (
-            "rollout/rewards",
-            "rollout/init_policy_kl",
-            "rollout/advantages_std",
-            "rollout/values_mean",
-            "rollout/kl_coef",
-            "rollout/sequence_kl",
-            "policy/loss",
-            "policy/ppo_ratio",
-            "policy/grad_norm",
-            "value/loss",
-            "value/rows",
-            "value/explained_variance",
-        ):
-            assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-5), key
-    # the trained weights agree too (SGD, so any gradient difference would show)
-    assert a["weights_sum"] == pytest.approx(b["weights_sum"], rel=1e-5)
-    # and training happened: policy changed between the steps
-    assert a["history"][1]["policy/ppo_ratio"] != 1.0
-    # adaptive KL: every rank holds the same β, the one a single process computes
-    assert b["betas"][0] == b["betas"][1]
-    assert b["betas"][0] == pytest.approx(a["betas"][0], rel=1e-6)
-    assert a["betas"][0] != 0.05  # and β did move
+KEYS = (
+    "rollout/rewards",
+    "rollout/init_policy_kl",
+    "rollout/advantages_std",
+    "rollout/values_mean",
+    "rollout/kl_coef",
+    "rollout/sequence_kl",
+    "policy/loss",
+    "policy/ppo_ratio",
+    "policy/grad_norm",
+    "value/loss",
+    "value/rows",
+    "value/explained_variance",
+)
+
+
+def run_worker(out: Path, ranks: int, strategy: str = "ddp", arch: str = "gpt2") -> dict:
+    env = os.environ | {"STRATEGY": strategy, "ARCH": arch}
+    command = [*TORCHRUN, str(WORKER), str(out)] if ranks == 2 else [sys.executable, str(WORKER), str(out)]
+    subprocess.run(command, check=True, timeout=300, env=env)
+    return json.loads(out.read_text())
 
 
 @pytest.mark.slow
@@ -61,3 +53,33 @@ def test_a_failed_critic_train_stops_every_rank_at_once(tmp_path):
     assert rank1["error"] == "PeerFailedError"
     assert "rank 0's critic_train failed" in rank1["message"] and "400: bad request" in rank1["message"]
     assert rank1["after_s"] < 60 and elapsed < 200
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_two_ranks_sharded_or_replicated_match_one_process(tmp_path, arch):
+    """FSDP over 2 ranks is the same run as replicas over 2 ranks: the same all-gathered float32
+    weights, the same forwards, gradients summed over the same two ranks. The tolerance (rel 1e-6)
+    is the rounding of the two places that differ: the gradient norm is a sum of squares over
+    shards (then over ranks) instead of over whole tensors, and with 2 micro-batches per rank the
+    reduce-scatter after each backward associates the sums differently ((a1+b1)+(a2+b2) instead of
+    (a1+a2)+(b1+b2)). One process differs from both by the same kind of rounding (rel 1e-4 above)."""
+    one = run_worker(tmp_path / "one.json", 1, arch=arch)
+    ddp = run_worker(tmp_path / "ddp.json", 2, "ddp", arch)
+    fsdp = run_worker(tmp_path / "fsdp.json", 2, "fsdp", arch)
+    assert len(fsdp["history"]) == 2
+    for m_ddp, m_fsdp, m_one in zip(ddp["history"], fsdp["history"], one["history"], strict=True):
+        for key in KEYS:
+            assert m_fsdp[key] == pytest.approx(m_ddp[key], rel=1e-6, abs=1e-7), key
+            assert m_fsdp[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-5), key
+    assert fsdp["weights"].keys() == ddp["weights"].keys()  # the same names: an HF state dict
+    for name, total in ddp["weights"].items():
+        assert fsdp["weights"][name] == pytest.approx(total, rel=1e-6, abs=1e-7), name
+    # replicas equal one process (a mean over 2 ranks' rows instead of one pass over all of them)
+    for name, total in one["weights"].items():
+        assert ddp["weights"][name] == pytest.approx(total, rel=1e-5, abs=1e-6), name
+    assert fsdp["history"][1]["policy/ppo_ratio"] != 1.0  # it trained
+    # adaptive KL: every rank holds the same β, the one a single process computes, and β moved
+    assert ddp["betas"][0] == ddp["betas"][1] == pytest.approx(one["betas"][0], rel=1e-6)
+    assert fsdp["betas"][0] == fsdp["betas"][1] == pytest.approx(ddp["betas"][0], rel=1e-6)
+    assert one["betas"][0] != 0.05

@@ -1,0 +1,278 @@
+"""How a model's weights are laid over the ranks: replicas (``ddp``) or shards (``fsdp``, PyTorch's
+FSDP2 ``fully_shard``), the ``parallel`` section of every command that holds a model.
+
+Owns:
+
+* :class:`ParallelConfig` — the ``parallel`` section of train-sft, train-rm, train-ppo,
+  serve-critic and serve-reward.
+* :func:`shard` — one FSDP unit per decoder layer (the classes each Hugging Face model lists in
+  ``_no_split_modules``, so any architecture works without a per-model policy) plus one for the
+  rest (embeddings, final norm, head), optionally with the shards, gradients and optimizer state
+  on the CPU, and activation checkpointing per decoder layer (also for replicas).
+* :func:`gathered` — whole weights on every rank for a stretch of forwards (generation).
+* :func:`full_state_dict` — the whole weights on rank 0 (for a Hugging Face export).
+* :func:`is_sharded`, :func:`compute_device`, and what the optimizer step needs
+  (:func:`has_sharded_params`, :func:`grad_norm_value`).
+
+Conventions, chosen so that sharded training is the same math as replicas:
+
+* Shards hold the float32 masters; forwards all-gather float32 weights and compute under the
+  precision's autocast exactly as replicas do (no FSDP ``MixedPrecisionPolicy``: its bf16
+  parameter cast would make sharded and replicated runs differ, and autocast already computes
+  matrix products in bf16). The cost: all-gathers move float32 (4 bytes per parameter).
+* Gradients are *summed* over ranks by the reduce-scatter (divide factor 1, sum-only collectives,
+  which gloo needs), as :func:`openaligner.distributed.sum_gradients` sums replicas' gradients; the
+  optimizer step divides once where a trainer averages. Each backward reduce-scatters (the
+  gradient memory stays sharded across micro-batches), so with several micro-batches per step the
+  sums are associated differently from replicas' (rounding-level differences).
+* Every rank must run the same forwards and backwards in the same order (each is a collective);
+  the trainers' equal micro-batch counts per rank guarantee it. Inside :func:`gathered` forwards
+  are local (no collective), so ranks may generate for different numbers of steps.
+
+Must not know about trainers, optimizers' configs, servers or checkpoints' layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from openaligner import distributed as dp
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=nn.Module)
+Strategy = Literal["ddp", "fsdp"]
+STRATEGIES: tuple[str, ...] = ("ddp", "fsdp")
+
+
+class ShardingError(ValueError):
+    """A ``parallel`` setting that cannot work with this model or run; the message names the key."""
+
+
+@dataclass
+class ParallelConfig:
+    """The ``parallel`` section: how ranks hold the weights.
+
+    Attributes:
+        strategy: ``ddp`` — every rank holds a replica, gradients are summed over ranks in one flat
+            all-reduce per step; ``fsdp`` — every rank holds 1/N of each weight, its gradient and
+            its optimizer state (PyTorch FSDP2), weights are gathered layer by layer for each
+            forward and backward. Without torchrun (one process) both are the same.
+        offload: ``fsdp`` only: the trained model's shards, gradients and optimizer state live in
+            CPU memory and the optimizer steps there (FSDP2 ``CPUOffloadPolicy``); each layer is
+            copied to the device for its forward and backward.
+        offload_init_policy: ``fsdp`` only: the PPO actor's frozen initial policy keeps its shards
+            in CPU memory (it only runs no-grad forwards).
+        activation_checkpointing: recompute each decoder layer's activations in the backward
+            instead of keeping them (less memory, about one more forward of compute); either
+            strategy.
+    """
+
+    strategy: str = "ddp"
+    offload: bool = False
+    offload_init_policy: bool = False
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ShardingError(f"parallel.strategy={self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        if self.strategy != "fsdp":
+            for key in ("offload", "offload_init_policy"):
+                if getattr(self, key):
+                    raise ShardingError(
+                        f"parallel.{key}=true offloads shards, which needs parallel.strategy=fsdp "
+                        f"(it is {self.strategy})"
+                    )
+
+    @property
+    def sharded(self) -> bool:
+        """Whether models are sharded (``fsdp`` under a process group of more than one rank)."""
+        return self.strategy == "fsdp" and dp.world_size() > 1
+
+    def check_precision(self, precision_name: str, key: str = "precision") -> None:
+        """Refuse fp16 loss scaling with shards: the loss scaler's overflow check would see only this
+        rank's shard of the gradients, so ranks could disagree about skipping a step.
+
+        Raises:
+            ShardingError: naming both keys and the fix.
+        """
+        if self.strategy == "fsdp" and precision_name.startswith("fp16"):
+            raise ShardingError(
+                f"{key}={precision_name} with parallel.strategy=fsdp is not supported: fp16 loss scaling "
+                "checks overflow per shard; use bf16-mixed (no loss scaling) or parallel.strategy=ddp"
+            )
+
+
+# ----------------------------------------------------------------------------- sharding
+def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """The classes of ``model``'s repeated blocks: every class named in the ``_no_split_modules``
+    of a Hugging Face model inside ``model`` (a PEFT wrapper or a scalar-head model included)."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return {type(m) for m in model.modules() if type(m).__name__ in names}
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """``model``'s repeated blocks (see :func:`decoder_layer_classes`), outermost first and never
+    one inside another."""
+    classes = decoder_layer_classes(model)
+    layers: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, tuple(classes)) and not any(
+            module is not outer and any(m is module for m in outer.modules()) for outer in layers
+        ):
+            layers.append(module)
+    return layers
+
+
+def shard(
+    model: M,
+    cfg: ParallelConfig,
+    *,
+    offload: bool | None = None,
+    name: str = "model",
+) -> M:
+    """Apply ``cfg`` to ``model`` in place (its class changes; parameters become DTensor shards
+    under ``fsdp``) and return it.
+
+    Call after the model is on its device and after LoRA adapters are added, and before an
+    optimizer is built over its parameters (sharding replaces them). Without sharding
+    (:attr:`ParallelConfig.sharded` false) only activation checkpointing applies.
+
+    Args:
+        offload: whether the shards live in CPU memory (default ``cfg.offload``; the initial
+            policy passes ``cfg.offload_init_policy``).
+        name: what the model is, for messages.
+
+    Raises:
+        ShardingError: ``fsdp`` and ``model`` lists no decoder-layer class (``_no_split_modules``).
+    """
+    layers = decoder_layers(model)
+    if cfg.activation_checkpointing:
+        if not layers:
+            raise ShardingError(
+                f"parallel.activation_checkpointing=true: the {name} ({type(model).__name__}) names no "
+                "decoder-layer class in _no_split_modules, so there is no layer to checkpoint"
+            )
+        for layer in layers:
+            _checkpoint_activations(layer)
+    if not cfg.sharded:
+        return model
+    if not layers:
+        raise ShardingError(
+            f"parallel.strategy=fsdp: the {name} ({type(model).__name__}) names no decoder-layer class in "
+            "_no_split_modules, so it cannot be sharded layer by layer; use parallel.strategy=ddp"
+        )
+    use_offload = cfg.offload if offload is None else offload
+    policy: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if use_offload else OffloadPolicy()
+    )
+    for layer in layers:
+        fully_shard(layer, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
+    for module in _fsdp_modules(model):
+        # Sum over ranks (as replicas do); gloo has no pre-multiplied sum, hence sum-only comms.
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+    log.info(
+        "%s sharded over %d ranks in %d layer units (+1)%s",
+        name,
+        dp.world_size(),
+        len(layers),
+        ", shards on the CPU" if use_offload else "",
+    )
+    return model
+
+
+def _checkpoint_activations(layer: nn.Module) -> None:
+    """Recompute ``layer``'s activations in the backward. Its own ``forward`` is wrapped (not the
+    module), so parameter names, state dicts and saved directories are unchanged; forwards without
+    gradient (generation, log-probs) run as before."""
+    forward = layer.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = checkpointed
+
+
+def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` (or a module inside it) is sharded by :func:`shard`."""
+    return bool(_fsdp_modules(model))
+
+
+@contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """Whole weights on every rank inside the block (no-op for a model that is not sharded).
+
+    On entry every rank all-gathers every layer once (a collective: all ranks enter together) and
+    keeps it; forwards inside are then local, so ranks may run different numbers of them
+    (generation stops when each rank's own rows end). On exit the weights are sharded again. The
+    cost: the whole model's float32 weights in memory on every rank for the duration, and one
+    all-gather of the model per entry instead of one per layer per forward.
+    """
+    modules = _fsdp_modules(model)
+    if not modules:
+        yield
+        return
+    for m in modules:
+        m.unshard()
+        m.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_reshard_after_forward(True)
+            m.reshard()
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s forwards run: a sharded model's is the collective device (its shards may
+    be offloaded to CPU memory), any other's is that of its first parameter."""
+    if is_sharded(model):
+        return dp.collective_device()
+    return next(model.parameters()).device
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The whole state dict of ``model`` on the CPU, on rank 0 (None on the other ranks); for a
+    model that is not sharded, its own state dict on every rank. A collective for a sharded model:
+    every rank calls it."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)} if dp.is_leader() else None
+
+
+def grad_norm_value(norm: torch.Tensor) -> float:
+    """A total gradient norm as a float: a sharded model's norm (a DTensor) is reduced over ranks."""
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def has_sharded_params(params: Iterable[nn.Parameter]) -> bool:
+    """Whether any of ``params`` is a shard (a DTensor): its gradient is reduced by the backward."""
+    return any(isinstance(p, DTensor) for p in params)
