@@ -13,6 +13,8 @@ Owns:
 * :func:`full_state_dict` — the whole weights on rank 0 (for a Hugging Face export).
 * :func:`is_sharded`, :func:`compute_device`, and what the optimizer step needs
   (:func:`has_sharded_params`, :func:`grad_norm_value`).
+* :func:`training_state_bytes` — what this rank's parameters, gradients and optimizer state
+  occupy (the figure sharding divides).
 
 Conventions, chosen so that sharded training is the same math as replicas:
 
@@ -276,3 +278,40 @@ def grad_norm_value(norm: torch.Tensor) -> float:
 def has_sharded_params(params: Iterable[nn.Parameter]) -> bool:
     """Whether any of ``params`` is a shard (a DTensor): its gradient is reduced by the backward."""
     return any(isinstance(p, DTensor) for p in params)
+
+
+def training_state_bytes(
+    params: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, int]:
+    """Bytes this rank holds for ``params`` (their local shards for a sharded model), their
+    gradients and ``optimizer``'s state for them: ``{"params", "grads", "optimizer", "total"}``.
+
+    Counts allocated storage (a shard's padding included), each storage once: what sharding
+    divides, as opposed to the process's resident memory (activations, allocator caches, code).
+    """
+    seen: set[int] = set()
+
+    def nbytes(t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return int(storage.nbytes())
+
+    plist = list(params)
+    out = {
+        "params": sum(nbytes(p.data if not isinstance(p, DTensor) else p) for p in plist),
+        "grads": sum(nbytes(p.grad) for p in plist),
+        "optimizer": 0,
+    }
+    if optimizer is not None:
+        for p in plist:
+            for value in optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor):
+                    out["optimizer"] += nbytes(value)
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out

@@ -1,0 +1,126 @@
+"""models/sharding.py: the decoder layers of every architecture, the `parallel` section's checks,
+activation checkpointing, and (2 gloo ranks) what shards hold and that every way of holding the
+weights trains alike."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from openaligner.models.builders import TINY_ARCHS, TinySize, build_tiny_causal_lm, build_tiny_critic
+from openaligner.models.lora import LoraConfig, add_lora
+from openaligner.models.sharding import (
+    ParallelConfig,
+    ShardingError,
+    decoder_layers,
+    is_sharded,
+    shard,
+    training_state_bytes,
+)
+
+WORKER = Path(__file__).with_name("sharding_worker.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_every_architecture_has_one_unit_per_decoder_layer(arch):
+    model = build_tiny_causal_lm(arch, TinySize(num_layers=3))
+    layers = decoder_layers(model)
+    assert len(layers) == 3
+    assert len({type(layer) for layer in layers}) == 1
+    assert "Layer" in type(layers[0]).__name__ or "Block" in type(layers[0]).__name__
+
+
+def test_a_critic_and_a_lora_model_have_their_backbones_layers():
+    assert len(decoder_layers(build_tiny_critic("llama", TinySize(num_layers=2)))) == 2
+    lora = add_lora(build_tiny_causal_lm("llama", TinySize(num_layers=2)), LoraConfig(r=2))
+    assert len(decoder_layers(lora)) == 2
+
+
+def test_settings_that_cannot_work_are_refused_naming_the_key():
+    with pytest.raises(ShardingError, match=r"parallel\.strategy='zero3' is not one of ddp, fsdp"):
+        ParallelConfig(strategy="zero3")
+    with pytest.raises(ShardingError, match=r"parallel\.offload=true .* needs parallel\.strategy=fsdp"):
+        ParallelConfig(offload=True)
+    with pytest.raises(ShardingError, match="fp16 loss scaling checks overflow per shard; use bf16-mixed"):
+        ParallelConfig(strategy="fsdp").check_precision("fp16-mixed")
+    ParallelConfig(strategy="fsdp").check_precision("bf16-mixed")
+    ParallelConfig(strategy="ddp").check_precision("fp16-mixed")
+
+
+def test_a_model_without_named_layers_cannot_be_checkpointed_or_sharded():
+    with pytest.raises(ShardingError, match="names no decoder-layer class in _no_split_modules"):
+        shard(torch.nn.Linear(2, 2), ParallelConfig(activation_checkpointing=True))
+
+
+def test_one_process_is_never_sharded():
+    model = shard(build_tiny_causal_lm("llama"), ParallelConfig(strategy="fsdp"))
+    assert not is_sharded(model)
+
+
+def test_activation_checkpointing_gives_the_same_gradients_and_keeps_the_names():
+    tokens = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads, runs = [], []
+    for on in (False, True):
+        model = build_tiny_causal_lm("llama", seed=0)
+        calls = [0]
+        for layer in decoder_layers(model):
+            forward = layer.forward
+
+            def counted(*args, _forward=forward, calls=calls, **kwargs):
+                calls[0] += 1
+                return _forward(*args, **kwargs)
+
+            layer.forward = counted
+        model = shard(model, ParallelConfig(activation_checkpointing=on))
+        model.eval()  # the checkpointing is ours, not Hugging Face's: it holds in eval mode too
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        with torch.no_grad():  # a forward without gradient runs each layer once
+            model(input_ids=tokens)
+        runs.append(calls[0])
+    assert runs == [2 * 2, 2 * 2 + 2]  # 2 layers: checkpointed, each runs again in the backward
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=0, atol=0, msg=name)
+
+
+def test_training_state_bytes_counts_params_grads_and_adam_state_once():
+    p = torch.nn.Parameter(torch.zeros(10))
+    tied = [p, p]  # a tied weight listed twice is one storage
+    p.grad = torch.ones(10)
+    opt = torch.optim.AdamW(tied[:1], lr=0.1)
+    opt.step()
+    got = training_state_bytes(tied, opt)
+    assert got == {"params": 40, "grads": 40, "optimizer": 80 + 4, "total": 164}  # exp_avg, exp_avg_sq, step
+
+
+@pytest.mark.slow
+def test_two_ranks_shards_hold_about_half_and_every_way_trains_alike(tmp_path):
+    """Per rank, parameters + gradients + AdamW state of shards are at most 0.55× those of a
+    replica (exactly half plus each tensor's padding to a multiple of 2 rows). Shards, shards in
+    CPU memory and shards with activation checkpointing compute the same two steps as replicas:
+    the same float32 weights are gathered and the same gradients summed, so losses and weights
+    agree to the rounding of the gradient norm (rel 1e-6; clipping at 1.0 is active here, so the
+    norm's summation order over shards reaches the weights)."""
+    prefix = tmp_path / "out"
+    subprocess.run([*TORCHRUN, str(WORKER), str(prefix)], check=True, timeout=300)
+    ranks = [json.loads(Path(f"{prefix}.rank{r}").read_text()) for r in range(2)]
+    for r in ranks:
+        replica, sharded = r["ddp"]["memory"], r["fsdp"]["memory"]
+        for part in ("params", "grads", "optimizer", "total"):
+            assert sharded[part] <= 0.55 * replica[part], part
+        assert r["fsdp_offload"]["memory"]["total"] == sharded["total"]  # the same shards, in CPU memory
+    rank0 = ranks[0]
+    ddp = rank0["ddp"]
+    assert ddp["grad_norms"][0] > 1.0  # clipping acts
+    for way in ("fsdp", "fsdp_offload", "fsdp_checkpointing"):
+        got = rank0[way]
+        assert got["losses"] == pytest.approx(ddp["losses"], rel=1e-6), way
+        assert got["grad_norms"] == pytest.approx(ddp["grad_norms"], rel=1e-6), way
+        assert got["weights"].keys() == ddp["weights"].keys()
+        for name, total in ddp["weights"].items():
+            assert got["weights"][name] == pytest.approx(total, rel=1e-5, abs=1e-6), (way, name)
