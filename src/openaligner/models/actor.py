@@ -54,7 +54,7 @@ from openaligner.models.generation import (
 )
 from openaligner.models.lora import is_peft_model, merged_copy
 from openaligner.models.precision import Precision, save_pretrained_as
-from openaligner.models.sharding import compute_device, gathered
+from openaligner.models.sharding import any_rank_going, compute_device, gathered, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,9 @@ class CausalLMActor:
             from the keys, and under autocast Llama-style rotary embeddings give float32 keys but
             bfloat16 values.
         precision: the autocast every forward runs under (default ``fp32``: none).
+        gather_for_generation: a sharded policy (:mod:`openaligner.models.sharding`) generates on
+            its whole weights gathered once per :meth:`infer` (True), or layer by layer with every
+            rank stepping together (False: the memory of one layer, an all-gather per token).
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class CausalLMActor:
         init_policy: PreTrainedModel | bool | None = None,
         cache: CacheKind = "static",
         precision: Precision | None = None,
+        gather_for_generation: bool = True,
     ) -> None:
         if forward_micro_batch_size is not None and forward_micro_batch_size < 1:
             raise ValueError(f"forward_micro_batch_size must be ≥ 1, got {forward_micro_batch_size}")
@@ -131,6 +135,7 @@ class CausalLMActor:
         self.loss_aggregation = loss_aggregation
         self.cache: CacheKind = cache
         self.precision = precision if precision is not None else Precision()
+        self.gather_for_generation = gather_for_generation
         self.init_policy: PreTrainedModel | None = self._make_init_policy(init_policy)
 
     # ------------------------------------------------------------------ construction, I/O
@@ -229,8 +234,10 @@ class CausalLMActor:
             )
         params = sampling or self.sampling
         self.model.eval()
-        # A sharded policy is gathered once for the whole loop (see models.sharding.gathered).
-        with gathered(self.model), self.precision.autocast():
+        # A sharded policy is gathered once for the whole loop (see models.sharding.gathered), or
+        # gathers layer by layer in each step's forward with every rank stepping together.
+        layerwise = is_sharded(self.model) and not self.gather_for_generation
+        with gathered(self.model, whole=not layerwise), self.precision.autocast():
             out = generate(
                 self.model,
                 inference_batch[key],
@@ -240,6 +247,8 @@ class CausalLMActor:
                 generator=generator,
                 tokenizer=self.tokenizer,
                 cache="dynamic" if self.precision.mixed else self.cache,
+                fast_path=not layerwise,  # the fast decoder reads whole weights directly
+                step_together=any_rank_going if layerwise else None,
             )
         return {
             "response_tokens": out.tokens,

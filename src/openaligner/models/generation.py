@@ -17,7 +17,7 @@ token included), then ``pad_id`` up to the width ``S = max(response_lengths)``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from openaligner.models.decoders.base import CacheKind
 from openaligner.models.fast_paths import make_decoder
 from openaligner.models.positions import position_limit
+from openaligner.models.sharding import compute_device
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ def generate(
     tokenizer: PreTrainedTokenizerBase | None = None,
     cache: CacheKind = "static",
     fast_path: bool = True,
+    step_together: Callable[[bool], bool] | None = None,
 ) -> Generation:
     """Sample responses for a batch of prompts of different lengths.
 
@@ -101,15 +103,31 @@ def generate(
         fast_path: let :func:`~openaligner.models.fast_paths.make_decoder` step a model it
             supports with an architecture-specific decoder (same tokens, less per-step
             overhead); ``False`` always uses the model's forward.
+        step_together: for a model whose forwards are collectives (sharded weights gathered layer
+            by layer): called once per step on every process with whether this process's rows
+            have all ended, it returns whether any process's have not; every process steps until
+            none has rows left (a process that has ended feeds padding, discarded). None: stop as
+            soon as this process's rows end.
 
     Returns:
         A :class:`Generation` on the model's device. Generation runs under
-        ``torch.inference_mode`` (cheaper than ``no_grad``); the results are cloned out of it so
-        they can feed autograd later (e.g. as ``input_ids`` of a training forward).
+        ``torch.inference_mode`` (cheaper than ``no_grad``; ``no_grad`` with ``step_together``,
+        since a sharded model's gathered weights are reused by later training forwards); the
+        results are cloned out of it so they can feed autograd later (e.g. as ``input_ids`` of a
+        training forward).
     """
-    with torch.inference_mode():
+    with torch.inference_mode() if step_together is None else torch.no_grad():
         out = _sample_loop(
-            model, prompts, prompt_lengths, params, pad_id, generator, tokenizer, cache, fast_path
+            model,
+            prompts,
+            prompt_lengths,
+            params,
+            pad_id,
+            generator,
+            tokenizer,
+            cache,
+            fast_path,
+            step_together,
         )
     return Generation(
         tokens=out.tokens.clone(),
@@ -129,11 +147,12 @@ def _sample_loop(
     tokenizer: PreTrainedTokenizerBase | None,
     cache: CacheKind,
     fast_path: bool,
+    step_together: Callable[[bool], bool] | None = None,
 ) -> Generation:
     """The body of :func:`generate` (inference mode, inference tensors out)."""
     if params.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to decode responses; pass tokenizer=")
-    device = next(model.parameters()).device
+    device = compute_device(model)
     prompts = prompts.to(device=device, dtype=torch.long)
     lengths = prompt_lengths.to(device=device, dtype=torch.long).reshape(-1)
     _check_prompts(prompts, lengths, params, model)
@@ -158,7 +177,7 @@ def _sample_loop(
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     finished = 0
     next_positions = lengths.clone()  # [active] position id of the token being appended
-    steps = params.max_new_tokens
+    steps: int | None = None  # the step after which this process's rows had all ended
     for step in range(params.max_new_tokens):
         banned = stop_ids if step < params.min_new_tokens else None
         token = select_tokens(logits, params, generator, banned)
@@ -175,10 +194,14 @@ def _sample_loop(
             is_end[active[hit]] = True
             done |= hit
             finished = int(done.sum())
-        if step + 1 == params.max_new_tokens or finished == done.numel():
+        all_ended = finished == done.numel()
+        if all_ended and steps is None:
             steps = step + 1
+        if step + 1 == params.max_new_tokens:
             break
-        if finished and 4 * finished >= done.numel():
+        if not (step_together(all_ended) if step_together is not None else not all_ended):
+            break
+        if finished and 4 * finished >= done.numel() and not all_ended:
             keep = (~done).nonzero().squeeze(-1)
             active, token, done = active[keep], token[keep], done[keep]
             next_positions = next_positions[keep]
@@ -187,7 +210,7 @@ def _sample_loop(
         logits = decoder.step(token, next_positions, p_max + step)
         next_positions = next_positions + 1
 
-    new_tokens = new_tokens.clamp(max=steps)
+    new_tokens = new_tokens.clamp(max=steps if steps is not None else params.max_new_tokens)
     response_lengths = lengths + new_tokens
     tokens = _to_right_padded(buf, p_max - lengths, response_lengths, pad_id)
     return Generation(tokens=tokens, response_lengths=response_lengths, prompt_lengths=lengths, is_end=is_end)

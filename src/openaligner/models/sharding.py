@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=nn.Module)
 Strategy = Literal["ddp", "fsdp"]
 STRATEGIES: tuple[str, ...] = ("ddp", "fsdp")
+GENERATIONS: tuple[str, ...] = ("gathered", "layerwise")
 
 
 class ShardingError(ValueError):
@@ -79,16 +80,27 @@ class ParallelConfig:
         activation_checkpointing: recompute each decoder layer's activations in the backward
             instead of keeping them (less memory, about one more forward of compute); either
             strategy.
+        generation: ``fsdp`` only, how the PPO actor generates: ``gathered`` — the whole weights
+            are gathered once per rollout phase and every step is local (fast; needs the model's
+            float32 weights to fit on each device beside the shards); ``layerwise`` — each step's
+            forward gathers one layer at a time like training does, all ranks stepping together
+            until every rank's rows have ended (memory of one layer; an all-gather of the whole
+            model per generated token).
     """
 
     strategy: str = "ddp"
     offload: bool = False
     offload_init_policy: bool = False
     activation_checkpointing: bool = False
+    generation: str = "gathered"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ShardingError(f"parallel.strategy={self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        if self.generation not in GENERATIONS:
+            raise ShardingError(
+                f"parallel.generation={self.generation!r} is not one of {', '.join(GENERATIONS)}"
+            )
         if self.strategy != "fsdp":
             for key in ("offload", "offload_init_policy"):
                 if getattr(self, key):
@@ -183,7 +195,10 @@ def shard(
     )
     for layer in layers:
         fully_shard(layer, offload_policy=policy)
-    fully_shard(model, offload_policy=policy)
+    # The root too is resharded after each forward (FSDP's default keeps it whole): a root left
+    # whole by a no-grad forward (log-probs, generation) would feed the next forward stale
+    # embeddings once the optimizer has stepped the shards.
+    fully_shard(model, offload_policy=policy, reshard_after_forward=True)
     for module in _fsdp_modules(model):
         # Sum over ranks (as replicas do); gloo has no pre-multiplied sum, hence sum-only comms.
         module.set_gradient_divide_factor(1.0)
@@ -223,7 +238,7 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 @contextmanager
-def gathered(model: nn.Module) -> Iterator[None]:
+def gathered(model: nn.Module, whole: bool = True) -> Iterator[None]:
     """Whole weights on every rank inside the block (no-op for a model that is not sharded).
 
     On entry every rank all-gathers every layer once (a collective: all ranks enter together) and
@@ -235,6 +250,13 @@ def gathered(model: nn.Module) -> Iterator[None]:
     modules = _fsdp_modules(model)
     if not modules:
         yield
+        return
+    if not whole:
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.reshard()
         return
     for m in modules:
         m.unshard()
@@ -253,6 +275,15 @@ def compute_device(model: nn.Module) -> torch.device:
     if is_sharded(model):
         return dp.collective_device()
     return next(model.parameters()).device
+
+
+def any_rank_going(ended_here: bool) -> bool:
+    """Whether some rank has not ended, given whether this one has (a collective; for
+    ``generate(step_together=...)``)."""
+    if not dp.is_distributed():
+        return not ended_here
+    going = torch.tensor([0.0 if ended_here else 1.0], device=dp.collective_device())
+    return bool(dp.all_reduce_max(going).item() > 0)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:

@@ -116,7 +116,10 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         device = torch.device("cuda", torch.cuda.current_device())
     precision = Precision.resolve(cfg.precision, device)
     log.info("precision: %s on %s", precision.name, device)
-    model = load_causal_lm(cfg.actor, len(tokenizer), device, dtype=MASTER_DTYPE)
+    # Shards go to the device as they are made (fully_shard moves them): the whole model is read
+    # into CPU memory, never onto the device.
+    load_device = torch.device("cpu") if cfg.parallel.sharded else device
+    model = load_causal_lm(cfg.actor, len(tokenizer), load_device, dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model, key="actor")
     # with LoRA the initial policy is this same model with its adapters disabled: no second copy
@@ -136,6 +139,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         loss_aggregation=c.loss_aggregation,
         init_policy=init_policy,
         precision=precision,
+        gather_for_generation=cfg.parallel.generation == "gathered",
     )
     # 3. prompts: this rank's share of every global batch
     train_loader = PromptLoader(train_prompts, c.num_rollout_samples, c.seed, True, rank, world)

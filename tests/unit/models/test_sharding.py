@@ -105,7 +105,10 @@ def test_two_ranks_shards_hold_about_half_and_every_way_trains_alike(tmp_path):
     CPU memory and shards with activation checkpointing compute the same two steps as replicas:
     the same float32 weights are gathered and the same gradients summed, so losses and weights
     agree to the rounding of the gradient norm (rel 1e-6; clipping at 1.0 is active here, so the
-    norm's summation order over shards reaches the weights)."""
+    norm's summation order over shards reaches the weights). Weights are compared with abs 1e-4:
+    AdamW divides each coordinate's step by its own gradient scale, so a coordinate whose gradient
+    is near zero can turn a rounding-level difference into a visible one (bounded by lr = 1e-3 per
+    step)."""
     prefix = tmp_path / "out"
     subprocess.run([*TORCHRUN, str(WORKER), str(prefix)], check=True, timeout=300)
     ranks = [json.loads(Path(f"{prefix}.rank{r}").read_text()) for r in range(2)]
@@ -123,4 +126,4 @@ def test_two_ranks_shards_hold_about_half_and_every_way_trains_alike(tmp_path):
         assert got["grad_norms"] == pytest.approx(ddp["grad_norms"], rel=1e-6), way
         assert got["weights"].keys() == ddp["weights"].keys()
         for name, total in ddp["weights"].items():
-            assert got["weights"][name] == pytest.approx(total, rel=1e-5, abs=1e-6), (way, name)
+            assert got["weights"][name] == pytest.approx(total, rel=1e-5, abs=1e-4), (way, name)

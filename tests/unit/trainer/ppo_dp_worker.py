@@ -4,7 +4,8 @@ Used by test_ppo_distributed.py: ``python ppo_dp_worker.py OUT [FAIL_AT]`` or
 ``torchrun --nproc_per_node 2 ppo_dp_worker.py OUT [FAIL_AT]``. With ``FAIL_AT`` = N the N-th
 ``critic_train`` answer is an error; every rank then writes ``OUT.rank<r>`` (the error it stopped
 with and when) and exits 3. ``STRATEGY=fsdp`` in the environment shards the actor and its initial
-policy (``parallel.strategy``) as train-ppo does; ``ARCH`` picks the tiny model (default gpt2).
+policy (``parallel.strategy``) as train-ppo does, ``GENERATION=layerwise`` generates layer by layer
+(``parallel.generation``); ``ARCH`` picks the tiny model (default gpt2).
 """
 
 import json
@@ -84,11 +85,15 @@ def main(out: Path, fail_at: int | None = None) -> None:
             "gate_unfinished=false",
         ],
     )
-    parallel = ParallelConfig(strategy=os.environ.get("STRATEGY", "ddp"))
+    parallel = ParallelConfig(
+        strategy=os.environ.get("STRATEGY", "ddp"), generation=os.environ.get("GENERATION", "gathered")
+    )
     size = TinySize(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2)
     model = build_tiny_causal_lm(os.environ.get("ARCH", "gpt2"), size, seed=0)
     init = initial_policy(model, parallel)
-    actor = CausalLMActor(shard(model, parallel), init_policy=init)
+    actor = CausalLMActor(
+        shard(model, parallel), init_policy=init, gather_for_generation=parallel.generation == "gathered"
+    )
     prompts = [[3 + (i % 20), 4 + (i % 7), 5][: 1 + i % 3] for i in range(32)]
     opt = torch.optim.SGD(actor.parameters(), lr=0.5)
     logs = MetricsLogger(out.parent / f"logs-{dp.world_size()}", tensorboard=False, enabled=dp.rank() == 0)

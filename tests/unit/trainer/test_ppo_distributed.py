@@ -31,8 +31,10 @@ KEYS = (
 )
 
 
-def run_worker(out: Path, ranks: int, strategy: str = "ddp", arch: str = "gpt2") -> dict:
-    env = os.environ | {"STRATEGY": strategy, "ARCH": arch}
+def run_worker(
+    out: Path, ranks: int, strategy: str = "ddp", arch: str = "gpt2", generation: str = "gathered"
+) -> dict:
+    env = os.environ | {"STRATEGY": strategy, "ARCH": arch, "GENERATION": generation}
     command = [*TORCHRUN, str(WORKER), str(out)] if ranks == 2 else [sys.executable, str(WORKER), str(out)]
     subprocess.run(command, check=True, timeout=300, env=env)
     return json.loads(out.read_text())
@@ -59,14 +61,19 @@ def test_a_failed_critic_train_stops_every_rank_at_once(tmp_path):
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_two_ranks_sharded_or_replicated_match_one_process(tmp_path, arch):
     """FSDP over 2 ranks is the same run as replicas over 2 ranks: the same all-gathered float32
-    weights, the same forwards, gradients summed over the same two ranks. The tolerance (rel 1e-6)
+    weights, the same forwards, gradients summed over the same two ranks; whether generation runs
+    on weights gathered once (parallel.generation=gathered) or layer by layer with the ranks
+    stepping together (layerwise: ranks whose rows end first keep stepping). With layer-by-layer
+    generation the sharded root (embeddings) used to stay whole after the no-grad forwards and
+    miss the optimizer's updates (PPO ratio and loss off at the first step). The tolerance (rel 1e-6)
     is the rounding of the two places that differ: the gradient norm is a sum of squares over
     shards (then over ranks) instead of over whole tensors, and with 2 micro-batches per rank the
     reduce-scatter after each backward associates the sums differently ((a1+b1)+(a2+b2) instead of
     (a1+a2)+(b1+b2)). One process differs from both by the same kind of rounding (rel 1e-4 above)."""
     one = run_worker(tmp_path / "one.json", 1, arch=arch)
     ddp = run_worker(tmp_path / "ddp.json", 2, "ddp", arch)
-    fsdp = run_worker(tmp_path / "fsdp.json", 2, "fsdp", arch)
+    # gpt2 (tied embeddings) generates layer by layer, llama on gathered weights
+    fsdp = run_worker(tmp_path / "fsdp.json", 2, "fsdp", arch, "layerwise" if arch == "gpt2" else "gathered")
     assert len(fsdp["history"]) == 2
     for m_ddp, m_fsdp, m_one in zip(ddp["history"], fsdp["history"], one["history"], strict=True):
         for key in KEYS:
