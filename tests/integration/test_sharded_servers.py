@@ -1,0 +1,136 @@
+"""Sharded servers (parallel.strategy=fsdp over 2 gloo ranks) answer as replicas over 2 ranks and
+as one process: the critic's values, rewards, training results and weights after three
+critic_train calls, and the reward server's rewards (a bfloat16 reward model, cast before it was
+sharded). Bad requests are refused on rank 0 and leave the ranks in step. Then one HTTP round trip
+against `openaligner serve-critic parallel.strategy=fsdp` under torchrun."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from procs import Served, alive, descendants, free_port
+
+from openaligner.clients.critic import CriticAddress, RemoteCriticConfig, RemoteGPTRMCriticClient
+from openaligner.clients.errors import BadRequestError
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).with_name("sharded_server_worker.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+TRAIN_KEYS = ("loss_mean", "clip_fraction", "explained_variance", "grad_norm", "lr")
+
+
+def run_worker(out: Path, ranks: int, strategy: str) -> dict:
+    env = os.environ | {"STRATEGY": strategy, "OMP_NUM_THREADS": "1"}
+    command = [*TORCHRUN, str(WORKER), str(out)] if ranks == 2 else [sys.executable, str(WORKER), str(out)]
+    subprocess.run(command, check=True, timeout=240, env=env, capture_output=True)
+    return torch.load(out, weights_only=False)
+
+
+def assert_same_critic(got: dict, want: dict) -> None:
+    """The answers before training are equal bit for bit; after it, within float32 rounding (see
+    the test's docstring)."""
+    torch.testing.assert_close(got["first"], want["first"], rtol=0, atol=0)
+    torch.testing.assert_close(got["second"], want["second"], rtol=1e-5, atol=1e-6)
+    for g, w in zip(got["trained"], want["trained"], strict=True):
+        assert int(g["step"][0]) == int(w["step"][0])
+        assert int(g["optimizer_steps"][0]) == int(w["optimizer_steps"][0])
+        for key in TRAIN_KEYS:
+            assert float(g[key][0]) == pytest.approx(float(w[key][0]), rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.timeout(300)
+def test_sharded_servers_answer_and_train_as_replicas_and_one_process(tmp_path):
+    """FSDP over 2 ranks is the same computation as replicas over 2 ranks: the same float32
+    weights all-gathered for each forward, the same rows per rank, gradients summed over the same
+    ranks. What differs is float32 rounding: the reduce-scatter after each micro-batch's backward
+    sums (a1+b1)+(a2+b2) where replicas all-reduce (a1+a2)+(b1+b2), and the gradient norm is
+    summed over shards. Measured after 5 SGD-with-momentum steps: weights within 8e-9 (absolute;
+    they are ~0.02-1), train results within 3e-7 absolute (1.5e-6 relative), values after training
+    within 1.2e-7; the tolerances are 5x-10x that. One process differs from both by the same kind
+    of rounding (its micro-batches are the same rows, summed in another order). Inference before
+    training and the reward server's rewards are bitwise equal: the same weights, the same rows
+    per micro-batch."""
+    one = run_worker(tmp_path / "one.pt", 1, "ddp")
+    ddp = run_worker(tmp_path / "ddp.pt", 2, "ddp")
+    fsdp = run_worker(tmp_path / "fsdp.pt", 2, "fsdp")
+    assert (one["world"], ddp["world"], fsdp["world"]) == (1, 2, 2)
+    assert fsdp["sharded"] and not ddp["sharded"]
+
+    for want in (ddp, one):
+        assert_same_critic(fsdp["critic"], want["critic"])
+        assert fsdp["weights"].keys() == want["weights"].keys()  # the same names: one state dict
+        for name, tensor in want["weights"].items():
+            torch.testing.assert_close(fsdp["weights"][name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+        for how in ("merged", "alone"):  # one formed batch of three requests, and each alone
+            for got, expected in zip(fsdp["rewards"][how], want["rewards"][how], strict=True):
+                torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    trained = fsdp["critic"]["trained"]
+    assert [int(t["step"][0]) for t in trained] == [2, 4, 5]  # 7, 5, 3 rows in global batches of 4
+    assert not torch.allclose(torch.from_numpy(fsdp["critic"]["second"]["values"]),
+                              torch.from_numpy(fsdp["critic"]["first"]["values"]))  # fmt: skip
+    # refused on rank 0 before any rank computed: the answers after them are still right
+    assert fsdp["critic"]["refused"] == ddp["critic"]["refused"] and len(fsdp["critic"]["refused"]) == 2
+    assert "a mask holds only 0" in fsdp["critic"]["refused"][0]
+    assert "outside the vocabulary" in fsdp["critic"]["refused"][1]
+    assert "each length must lie in" in fsdp["rewards"]["refused"]
+
+
+class ServedCritic(Served):
+    ready_pattern = r"critic server ready at (http://\S+) \(.*"
+    ready_group = 0
+
+
+@pytest.mark.timeout(150)
+def test_cli_sharded_critic_server_over_http(tiny):
+    """`openaligner serve-critic parallel.strategy=fsdp` under torchrun (2 ranks): the original
+    values and rewards, a training pass whose last step is padding only on rank 1, a bad request
+    refused with 400, the ranks still in step after it, and a clean stop on SIGTERM."""
+    port = free_port()
+    cmd = [
+        *TORCHRUN, "-m", "openaligner", "serve-critic", "model.tiny=gpt2", f"server.port={port}", "threads=1",
+        "parallel.strategy=fsdp", "server.inference_micro_batch_size=[2]",
+        "server.model_forward_micro_batch_size=2", "train.global_batch_size=4", "train.micro_batch_size=2",
+        "optim.lr=1e-3", "optim.warmup_steps=0",
+    ]  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    batch = {"response_tokens": torch.randint(4, 100, (6, 20), generator=g),
+             "response_lengths": torch.tensor([20, 2, 7, 13, 9, 16])}  # fmt: skip
+    want_rewards = tiny.reward_model().infer(batch["response_tokens"], batch["response_lengths"])
+    want_values = tiny.critic().infer(batch["response_tokens"], batch["response_lengths"])[:, :-1]
+    cfg = RemoteCriticConfig(pad_to_length=32, critic=CriticAddress(port=port), init_timeout_s=10)
+    served = ServedCritic(cmd)
+    try:
+        ready = served.wait_ready()
+        assert "2 rank(s), sharded" in ready, ready
+        tree = descendants(served.proc.pid)
+        with RemoteGPTRMCriticClient(cfg) as client:
+            rewards, values = client.infer_rm_critic(batch).result()
+            torch.testing.assert_close(rewards, want_rewards, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(values, want_values, atol=1e-5, rtol=1e-5)
+            mask = (torch.arange(19)[None, :] < (batch["response_lengths"] - 1)[:, None]).float()
+            data = {**batch, "returns": torch.ones(6, 19), "values": values, "mask": mask}
+            with pytest.raises(BadRequestError, match="a mask holds only 0"):
+                client.train({**data, "mask": mask * 2}).result()
+            # 6 rows pad to 2 global batches of 4: rank 1's share of the second is padding only
+            assert client.train(data).result()["critic_step"] == 2.0
+            rewards2, values2 = client.infer_rm_critic(batch).result()
+        torch.testing.assert_close(rewards2, rewards, atol=0, rtol=0)  # the frozen reward model
+        assert not torch.allclose(values2, values)
+        served.proc.send_signal(signal.SIGTERM)
+        served.proc.wait(timeout=60)
+        time.sleep(0.5)  # let orphaned children (if any) be seen before checking
+        left = {pid: name for pid, name in tree.items() if alive(pid)}
+        assert not left, f"processes left behind after SIGTERM: {left}"
+        output = served.output
+        # torchrun itself exits 1 on SIGTERM; the ranks stopped cleanly
+        assert "critic server stopped at step 2" in output, output[-3000:]
+        assert re.search(r"rank 1: STOP received after [1-9]\d* call\(s\)", output), output[-3000:]
+    finally:
+        served.kill()
