@@ -6,8 +6,10 @@ environment lays the models over the ranks (``parallel.strategy``). Rank 0 leads
 :class:`Rank0Dispatcher` as ``start()`` would, minus Triton, and sends the requests through the
 servers' own entry points (validation first, then every rank's opcode); the other ranks follow in
 ``run_server()``. Rank 0 writes OUT (``torch.save``): the critic's answers before and after three
-``critic_train`` calls, their results, the critic's whole weights afterwards, the reward server's
-rewards, and the messages of the requests refused.
+``critic_train`` calls, their results, the critic's whole weights afterwards, a checkpoint's
+round trip (``critic_save``, train, restore, the same training again; a new server resuming from
+it), the reward server's rewards, and the messages of the requests refused. Checkpoints go to
+``OUT.ckpt/``.
 """
 
 import os
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from openaligner import distributed as dp
+from openaligner.io.checkpoint import CheckpointManager
 from openaligner.models.builders import TinySize, build_tiny_sequence_classifier
 from openaligner.models.critic import CriticModel
 from openaligner.models.precision import Precision
@@ -54,16 +57,17 @@ def lead(server: CriticServerTrainer | RewardModelServer) -> None:
     server._dispatcher = Rank0Dispatcher(server.handlers(), heartbeat_s=None)
 
 
-def critic_server(parallel: ParallelConfig) -> CriticServerTrainer:
+def critic_server(parallel: ParallelConfig, checkpoints: Path, resume: bool = False) -> CriticServerTrainer:
     critic = shard(CriticModel(build_tiny_sequence_classifier("gpt2", SIZE, seed=0)).eval(), parallel)
     reward_model = RewardModel(build_tiny_sequence_classifier("gpt2", SIZE, seed=1)).requires_grad_(False)
     reward_model = shard(reward_model.eval(), parallel)
     # SGD with momentum: optimizer state (sharded too) without Adam's sign-like first steps, so
     # the comparison sees gradient differences at their own size
     optimizer = torch.optim.SGD(critic.parameters(), lr=0.05, momentum=0.9)
-    trainer = CriticTrainer(CriticTrainConfig(global_batch_size=4, micro_batch_size=1), critic, optimizer)
+    train_cfg = CriticTrainConfig(global_batch_size=4, micro_batch_size=1)
+    trainer = CriticTrainer(train_cfg, critic, optimizer, checkpoints=CheckpointManager(checkpoints))
     cfg = CriticServerConfig(inference_micro_batch_size=[2], model_forward_micro_batch_size=2)
-    return CriticServerTrainer(cfg, trainer, None, reward_model=reward_model, resume=False)
+    return CriticServerTrainer(cfg, trainer, None, reward_model=reward_model, resume=resume)
 
 
 def drive_critic(server: CriticServerTrainer) -> dict:
@@ -82,6 +86,13 @@ def drive_critic(server: CriticServerTrainer) -> dict:
             refused.append(str(e))
     out["refused"] = refused
     out["second"] = server.run_inference(tokens=tokens, sequence_lengths=lengths)  # still in step
+    # a checkpoint's round trip: save, train, go back, the same training again
+    out["saved"] = server.save()
+    again = train_inputs(tokens, lengths, out["second"]["values"], 0.1)
+    out["after_save"] = server.run_training(**again)
+    out["restored"] = [server.restore(out["saved"])]
+    out["after_restore"] = server.run_training(**again)
+    out["restored"].append(server.restore(out["saved"]))  # back once more: the weights kept are step 5's
     return out
 
 
@@ -116,7 +127,8 @@ def main(out: Path) -> None:
     parallel = ParallelConfig(strategy=os.environ.get("STRATEGY", "ddp"))
     result: dict = {"world": dp.world_size()}
 
-    server = critic_server(parallel)
+    checkpoints = Path(f"{out}.ckpt")
+    server = critic_server(parallel, checkpoints)
     result["sharded"] = is_sharded(server.model)
     if dp.is_leader():
         lead(server)
@@ -124,7 +136,16 @@ def main(out: Path) -> None:
         server.stop()  # STOP releases the other ranks
     else:
         server.run_server()
-    result["weights"] = full_state_dict(server.model)  # a collective when sharded
+    result["weights"] = full_state_dict(server.model)  # a collective when sharded (after the restore)
+
+    resumed = critic_server(parallel, checkpoints, resume=True)  # every rank reads the latest
+    if dp.is_leader():
+        lead(resumed)
+        tokens, lengths = rollout(0, 7)
+        result["resumed"] = (resumed.step, resumed.run_inference(tokens=tokens, sequence_lengths=lengths))
+        resumed.stop()
+    else:
+        resumed.run_server()
 
     rewards = reward_server(parallel)
     if dp.is_leader():
