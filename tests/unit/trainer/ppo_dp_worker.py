@@ -9,7 +9,8 @@ policy (``parallel.strategy``) as train-ppo does; ``ARCH`` picks the tiny model 
 Checkpoints (test_ppo_checkpoints.py): ``CHECKPOINTS=<dir>`` saves after every step there and first
 resumes from the newest one there, as train-ppo does; ``STEPS`` is ``max_steps`` (default 2);
 ``OPTIM=adamw`` trains with AdamW and a decaying LR schedule (optimizer state and schedule to
-checkpoint) instead of plain SGD.
+checkpoint) instead of plain SGD. ``EXPORT=<dir>`` writes the final actor there as train-ppo does
+(``CausalLMActor.save_pretrained``, on every rank when sharded).
 """
 
 import json
@@ -131,6 +132,8 @@ def main(out: Path, fail_at: int | None = None) -> None:
             sys.exit(3)
         raise AssertionError("the failed critic_train did not stop the run")
     history = trainer.fit()
+    if os.environ.get("EXPORT"):
+        actor.save_pretrained(os.environ["EXPORT"])  # a collective when sharded
     state = full_state_dict(actor.model)  # the whole weights (a collective when sharded)
     betas = dp.gather_objects(trainer.kl_controller.value)
     if dp.rank() == 0:

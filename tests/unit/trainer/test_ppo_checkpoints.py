@@ -11,18 +11,23 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM
 
 WORKER = Path(__file__).with_name("ppo_dp_worker.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-def run_worker(out: Path, ranks: int, checkpoints: Path, steps: int) -> dict:
-    env = os.environ | {
-        "STRATEGY": "fsdp",
-        "OPTIM": "adamw",
-        "CHECKPOINTS": str(checkpoints),
-        "STEPS": str(steps),
-    }
+def run_worker(out: Path, ranks: int, checkpoints: Path, steps: int, **extra: str) -> dict:
+    env = (
+        os.environ
+        | extra
+        | {
+            "STRATEGY": "fsdp",
+            "OPTIM": "adamw",
+            "CHECKPOINTS": str(checkpoints),
+            "STEPS": str(steps),
+        }
+    )
     command = [*TORCHRUN, str(WORKER), str(out)] if ranks == 2 else [sys.executable, str(WORKER), str(out)]
     subprocess.run(command, check=True, timeout=300, env=env)
     return json.loads(out.read_text())
@@ -46,7 +51,9 @@ def test_sharded_ppo_resumes_exactly_on_two_ranks_and_on_one_process(tmp_path):
     compared at abs 1e-4 (measured 3e-5): AdamW divides each gradient by its running RMS, so
     weights whose true gradient is 0 (the attention key biases, to which softmax is invariant)
     move by about the learning rate whatever their gradient's rounding noise is."""
-    reference = run_worker(tmp_path / "ref.json", 2, tmp_path / "ref", steps=2)
+    reference = run_worker(
+        tmp_path / "ref.json", 2, tmp_path / "ref", steps=2, EXPORT=str(tmp_path / "actor")
+    )
     assert (tmp_path / "ref" / "step_1" / "actor.dcp").is_dir()
     resumed = run_worker(
         tmp_path / "two.json", 2, first_checkpoint_only(tmp_path / "ref", tmp_path / "two"), 2
@@ -62,4 +69,7 @@ def test_sharded_ppo_resumes_exactly_on_two_ranks_and_on_one_process(tmp_path):
     for name, total in reference["weights"].items():
         assert one["weights"][name] == pytest.approx(total, rel=1e-5, abs=1e-4), name
     assert one["betas"][0] == pytest.approx(reference["betas"][0], rel=1e-6)
+    # the final actor every sharded rank exported (rank 0 wrote it) holds the trained weights
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "actor").state_dict()
+    assert {k: float(v.double().sum()) for k, v in exported.items()} == reference["weights"]
     assert (tmp_path / "one" / "step_2" / "actor").is_dir()  # 1 process shards nothing: a whole checkpoint
