@@ -188,11 +188,14 @@ def save_sharded_state(directory: Path, model: nn.Module, optimizer: torch.optim
     model's base) are left out.
     """
     model_state, optim_state = get_state_dict(model, optimizer, options=_SAVE_OPTIONS)
-    dcp.save(
-        {"model": model_state, "optimizer": optim_state},
-        checkpoint_id=directory,
-        no_dist=not is_sharded(model),
-    )
+    try:
+        dcp.save(
+            {"model": model_state, "optimizer": optim_state},
+            checkpoint_id=directory,
+            no_dist=not is_sharded(model),
+        )
+    except dcp.CheckpointException as e:  # a BaseException, raised on every rank
+        raise OSError(f"writing {directory} failed: {_failures(e)}") from e
 
 
 def load_sharded_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -211,10 +214,11 @@ def load_sharded_state(directory: Path, model: nn.Module, optimizer: torch.optim
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     try:
         dcp.load(state, checkpoint_id=directory, no_dist=not is_sharded(model))
-    except (RuntimeError, ValueError, KeyError) as e:  # DCP's CheckpointException is a RuntimeError
+    except dcp.CheckpointException as e:  # a BaseException, raised on every rank
         raise ValueError(
-            f"cannot load {directory} into the {type(model).__name__}: {e} (a checkpoint of another model, "
-            "or written with other lora settings; resume with the settings it was written with)"
+            f"cannot load {directory} into the {type(model).__name__}: {_failures(e)} (a checkpoint of "
+            "another model, or written with other lora settings; resume with the settings it was written "
+            "with)"
         ) from e
     set_state_dict(
         model,
@@ -222,6 +226,13 @@ def load_sharded_state(directory: Path, model: nn.Module, optimizer: torch.optim
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
         options=_LOAD_OPTIONS,
+    )
+
+
+def _failures(e: dcp.CheckpointException) -> str:
+    """What failed on which rank, without DCP's tracebacks (they are chained)."""
+    return "; ".join(
+        f"rank {rank}: {type(error).__name__}: {error}" for rank, (error, _) in e.failures.items()
     )
 
 
