@@ -1,5 +1,6 @@
 """`openaligner serve-reward` as a real subprocess: one rank stopped by SIGINT, two ranks under
-torchrun stopped by SIGTERM. Both must answer like the offline model and leave no Triton behind."""
+torchrun (replicas or shards) stopped by SIGTERM. Both must answer like the offline model and
+leave no Triton behind."""
 
 import re
 import signal
@@ -57,16 +58,19 @@ def test_cli_single_rank_stops_cleanly_on_sigint(tiny):
     assert "SIGINT received: stopping" in output and "reward model server stopped" in output
 
 
-def test_cli_two_ranks_under_torchrun_stop_cleanly_on_sigterm(tiny):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_cli_two_ranks_under_torchrun_stop_cleanly_on_sigterm(tiny, strategy):
+    """Replicas, or shards (parallel.strategy=fsdp: every rank takes part in every forward)."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         "-m", "openaligner", "serve-reward", "model.tiny=gpt2", f"server.port={port}", "threads=1",
         "server.inference_micro_batch_size=[2]", "server.model_forward_micro_batch_size=2",
+        f"parallel.strategy={strategy}",
     ]  # fmt: skip
     served = Served(cmd)
     output = check_answers_and_stop(served, port, tiny, signal.SIGTERM)
-    assert "2 rank(s)" in output
+    assert ("2 rank(s), sharded)" if strategy == "fsdp" else "2 rank(s))") in output
     # rank 1 computed its share of the batch and left its loop on rank 0's STOP
     assert re.search(r"rank 1: STOP received after [1-9]\d* call\(s\)", output), output[-3000:]
     assert "reward model server stopped" in output

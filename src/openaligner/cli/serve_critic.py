@@ -6,8 +6,10 @@ model; builds the optimizer, scheduler, checkpoint manager and metrics logger in
 :class:`openaligner.trainer.critic.CriticTrainer`; resumes from the latest complete checkpoint (or
 the one ``checkpoint.resume_step`` names); and runs
 :class:`openaligner.servers.critic.CriticServerTrainer` until SIGINT or SIGTERM. Under
-``torchrun`` every rank holds a replica; rank 0 runs Triton and the others follow it. Prints the
-URL once the server answers and stops Triton (no process left behind) on either signal.
+``torchrun`` every rank holds a replica of both models, or with ``parallel.strategy=fsdp`` its
+shard of each (sharded after LoRA and before the optimizer is built); rank 0 runs Triton and the
+others follow it. Prints the URL once the server answers and stops Triton (no process left
+behind) on either signal.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from openaligner.models.critic import CriticModel
 from openaligner.models.lora import LoraConfig, LoraError, add_lora
 from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
+from openaligner.models.sharding import ParallelConfig
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig, check_model_dir
 from openaligner.servers.critic import CriticServerConfig
 from openaligner.trainer.critic import CriticTrainConfig
@@ -85,6 +88,7 @@ class ServeCriticConfig:
     lora: LoraConfig = field(
         default_factory=LoraConfig
     )  # LoRA critic: adapters on the backbone, head in full
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # replicas (ddp) or shards (fsdp)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)  # where to save and resume
     log_dir: str | None = None  # train/* metrics (JSONL) go here; null: <checkpoint.dir>/logs, or none
     tensorboard: bool = False  # also write TensorBoard events under log_dir
@@ -93,6 +97,8 @@ class ServeCriticConfig:
 
     def __post_init__(self) -> None:
         serving.check_model_choice(self.model)
+        serving.check_parallel(self.parallel)
+        self.parallel.check_precision(self.runtime.precision, "runtime.precision")
         if self.model.tiny is not None and self.reward_model.path is not None:
             raise ValueError("model.tiny serves the tiny reward model too; unset reward_model.path")
         if self.optim.decay_steps is None and self.optim.scheduler != "constant":
@@ -124,6 +130,11 @@ def run(cfg: ServeCriticConfig) -> int:
         device, precision = serving.prepare_runtime(cfg.runtime, cfg.threads, log)
         critic, reward_model, tokenizer = load_models(cfg, device, precision, log)
         critic = with_lora(critic, cfg.lora)
+        # after LoRA and before the optimizer (sharding replaces the parameters); the reward model
+        # was cast to the inference dtype at load, so its shards hold the weights as served
+        critic = serving.shard_served(critic, cfg.parallel, "critic")
+        if reward_model is not None:
+            reward_model = serving.shard_served(reward_model, cfg.parallel, "reward model")
         limits = [position_limit(m.hf_model.config) for m in (critic, reward_model) if m is not None]
         max_len = serving.sequence_limit(cfg.server.max_sequence_length, limits)
         # sentences are laid out as the reward model was trained (the critic starts from it)
@@ -161,7 +172,8 @@ def run(cfg: ServeCriticConfig) -> int:
             guarded = ", train/save need the token" if server.token is not None else ""
             print(
                 f"critic server ready at {server.url} (critic_infer: {mode}; critic_train, "
-                f"critic_save; {dp.world_size()} rank(s); step {server.step}{guarded}); "
+                f"critic_save; {dp.world_size()} rank(s){', sharded' if cfg.parallel.sharded else ''}; "
+                f"step {server.step}{guarded}); "
                 "stop with Ctrl-C or SIGTERM",
                 flush=True,
             )

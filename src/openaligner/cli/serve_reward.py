@@ -2,9 +2,10 @@
 
 Loads the reward model the config names (a Hugging Face directory, or the tiny seeded test model
 when asked for), starts :class:`openaligner.servers.reward.RewardModelServer` and serves until
-SIGINT or SIGTERM. Under ``torchrun`` every rank loads a replica; rank 0 runs Triton and the
-others follow it. Prints the URL once the server answers, and stops Triton (no process left
-behind) on either signal.
+SIGINT or SIGTERM. Under ``torchrun`` every rank loads the model and computes a share of each
+batch; with ``parallel.strategy=fsdp`` each then keeps only its shard of the weights (every rank
+takes part in every forward). Rank 0 runs Triton and the others follow it. Prints the URL once
+the server answers, and stops Triton (no process left behind) on either signal.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from openaligner.cli import serving
 from openaligner.cli.serving import RuntimeConfig
 from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
+from openaligner.models.sharding import ParallelConfig
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
 from openaligner.servers.reward import RewardServerConfig
 
@@ -32,11 +34,13 @@ class ServeRewardConfig:
     tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # for `sentences`
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # device, precision, reward scale
     server: RewardServerConfig = field(default_factory=RewardServerConfig)  # how to serve it
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # replicas (ddp) or shards (fsdp)
     threads: int | None = None  # torch CPU threads per rank; null: on CPU, cores - 1 (Triton needs one)
     log_level: str = "INFO"  # Python logging level of this process
 
     def __post_init__(self) -> None:
         serving.check_model_choice(self.model)
+        serving.check_parallel(self.parallel)
 
 
 SCHEMA = ServeRewardConfig
@@ -51,6 +55,8 @@ def run(cfg: ServeRewardConfig) -> int:
     with serving.process_group():
         device, precision = serving.prepare_runtime(cfg.runtime, cfg.threads, log)
         model, tokenizer = load_model(cfg, device, precision, log)
+        # sharded after the cast to the inference dtype: the shards hold the weights as served
+        model = serving.shard_served(model, cfg.parallel, "reward model")
         hf_config = model.hf_model.config
         max_len = serving.sequence_limit(cfg.server.max_sequence_length, [position_limit(hf_config)])
         tokenize = serving.sentences_tokenizer(tokenizer, cfg.model.path, max_len)
@@ -68,7 +74,8 @@ def run(cfg: ServeRewardConfig) -> int:
         if dp.is_leader() and server.start():  # False: stopped while starting
             print(
                 f"reward model server ready at {server.url} (model '{cfg.server.model_name}', "
-                f"{dp.world_size()} rank(s)); stop with Ctrl-C or SIGTERM",
+                f"{dp.world_size()} rank(s){', sharded' if cfg.parallel.sharded else ''}); "
+                "stop with Ctrl-C or SIGTERM",
                 flush=True,
             )
         server.run_server()

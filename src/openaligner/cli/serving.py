@@ -2,7 +2,8 @@
 the keys they renamed, and the plumbing of a server process.
 
 Owns :class:`RuntimeConfig` (where the served models run, in what precision, and the scale
-rewards are served on), the rule that a server serves only a model someone named
+rewards are served on), which ``parallel`` keys a server takes and how its models are sharded
+(:func:`check_parallel`, :func:`shard_served`), the rule that a server serves only a model someone named
 (:func:`check_model_choice`), :data:`RENAMED_KEYS`, and the steps both commands take around their
 server: logging, joining the torchrun job, device, threads and precision, the tokenizer, the
 sequence limit, and stopping on SIGINT/SIGTERM. Must not know which server it serves.
@@ -17,15 +18,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from openaligner import distributed as dp
 from openaligner.config import StartupError, as_startup_error
 from openaligner.data.render import LayoutError, SequenceLayout, tokenizer_identity
 from openaligner.models.precision import Precision, check_precision
+from openaligner.models.sharding import ParallelConfig, ShardingError, shard
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
@@ -37,6 +41,8 @@ from openaligner.servers.protocol import tokenizer_description
 from openaligner.servers.reward import make_render_func, make_tokenize_func
 from openaligner.servers.transport.lifecycle import STOP_WHILE_STARTING_S, ServerLifecycle
 from openaligner.servers.validation import RenderFn, TokenizeFn
+
+M = TypeVar("M", bound=nn.Module)
 
 RENAMED_KEYS: dict[str, str] = {
     "model.tiny=true": "model.tiny=gpt2",
@@ -75,6 +81,33 @@ class RuntimeConfig:
         if self.reward_mean is None or self.reward_std is None:
             return None
         return self.reward_mean, self.reward_std
+
+
+def check_parallel(parallel: ParallelConfig) -> None:
+    """The ``parallel`` keys a server takes: all but ``offload_init_policy`` (train-ppo's initial
+    policy; a server has none).
+
+    Raises:
+        ValueError: ``parallel.offload_init_policy`` is set.
+    """
+    if parallel.offload_init_policy:
+        raise ValueError(
+            "parallel.offload_init_policy is train-ppo's (its initial policy); a server has none: "
+            "parallel.offload puts the served models' shards in CPU memory"
+        )
+
+
+def shard_served(model: M, parallel: ParallelConfig, name: str) -> M:
+    """``model`` laid over the ranks as ``parallel`` says (see
+    :func:`~openaligner.models.sharding.shard`; shards in CPU memory with ``parallel.offload``).
+    Call after the model is cast to the dtype it serves in and after LoRA adapters are added, and
+    before an optimizer is built over it.
+
+    Raises:
+        StartupError: the model cannot be sharded (see :class:`~openaligner.models.sharding.ShardingError`).
+    """
+    with as_startup_error(ShardingError):
+        return shard(model, parallel, name=name)
 
 
 def no_model() -> ModelSourceConfig:

@@ -55,7 +55,8 @@ class CriticModel(ScalarHeadModel):
         self.eval()
         try:
             for i in range(0, tokens.shape[0], step):
-                out[i : i + step] = self.forward(tokens[i : i + step], lengths[i : i + step])
+                # a call, not .forward(): a sharded model gathers its weights in its hooks
+                out[i : i + step] = self(tokens[i : i + step], lengths[i : i + step])
         finally:
             self.train(was_training)
         valid = torch.arange(tokens.shape[1], device=self.device) < lengths.unsqueeze(-1)

@@ -31,6 +31,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
 from openaligner.models.lora import unwrap
 from openaligner.models.precision import save_pretrained_as
+from openaligner.models.sharding import compute_device
 
 Standardization = tuple[float, float]
 """Fixed ``(mean, std)``: ``infer`` returns ``(r - mean) / std``."""
@@ -83,7 +84,8 @@ class ScalarHeadModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(self.parameters()).device
+        """Where the model computes (a sharded model's shards may live in CPU memory)."""
+        return compute_device(self)
 
     def hidden_states(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Last-layer hidden states of right-padded ``tokens`` [B, S] (``lengths`` [B]) → [B, S, H]."""
@@ -193,9 +195,9 @@ class RewardModel(ScalarHeadModel):
         was_training = self.training
         self.eval()
         try:
+            # a call, not .forward(): a sharded model gathers its weights in its hooks
             parts = [
-                self.forward(tokens[i : i + step], lengths[i : i + step])
-                for i in range(0, tokens.shape[0], step)
+                self(tokens[i : i + step], lengths[i : i + step]) for i in range(0, tokens.shape[0], step)
             ]
         finally:
             self.train(was_training)

@@ -16,6 +16,12 @@ memory, in exchange for no weight swapping and a reward model that training can 
 reward model is whatever dtype it was loaded in (the compute dtype) and runs under the critic's
 precision's autocast, as the critic's inference forward does.
 
+Ranks: every rank runs every opcode, on its equal share of the rows. The models may be replicas
+or sharded (:func:`~openaligner.models.sharding.shard`): with shards every forward and backward is
+a collective, so every rank runs the same number of them (equal shares, whole micro-batches on
+each rank, and the trainer's padding micro-batches) and a checkpoint is written and read by every
+rank together.
+
 Shapes: ``tokens`` [N, S] int64; ``returns``, ``prev_values``, ``mask`` [N, S-1] float32, next-token
 aligned (see :mod:`openaligner.trainer.critic`).
 """
@@ -37,6 +43,7 @@ from openaligner import distributed as dp
 from openaligner.models.critic import CriticModel
 from openaligner.models.positions import position_limit
 from openaligner.models.reward import RewardModel
+from openaligner.models.sharding import is_sharded
 from openaligner.servers.batching import (
     split_rows,
 )
@@ -320,9 +327,9 @@ class CriticServerTrainer(ServerLifecycle):
 
     Create it on every rank after ``torch.distributed`` is initialised (if used at all), with
     that rank's :class:`~openaligner.trainer.critic.CriticTrainer`: every rank holds a replica of
-    the critic, its optimizer state and (combined) the reward model. Construction resumes the
-    trainer from its latest complete checkpoint (unless ``resume=False``) and makes every rank's
-    critic equal to rank 0's.
+    the critic, its optimizer state and (combined) the reward model, or its shard of each (see
+    :mod:`openaligner.models.sharding`). Construction resumes the trainer from its latest complete
+    checkpoint (unless ``resume=False``) and makes every rank's replica equal to rank 0's.
 
     Args:
         cfg: serving settings (``max_sequence_length`` None: the models' position limit).
@@ -536,10 +543,12 @@ class CriticServerTrainer(ServerLifecycle):
         return step
 
     def _save_all_ranks(self, _payload: None) -> int:
-        """SAVE on every rank: rank 0 writes (replicas are equal); a failure is raised on all."""
+        """SAVE on every rank: rank 0 writes (replicas are equal), or every rank writes its shards
+        into the same checkpoint (a sharded critic); a failure is raised on all."""
+        writes = dp.is_leader() or is_sharded(self.model)
 
         def write() -> None:
-            if dp.is_leader():
+            if writes:
                 self.trainer.write_checkpoint({"combine_rm_and_critic_server": self.combined})
 
         dp.run_guarded(write)
@@ -550,7 +559,8 @@ class CriticServerTrainer(ServerLifecycle):
         return restored
 
     def _restore_all_ranks(self, step: int | None) -> int:
-        """RESTORE on every rank: load rank 0's (validated) step; a failure is raised on all."""
+        """RESTORE on every rank: load rank 0's (validated) step (each rank its replica, or its
+        shards of a sharded critic); a failure is raised on all."""
         chosen = dp.broadcast_int(step)
         dp.run_guarded(lambda: self.trainer.restore(chosen))
         return self.trainer.step

@@ -102,8 +102,10 @@ class RewardModelServer(ServerLifecycle):
     """Serve ``infer_fn`` as Triton model ``cfg.model_name`` on ``cfg.host:cfg.port``.
 
     Create it after ``torch.distributed`` is initialised (if it is used at all): with several
-    processes, rank 0 runs Triton and every rank holds a replica of the model and computes an
-    equal share of each formed batch.
+    processes, rank 0 runs Triton and every rank computes an equal share of each formed batch
+    (the batch is padded to a multiple of the ranks), so every rank calls ``infer_fn`` the same
+    number of times: the model may be a replica or sharded
+    (:func:`~openaligner.models.sharding.shard`, where each forward is a collective).
 
     Args:
         infer_fn: ``(tokens [b, S] int64, lengths [b] int64) -> rewards [b]`` (no grad), called

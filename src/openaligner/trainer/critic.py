@@ -1,5 +1,5 @@
-"""The critic's trainer: value-regression passes of a critic replicated over data-parallel ranks,
-and its checkpoints.
+"""The critic's trainer: value-regression passes of a critic replicated or sharded over
+data-parallel ranks, and its checkpoints.
 
 Owns :class:`CriticTrainer` — the critic, its optimizer, LR schedule and loss scaler, and its
 step count — with one training pass over a batch (:meth:`CriticTrainer.train_pass`) and writing,
@@ -36,7 +36,8 @@ from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.critic import CriticModel
 from openaligner.models.precision import Precision
-from openaligner.trainer.checkpoint_files import TrainingFiles
+from openaligner.models.sharding import is_sharded
+from openaligner.trainer.checkpoint_files import TrainingFiles, save_collective
 from openaligner.trainer.optim_step import optimizer_step
 
 LOGGER = logging.getLogger(__name__)
@@ -112,10 +113,11 @@ def trained_width(mask: torch.Tensor) -> int:
 
 
 class CriticTrainer:
-    """Trains a critic replica on every rank and checkpoints it.
+    """Trains a critic, replicated or sharded over the ranks, and checkpoints it.
 
     Create it on every rank after ``torch.distributed`` is initialised (if used at all); every
-    rank holds a replica of the critic and its optimizer state. :meth:`train_pass`,
+    rank holds a replica of the critic and its optimizer state, or its shard of each (a critic
+    sharded by :func:`~openaligner.models.sharding.shard` before the optimizer was built). :meth:`train_pass`,
     :meth:`resume` and :meth:`sync_replicas` are collectives: every rank calls them at the same
     point. Nothing is resumed at construction.
 
@@ -156,6 +158,7 @@ class CriticTrainer:
         self.step = 0
         """Optimizer steps taken (skipped steps not counted), all passes and resumes included."""
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._sharded = is_sharded(model)
 
     # -- training ------------------------------------------------------------------------------
     def train_pass(self, batch: CriticBatch) -> TrainResult:
@@ -168,7 +171,9 @@ class CriticTrainer:
         share of the step's valid tokens, so the summed gradient — after the sum over ranks — is
         the gradient of the token-mean loss over the whole global batch, whatever the number of
         ranks and the micro-batch size. Then the shared optimizer step (clip, skip if inf/NaN,
-        optimizer and scheduler step).
+        optimizer and scheduler step). Every rank runs the same number of micro-batches per step
+        (a sharded critic's forwards and backwards are collectives): a micro-batch of padding rows
+        only trains nothing, and a sharded critic still runs it (see :meth:`_join_shards`).
         """
         gbs = self.cfg.global_batch_size
         batch = pad_to_multiple(batch, gbs)
@@ -247,6 +252,8 @@ class CriticTrainer:
             mask = local.mask[i : i + mbs]
             width = trained_width(mask)
             if width == 0:  # padding rows only: nothing to learn
+                if self._sharded:
+                    self._join_shards(local.tokens[i : i + mbs])
                 continue
             mask = mask[:, :width]
             returns = local.returns[i : i + mbs, :width]
@@ -267,6 +274,16 @@ class CriticTrainer:
             kept.append((values.detach().float(), returns, mask))
         return sums
 
+    def _join_shards(self, tokens: torch.Tensor) -> None:
+        """A forward and backward that change nothing, for a micro-batch of padding rows only: every
+        forward and backward of a sharded critic is a collective (weights gathered, gradients
+        reduce-scattered), so a rank whose share of a step is padding still runs each of them. The
+        gradient it adds is exactly 0 (the loss times 0), as a replica's skipped micro-batch adds
+        nothing to the all-reduce."""
+        with self.precision.autocast():
+            values = self.model(tokens[:, :1])
+        self.scaler.scale(values.sum() * 0.0).backward()
+
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
@@ -281,8 +298,9 @@ class CriticTrainer:
         return float(explained_variance(values, returns, mask, reduce=dp.all_reduce_sum))
 
     def sync_replicas(self) -> None:
-        """Every rank's critic takes rank 0's weights (replicas must start equal)."""
-        if not dp.is_distributed():
+        """Every rank's critic takes rank 0's weights (replicas must start equal); a sharded critic
+        has no replicas (each rank holds its own shard), so nothing happens."""
+        if not dp.is_distributed() or is_sharded(self.model):
             return
         with torch.no_grad():
             for p in self.model.parameters():
@@ -290,17 +308,29 @@ class CriticTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def write_checkpoint(self, extra_state: dict[str, object] | None = None) -> Path:
-        """Write ``step_<N>`` atomically: critic (HF safetensors), optimizer, scheduler, state
-        (``step`` and ``extra_state``). Call on one rank: the replicas are equal."""
+        """Write ``step_<N>`` atomically: critic, optimizer, scheduler, state (``step`` and
+        ``extra_state``) — :class:`~openaligner.trainer.checkpoint_files.TrainingFiles`' layouts.
+
+        Replicas: call on one rank (they are equal); it writes the critic as a Hugging Face
+        directory. A sharded critic: a collective — every rank calls it, each writes its shards
+        of the critic and the optimizer state in parallel, rank 0 the rest, and a failure on any
+        rank is raised on every rank (:func:`~openaligner.trainer.checkpoint_files.save_collective`).
+        """
         if self.checkpoints is None:
             raise RuntimeError("no checkpoint directory configured")
 
         def write(d: Path) -> None:
             CRITIC_FILES.write(d, self.model, self.optimizer, self.scheduler)
-            CRITIC_FILES.write_state(d, {"step": self.step, **(extra_state or {})})
+            if dp.is_leader():
+                CRITIC_FILES.write_state(d, {"step": self.step, **(extra_state or {})})
 
-        path = self.checkpoints.save(self.step, write, metrics={"step": float(self.step)})
-        LOGGER.info("critic checkpoint written to %s", path)
+        metrics = {"step": float(self.step)}
+        if is_sharded(self.model):
+            path = save_collective(self.checkpoints, self.step, write, metrics)
+        else:
+            path = self.checkpoints.save(self.step, write, metrics)
+        if dp.is_leader():
+            LOGGER.info("critic checkpoint written to %s", path)
         return path
 
     def restorable(self, step: int) -> str | None:
@@ -327,7 +357,9 @@ class CriticTrainer:
         )
 
     def restore(self, step: int) -> None:
-        """Load the checkpoint of critic ``step`` on this rank (check :meth:`restorable` first)."""
+        """Load the checkpoint of critic ``step`` on this rank (check :meth:`restorable` first); a
+        collective for a sharded critic (every rank, the same step). A checkpoint of a sharded
+        critic loads on any number of ranks, sharded or not."""
         assert self.checkpoints is not None
         self.load_checkpoint(self.checkpoints.root / f"step_{step}")
 

@@ -75,6 +75,16 @@ def test_sections_are_the_components_own_configs_not_copies():
         (["model.tiny=true"], "model.tiny=true is now model.tiny=gpt2"),
         (["model.seed=0"], "model.seed is now model.tiny_seed"),
         (["model.tokenizer_path=/tok"], "model.tokenizer_path is now tokenizer.path"),
+        (["model.tiny=gpt2", "parallel.strategy=zero3"], "parallel.strategy='zero3' is not one of ddp, fsdp"),
+        (["model.tiny=gpt2", "parallel.offload=true"], "parallel.offload=true offloads shards, which needs"),
+        (
+            ["model.tiny=gpt2", "parallel.strategy=fsdp", "parallel.offload_init_policy=true"],
+            "parallel.offload_init_policy is train-ppo's",
+        ),
+        (
+            ["model.tiny=gpt2", "parallel.strategy=fsdp", "runtime.precision=fp16-mixed"],
+            "runtime.precision=fp16-mixed with parallel.strategy=fsdp is not supported",
+        ),
     ],
 )
 def test_bad_values_name_the_key(overrides, needle):

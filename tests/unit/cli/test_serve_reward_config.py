@@ -56,6 +56,11 @@ def test_sections_are_the_components_own_configs_not_copies():
         (["model.tiny=gpt2", "server.max_request_bytes=0"], "server.max_request_bytes must be >= 1"),
         (["model.tiny=gpt2", "server.heartbeat_s=0"], "server.heartbeat_s must be > 0"),
         (["model.tiny=bert"], "model.tiny must be one of"),
+        (["model.tiny=gpt2", "parallel.strategy=zero3"], "parallel.strategy='zero3' is not one of ddp, fsdp"),
+        (
+            ["model.tiny=gpt2", "parallel.strategy=fsdp", "parallel.offload_init_policy=true"],
+            "parallel.offload_init_policy is train-ppo's",
+        ),
     ],
 )
 def test_bad_values_name_the_key(overrides, needle):
