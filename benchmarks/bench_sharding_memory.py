@@ -13,7 +13,8 @@ a 2 × 64-token batch per rank with fused AdamW, as the trainers do. Each rank r
 
 Prints one JSON object (per model and strategy: parameters, both figures per rank, seconds per
 step) and the ratio fsdp / ddp. Usage (the driver starts the torchrun jobs itself):
-``python benchmarks/bench_sharding_memory.py [--ranks 2] [--models 60M 150M] [--offload]``.
+``python benchmarks/bench_sharding_memory.py [--ranks 2] [--models 52M 113M] [--offload]``
+(names are the parameter counts), ``--strategies fsdp`` to measure one strategy only.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from pathlib import Path
 
 MODELS: dict[str, dict[str, int]] = {
     # name: Llama shape (vocabulary of a real tokenizer; sizes of small real models' widths)
-    "20M": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "vocab_size": 32000},
-    "60M": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "vocab_size": 32000},
-    "150M": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "vocab_size": 32000},
-    "400M": {"hidden_size": 1024, "num_layers": 24, "num_heads": 16, "vocab_size": 32000},
-    "1B": {"hidden_size": 2048, "num_layers": 16, "num_heads": 16, "vocab_size": 32000},
+    "19M": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "vocab_size": 32000},
+    "52M": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "vocab_size": 32000},
+    "113M": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "vocab_size": 32000},
+    "292M": {"hidden_size": 1024, "num_layers": 24, "num_heads": 16, "vocab_size": 32000},
+    "0.8B": {"hidden_size": 2048, "num_layers": 16, "num_heads": 16, "vocab_size": 32000},
+    "1.3B": {"hidden_size": 2048, "num_layers": 28, "num_heads": 16, "vocab_size": 32000},
 }
 GIB = 2**30
 
@@ -94,7 +96,8 @@ def _run(model_name: str, strategy: str, ranks: int, offload: bool, work: Path) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--models", nargs="+", default=["20M", "60M", "150M"], choices=sorted(MODELS))
+    parser.add_argument("--models", nargs="+", default=["19M", "52M", "113M"], choices=sorted(MODELS))
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
     parser.add_argument("--offload", action="store_true", help="also fsdp with parallel.offload=true")
     parser.add_argument("--rank-job", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -102,16 +105,17 @@ def main() -> None:
         name, strategy, offload, out = args.rank_job
         _rank_job(name, strategy, bool(int(offload)), Path(out))
         return
-    results: dict[str, dict[str, object]] = {}
+    results: dict[str, dict[str, dict[str, object]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            ways = {"ddp": ("ddp", False), "fsdp": ("fsdp", False)}
+            ways = {s: (s, False) for s in args.strategies}
             if args.offload:
                 ways["fsdp_offload"] = ("fsdp", True)
             row = {way: _run(name, s, args.ranks, off, Path(tmp)) for way, (s, off) in ways.items()}
-            ddp_gib, fsdp_gib = row["ddp"]["state_gib_per_rank"], row["fsdp"]["state_gib_per_rank"]
-            assert isinstance(ddp_gib, float) and isinstance(fsdp_gib, float)
-            row["ratio_state_fsdp_over_ddp"] = {"value": fsdp_gib / ddp_gib}
+            if "ddp" in row and "fsdp" in row:
+                ddp_gib, fsdp_gib = row["ddp"]["state_gib_per_rank"], row["fsdp"]["state_gib_per_rank"]
+                assert isinstance(ddp_gib, float) and isinstance(fsdp_gib, float)
+                row["ratio_state_fsdp_over_ddp"] = {"value": fsdp_gib / ddp_gib}
             results[name] = row
             print(json.dumps({name: row}), flush=True)
     print(json.dumps({"ranks": args.ranks, "results": results}, indent=1))
