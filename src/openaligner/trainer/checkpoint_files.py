@@ -89,5 +89,7 @@ class TrainingFiles:
         """Set this process's RNGs to those rank ``rank`` saved (a rank the checkpoint does not
         hold, from a run with fewer ranks, keeps its own)."""
         states = torch.load(directory / RNG_FILE, weights_only=False)
+        if isinstance(states, dict):  # one process's states, as train-sft/train-rm wrote them before
+            states = [states]
         if rank < len(states):
             set_rng_state(states[rank])
