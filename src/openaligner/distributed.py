@@ -257,14 +257,22 @@ def _all_reduce_gradients(params: list[torch.nn.Parameter], average: bool) -> No
 
 
 # ----------------------------------------------------------------------------- failures
-def run_guarded(step: Callable[[], T]) -> T:
+def run_guarded(step: Callable[[], T], what: str = "step") -> T:
     """Run ``step`` on every rank; if it raises on any rank, raise on all.
 
     Without this, a rank whose step failed (a CUDA OOM, say) would skip the next collective
-    and leave the others waiting until the process-group timeout.
+    and leave the others waiting until the process-group timeout. ``step`` may itself run
+    collectives only where a failure cannot leave a rank out of one (each rank's own work, then
+    the collectives; or collectives that share their own failures, like
+    ``torch.distributed.checkpoint``'s).
+
+    Args:
+        what: names the step in the message (``checkpoint write``, ...).
 
     Raises:
-        CollectiveFailure: naming the ranks that failed (the local error is chained).
+        CollectiveFailure: on every rank, naming the ranks that failed and each one's error (the
+            local error is chained). The errors are exchanged only after a failure, so a step that
+            succeeds costs one small all-gather.
     """
     error: BaseException | None = None
     result: T | None = None
@@ -272,15 +280,17 @@ def run_guarded(step: Callable[[], T]) -> T:
         result = step()
     except Exception as e:
         error = e
-        LOGGER.exception("rank %d: step failed", rank())
+        LOGGER.exception("rank %d: %s failed", rank(), what)
+    reason = f"{type(error).__name__}: {error}" if error is not None else None
     if is_distributed():
         flag = torch.tensor([error is not None], dtype=torch.int64, device=collective_device())
         flags = all_gather_rows(flag, same_shape=True)
         failed = [r for r, f in enumerate(flags.tolist()) if f]
+        reasons = gather_objects(reason) if failed else []
     else:
         failed = [0] if error is not None else []
+        reasons = [reason]
     if failed:
-        here = f" (rank {rank()}: {type(error).__name__}: {error})" if error is not None else ""
-        message = f"the step failed on rank(s) {failed}{here}; see the logs"
-        raise CollectiveFailure(message) from error
+        said = "; ".join(f"rank {r}: {reasons[r]}" for r in failed)
+        raise CollectiveFailure(f"the {what} failed on rank(s) {failed} ({said}); see the logs") from error
     return result  # type: ignore[return-value]

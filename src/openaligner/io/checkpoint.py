@@ -126,16 +126,31 @@ class CheckpointManager:
         recorded, the directory renamed into place and ``latest`` updated. A crash at any point
         leaves the previous checkpoint and pointer intact. When it returns the checkpoint is
         durable: its files and directories, the rename and the pointer are fsynced.
+
+        The two halves, :meth:`stage` and :meth:`publish`, are public for writers that fill the
+        directory from several processes (every rank of a sharded model writes its own files).
         """
+        tmp = self.stage(step)
+        write(tmp)
+        return self.publish(step, tmp, metrics)
+
+    def stage(self, step: int) -> Path:
+        """A fresh, empty temporary directory for ``step_<step>`` (a hidden sibling of the
+        checkpoints, replaced if a crashed writer left one); fill it, then :meth:`publish` it."""
         if not self.root.is_dir():
             self.root.mkdir(parents=True)
             _fsync(self.root.parent)
-        final = self.root / f"step_{step}"
         tmp = self.root / f".tmp-step_{step}-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        write(tmp)
+        return tmp
+
+    def publish(self, step: int, tmp: Path, metrics: dict[str, float] | None = None) -> Path:
+        """Seal ``tmp`` (a filled :meth:`stage` directory) as ``step_<step>``: checksum every file
+        into the manifest, fsync, rename it into place, point ``latest`` at it, prune; returns it.
+        Every file must be complete when this is called (writers on other processes included)."""
+        final = self.root / f"step_{step}"
         files = {
             str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
             for p in sorted(tmp.rglob("*"))

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from openaligner import distributed as dp
 from openaligner.algorithms import entropy_from_logits, next_token_logprobs, ppo_policy_loss
 from openaligner.models.decoders.base import CacheKind
 from openaligner.models.fast_paths import scoring_forward
@@ -54,7 +55,7 @@ from openaligner.models.generation import (
 )
 from openaligner.models.lora import is_peft_model, merged_copy
 from openaligner.models.precision import Precision, save_pretrained_as
-from openaligner.models.sharding import compute_device, gathered
+from openaligner.models.sharding import compute_device, full_state_dict, gathered, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -156,21 +157,37 @@ class CausalLMActor:
         return cls(model, **kwargs)  # type: ignore[arg-type]
 
     def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Write the policy as a Hugging Face directory (``config.json`` + ``model.safetensors``;
-        plus the tokenizer files when a tokenizer is attached), with the weights as ``dtype``
-        (None: as they are, i.e. the masters). A LoRA policy writes its adapter directory instead
-        (float32 adapters, see :func:`openaligner.models.precision.save_pretrained_as`)."""
+        """Write the policy as a Hugging Face directory (``config.json`` + ``model.safetensors``,
+        or several files and an index for a large policy; plus the tokenizer files when a
+        tokenizer is attached), with the weights as ``dtype`` (None: as they are, i.e. the
+        masters). A LoRA policy writes its adapter directory instead (float32 adapters, see
+        :func:`openaligner.models.precision.save_pretrained_as`).
+
+        A sharded policy makes this a collective: every rank calls it with the same
+        ``directory``; rank 0 gathers the weights and alone writes."""
         save_pretrained_as(self.model, directory, dtype)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self._writes():
             self.tokenizer.save_pretrained(str(directory))
 
     def save_merged(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write a LoRA policy with its adapters merged in as a plain Hugging Face causal-LM
         directory (plus the tokenizer), weights as ``dtype``; the live policy is not changed
-        (:func:`openaligner.models.lora.merged_copy`)."""
-        save_pretrained_as(merged_copy(self.model), directory, dtype)
+        (:func:`openaligner.models.lora.merged_copy`). A collective for a sharded policy, as
+        :meth:`save_pretrained`."""
+        if is_sharded(self.model):
+            state = full_state_dict(self.model)
+            if state is None:  # not rank 0: its shards went to rank 0
+                return
+            merged = merged_copy(self.model, state)
+        else:
+            merged = merged_copy(self.model)
+        save_pretrained_as(merged, directory, dtype)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(directory))
+
+    def _writes(self) -> bool:
+        """Whether this process writes the policy's files: rank 0 of a sharded policy, else any."""
+        return not is_sharded(self.model) or dp.is_leader()
 
     @property
     def device(self) -> torch.device:

@@ -220,13 +220,18 @@ def unwrap(model: nn.Module) -> nn.Module:
     return cast(nn.Module, wrapper.get_base_model())
 
 
-def merged_copy(model: nn.Module) -> PreTrainedModel:
+def merged_copy(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> PreTrainedModel:
     """A plain Hugging Face model (the class :func:`add_lora` wrapped) on the CPU, with the
     adapters merged into its weights (``W + alpha / r · B A``) and a trained head in place.
 
     Args:
         model: what :func:`add_lora` returned: a ``peft`` model, or a scalar-head model holding
             one as ``hf_model`` (the merged model is then that ``*ForSequenceClassification``).
+        state: ``model``'s whole state dict (its ``state_dict()`` keys) to merge instead of its
+            live tensors — for a sharded model, whose tensors are shards: what
+            :func:`~openaligner.models.sharding.full_state_dict` gathered. A fresh ``peft`` model
+            is then built on the CPU from ``model``'s configs (the caller's RNG untouched) and
+            loaded from it.
 
     ``model`` is not changed: its tensors are copied to the CPU one by one (no second copy on its
     device), and the copy is merged. Its logits equal the adapted model's to float rounding.
@@ -234,9 +239,29 @@ def merged_copy(model: nn.Module) -> PreTrainedModel:
     peft_model = model if is_peft_model(model) else getattr(model, "hf_model", None)
     if not is_peft_model(peft_model):
         raise TypeError(f"{type(model).__name__} has no LoRA adapters to merge")
-    merged = _cpu_copy(cast(nn.Module, peft_model)).merge_and_unload()
+    if state is None:
+        copied = _cpu_copy(cast(nn.Module, peft_model))
+    else:
+        prefix = "" if peft_model is model else "hf_model."
+        own = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+        copied = _rebuilt(peft_model, own)
+    merged = copied.merge_and_unload()
     assert isinstance(merged, PreTrainedModel)
     return merged
+
+
+def _rebuilt(peft_model: Any, state: dict[str, torch.Tensor]) -> Any:
+    """A fresh CPU ``peft`` model like ``peft_model`` (its ``default`` adapter), holding ``state``.
+
+    The wrapped model's class is its own: sharding (:mod:`openaligner.models.sharding`) makes
+    only the decoder layers and the outermost module its units, so it is not a sharded class."""
+    peft = require_peft("merging LoRA adapters")
+    base = unwrap(peft_model)
+    with torch.random.fork_rng(devices=[]):
+        fresh = type(base)(copy.deepcopy(base.config))
+        rebuilt = peft.get_peft_model(fresh, copy.deepcopy(peft_model.peft_config["default"]))
+    rebuilt.load_state_dict(state)
+    return rebuilt.eval()
 
 
 def _cpu_copy(module: nn.Module) -> Any:

@@ -18,7 +18,8 @@ of the weight, 2⁻⁹ to 2⁻⁸ of its magnitude, is lost), so training silent
 
 Saved dtypes: resume checkpoints hold the float32 masters (exact resume); a command's final
 Hugging Face export is written in its ``save_dtype`` (``auto``: the dtype the source checkpoint was
-stored in, float32 for the built-in tiny models) by :func:`save_pretrained_as`.
+stored in, float32 for the built-in tiny models) by :func:`save_pretrained_as` — a sharded model's
+weights gathered to rank 0 first, in files of at most :data:`MAX_SHARD_SIZE`.
 
 Must not know about configs, trainers or servers: they resolve a setting once with
 :meth:`Precision.resolve` and pass the :class:`Precision` (or a dtype) down.
@@ -38,12 +39,18 @@ import torch
 from transformers import PreTrainedModel
 
 from openaligner.models.lora import is_peft_model
+from openaligner.models.sharding import full_state_dict, is_sharded
 
 PrecisionName = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16-mixed", "fp16-mixed")
 """The values of a command's ``precision`` key."""
 SAVE_DTYPES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 """The values of a command's ``save_dtype`` key."""
+
+MAX_SHARD_SIZE = "5GB"
+"""The largest safetensors file of an export (``save_pretrained``'s ``max_shard_size``); a larger
+model is written as several files plus an index. 5 GB, as Hugging Face wrote by default until
+``transformers`` 5 (which writes up to 50 GB per file): files that upload and download in pieces."""
 
 MASTER_DTYPE = torch.float32
 """What trained weights (and so their optimizer state and resume checkpoints) are kept in."""
@@ -169,23 +176,44 @@ def resolve_save_dtype(setting: str, model_path: str | Path | None) -> torch.dty
 
 
 def save_pretrained_as(
-    model: PreTrainedModel, directory: str | Path, dtype: torch.dtype | None = None
+    model: PreTrainedModel,
+    directory: str | Path,
+    dtype: torch.dtype | None = None,
+    *,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
 ) -> None:
     """``model.save_pretrained(directory)`` with its floating weights written as ``dtype`` (None:
     as they are). The live model is not touched; tied weights stay tied (cast once), integer
     buffers keep their dtype, and ``config.json`` states ``dtype`` so that loaders with
-    ``dtype="auto"`` read the weights back in it.
+    ``dtype="auto"`` read the weights back in it. Weights beyond ``max_shard_size`` (bytes, or
+    ``"5GB"``-style) are split into ``model-0000i-of-0000n.safetensors`` files with a
+    ``model.safetensors.index.json``, which ``from_pretrained`` follows.
+
+    A sharded model (:func:`openaligner.models.sharding.is_sharded`) makes this a collective:
+    every rank calls it with the same ``directory``; the whole weights are gathered to rank 0 on
+    the CPU (:func:`~openaligner.models.sharding.full_state_dict`, so rank 0 needs the CPU memory
+    of the float32 model) and rank 0 alone writes. Any other model: call it on the rank that writes.
 
     A LoRA model (a ``peft`` ``PeftModel``, :mod:`openaligner.models.lora`) writes its adapter
     directory (``adapter_config.json`` + ``adapter_model.safetensors``) with the adapters (and a
     trained head) as they are, float32 masters, whatever ``dtype``: they are small, and a merge
     into the base should start from the masters; ``dtype`` applies to the merged model."""
+    state: dict[str, torch.Tensor] | None = None
+    if is_sharded(model):
+        state = full_state_dict(model)
+        if state is None:  # not rank 0: its shards went to rank 0
+            return
     if is_peft_model(model):
         # No embedding layers unless adapted ("auto" may look the base up by name to compare vocabularies).
-        model.save_pretrained(str(directory), save_embedding_layers=False)
+        model.save_pretrained(str(directory), save_embedding_layers=False, state_dict=state)
         return
-    if dtype is None or all(p.dtype == dtype for p in model.parameters()):
-        model.save_pretrained(str(directory))
+    if state is None:
+        if dtype is None or all(p.dtype == dtype for p in model.parameters()):
+            model.save_pretrained(str(directory), max_shard_size=max_shard_size)
+            return
+        state = model.state_dict()
+    if dtype is None:  # a sharded model's gathered masters, as they are
+        model.save_pretrained(str(directory), state_dict=state, max_shard_size=max_shard_size)
         return
     cast: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
 
@@ -197,8 +225,11 @@ def save_pretrained_as(
             cast[key] = t.detach().to(dtype)
         return cast[key]
 
-    state = {name: convert(t) for name, t in model.state_dict().items()}
-    model.save_pretrained(str(directory), state_dict=state)
+    model.save_pretrained(
+        str(directory),
+        state_dict={name: convert(t) for name, t in state.items()},
+        max_shard_size=max_shard_size,
+    )
     # save_pretrained writes the live model's dtype into config.json; the file holds ``dtype``.
     config_path = Path(directory) / "config.json"
     config = json.loads(config_path.read_text())

@@ -1,28 +1,54 @@
 """What a trainer's checkpoint holds, shared by the actor's and the critic's trainers: the trained
-model as a Hugging Face directory, its optimizer, LR schedule, every rank's RNG states and the
-trainer's own state as JSON — written into a directory and read back.
+model, its optimizer, LR schedule, every rank's RNG states and the trainer's own state as JSON —
+written into a directory and read back, by one rank or, for a sharded model, by every rank.
 
+Two layouts, picked by the model (:func:`openaligner.models.sharding.is_sharded`):
+
+* **whole** (replicas, or one process): ``<model_dir>/`` a Hugging Face directory,
+  ``optimizer.pt``; one rank writes everything.
+* **sharded** (``parallel.strategy=fsdp`` under torchrun): ``<model_dir>.dcp/`` the model's
+  trainable weights and the optimizer state as a ``torch.distributed.checkpoint`` (DCP) directory,
+  keyed by the model's parameter names, every rank writing the pieces of its own shards in
+  parallel (``__<rank>_0.distcp``, plus ``.metadata``); rank 0 writes the rest. DCP reshards on
+  load, so any number of ranks, sharded or not, resumes from it.
+
+Both hold ``scheduler.pt``, ``rng.pt`` (every rank's RNG states) and the trainer's state file.
 Where the directory lives, how it is published atomically and verified is
-:mod:`openaligner.io.checkpoint`'s; what goes into the JSON state is each trainer's. Must not know
+:mod:`openaligner.io.checkpoint`'s (:func:`save_collective` runs its staging and publishing on rank
+0 around a write on every rank); what goes into the JSON state is each trainer's. Must not know
 about PPO, servers or particular models.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from openaligner.io.checkpoint import set_rng_state
+from openaligner import distributed as dp
+from openaligner.io.checkpoint import CheckpointManager, set_rng_state
+from openaligner.models.sharding import is_sharded
 from openaligner.models.weights import load_weights_into
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
+SHARDED_SUFFIX = ".dcp"
+"""A sharded checkpoint's model and optimizer: ``<model_dir>.dcp/`` (see the module docstring)."""
+
+# Frozen parameters (a LoRA model's base) are left out, as the whole layout's adapter directory
+# leaves them out: they never change, and the run rebuilds them from its model source.
+_SAVE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# Not strict: the frozen parameters are absent by design; a trainable one the checkpoint lacks
+# fails in dcp.load instead (it loads exactly the keys asked for).
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 class SavesPretrained(Protocol):
@@ -36,12 +62,18 @@ class TrainingFiles:
     """The names of one trainer's files inside a checkpoint directory.
 
     Attributes:
-        model_dir: the trained model as a Hugging Face directory (``actor``, ``critic``).
+        model_dir: the trained model as a Hugging Face directory (``actor``, ``critic``); a
+            sharded model's checkpoint holds ``<model_dir>.dcp`` instead (:attr:`sharded_dir`).
         state_file: the trainer's own state as JSON (step counters and the like).
     """
 
     model_dir: str
     state_file: str
+
+    @property
+    def sharded_dir(self) -> str:
+        """The DCP directory of a sharded model's weights and optimizer state."""
+        return self.model_dir + SHARDED_SUFFIX
 
     def write(
         self,
@@ -53,15 +85,29 @@ class TrainingFiles:
     ) -> None:
         """Write the model, the optimizer, the scheduler (when there is one) and ``rng_states``
         (when given: every rank's, in rank order), in that order; the state comes separately
-        (:meth:`write_state`), since a trainer may finish it only once the rest is written."""
-        model.save_pretrained(directory / self.model_dir)
-        torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+        (:meth:`write_state`), since a trainer may finish it only once the rest is written.
+
+        ``model`` is the trained ``nn.Module`` or a wrapper holding it as ``.model`` (the actor,
+        whose ``save_pretrained`` adds the tokenizer). When it is sharded this is a collective:
+        every rank calls it with the same ``directory`` (one every rank sees, e.g. from
+        :func:`stage_collective`); each writes its shards (:func:`save_sharded_state`) and rank 0
+        the scheduler and RNG states. Otherwise one rank calls it and writes everything.
+        """
+        module = trained_module(model)
+        if is_sharded(module):
+            save_sharded_state(directory / self.sharded_dir, module, optimizer)
+            if not dp.is_leader():
+                return
+        else:
+            model.save_pretrained(directory / self.model_dir)
+            torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
         if scheduler is not None:
             torch.save(scheduler.state_dict(), directory / SCHEDULER_FILE)
         if rng_states is not None:
             torch.save(rng_states, directory / RNG_FILE)
 
     def write_state(self, directory: Path, state: Mapping[str, Any]) -> None:
+        """Write the trainer's state (one rank: rank 0 when the model is sharded)."""
         (directory / self.state_file).write_text(json.dumps(dict(state), indent=1))
 
     def read_state(self, directory: Path) -> dict[str, Any]:
@@ -71,16 +117,39 @@ class TrainingFiles:
     def read(
         self,
         directory: Path,
-        model: torch.nn.Module,
+        model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         device: torch.device,
     ) -> dict[str, Any]:
         """Load what :meth:`write` wrote into ``model`` (in place: an optimizer over its
-        parameters stays valid), ``optimizer`` (its state onto ``device``) and ``scheduler`` (when
-        both exist); returns the trainer's state (:meth:`write_state`)."""
-        load_weights_into(model, directory / self.model_dir)
-        optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location=device))
+        parameters stays valid), ``optimizer`` (its state onto ``device``; a sharded checkpoint's
+        onto the optimizer's own tensors) and ``scheduler`` (when both exist); returns the
+        trainer's state (:meth:`write_state`).
+
+        Call on every rank that holds the model (when it is sharded, a collective: every rank with
+        the same ``directory``). A sharded checkpoint loads on any number of ranks, sharded or
+        not (DCP reshards); a whole checkpoint loads into a model that is not sharded only.
+
+        Raises:
+            ValueError: the checkpoint does not hold this model's weights (another model, a LoRA
+                checkpoint for a run without LoRA or the reverse), or is a whole checkpoint and
+                ``model`` is sharded — naming the directory and the fix.
+        """
+        if (directory / self.sharded_dir).is_dir():
+            load_sharded_state(directory / self.sharded_dir, model, optimizer)
+        elif is_sharded(model):
+            raise ValueError(
+                f"{directory} was written by a model that was not sharded (parallel.strategy=ddp, or one "
+                f"process): it holds {self.model_dir}/, a Hugging Face directory, not {self.sharded_dir}/, "
+                "and a sharded model (parallel.strategy=fsdp under torchrun) resumes only from sharded "
+                "checkpoints. Resume it with parallel.strategy=ddp, or start the sharded run from its "
+                f"weights ({directory / self.model_dir} as the model path, no resume: the optimizer "
+                "state starts afresh)"
+            )
+        else:
+            load_weights_into(model, directory / self.model_dir)
+            optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location=device))
         if scheduler is not None and (directory / SCHEDULER_FILE).is_file():
             scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE))
         return self.read_state(directory)
@@ -93,3 +162,105 @@ class TrainingFiles:
             states = [states]
         if rank < len(states):
             set_rng_state(states[rank])
+
+
+def trained_module(model: SavesPretrained | nn.Module) -> nn.Module:
+    """The ``nn.Module`` whose parameters a trainer optimizes: ``model`` itself, or the module a
+    wrapper holds as ``.model`` (:class:`~openaligner.models.actor.CausalLMActor`)."""
+    if isinstance(model, nn.Module):
+        return model
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, nn.Module):
+        raise TypeError(f"{type(model).__name__} is not an nn.Module and holds none as .model")
+    return inner
+
+
+# ----------------------------------------------------------------------------- sharded (DCP)
+def save_sharded_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write ``model``'s trainable weights and ``optimizer``'s state into ``directory`` with
+    ``torch.distributed.checkpoint``: each rank writes the pieces of its own shards
+    (``__<rank>_0.distcp``), rank 0 also ``.metadata``; ranks write in parallel and each fsyncs
+    its files.
+
+    A collective when ``model`` is sharded: every rank calls it with the same ``directory``, which
+    every rank must see (a shared filesystem across hosts); a failure on one rank is raised on
+    all. Keys are the model's parameter names (``model.state_dict()``'s, e.g. Hugging Face's
+    ``model.layers.0.mlp.up_proj.weight``) under ``model.`` and ``optimizer.``, so
+    :func:`load_sharded_state` can reshard onto any number of ranks. Frozen parameters (a LoRA
+    model's base) are left out.
+    """
+    model_state, optim_state = get_state_dict(model, optimizer, options=_SAVE_OPTIONS)
+    dcp.save(
+        {"model": model_state, "optimizer": optim_state},
+        checkpoint_id=directory,
+        no_dist=not is_sharded(model),
+    )
+
+
+def load_sharded_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load what :func:`save_sharded_state` wrote into ``model`` and ``optimizer``, in place (an
+    optimizer over the parameters stays valid), whatever the number of ranks that wrote it.
+
+    A sharded ``model``: a collective (every rank, the same ``directory``); each rank reads the
+    pieces of its own shards. A model that is not sharded (replicas, one process): this rank
+    reads the whole tensors, on its own. Frozen parameters keep their values.
+
+    Raises:
+        ValueError: the checkpoint lacks a trainable weight of ``model`` or holds it in another
+            shape (another model; a LoRA checkpoint for a run without LoRA, or the reverse).
+    """
+    model_state, optim_state = get_state_dict(model, optimizer, options=_SAVE_OPTIONS)
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+    try:
+        dcp.load(state, checkpoint_id=directory, no_dist=not is_sharded(model))
+    except (RuntimeError, ValueError, KeyError) as e:  # DCP's CheckpointException is a RuntimeError
+        raise ValueError(
+            f"cannot load {directory} into the {type(model).__name__}: {e} (a checkpoint of another model, "
+            "or written with other lora settings; resume with the settings it was written with)"
+        ) from e
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=_LOAD_OPTIONS,
+    )
+
+
+def stage_collective(checkpoints: CheckpointManager, step: int) -> Path:
+    """:meth:`CheckpointManager.stage` on rank 0, its directory on every rank (a collective).
+
+    Raises:
+        openaligner.distributed.CollectiveFailure: on every rank, when rank 0 could not make it.
+    """
+    staged = dp.run_guarded(
+        lambda: str(checkpoints.stage(step)) if dp.is_leader() else None, "checkpoint staging"
+    )
+    return Path(dp.broadcast_object(staged))
+
+
+def save_collective(
+    checkpoints: CheckpointManager,
+    step: int,
+    write: Callable[[Path], None],
+    metrics: dict[str, float] | None = None,
+) -> Path:
+    """:meth:`CheckpointManager.save` for a model sharded over ranks: a collective that every rank
+    calls with the same arguments; returns ``step_<step>`` on every rank.
+
+    1. rank 0 stages the temporary directory and every rank learns its path;
+    2. every rank calls ``write(tmp)``, which writes that rank's share (e.g. :meth:`TrainingFiles.write`
+       of a sharded model) and, on rank 0, the rest (the trainer's state);
+    3. rank 0 seals it (checksums of every rank's files in the manifest), renames it into place and
+       moves ``latest``.
+
+    The checkpoint root must be on a filesystem every rank sees. A failure on any rank fails the
+    phase on every rank (:class:`~openaligner.distributed.CollectiveFailure`, naming the rank
+    and its error) and nothing is published; the staged directory is removed by a later save.
+    """
+    tmp = stage_collective(checkpoints, step)
+    dp.run_guarded(lambda: write(tmp), "checkpoint write")
+    dp.run_guarded(
+        lambda: checkpoints.publish(step, tmp, metrics) if dp.is_leader() else None, "checkpoint publish"
+    )
+    return checkpoints.root / f"step_{step}"

@@ -36,7 +36,8 @@ from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.critic import CriticModel
 from openaligner.models.precision import Precision
-from openaligner.trainer.checkpoint_files import TrainingFiles
+from openaligner.models.sharding import is_sharded
+from openaligner.trainer.checkpoint_files import TrainingFiles, save_collective
 from openaligner.trainer.optim_step import optimizer_step
 
 LOGGER = logging.getLogger(__name__)
@@ -281,8 +282,9 @@ class CriticTrainer:
         return float(explained_variance(values, returns, mask, reduce=dp.all_reduce_sum))
 
     def sync_replicas(self) -> None:
-        """Every rank's critic takes rank 0's weights (replicas must start equal)."""
-        if not dp.is_distributed():
+        """Every rank's critic takes rank 0's weights (replicas must start equal); a sharded critic
+        has no replicas (each rank holds its own shard), so nothing happens."""
+        if not dp.is_distributed() or is_sharded(self.model):
             return
         with torch.no_grad():
             for p in self.model.parameters():
@@ -290,17 +292,29 @@ class CriticTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def write_checkpoint(self, extra_state: dict[str, object] | None = None) -> Path:
-        """Write ``step_<N>`` atomically: critic (HF safetensors), optimizer, scheduler, state
-        (``step`` and ``extra_state``). Call on one rank: the replicas are equal."""
+        """Write ``step_<N>`` atomically: critic, optimizer, scheduler, state (``step`` and
+        ``extra_state``) — :class:`~openaligner.trainer.checkpoint_files.TrainingFiles`' layouts.
+
+        Replicas: call on one rank (they are equal); it writes the critic as a Hugging Face
+        directory. A sharded critic: a collective — every rank calls it, each writes its shards
+        of the critic and the optimizer state in parallel, rank 0 the rest, and a failure on any
+        rank is raised on every rank (:func:`~openaligner.trainer.checkpoint_files.save_collective`).
+        """
         if self.checkpoints is None:
             raise RuntimeError("no checkpoint directory configured")
 
         def write(d: Path) -> None:
             CRITIC_FILES.write(d, self.model, self.optimizer, self.scheduler)
-            CRITIC_FILES.write_state(d, {"step": self.step, **(extra_state or {})})
+            if dp.is_leader():
+                CRITIC_FILES.write_state(d, {"step": self.step, **(extra_state or {})})
 
-        path = self.checkpoints.save(self.step, write, metrics={"step": float(self.step)})
-        LOGGER.info("critic checkpoint written to %s", path)
+        metrics = {"step": float(self.step)}
+        if is_sharded(self.model):
+            path = save_collective(self.checkpoints, self.step, write, metrics)
+        else:
+            path = self.checkpoints.save(self.step, write, metrics)
+        if dp.is_leader():
+            LOGGER.info("critic checkpoint written to %s", path)
         return path
 
     def restorable(self, step: int) -> str | None:
@@ -327,7 +341,9 @@ class CriticTrainer:
         )
 
     def restore(self, step: int) -> None:
-        """Load the checkpoint of critic ``step`` on this rank (check :meth:`restorable` first)."""
+        """Load the checkpoint of critic ``step`` on this rank (check :meth:`restorable` first); a
+        collective for a sharded critic (every rank, the same step). A checkpoint of a sharded
+        critic loads on any number of ranks, sharded or not."""
         assert self.checkpoints is not None
         self.load_checkpoint(self.checkpoints.root / f"step_{step}")
 

@@ -40,7 +40,8 @@ from openaligner.algorithms import AdaptiveKLController, FixedKLController, expl
 from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
-from openaligner.trainer.checkpoint_files import TrainingFiles
+from openaligner.models.sharding import is_sharded
+from openaligner.trainer.checkpoint_files import TrainingFiles, stage_collective
 from openaligner.trainer.optim_step import optimizer_step
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
@@ -663,12 +664,17 @@ class PPOTrainer:
         only once the server has answered that the critic's checkpoint is durable; its trainer
         state records the critic step the server saved. So a crash at any moment leaves every
         published actor checkpoint with its critic (the critic may be one checkpoint ahead, which
-        :func:`restore_newest_checkpoint` handles). Rank 0 writes both; any failure there (the
-        server, the disk) is shared with every rank, which all raise at once.
+        :func:`restore_newest_checkpoint` handles). Rank 0 talks to the server and writes the
+        checkpoint — with a sharded actor, every rank writes its own shards first
+        (:meth:`_save_sharded`). Any failure (the server, the disk, on any rank) is shared with
+        every rank, which all raise at once.
         """
         self._wait_critic_train()
         rngs = dp.gather_objects(rng_state())
-        on_rank0_shared(lambda: self._save_on_rank0(metrics, rngs), "checkpoint")
+        if self.checkpoints is not None and is_sharded(self.model.model):
+            self._save_sharded(self.checkpoints, metrics, rngs)
+        else:
+            on_rank0_shared(lambda: self._save_on_rank0(metrics, rngs), "checkpoint")
         dp.barrier()
 
     def _save_on_rank0(self, metrics: dict[str, float], rngs: list[Any]) -> None:
@@ -679,14 +685,36 @@ class PPOTrainer:
 
         def write(d: Path) -> None:
             ACTOR_FILES.write(d, self.model, self.optimizer, self.scheduler, rngs)
-            (d / "config.yaml").write_text(self.config_yaml)
-            # The critic's half must be durable before this directory can be published (the
-            # manager publishes it only once this returns).
-            state = self.state_dict() | {"critic_step": self._critic_step_saved(critic_saved.result())}
-            ACTOR_FILES.write_state(d, state)
+            self._write_rest(d, critic_saved)
 
-        monitored = {k: v for k, v in metrics.items() if k.startswith("val/")}
-        self.checkpoints.save(self.step, write, {k.replace("/", "_"): v for k, v in monitored.items()})
+        self.checkpoints.save(self.step, write, _monitored(metrics))
+
+    def _save_sharded(
+        self, checkpoints: CheckpointManager, metrics: dict[str, float], rngs: list[Any]
+    ) -> None:
+        """The sharded actor's checkpoint: rank 0 asks the server to save and stages the directory,
+        every rank writes its shards of the actor and its optimizer state (while the server
+        saves), then rank 0 writes the rest and publishes as :meth:`_save_on_rank0` does."""
+        critic_saved: list[Future[Any]] = []
+        on_rank0_shared(lambda: critic_saved.append(self.rm_critic.save()), "critic_save")
+        tmp = stage_collective(checkpoints, self.step)
+        dp.run_guarded(
+            lambda: ACTOR_FILES.write(tmp, self.model, self.optimizer, self.scheduler, rngs),
+            "checkpoint write",
+        )
+
+        def finish() -> None:
+            self._write_rest(tmp, critic_saved[0])
+            checkpoints.publish(self.step, tmp, _monitored(metrics))
+
+        on_rank0_shared(finish, "checkpoint")
+
+    def _write_rest(self, d: Path, critic_saved: Future[Any]) -> None:
+        """The run's config and the trainer state, once the critic's half is durable (the manager
+        publishes the directory only after this returns)."""
+        (d / "config.yaml").write_text(self.config_yaml)
+        state = self.state_dict() | {"critic_step": self._critic_step_saved(critic_saved.result())}
+        ACTOR_FILES.write_state(d, state)
 
     def _critic_step_saved(self, saved: Any) -> int | None:
         """The critic step the ``critic_save`` answer names (else this run's), warning when it is
@@ -792,6 +820,11 @@ def on_rank0_shared(fn: Callable[[], Any], what: str) -> Any:
     if not ok:
         raise PeerFailedError(f"rank 0's {what} failed, so this rank stops too: {value}")
     return value
+
+
+def _monitored(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics a checkpoint's manifest records (validation ones, for the best checkpoint)."""
+    return {k.replace("/", "_"): v for k, v in metrics.items() if k.startswith("val/")}
 
 
 def derive_seed(*parts: int) -> int:

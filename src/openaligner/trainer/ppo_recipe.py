@@ -37,7 +37,7 @@ from openaligner.io.metrics import MetricsLogger, rewind_logs
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.lora import MERGED_DIR, LoraError, add_lora, is_peft_model
 from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
-from openaligner.models.sharding import ParallelConfig, ShardingError, shard
+from openaligner.models.sharding import ParallelConfig, ShardingError, is_sharded, shard
 from openaligner.models.source import (
     SourceError,
     check_vocab,
@@ -223,11 +223,14 @@ def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer],
         trainer.fit()
     finally:
         logger.close()
-    # 4. the final actor, in the documented dtype (with LoRA: its adapter, and the merged actor if asked)
-    if rank == 0:
+    # 4. the final actor, in the documented dtype (with LoRA: its adapter, and the merged actor if
+    #    asked); a sharded actor is gathered to rank 0 by every rank, and rank 0 writes
+    if rank == 0 or is_sharded(run.actor.model):
         run.actor.save_pretrained(out / "actor", dtype=run.save_dtype)
         if cfg.lora.merge_on_save:
             run.actor.save_merged(out / "actor" / MERGED_DIR, dtype=run.save_dtype)
+    if rank == 0:
+        if cfg.lora.merge_on_save:
             run.layout.save(out / "actor" / MERGED_DIR)
         run.layout.save(out / "actor")
         log.info("final actor written to %s (%s)", out / "actor", str(run.save_dtype).removeprefix("torch."))
