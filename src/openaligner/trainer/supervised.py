@@ -56,7 +56,7 @@ from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.lora import MERGED_DIR, LoraConfig, merged_copy
 from openaligner.models.precision import Precision, check_precision, check_save_dtype, save_pretrained_as
-from openaligner.models.sharding import ParallelConfig, ShardingError, is_sharded, shard
+from openaligner.models.sharding import ParallelConfig, ShardingError, full_state_dict, is_sharded, shard
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
@@ -64,7 +64,7 @@ from openaligner.models.source import (
     position_limit_key,
     source_position_limit,
 )
-from openaligner.trainer.checkpoint_files import TrainingFiles
+from openaligner.trainer.checkpoint_files import TrainingFiles, save_collective
 from openaligner.trainer.optim import OptimConfig, build_optimizer
 from openaligner.trainer.optim_step import optimizer_step
 
@@ -519,31 +519,37 @@ class SupervisedTrainer(Generic[T]):
         return {f"val/{k}": v / max(units, 1.0) for k, v in sums.items()}
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def model(self) -> nn.Module:
+        """The trained module (the objective's), for :class:`TrainingFiles`."""
+        return self.objective.module
+
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_<N>`` atomically: the model (:meth:`save_pretrained`, float32
-        masters), optimizer, scheduler, every rank's RNG states and the trainer state. A collective:
-        rank 0 writes, a failure there raises on every rank."""
-        self._require_whole_model("a checkpoint")
+        """Write ``checkpoints/step_<N>`` atomically: the model, optimizer, scheduler, every rank's
+        RNG states and the trainer state (:data:`SUPERVISED_FILES`: a whole model's ``model/`` is
+        :meth:`save_pretrained`'s directory of float32 masters, a sharded model's ``model.dcp/``
+        is written by every rank). A collective; a failure on any rank raises on every rank."""
         rngs = dp.gather_objects(rng_state())
+        step, leader = self.state.step, dp.is_leader()
 
         def write(d: Path) -> None:
             SUPERVISED_FILES.write(d, self, self.optimizer, self.scheduler, rngs)
-            SUPERVISED_FILES.write_state(d, self.state.__dict__)
+            if leader:
+                SUPERVISED_FILES.write_state(d, self.state.__dict__)
 
-        dp.run_guarded(lambda: self.checkpoints.save(self.state.step, write) if dp.is_leader() else None)
-        return self.checkpoints.root / f"step_{self.state.step}"
+        if is_sharded(self.model):
+            return save_collective(self.checkpoints, step, write)
+        dp.run_guarded(lambda: self.checkpoints.save(step, write) if leader else None, "checkpoint")
+        return self.checkpoints.root / f"step_{step}"
 
     def _maybe_resume(self) -> bool:
         """Restore the newest complete checkpoint rank 0 finds (every rank the same one, each its
-        own RNG states); whether there was one."""
+        own RNG states); whether there was one. A collective."""
         path = dp.broadcast_object(self.checkpoints.latest() if self.resume and dp.is_leader() else None)
         if path is None:
             return False
-        self._require_whole_model("resuming")
         try:
-            state = SUPERVISED_FILES.read(
-                path, self.objective.module, self.optimizer, self.scheduler, self.device
-            )
+            state = SUPERVISED_FILES.read(path, self.model, self.optimizer, self.scheduler, self.device)
         except ValueError as e:  # e.g. a LoRA checkpoint for a run without lora.r, or the reverse
             raise StartupError(
                 f"resume=true cannot continue from {path}: {e} (or set resume=false, or another output_dir)"
@@ -559,48 +565,53 @@ class SupervisedTrainer(Generic[T]):
         """Save the model and tokenizer as a Hugging Face directory (:meth:`save_pretrained`), and
         with ``merged`` also ``directory/merged``, the model with its LoRA adapters merged in
         (weights as ``dtype``) and the tokenizer. With ``atomic`` the files are written to a
-        temporary sibling first and moved in one by one with ``os.replace``. A collective: rank 0
-        writes, a failure there raises on every rank."""
-        self._require_whole_model("the export")
+        temporary sibling first and moved in one by one with ``os.replace``.
+
+        A collective: rank 0 writes (a sharded model's weights gathered to it first by every
+        rank); a failure on any rank raises on every rank."""
+        takes_part = dp.is_leader() or is_sharded(self.model)
         dp.run_guarded(
-            lambda: self._write_export(directory, atomic, dtype, merged) if dp.is_leader() else None
+            lambda: self._write_export(directory, atomic, dtype, merged) if takes_part else None, "export"
         )
 
     def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write the model (a LoRA model: its adapter directory), the tokenizer and the sequence
         layout into ``directory``, weights as ``dtype`` (None: the float32 masters, as checkpoints
-        need); on this rank alone (what a checkpoint's ``model/`` holds)."""
+        need). A model that is not sharded: on the calling rank alone. A sharded one: every rank
+        calls it, its weights are gathered to rank 0, which alone writes."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.objective.save(directory, dtype)
+        self.objective.save(directory, dtype)  # sharded: gathered first, so rank 0 writes after every rank
+        if is_sharded(self.model) and not dp.is_leader():
+            return
         self.tokenizer.save_pretrained(str(directory))
         if self.layout is not None:
             self.layout.save(directory)
 
     def _write_export(self, directory: Path, atomic: bool, dtype: torch.dtype | None, merged: bool) -> None:
+        """:meth:`export` on rank 0, and on the other ranks of a sharded model (which only take part
+        in gathering the weights: the files are rank 0's alone)."""
+        leader = dp.is_leader()
         if not atomic:
             self.save_pretrained(directory, dtype)
             if merged:
-                save_pretrained_as(merged_copy(self.objective.module), directory / MERGED_DIR, dtype)
-                self.tokenizer.save_pretrained(str(directory / MERGED_DIR))
-                if self.layout is not None:
-                    self.layout.save(directory / MERGED_DIR)
+                state = full_state_dict(self.model) if is_sharded(self.model) else None
+                if leader:
+                    save_pretrained_as(merged_copy(self.model, state), directory / MERGED_DIR, dtype)
+                    self.tokenizer.save_pretrained(str(directory / MERGED_DIR))
+                    if self.layout is not None:
+                        self.layout.save(directory / MERGED_DIR)
             return
         tmp = directory / f".export-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        if leader:
+            shutil.rmtree(tmp, ignore_errors=True)
         self._write_export(tmp, atomic=False, dtype=dtype, merged=merged)
+        if not leader:
+            return
         for f in tmp.iterdir():
             if f.is_dir() and (directory / f.name).is_dir():  # os.replace cannot replace a directory
                 shutil.rmtree(directory / f.name)
             os.replace(f, directory / f.name)
         tmp.rmdir()
-
-    def _require_whole_model(self, what: str) -> None:
-        if is_sharded(self.objective.module):
-            raise NotImplementedError(
-                f"{what} of a sharded model (parallel.strategy=fsdp) is not written yet; "
-                "use parallel.strategy=ddp"
-            )
 
     # ------------------------------------------------------------------ helpers
     def _micro_batches(self, indices: list[int], size: int) -> Iterator[Batch]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from openaligner import distributed as dp
 from openaligner.cli.main import main
@@ -38,8 +38,8 @@ def write_data(directory: Path) -> Path:
 
 
 def run_worker(tmp_path: Path, name: str, ranks: int, objective: str, *overrides: str) -> dict:
-    """One run; its metrics per step (rank 0's metrics.jsonl), final weights (the export) and
-    every rank's forward counts."""
+    """One run; its metrics per step (rank 0's metrics.jsonl), final weights (the export, loaded
+    as Hugging Face loads it) and every rank's forward counts."""
     out = tmp_path / name
     out.mkdir()
     data = tmp_path / "data"
@@ -54,11 +54,12 @@ def run_worker(tmp_path: Path, name: str, ranks: int, objective: str, *overrides
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     return {
         "metrics": metrics,
-        "weights": load_file(out / "run" / "model.safetensors"),
+        "weights": EXPORTED[objective].from_pretrained(out / "run", local_files_only=True).state_dict(),
         "forwards": [json.loads((out / f"rank{r}.json").read_text())["forwards"] for r in range(ranks)],
     }
 
 
+EXPORTED = {"sft": AutoModelForCausalLM, "rm": AutoModelForSequenceClassification}
 KEYS = {
     "sft": ("train/loss", "train/grad_norm", "val/loss"),
     "rm": (
@@ -100,7 +101,7 @@ def test_two_ranks_sharded_or_replicated_match_one_process(tmp_path, objective, 
                 assert m_ddp[key] == pytest.approx(m_one[key], rel=1e-5, abs=1e-6), key
     assert "val/loss" in fsdp["metrics"][-1]
     assert fsdp["metrics"][-1]["train/loss"] != fsdp["metrics"][0]["train/loss"]  # it trained
-    assert one["weights"].keys() == ddp["weights"].keys() == fsdp["weights"].keys()  # one HF layout
+    assert one["weights"].keys() == ddp["weights"].keys() == fsdp["weights"].keys()
     assert_weights_close(fsdp["weights"], ddp["weights"])
     assert_weights_close(ddp["weights"], one["weights"])
     # every rank ran the same forwards: 3 steps × 2 micro-batches, and 2 validation forwards each
