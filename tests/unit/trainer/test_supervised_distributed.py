@@ -4,6 +4,7 @@ would give ranks different micro-batch counts are refused before anything loads.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ def run_worker(tmp_path: Path, name: str, ranks: int, objective: str, *overrides
     """One run; its metrics per step (rank 0's metrics.jsonl), final weights (the export, loaded
     as Hugging Face loads it) and every rank's forward counts."""
     out = tmp_path / name
-    out.mkdir()
+    out.mkdir(exist_ok=True)
     data = tmp_path / "data"
     if not data.exists():
         data.mkdir()
@@ -54,12 +55,19 @@ def run_worker(tmp_path: Path, name: str, ranks: int, objective: str, *overrides
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     return {
         "metrics": metrics,
-        "weights": EXPORTED[objective].from_pretrained(out / "run", local_files_only=True).state_dict(),
+        "weights": exported_weights(out / "run", objective),
         "forwards": [json.loads((out / f"rank{r}.json").read_text())["forwards"] for r in range(ranks)],
     }
 
 
-EXPORTED = {"sft": AutoModelForCausalLM, "rm": AutoModelForSequenceClassification}
+def exported_weights(directory: Path, objective: str) -> dict[str, torch.Tensor]:
+    """The exported model's weights as Hugging Face loads them (a LoRA run's merged model)."""
+    if (directory / "merged").is_dir():
+        directory = directory / "merged"
+    cls = AutoModelForCausalLM if objective == "sft" else AutoModelForSequenceClassification
+    return cls.from_pretrained(directory, local_files_only=True).state_dict()
+
+
 KEYS = {
     "sft": ("train/loss", "train/grad_norm", "val/loss"),
     "rm": (
@@ -107,6 +115,43 @@ def test_two_ranks_sharded_or_replicated_match_one_process(tmp_path, objective, 
     # every rank ran the same forwards: 3 steps × 2 micro-batches, and 2 validation forwards each
     assert one["forwards"] == [{"train": 12, "val": 3}]
     assert ddp["forwards"] == fsdp["forwards"] == [{"train": 6, "val": 2}] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "objective, strategy, lora",
+    [("sft", "ddp", ()), ("sft", "fsdp", ()), ("rm", "fsdp", ("lora.r=4", "lora.merge_on_save=true"))],
+    ids=["sft-ddp", "sft-fsdp", "rm-lora-fsdp"],
+)
+def test_two_ranks_resume_from_their_checkpoint_exactly(tmp_path, objective, strategy, lora):
+    """4 steps on 2 ranks straight vs. 2 ranks resumed from the first run's step-2 checkpoint: the
+    same metrics and exported weights, bitwise — the resumed run repeats the same float operations
+    on CPU, so any difference would mean something was not restored. Replicas' checkpoints are
+    rank 0's Hugging Face directory (``model/``) that every rank reads back; sharded ones are
+    ``model.dcp/``, every rank's shards of the weights and optimizer state. The LoRA case also
+    exports the merged reward model gathered from the shards."""
+    args = (
+        f"parallel.strategy={strategy}",
+        "trainer.max_steps=4",
+        "trainer.save_interval=2",
+        "trainer.keep_last=0",
+        "resume=true",
+        *lora,
+    )
+    full = run_worker(tmp_path, "full", 2, objective, *args)
+    step_2 = tmp_path / "full" / "run" / "checkpoints" / "step_2"
+    sharded = strategy == "fsdp"
+    assert (step_2 / "model.dcp" / ".metadata").is_file() == sharded
+    assert (step_2 / "model").is_dir() == (not sharded)
+    checkpoints = tmp_path / "resumed" / "run" / "checkpoints"
+    shutil.copytree(step_2, checkpoints / "step_2")
+    (checkpoints / "latest").write_text("step_2\n")
+    resumed = run_worker(tmp_path, "resumed", 2, objective, *args)
+    assert [m["step"] for m in resumed["metrics"]] == [3, 4]
+    assert resumed["metrics"][-1] | {"timing/step_s": 0} == full["metrics"][-1] | {"timing/step_s": 0}
+    for name, tensor in full["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], tensor, rtol=0, atol=0, msg=name)
+    assert resumed["forwards"] == [{"train": 4, "val": 2}] * 2  # 2 steps of 2 micro-batches
 
 
 def assert_weights_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
