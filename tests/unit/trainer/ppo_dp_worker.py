@@ -5,6 +5,12 @@ Used by test_ppo_distributed.py: ``python ppo_dp_worker.py OUT [FAIL_AT]`` or
 ``critic_train`` answer is an error; every rank then writes ``OUT.rank<r>`` (the error it stopped
 with and when) and exits 3. ``STRATEGY=fsdp`` in the environment shards the actor and its initial
 policy (``parallel.strategy``) as train-ppo does; ``ARCH`` picks the tiny model (default gpt2).
+
+Checkpoints (test_ppo_checkpoints.py): ``CHECKPOINTS=<dir>`` saves after every step there and first
+resumes from the newest one there, as train-ppo does; ``STEPS`` is ``max_steps`` (default 2);
+``OPTIM=adamw`` trains with AdamW and a decaying LR schedule (optimizer state and schedule to
+checkpoint) instead of plain SGD. ``EXPORT=<dir>`` writes the final actor there as train-ppo does
+(``CausalLMActor.save_pretrained``, on every rank when sharded).
 """
 
 import json
@@ -19,11 +25,12 @@ from ppo_fakes import Done, target_share
 
 from openaligner import distributed as dp
 from openaligner.config import load_config
+from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.sharding import ParallelConfig, full_state_dict, shard
-from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
+from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs, restore_newest_checkpoint
 from openaligner.trainer.ppo_config import PPOConfig
 from openaligner.trainer.ppo_recipe import initial_policy
 from openaligner.trainer.rollout import PromptLoader, make_prompt_collate
@@ -62,6 +69,7 @@ class Scorer:
 def main(out: Path, fail_at: int | None = None) -> None:
     torch.set_num_threads(1)
     dp.init_from_env()
+    checkpoint_dir = os.environ.get("CHECKPOINTS")
     cfg = load_config(
         PPOConfig,
         None,
@@ -72,8 +80,8 @@ def main(out: Path, fail_at: int | None = None) -> None:
             "micro_batch_size=2",
             "length.max_length=5",
             "val_check_interval=0",
-            "save_interval=0",
-            "max_steps=2",
+            f"save_interval={1 if checkpoint_dir else 0}",
+            f"max_steps={os.environ.get('STEPS', '2')}",
             "max_epochs=2",
             "initial_policy_kl_penalty=0.05",
             # adaptive β with a short horizon: any rank-local statistic would split β across ranks
@@ -90,20 +98,30 @@ def main(out: Path, fail_at: int | None = None) -> None:
     init = initial_policy(model, parallel)
     actor = CausalLMActor(shard(model, parallel), init_policy=init)
     prompts = [[3 + (i % 20), 4 + (i % 7), 5][: 1 + i % 3] for i in range(32)]
-    opt = torch.optim.SGD(actor.parameters(), lr=0.5)
-    logs = MetricsLogger(out.parent / f"logs-{dp.world_size()}", tensorboard=False, enabled=dp.rank() == 0)
+    scheduler = None
+    if os.environ.get("OPTIM") == "adamw":
+        opt = torch.optim.AdamW(actor.parameters(), lr=0.02)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+    else:
+        opt = torch.optim.SGD(actor.parameters(), lr=0.5)
+    logs = MetricsLogger(out.with_suffix(".logs"), tensorboard=False, enabled=dp.rank() == 0)
+    checkpoints = CheckpointManager(checkpoint_dir) if checkpoint_dir else None
+    scorer = Scorer(fail_at)
     trainer = PPOTrainer(
         cfg,
         actor,
-        ActorOptim(opt),
+        ActorOptim(opt, scheduler),
         Prompts(
             train=PromptLoader(prompts, 16, cfg.seed, True, dp.rank(), dp.world_size()),
             val=None,
             collate=make_prompt_collate(actor.pad_id),
         ),
-        Scorer(fail_at),
-        RunOutputs(logger=logs, progress=False),
+        scorer,
+        RunOutputs(logger=logs, checkpoints=checkpoints, progress=False),
     )
+    latest = restore_newest_checkpoint(checkpoints, scorer) if checkpoints is not None else None
+    if latest is not None:
+        trainer.load_checkpoint(latest)
     if fail_at is not None:
         started = time.monotonic()
         try:
@@ -114,6 +132,8 @@ def main(out: Path, fail_at: int | None = None) -> None:
             sys.exit(3)
         raise AssertionError("the failed critic_train did not stop the run")
     history = trainer.fit()
+    if os.environ.get("EXPORT"):
+        actor.save_pretrained(os.environ["EXPORT"])  # a collective when sharded
     state = full_state_dict(actor.model)  # the whole weights (a collective when sharded)
     betas = dp.gather_objects(trainer.kl_controller.value)
     if dp.rank() == 0:

@@ -1,0 +1,142 @@
+"""Checkpoints and exports of a model sharded over 2 ranks (one torchrun of sharded_files_worker.py):
+the checkpoint every rank wrote reloads exactly on 2 ranks and on 1 process, the critic's too; the
+export is a plain Hugging Face directory in several files that loads with ``from_pretrained`` and
+gives the trained logits; LoRA writes its adapter and merged model; a checkpoint of a model that
+was not sharded is refused with the fix.
+
+Tolerances: none where the same float32 values travel (checkpoints, the float32 export, the
+bfloat16 export against the gathered weights cast to bfloat16): DCP and safetensors copy bytes.
+The merged LoRA model differs from the adapted one by the rounding of ``W + s·BA`` (atol 1e-5).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from transformers import AutoModelForCausalLM
+
+from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
+from openaligner.models.builders import TinySize, build_tiny_causal_lm, build_tiny_critic
+from openaligner.models.lora import LoraConfig, add_lora
+from openaligner.models.weights import load_weights_into
+from openaligner.trainer.checkpoint_files import TrainingFiles
+from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
+
+WORKER = Path(__file__).with_name("sharded_files_worker.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+FILES = TrainingFiles(model_dir="model", state_file="state.json")
+SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2)
+TOKENS = torch.tensor([[1, 5, 9, 2, 7, 3], [4, 4, 8, 31, 0, 6]])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded")
+    subprocess.run([*TORCHRUN, str(WORKER), str(out)], check=True, timeout=300)
+    return out, torch.load(out / "rank0.pt", weights_only=False)
+
+
+def with_weights(state, seed=1):
+    model = build_tiny_causal_lm("gpt2", SIZE, seed=seed)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_every_rank_writes_its_shards_and_one_process_reads_them_back_exactly(run):
+    out, report = run
+    step = out / "checkpoints" / "step_1"
+    assert report["published"] == str(step) and CheckpointManager(out / "checkpoints").latest() == step
+    assert verify_checkpoint(step) is None  # rank 1's file is in the manifest rank 0 sealed
+    assert {p.name for p in step.iterdir()} == {
+        "model.dcp",
+        "scheduler.pt",
+        "rng.pt",
+        "state.json",
+        "manifest.json",
+    }
+    assert {p.name for p in (step / "model.dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert report["reloaded"]  # 2 ranks read it back into a fresh sharded model
+    # 1 process (no process group, nothing sharded): DCP puts the two ranks' shards together
+    model = build_tiny_causal_lm("gpt2", SIZE, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+    assert FILES.read(step, model, opt, scheduler, torch.device("cpu")) == {"step": 1}
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, report["weights"][name]), name
+    saved, loaded = report["optimizer"], get_optimizer_state_dict(model, opt)
+    assert saved["state"].keys() == loaded["state"].keys()
+    for name, moments in saved["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(loaded["state"][name][key], value), (name, key)
+    assert scheduler.last_epoch == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert len(torch.load(step / "rng.pt", weights_only=False)) == 2  # every rank's RNG states
+
+
+@pytest.mark.slow
+def test_the_export_is_a_hugging_face_directory_in_several_files_with_the_trained_logits(run):
+    out, report = run
+    export = out / "export_fp32"
+    files = sorted(p.name for p in export.glob("model-*.safetensors"))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((export / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    loaded = AutoModelForCausalLM.from_pretrained(export).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS).logits, with_weights(report["weights"])(TOKENS).logits)
+    # the save dtype: bfloat16 files, config.json says so, the gathered weights rounded once
+    bf16 = out / "export_bf16"
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    stored = {}
+    for f in bf16.glob("model-*.safetensors"):
+        stored |= load_file(f)
+    assert stored and all(t.dtype == torch.bfloat16 for t in stored.values())
+    for name, tensor in stored.items():
+        assert torch.equal(tensor, report["weights"][name].to(torch.bfloat16)), name
+
+
+@pytest.mark.slow
+def test_a_sharded_lora_model_exports_its_adapter_and_its_merged_model(run):
+    out, report = run
+    lora = add_lora(build_tiny_causal_lm("gpt2", SIZE, seed=0), LoraConfig(r=4)).eval()
+    load_weights_into(lora, out / "adapter")
+    assert (out / "adapter" / "tokenizer_config.json").exists() is False  # no tokenizer attached
+    for name, tensor in lora.state_dict().items():
+        assert torch.equal(tensor, report["lora"][name]), name
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in report["lora"].items())  # it trained
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(TOKENS).logits, lora(TOKENS).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_the_critic_checkpoint_of_every_rank_resumes_sharded_and_on_one_process(run):
+    out, report = run
+    assert report["critic_restored"]  # 2 ranks, sharded, through CriticTrainer.resume
+    step = out / "critic" / "step_1"
+    assert (step / "critic.dcp").is_dir() and not (step / "critic").exists()
+    critic = build_tiny_critic("gpt2", SIZE, seed=1)
+    trainer = CriticTrainer(
+        CriticTrainConfig(global_batch_size=2),
+        critic,
+        torch.optim.AdamW(critic.parameters(), lr=0.05),
+        checkpoints=CheckpointManager(out / "critic"),
+    )
+    trainer.resume()
+    assert trainer.step == 1
+    for name, tensor in critic.state_dict().items():
+        assert torch.equal(tensor, report["critic"][name]), name
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_a_model_that_was_not_sharded_is_refused_on_every_rank_with_the_fix(run):
+    _, report = run
+    for message in report["refusals"]:
+        assert message is not None
+        assert "parallel.strategy=ddp" in message and "parallel.strategy=fsdp" in message
+        assert "model.dcp/" in message and "as the model path" in message
