@@ -26,8 +26,10 @@ summed over ranks; gradients of the loss *sums* are summed over ranks (replicas:
 shards: the backward's reduce-scatter) and only then divided by the global unit count, so both
 strategies and one process compute the same global per-unit mean. Validation splits the
 validation micro-batches over the ranks, padded to equal counts with repeats whose results are
-discarded. Rank 0 alone shows progress and writes metrics, checkpoints and the export; each rank
-keeps its own RNG streams (dropout), saved with every checkpoint.
+discarded. Rank 0 alone shows progress and writes metrics, checkpoints and the export (a
+sharded model's checkpoint: every rank writes its own shards, :mod:`~openaligner.trainer.checkpoint_files`;
+its export: gathered to rank 0); each rank keeps its own RNG streams (dropout), saved with every
+checkpoint.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """train-sft and train-rm under torchrun (gloo, CPU): two sharded ranks (fsdp) equal two replicas
-(ddp) and one process on the same run, every rank runs the same forwards, and batch sizes that
-would give ranks different micro-batch counts are refused before anything loads."""
+(ddp) and one process on the same run, every rank runs the same forwards, two ranks resume
+exactly from their checkpoints (replicated and sharded), and batch sizes that would give ranks
+different micro-batch counts are refused before anything loads."""
 
 import json
 import os
@@ -15,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from openaligner import distributed as dp
 from openaligner.cli.main import main
-from openaligner.config import StartupError
+from openaligner.config import ConfigError, StartupError, load_config
+from openaligner.trainer.sft import SFTConfig
 from openaligner.trainer.supervised import even_split, rank_share
 
 WORKER = Path(__file__).with_name("supervised_dp_worker.py")
@@ -205,3 +207,14 @@ def test_train_sft_refuses_an_uneven_split_before_loading_anything(tmp_path, mon
     err = capsys.readouterr().err
     assert "trainer.global_batch_size=8 does not split over 2 ranks" in err and "micro_batch_size=8" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_parallel_section_refuses_fp16_with_shards_and_an_initial_policy_to_offload():
+    data = ["data.train_path=x.jsonl"]
+    with pytest.raises(ConfigError, match=r"precision=fp16-mixed with parallel.strategy=fsdp"):
+        load_config(SFTConfig, overrides=[*data, "parallel.strategy=fsdp", "precision=fp16-mixed"])
+    with pytest.raises(ConfigError, match=r"parallel.offload_init_policy=true .* a supervised run has none"):
+        load_config(
+            SFTConfig, overrides=[*data, "parallel.strategy=fsdp", "parallel.offload_init_policy=true"]
+        )
+    assert load_config(SFTConfig, overrides=[*data, "parallel.strategy=fsdp"]).parallel.strategy == "fsdp"
