@@ -93,8 +93,8 @@ class TrainingFiles:
         :func:`stage_collective`); each writes its shards (:func:`save_sharded_state`) and rank 0
         the scheduler and RNG states. Otherwise one rank calls it and writes everything.
         """
-        module = trained_module(model)
-        if is_sharded(module):
+        module = _sharded_module(model)
+        if module is not None:
             save_sharded_state(directory / self.sharded_dir, module, optimizer)
             if not dp.is_leader():
                 return
@@ -164,15 +164,12 @@ class TrainingFiles:
             set_rng_state(states[rank])
 
 
-def trained_module(model: SavesPretrained | nn.Module) -> nn.Module:
-    """The ``nn.Module`` whose parameters a trainer optimizes: ``model`` itself, or the module a
-    wrapper holds as ``.model`` (:class:`~openaligner.models.actor.CausalLMActor`)."""
-    if isinstance(model, nn.Module):
-        return model
-    inner = getattr(model, "model", None)
-    if not isinstance(inner, nn.Module):
-        raise TypeError(f"{type(model).__name__} is not an nn.Module and holds none as .model")
-    return inner
+def _sharded_module(model: SavesPretrained | nn.Module) -> nn.Module | None:
+    """The sharded ``nn.Module`` a trainer optimizes — ``model`` itself, or the module a wrapper
+    holds as ``.model`` (:class:`~openaligner.models.actor.CausalLMActor`) — or None when it is
+    not sharded."""
+    module = model if isinstance(model, nn.Module) else getattr(model, "model", None)
+    return module if isinstance(module, nn.Module) and is_sharded(module) else None
 
 
 # ----------------------------------------------------------------------------- sharded (DCP)
@@ -190,11 +187,14 @@ def save_sharded_state(directory: Path, model: nn.Module, optimizer: torch.optim
     model's base) are left out.
     """
     model_state, optim_state = get_state_dict(model, optimizer, options=_SAVE_OPTIONS)
-    dcp.save(
-        {"model": model_state, "optimizer": optim_state},
-        checkpoint_id=directory,
-        no_dist=not is_sharded(model),
-    )
+    try:
+        dcp.save(
+            {"model": model_state, "optimizer": optim_state},
+            checkpoint_id=directory,
+            no_dist=not is_sharded(model),
+        )
+    except dcp.CheckpointException as e:  # a BaseException, raised on every rank
+        raise OSError(f"writing {directory} failed: {_failures(e)}") from e
 
 
 def load_sharded_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -213,10 +213,11 @@ def load_sharded_state(directory: Path, model: nn.Module, optimizer: torch.optim
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     try:
         dcp.load(state, checkpoint_id=directory, no_dist=not is_sharded(model))
-    except (RuntimeError, ValueError, KeyError) as e:  # DCP's CheckpointException is a RuntimeError
+    except dcp.CheckpointException as e:  # a BaseException, raised on every rank
         raise ValueError(
-            f"cannot load {directory} into the {type(model).__name__}: {e} (a checkpoint of another model, "
-            "or written with other lora settings; resume with the settings it was written with)"
+            f"cannot load {directory} into the {type(model).__name__}: {_failures(e)} (a checkpoint of "
+            "another model, or written with other lora settings; resume with the settings it was written "
+            "with)"
         ) from e
     set_state_dict(
         model,
@@ -224,6 +225,13 @@ def load_sharded_state(directory: Path, model: nn.Module, optimizer: torch.optim
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
         options=_LOAD_OPTIONS,
+    )
+
+
+def _failures(e: dcp.CheckpointException) -> str:
+    """What failed on which rank, without DCP's tracebacks (they are chained)."""
+    return "; ".join(
+        f"rank {rank}: {type(error).__name__}: {error}" for rank, (error, _) in e.failures.items()
     )
 
 

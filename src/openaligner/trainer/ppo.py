@@ -733,7 +733,10 @@ class PPOTrainer:
         return int(step)
 
     def load_checkpoint(self, path: Path) -> None:
-        """Restore the actor, optimizer, scheduler, trainer state and RNGs from ``path``."""
+        """Restore the actor, optimizer, scheduler, trainer state and RNGs from ``path``; every rank
+        calls it (a collective for a sharded actor, see :meth:`TrainingFiles.read`: a sharded
+        checkpoint loads on any number of ranks; a checkpoint written without shards does not load
+        into a sharded actor — ValueError, naming ``parallel.strategy`` and the fix)."""
         state = ACTOR_FILES.read(path, self.model.model, self.optimizer, self.scheduler, self.model.device)
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])

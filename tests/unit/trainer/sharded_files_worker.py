@@ -4,11 +4,12 @@
 Trains a tiny gpt2 (tied head: the trickiest export) one AdamW step on rank-specific rows, then
 every rank takes part in: a sharded checkpoint (``OUT/checkpoints/step_1``); exports in float32
 and bfloat16 with a small ``max_shard_size`` (``OUT/export_fp32``, ``OUT/export_bf16``); a LoRA
-model's adapter and merged exports (``OUT/adapter``, ``OUT/merged``); a sharded critic's
-checkpoint (``OUT/critic/step_1``); reloading both checkpoints into fresh sharded models; and a
-refused resume from a checkpoint of a model that was not sharded. Rank 0 writes what the test
-compares against to ``OUT/rank0.pt``: the gathered weights and optimizer state, and what each
-reload and refusal did.
+model's checkpoint (``OUT/lora_checkpoints/step_1``), adapter and merged exports (``OUT/adapter``,
+``OUT/merged``); a sharded critic's checkpoint (``OUT/critic/step_1``) and export
+(``OUT/critic_export``); reloading both checkpoints into fresh sharded models; and a refused
+resume from a checkpoint of a model that was not sharded. Rank 0 writes what the test compares
+against to ``OUT/rank0.pt``: the gathered weights and optimizer state, and what each reload and
+refusal did.
 """
 
 import sys
@@ -77,7 +78,15 @@ def main(out: Path) -> None:
     save_pretrained_as(model, out / "export_bf16", torch.bfloat16, max_shard_size="20KB")
     # 3. LoRA: the adapter directory and the merged model, through the actor as train-ppo writes them
     lora = shard(add_lora(build_tiny_causal_lm("gpt2", SIZE, seed=0), LoraConfig(r=4)), FSDP)
-    trained(lora, lr=0.1)
+    lora_opt, _ = trained(lora, lr=0.1)
+    lora_files = TrainingFiles(model_dir="adapter", state_file="state.json")
+
+    def write_lora(d: Path) -> None:
+        lora_files.write(d, lora, lora_opt, None)
+        if dp.is_leader():
+            lora_files.write_state(d, {"step": 1})
+
+    save_collective(CheckpointManager(out / "lora_checkpoints"), 1, write_lora)
     actor = CausalLMActor(lora, init_policy=False)
     actor.save_pretrained(out / "adapter")
     actor.save_merged(out / "merged")
@@ -96,6 +105,7 @@ def main(out: Path) -> None:
     trainer.step = 1
     trainer.write_checkpoint()
     report["critic"] = full_state_dict(critic)
+    critic.save_pretrained(out / "critic_export")  # a collective, as train-rm's export would be
     fresh_critic = shard(build_tiny_critic("gpt2", SIZE, seed=1), FSDP)
     fresh_trainer = CriticTrainer(
         CriticTrainConfig(global_batch_size=2),

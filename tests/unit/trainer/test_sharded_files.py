@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
 from openaligner.models.builders import TinySize, build_tiny_causal_lm, build_tiny_critic
+from openaligner.models.critic import CriticModel
 from openaligner.models.lora import LoraConfig, add_lora
 from openaligner.models.weights import load_weights_into
 from openaligner.trainer.checkpoint_files import TrainingFiles
@@ -101,7 +102,7 @@ def test_the_export_is_a_hugging_face_directory_in_several_files_with_the_traine
 
 
 @pytest.mark.slow
-def test_a_sharded_lora_model_exports_its_adapter_and_its_merged_model(run):
+def test_a_sharded_lora_model_checkpoints_and_exports_its_adapter_and_its_merged_model(run):
     out, report = run
     lora = add_lora(build_tiny_causal_lm("gpt2", SIZE, seed=0), LoraConfig(r=4)).eval()
     load_weights_into(lora, out / "adapter")
@@ -109,13 +110,25 @@ def test_a_sharded_lora_model_exports_its_adapter_and_its_merged_model(run):
     for name, tensor in lora.state_dict().items():
         assert torch.equal(tensor, report["lora"][name]), name
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in report["lora"].items())  # it trained
+    # its checkpoint holds the trained weights only (adapters), which 1 process reads back
+    step = out / "lora_checkpoints" / "step_1"
+    fresh = add_lora(build_tiny_causal_lm("gpt2", SIZE, seed=0), LoraConfig(r=4))
+    opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad])
+    lora_files = TrainingFiles(model_dir="adapter", state_file="state.json")
+    assert lora_files.read(step, fresh, opt, None, torch.device("cpu")) == {"step": 1}
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, report["lora"][name]), name
+    # ... and a model without LoRA cannot: named, with the fix
+    plain = build_tiny_causal_lm("gpt2", SIZE, seed=0)
+    with pytest.raises(ValueError, match=r"adapter\.dcp into the GPT2LMHeadModel.*other lora settings"):
+        lora_files.read(step, plain, torch.optim.AdamW(plain.parameters()), None, torch.device("cpu"))
     merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(TOKENS).logits, lora(TOKENS).logits, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
-def test_the_critic_checkpoint_of_every_rank_resumes_sharded_and_on_one_process(run):
+def test_the_critic_checkpoint_of_every_rank_resumes_sharded_and_on_one_process_and_it_exports(run):
     out, report = run
     assert report["critic_restored"]  # 2 ranks, sharded, through CriticTrainer.resume
     step = out / "critic" / "step_1"
@@ -130,6 +143,9 @@ def test_the_critic_checkpoint_of_every_rank_resumes_sharded_and_on_one_process(
     trainer.resume()
     assert trainer.step == 1
     for name, tensor in critic.state_dict().items():
+        assert torch.equal(tensor, report["critic"][name]), name
+    exported = CriticModel.from_pretrained(out / "critic_export")
+    for name, tensor in exported.state_dict().items():
         assert torch.equal(tensor, report["critic"][name]), name
 
 
