@@ -92,5 +92,5 @@ def test_two_gloo_ranks(tmp_path):
         assert r["same"].tolist() == [[0.0], [1.0], [4.0], [6.0]]  # rank r's half times r + 1
         assert r["mean"][0].tolist() == [2.5, 4.0] and r["mean"][1].tolist() == [3.0]  # missing = 0
         assert r["sum_of_means"].tolist() == [5.0, 8.0]
-        assert "rank(s) [1]" in r["guarded"]
+        assert "the step failed on rank(s) [1] (rank 1: RuntimeError: simulated)" in r["guarded"]  # on both
     assert r0["x"].tolist() == [1.0, 5.0]  # the reductions leave their input alone

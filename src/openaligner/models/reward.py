@@ -118,7 +118,8 @@ class ScalarHeadModel(nn.Module):
     def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write a Hugging Face directory (``config.json`` + ``model.safetensors``), with the
         weights as ``dtype`` (None: as they are; see
-        :func:`openaligner.models.precision.save_pretrained_as`)."""
+        :func:`openaligner.models.precision.save_pretrained_as`). A collective for a sharded
+        model: every rank calls it, rank 0 writes."""
         save_pretrained_as(self.hf_model, directory, dtype)
 
     @classmethod

@@ -93,8 +93,8 @@ class TrainingFiles:
         :func:`stage_collective`); each writes its shards (:func:`save_sharded_state`) and rank 0
         the scheduler and RNG states. Otherwise one rank calls it and writes everything.
         """
-        module = trained_module(model)
-        if is_sharded(module):
+        module = _sharded_module(model)
+        if module is not None:
             save_sharded_state(directory / self.sharded_dir, module, optimizer)
             if not dp.is_leader():
                 return
@@ -158,19 +158,18 @@ class TrainingFiles:
         """Set this process's RNGs to those rank ``rank`` saved (a rank the checkpoint does not
         hold, from a run with fewer ranks, keeps its own)."""
         states = torch.load(directory / RNG_FILE, weights_only=False)
+        if isinstance(states, dict):  # one process's states, as train-sft/train-rm wrote them before
+            states = [states]
         if rank < len(states):
             set_rng_state(states[rank])
 
 
-def trained_module(model: SavesPretrained | nn.Module) -> nn.Module:
-    """The ``nn.Module`` whose parameters a trainer optimizes: ``model`` itself, or the module a
-    wrapper holds as ``.model`` (:class:`~openaligner.models.actor.CausalLMActor`)."""
-    if isinstance(model, nn.Module):
-        return model
-    inner = getattr(model, "model", None)
-    if not isinstance(inner, nn.Module):
-        raise TypeError(f"{type(model).__name__} is not an nn.Module and holds none as .model")
-    return inner
+def _sharded_module(model: SavesPretrained | nn.Module) -> nn.Module | None:
+    """The sharded ``nn.Module`` a trainer optimizes — ``model`` itself, or the module a wrapper
+    holds as ``.model`` (:class:`~openaligner.models.actor.CausalLMActor`) — or None when it is
+    not sharded."""
+    module = model if isinstance(model, nn.Module) else getattr(model, "model", None)
+    return module if isinstance(module, nn.Module) and is_sharded(module) else None
 
 
 # ----------------------------------------------------------------------------- sharded (DCP)

@@ -49,8 +49,10 @@ def optimizer_step(
     *,
     max_grad_norm: float,
     gradients: GradientReduction,
+    scale: float = 1.0,
 ) -> StepOutcome:
-    """Sync gradients, unscale, clip, step unless the norm is inf/NaN, update the loss scaler.
+    """Sync gradients, scale them, unscale, clip, step unless the norm is inf/NaN, update the loss
+    scaler.
 
     Call on every rank after the step's backward passes; gradients are left in place (zero them
     before the next step).
@@ -62,6 +64,9 @@ def optimizer_step(
         scaler: the loss scaler the backward passes scaled with (disabled: none).
         max_grad_norm: clip the global gradient norm to this; 0 disables clipping.
         gradients: see :data:`GradientReduction`.
+        scale: multiplies the synced gradients (after the sum or mean over ranks, before unscaling
+            and clipping): ``1 / units`` turns the gradients of per-unit loss sums, summed over
+            ranks, into those of the global per-unit mean, with replicas and shards alike.
 
     Returns:
         The gradient norm (0.0 when no parameter has a gradient) and the loss scale before its
@@ -79,6 +84,10 @@ def optimizer_step(
         dp.average_gradients(params)
     else:
         dp.sum_gradients(params)
+    if scale != 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
     loss_scale = float(scaler.get_scale())
     with_grad = [p for p in params if p.grad is not None]
     # A step without any gradient (a rank of mask-0 rows only, on one process): a loss scaler

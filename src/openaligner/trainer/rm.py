@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from openaligner import distributed as dp
 from openaligner.config import as_startup_error
 from openaligner.data.formats import preference_record, preference_shape
 from openaligner.data.preference import PreferencePair, build_preference_pairs, collate_pairs
@@ -40,7 +41,9 @@ from openaligner.trainer.supervised import (
     Batch,
     SupervisedRunConfig,
     SupervisedTrainer,
+    distribute,
     load_train_val_records,
+    rank_share,
     require_full_batch,
     resolve_max_length,
     sequence_layout,
@@ -104,11 +107,13 @@ class RMObjective:
 
 
 def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
-    """Resolve sources, read and tokenize pairs, and wire the trainer (no training yet)."""
-    torch.manual_seed(cfg.trainer.seed)  # also seeds a freshly initialised head
+    """Resolve sources, read and tokenize pairs, and wire the trainer (no training yet); under
+    torchrun, on every rank after ``dp.init_from_env()``."""
+    torch.manual_seed(cfg.trainer.seed)  # the same on every rank: a new head and LoRA start equal
     d = cfg.data
     # data, layout and length are checked before any weights load: a refused run costs nothing
     max_length = resolve_max_length(d.max_length, cfg.model)
+    rank_share(cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size, dp.world_size())
     records, val_records = load_train_val_records(
         d.train_path,
         d.val_path,
@@ -138,6 +143,7 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
         check_vocab(tokenizer, model.hf_model)
     with as_startup_error(LoraError):
         model = add_lora(model, cfg.lora)  # adapters on the backbone, the head trained in full
+    model = distribute(model, cfg.parallel, cfg.trainer.seed, name="reward model")  # shards after LoRA
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return SupervisedTrainer(
         RMObjective(model),

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from openaligner import distributed as dp
 from openaligner.algorithms import next_token_logprobs, response_mask
 from openaligner.config import as_startup_error
 from openaligner.data.formats import sft_record, sft_shape
@@ -38,7 +39,9 @@ from openaligner.trainer.supervised import (
     Batch,
     SupervisedRunConfig,
     SupervisedTrainer,
+    distribute,
     load_train_val_records,
+    rank_share,
     require_full_batch,
     resolve_max_length,
     sequence_layout,
@@ -98,11 +101,13 @@ class SFTObjective:
 
 
 def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
-    """Resolve sources, read and tokenize data, and wire the trainer (no training yet)."""
-    torch.manual_seed(cfg.trainer.seed)
+    """Resolve sources, read and tokenize data, and wire the trainer (no training yet); under
+    torchrun, on every rank after ``dp.init_from_env()``."""
+    torch.manual_seed(cfg.trainer.seed)  # the same on every rank: LoRA adapters start equal
     d = cfg.data
     # data, layout and length are checked before any weights load: a refused run costs nothing
     max_length = resolve_max_length(d.max_length, cfg.model)
+    rank_share(cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size, dp.world_size())
     records, val_records = load_train_val_records(
         d.train_path,
         d.val_path,
@@ -132,6 +137,7 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
         check_vocab(tokenizer, model)
     with as_startup_error(LoraError):
         model = add_lora(model, cfg.lora)  # r = 0: the model as it is
+    model = distribute(model, cfg.parallel, cfg.trainer.seed, name="model")  # shards after LoRA
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return SupervisedTrainer(
         SFTObjective(model),

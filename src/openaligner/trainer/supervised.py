@@ -16,11 +16,24 @@ written in ``save_dtype``.
 LoRA (:mod:`openaligner.models.lora`): a module with adapters trains only what requires
 gradients; its checkpoints and export are its adapter directory, and on request the export also
 holds ``merged/``, the model with its adapters merged in.
+
+Data parallelism (torchrun; :mod:`openaligner.distributed`): every rank draws the same global
+batch from the same sampler and trains on its contiguous equal share of it, in the same number of
+micro-batches (:func:`rank_share` refuses batch sizes that would differ), so every rank runs the
+same forwards and backwards — which sharded models (``parallel.strategy=fsdp``,
+:mod:`openaligner.models.sharding`) need, each being a collective. Unit counts and metric sums are
+summed over ranks; gradients of the loss *sums* are summed over ranks (replicas: one all-reduce;
+shards: the backward's reduce-scatter) and only then divided by the global unit count, so both
+strategies and one process compute the same global per-unit mean. Validation splits the
+validation micro-batches over the ranks, padded to equal counts with repeats whose results are
+discarded. Rank 0 alone shows progress and writes metrics, checkpoints and the export (a
+sharded model's checkpoint: every rank writes its own shards, :mod:`~openaligner.trainer.checkpoint_files`;
+its export: gathered to rank 0); each rank keeps its own RNG streams (dropout), saved with every
+checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -36,14 +49,16 @@ from torch import nn
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from openaligner import distributed as dp
 from openaligner.config import StartupError, as_startup_error
 from openaligner.data.prompts import EpochSampler
 from openaligner.data.records import DataFileError, Record, read_records, split_holdout
 from openaligner.data.render import LayoutError, SequenceLayout, use_chat_template
-from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state
+from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.lora import MERGED_DIR, LoraConfig, merged_copy
 from openaligner.models.precision import Precision, check_precision, check_save_dtype, save_pretrained_as
+from openaligner.models.sharding import ParallelConfig, ShardingError, full_state_dict, is_sharded, shard
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
@@ -51,7 +66,7 @@ from openaligner.models.source import (
     position_limit_key,
     source_position_limit,
 )
-from openaligner.models.weights import load_weights_into
+from openaligner.trainer.checkpoint_files import TrainingFiles, save_collective
 from openaligner.trainer.optim import OptimConfig, build_optimizer
 from openaligner.trainer.optim_step import optimizer_step
 
@@ -61,18 +76,19 @@ T = TypeVar("T")
 R = TypeVar("R")
 Batch = dict[str, torch.Tensor]
 
+SUPERVISED_FILES = TrainingFiles(model_dir="model", state_file="trainer_state.json")
+"""A checkpoint's files (``model/`` is :meth:`SupervisedTrainer.save_pretrained`'s directory)."""
+
 
 # ---------------------------------------------------------------------- configs
 @dataclass
 class LoopConfig:
     max_steps: int = 100  # optimizer steps; -1 = run max_epochs
     max_epochs: int = 1000  # upper bound in passes over the training set
-    global_batch_size: int = 8  # examples (SFT) or pairs (RM) per optimizer step
-    micro_batch_size: int = (
-        8  # examples per forward/backward (gradient accumulation); divides global_batch_size
-    )
+    global_batch_size: int = 8  # examples (SFT) or pairs (RM) per optimizer step, all ranks together
+    micro_batch_size: int = 8  # per forward/backward on each rank; ranks × it divides global_batch_size
     val_check_interval: int = 50  # validate every this many steps (and at the end); 0 = only at the end
-    val_micro_batch_size: int = 16  # examples per validation forward pass
+    val_micro_batch_size: int = 16  # examples per validation forward pass (on each rank)
     save_interval: int = 50  # checkpoint every this many steps (and at the end); 0 = only at the end
     keep_last: int = 2  # checkpoints to keep (0 = all)
     log_interval: int = 1  # write training metrics every this many steps
@@ -105,6 +121,7 @@ class SupervisedRunConfig:
     tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # how to tokenize
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))  # AdamW and LR schedule
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full fine-tuning
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # ddp replicas or fsdp shards (torchrun)
     trainer: LoopConfig = field(default_factory=LoopConfig)  # steps, batch sizes, validation, checkpoints
     output_dir: str = "runs/supervised"  # final HF model + tokenizer, checkpoints/ and metrics.jsonl
     resume: bool = True  # continue from the newest complete checkpoint in output_dir
@@ -116,6 +133,12 @@ class SupervisedRunConfig:
 
     def __post_init__(self) -> None:
         check_precision(self.precision, "precision")
+        self.parallel.check_precision(self.precision)
+        if self.parallel.offload_init_policy:
+            raise ShardingError(
+                "parallel.offload_init_policy=true offloads train-ppo's initial policy; a supervised run "
+                "has none (parallel.offload offloads the trained model)"
+            )
         check_save_dtype(self.save_dtype, "save_dtype")
 
 
@@ -226,6 +249,64 @@ def require_full_batch(
     )
 
 
+# ---------------------------------------------------------------------- data parallelism
+def rank_share(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """The examples (SFT) or pairs (RM) each of ``world_size`` ranks trains on per step: its equal
+    share of the global batch, a whole number of micro-batches, so that every rank runs the same
+    number of forwards and backwards.
+
+    Raises:
+        StartupError: ``global_batch_size`` is not a multiple of ``world_size × micro_batch_size``;
+            the message names both keys, the world size and the nearest sizes that work.
+    """
+    per_step = world_size * micro_batch_size
+    if global_batch_size % per_step == 0:
+        return global_batch_size // world_size
+    lower, higher = (global_batch_size // per_step) * per_step, (global_batch_size // per_step + 1) * per_step
+    fixes = [f"trainer.global_batch_size={n}" for n in (lower, higher) if n > 0]
+    if global_batch_size % world_size == 0:
+        share = global_batch_size // world_size
+        fixes.append(f"a trainer.micro_batch_size that divides {share}")
+    raise StartupError(
+        f"trainer.global_batch_size={global_batch_size} does not split over {world_size} ranks in "
+        f"micro-batches of trainer.micro_batch_size={micro_batch_size}: every rank takes an equal share "
+        f"in whole micro-batches, so the global batch must be a multiple of ranks × micro_batch_size = "
+        f"{world_size} × {micro_batch_size} = {per_step}; set {' or '.join(fixes)}"
+    )
+
+
+def even_split(count: int, world_size: int, rank: int) -> tuple[range, int]:
+    """Rank ``rank``'s contiguous share of ``count`` items and how many repeats pad it to every
+    rank's count, ``ceil(count / world_size)`` (the last ranks may get fewer items, even none).
+
+    Example: 5 items over 2 ranks → rank 0: ``range(0, 3)``, 0 repeats; rank 1: ``range(3, 5)``, 1.
+    """
+    per_rank = -(-count // world_size)
+    start, stop = min(rank * per_rank, count), min((rank + 1) * per_rank, count)
+    return range(start, stop), per_rank - (stop - start)
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def distribute(model: M, parallel: ParallelConfig, seed: int, name: str) -> M:
+    """``model`` laid over the ranks as ``parallel`` says (:func:`~openaligner.models.sharding.shard`;
+    call after LoRA and before the optimizer), and this rank's own RNG streams from here on.
+
+    Every rank must build ``model`` from the same seed (a new head, LoRA's initial adapters): the
+    replicas start equal and the shards come from one model. Dropout then draws from ``seed +
+    rank`` on each rank, so ranks do not repeat each other's masks; one process keeps its streams.
+
+    Raises:
+        StartupError: ``parallel`` cannot shard this model (:class:`ShardingError`).
+    """
+    with as_startup_error(ShardingError):
+        model = shard(model, parallel, name=name)
+    if dp.world_size() > 1:
+        torch.manual_seed(seed + dp.rank())
+    return model
+
+
 # ---------------------------------------------------------------------- the loop
 class Objective(Protocol):
     """What a supervised trainer optimises.
@@ -269,6 +350,14 @@ class SupervisedTrainer(Generic[T]):
             (:func:`openaligner.models.lora.merged_copy`), weights as ``save_dtype``.
         layout: the sequence layout the data was built with, recorded in every export as
             ``sequence_layout.json`` (the reward server reads it); None writes none.
+
+    Under torchrun every rank constructs the trainer with the same arguments (the objective's
+    module already sharded by :func:`distribute` for ``parallel.strategy=fsdp``) and calls the
+    same methods in the same order: :meth:`fit`, :meth:`validate`, :meth:`save_checkpoint` and
+    :meth:`export` are collectives.
+
+    Raises:
+        StartupError: the global batch does not split over the ranks (:func:`rank_share`).
     """
 
     def __init__(
@@ -310,9 +399,11 @@ class SupervisedTrainer(Generic[T]):
                 f"{len(train_items)} training examples cannot fill one batch of trainer.global_batch_size="
                 f"{loop.global_batch_size}; lower it or add data"
             )
+        self.rank_batch_size = rank_share(loop.global_batch_size, loop.micro_batch_size, dp.world_size())
         by_epochs = self.sampler.steps_per_epoch * loop.max_epochs
         self.max_steps = by_epochs if loop.max_steps < 0 else min(loop.max_steps, by_epochs)
-        objective.module.to(device)
+        if not is_sharded(objective.module):  # shards are where sharding put them (maybe CPU memory)
+            objective.module.to(device)
         params = [p for p in objective.module.parameters() if p.requires_grad]
         self.params = params
         self.optimizer, self.scheduler = build_optimizer(params, optim, self.max_steps)
@@ -326,9 +417,15 @@ class SupervisedTrainer(Generic[T]):
         self.output_dir.mkdir(parents=True, exist_ok=True)
         resumed = self._maybe_resume()
         self.start_step = self.state.step
-        logger = MetricsLogger(self.output_dir, tensorboard=self.tensorboard, append=resumed)
+        leader = dp.is_leader()
+        logger = MetricsLogger(self.output_dir, tensorboard=self.tensorboard, append=resumed, enabled=leader)
         history: list[dict[str, float]] = []
-        bar = tqdm(total=self.max_steps, initial=self.state.step, disable=not self.progress, desc="train")
+        bar = tqdm(
+            total=self.max_steps,
+            initial=self.state.step,
+            disable=not (self.progress and leader),
+            desc="train",
+        )
         try:
             batches = self.sampler.batches(self.state.consumed_samples)
             while self.state.step < self.max_steps:
@@ -355,23 +452,25 @@ class SupervisedTrainer(Generic[T]):
         return history
 
     def _train_step(self, indices: list[int]) -> dict[str, float]:
+        """One optimizer step on the global batch ``indices`` (the same on every rank)."""
         start = time.perf_counter()
         self.objective.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
         units = 0.0
-        for batch in self._micro_batches(indices, self.loop.micro_batch_size):
+        share = self.rank_batch_size
+        mine = indices[dp.rank() * share : (dp.rank() + 1) * share]
+        for batch in self._micro_batches(mine, self.loop.micro_batch_size):
             with self.precision.autocast():
                 loss_sum, count, metric_sums = self.objective.loss(batch)
             self.scaler.scale(loss_sum).backward()  # gradients of sums; divided by the unit count below
             units += float(count)
             for k, v in metric_sums.items():
                 sums[k] += float(v)
-        # Gradients of sums become gradients of per-unit means (before unscaling: the same product).
+        units, sums = _sum_over_ranks(units, sums)
+        # Gradients of sums, summed over ranks, become those of the global per-unit mean (before
+        # unscaling: the same product).
         scale = 1.0 / max(units, 1.0)
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
         lr = float(self.scheduler.get_last_lr()[0])
         outcome = optimizer_step(
             self.params,
@@ -379,9 +478,10 @@ class SupervisedTrainer(Generic[T]):
             self.scheduler,
             self.scaler,
             max_grad_norm=self.loop.gradient_clip_val,
-            gradients="mean",
+            gradients="sum",
+            scale=scale,
         )
-        if not outcome.stepped:
+        if not outcome.stepped and dp.is_leader():
             log.warning(
                 "step %d skipped: the gradient norm is %s (weights, optimizer state and schedule unchanged)",
                 self.state.step + 1,
@@ -399,72 +499,116 @@ class SupervisedTrainer(Generic[T]):
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Per-unit means of the objective's metrics over the whole validation set."""
+        """Per-unit means of the objective's metrics over the whole validation set (the same on
+        every rank). Its micro-batches are split over the ranks (:func:`even_split`); a rank with
+        fewer runs repeats of the first one, whose results are discarded, so that every rank runs
+        the same number of forwards."""
         self.objective.module.eval()
         sums: dict[str, float] = defaultdict(float)
         units = 0.0
-        indices = list(range(len(self.val_items)))
-        for batch in self._micro_batches(indices, self.loop.val_micro_batch_size, train=False):
+        size = self.loop.val_micro_batch_size
+        chunks = [
+            list(range(i, min(i + size, len(self.val_items)))) for i in range(0, len(self.val_items), size)
+        ]
+        mine, repeats = even_split(len(chunks), dp.world_size(), dp.rank())
+        for index, kept in [(i, True) for i in mine] + [(0, False)] * repeats:
             with self.precision.autocast():
-                _, count, metric_sums = self.objective.loss(batch)
-            units += float(count)
-            for k, v in metric_sums.items():
-                sums[k] += float(v)
+                _, count, metric_sums = self.objective.loss(self._batch(chunks[index], train=False))
+            units += float(count) if kept else 0.0
+            for k, v in metric_sums.items():  # a repeat's keys too: every rank sums the same keys
+                sums[k] += float(v) if kept else 0.0
+        units, sums = _sum_over_ranks(units, sums)
         return {f"val/{k}": v / max(units, 1.0) for k, v in sums.items()}
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def model(self) -> nn.Module:
+        """The trained module (the objective's), for :class:`TrainingFiles`."""
+        return self.objective.module
+
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_<N>`` atomically."""
+        """Write ``checkpoints/step_<N>`` atomically: the model, optimizer, scheduler, every rank's
+        RNG states and the trainer state (:data:`SUPERVISED_FILES`: a whole model's ``model/`` is
+        :meth:`save_pretrained`'s directory of float32 masters, a sharded model's ``model.dcp/``
+        is written by every rank). A collective; a failure on any rank raises on every rank."""
+        rngs = dp.gather_objects(rng_state())
+        step, leader = self.state.step, dp.is_leader()
 
         def write(d: Path) -> None:
-            self.export(d / "model", atomic=False)
-            torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
-            torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
-            torch.save(rng_state(), d / "rng.pt")
-            (d / "trainer_state.json").write_text(json.dumps(self.state.__dict__))
+            SUPERVISED_FILES.write(d, self, self.optimizer, self.scheduler, rngs)
+            if leader:
+                SUPERVISED_FILES.write_state(d, self.state.__dict__)
 
-        return self.checkpoints.save(self.state.step, write)
+        if is_sharded(self.model):
+            return save_collective(self.checkpoints, step, write)
+        dp.run_guarded(lambda: self.checkpoints.save(step, write) if leader else None, "checkpoint")
+        return self.checkpoints.root / f"step_{step}"
 
     def _maybe_resume(self) -> bool:
-        path = self.checkpoints.latest() if self.resume else None
+        """Restore the newest complete checkpoint rank 0 finds (every rank the same one, each its
+        own RNG states); whether there was one. A collective."""
+        path = dp.broadcast_object(self.checkpoints.latest() if self.resume and dp.is_leader() else None)
         if path is None:
             return False
         try:
-            load_weights_into(self.objective.module, path / "model")
+            state = SUPERVISED_FILES.read(path, self.model, self.optimizer, self.scheduler, self.device)
         except ValueError as e:  # e.g. a LoRA checkpoint for a run without lora.r, or the reverse
             raise StartupError(
                 f"resume=true cannot continue from {path}: {e} (or set resume=false, or another output_dir)"
             ) from None
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
-        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt"))
-        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-        self.state = TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+        SUPERVISED_FILES.restore_rng(path, dp.rank())
+        self.state = TrainerState(**state)
         log.info("resumed from %s at step %d", path, self.state.step)
         return True
 
     def export(
         self, directory: Path, atomic: bool = True, dtype: torch.dtype | None = None, merged: bool = False
     ) -> None:
-        """Save the model and tokenizer as a Hugging Face directory, weights as ``dtype`` (None: the
-        float32 masters, as checkpoints need); a LoRA model saves its adapter directory, and with
-        ``merged`` also ``directory/merged``, the model with its adapters merged in (weights as
-        ``dtype``) and the tokenizer. With ``atomic`` the files are written to a temporary
-        sibling first and moved in one by one with ``os.replace``."""
+        """Save the model and tokenizer as a Hugging Face directory (:meth:`save_pretrained`), and
+        with ``merged`` also ``directory/merged``, the model with its LoRA adapters merged in
+        (weights as ``dtype``) and the tokenizer. With ``atomic`` the files are written to a
+        temporary sibling first and moved in one by one with ``os.replace``.
+
+        A collective: rank 0 writes (a sharded model's weights gathered to it first by every
+        rank); a failure on any rank raises on every rank."""
+        takes_part = dp.is_leader() or is_sharded(self.model)
+        dp.run_guarded(
+            lambda: self._write_export(directory, atomic, dtype, merged) if takes_part else None, "export"
+        )
+
+    def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write the model (a LoRA model: its adapter directory), the tokenizer and the sequence
+        layout into ``directory``, weights as ``dtype`` (None: the float32 masters, as checkpoints
+        need). A model that is not sharded: on the calling rank alone. A sharded one: every rank
+        calls it, its weights are gathered to rank 0, which alone writes."""
+        directory = Path(directory)
+        self.objective.save(directory, dtype)  # sharded: gathered first, so rank 0 writes after every rank
+        if is_sharded(self.model) and not dp.is_leader():
+            return
+        self.tokenizer.save_pretrained(str(directory))
+        if self.layout is not None:
+            self.layout.save(directory)
+
+    def _write_export(self, directory: Path, atomic: bool, dtype: torch.dtype | None, merged: bool) -> None:
+        """:meth:`export` on rank 0, and on the other ranks of a sharded model (which only take part
+        in gathering the weights: the files are rank 0's alone)."""
+        leader = dp.is_leader()
         if not atomic:
-            directory.mkdir(parents=True, exist_ok=True)
-            self.objective.save(directory, dtype)
-            self.tokenizer.save_pretrained(str(directory))
-            if self.layout is not None:
-                self.layout.save(directory)
+            self.save_pretrained(directory, dtype)
             if merged:
-                save_pretrained_as(merged_copy(self.objective.module), directory / MERGED_DIR, dtype)
-                self.tokenizer.save_pretrained(str(directory / MERGED_DIR))
-                if self.layout is not None:
-                    self.layout.save(directory / MERGED_DIR)
+                state = full_state_dict(self.model) if is_sharded(self.model) else None
+                if leader:
+                    save_pretrained_as(merged_copy(self.model, state), directory / MERGED_DIR, dtype)
+                    self.tokenizer.save_pretrained(str(directory / MERGED_DIR))
+                    if self.layout is not None:
+                        self.layout.save(directory / MERGED_DIR)
             return
         tmp = directory / f".export-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.export(tmp, atomic=False, dtype=dtype, merged=merged)
+        if leader:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._write_export(tmp, atomic=False, dtype=dtype, merged=merged)
+        if not leader:
+            return
         for f in tmp.iterdir():
             if f.is_dir() and (directory / f.name).is_dir():  # os.replace cannot replace a directory
                 shutil.rmtree(directory / f.name)
@@ -472,14 +616,26 @@ class SupervisedTrainer(Generic[T]):
         tmp.rmdir()
 
     # ------------------------------------------------------------------ helpers
-    def _micro_batches(self, indices: list[int], size: int, train: bool = True) -> Iterator[Batch]:
-        items = self.train_items if train else self.val_items
+    def _micro_batches(self, indices: list[int], size: int) -> Iterator[Batch]:
         for start in range(0, len(indices), size):
-            batch = self.collate([items[i] for i in indices[start : start + size]])
-            yield {k: v.to(self.device) for k, v in batch.items()}
+            yield self._batch(indices[start : start + size])
+
+    def _batch(self, indices: list[int], train: bool = True) -> Batch:
+        items = self.train_items if train else self.val_items
+        batch = self.collate([items[i] for i in indices])
+        return {k: v.to(self.device) for k, v in batch.items()}
 
     def _due(self, interval: int, last: bool) -> bool:
         return last or (interval > 0 and self.state.step % interval == 0)
+
+
+def _sum_over_ranks(units: float, sums: dict[str, float]) -> tuple[float, dict[str, float]]:
+    """``units`` and each of ``sums`` summed over ranks, in float64 (one all-reduce; the keys are
+    the objective's, the same on every rank; the identity on one process)."""
+    keys = sorted(sums)
+    total = dp.all_reduce_sum(torch.tensor([units, *(sums[k] for k in keys)], dtype=torch.float64))
+    values = total.tolist()
+    return values[0], dict(zip(keys, values[1:], strict=True))
 
 
 def _short(name: str) -> str:

@@ -5,11 +5,11 @@ Trains a tiny gpt2 (tied head: the trickiest export) one AdamW step on rank-spec
 every rank takes part in: a sharded checkpoint (``OUT/checkpoints/step_1``); exports in float32
 and bfloat16 with a small ``max_shard_size`` (``OUT/export_fp32``, ``OUT/export_bf16``); a LoRA
 model's checkpoint (``OUT/lora_checkpoints/step_1``), adapter and merged exports (``OUT/adapter``,
-``OUT/merged``); a sharded critic's
-checkpoint (``OUT/critic/step_1``); reloading both checkpoints into fresh sharded models; and a
-refused resume from a checkpoint of a model that was not sharded. Rank 0 writes what the test
-compares against to ``OUT/rank0.pt``: the gathered weights and optimizer state, and what each
-reload and refusal did.
+``OUT/merged``); a sharded critic's checkpoint (``OUT/critic/step_1``) and export
+(``OUT/critic_export``); reloading both checkpoints into fresh sharded models; and a refused
+resume from a checkpoint of a model that was not sharded. Rank 0 writes what the test compares
+against to ``OUT/rank0.pt``: the gathered weights and optimizer state, and what each reload and
+refusal did.
 """
 
 import sys
@@ -105,6 +105,7 @@ def main(out: Path) -> None:
     trainer.step = 1
     trainer.write_checkpoint()
     report["critic"] = full_state_dict(critic)
+    critic.save_pretrained(out / "critic_export")  # a collective, as train-rm's export would be
     fresh_critic = shard(build_tiny_critic("gpt2", SIZE, seed=1), FSDP)
     fresh_trainer = CriticTrainer(
         CriticTrainConfig(global_batch_size=2),

@@ -53,3 +53,13 @@ def test_without_any_gradient_it_steps_nothing_and_leaves_the_scaler_alone():
     assert step(p, optimizer, scheduler, scaler).grad_norm == 0.0
     assert p.tolist() == [0.0, 0.0] and scaler.get_scale() == 4.0
     assert optimizer.param_groups[0]["lr"] == 0.5  # the schedule counts the (empty) step
+
+
+def test_scale_applies_to_the_synced_gradients_before_the_norm_and_the_clip():
+    p, optimizer, scheduler = setup([30.0, 40.0])  # gradients of a loss sum over 10 units
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    outcome = optimizer_step(
+        [p], optimizer, scheduler, scaler, max_grad_norm=1.0, gradients="sum", scale=1 / 10
+    )
+    assert outcome.grad_norm == pytest.approx(5.0)  # the norm of the per-unit mean's gradient
+    assert p.tolist() == pytest.approx([-0.6, -0.8])

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
 from openaligner.models.builders import TinySize, build_tiny_causal_lm, build_tiny_critic
+from openaligner.models.critic import CriticModel
 from openaligner.models.lora import LoraConfig, add_lora
 from openaligner.models.weights import load_weights_into
 from openaligner.trainer.checkpoint_files import TrainingFiles
@@ -127,7 +128,7 @@ def test_a_sharded_lora_model_checkpoints_and_exports_its_adapter_and_its_merged
 
 
 @pytest.mark.slow
-def test_the_critic_checkpoint_of_every_rank_resumes_sharded_and_on_one_process(run):
+def test_the_critic_checkpoint_of_every_rank_resumes_sharded_and_on_one_process_and_it_exports(run):
     out, report = run
     assert report["critic_restored"]  # 2 ranks, sharded, through CriticTrainer.resume
     step = out / "critic" / "step_1"
@@ -142,6 +143,9 @@ def test_the_critic_checkpoint_of_every_rank_resumes_sharded_and_on_one_process(
     trainer.resume()
     assert trainer.step == 1
     for name, tensor in critic.state_dict().items():
+        assert torch.equal(tensor, report["critic"][name]), name
+    exported = CriticModel.from_pretrained(out / "critic_export")
+    for name, tensor in exported.state_dict().items():
         assert torch.equal(tensor, report["critic"][name]), name
 
 
