@@ -20,7 +20,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,11 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync(path.parent)
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """A manifest's entry for one file: its size in bytes and its SHA-256."""
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
 
 
 def verify_checkpoint(path: Path) -> str | None:
@@ -146,16 +151,28 @@ class CheckpointManager:
         tmp.mkdir()
         return tmp
 
-    def publish(self, step: int, tmp: Path, metrics: dict[str, float] | None = None) -> Path:
+    def publish(
+        self,
+        step: int,
+        tmp: Path,
+        metrics: dict[str, float] | None = None,
+        checksums: Mapping[str, dict[str, Any]] | None = None,
+    ) -> Path:
         """Seal ``tmp`` (a filled :meth:`stage` directory) as ``step_<step>``: checksum every file
         into the manifest, fsync, rename it into place, point ``latest`` at it, prune; returns it.
-        Every file must be complete when this is called (writers on other processes included)."""
+        Every file must be complete when this is called (writers on other processes included).
+
+        Args:
+            checksums: :func:`file_entry` of files already hashed (by the processes that wrote
+                them, in parallel), by path relative to ``tmp``; the other files are hashed here.
+        """
         final = self.root / f"step_{step}"
-        files = {
-            str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-            for p in sorted(tmp.rglob("*"))
-            if p.is_file()
-        }
+        known = checksums or {}
+        files: dict[str, dict[str, Any]] = {}
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file():
+                rel = str(p.relative_to(tmp))
+                files[rel] = known.get(rel) or file_entry(p)
         # Data before the manifest that vouches for it: a power loss must not leave a manifest
         # that names files the disk never received.
         _fsync_tree(tmp)

@@ -19,7 +19,7 @@ of the weight, 2⁻⁹ to 2⁻⁸ of its magnitude, is lost), so training silent
 Saved dtypes: resume checkpoints hold the float32 masters (exact resume); a command's final
 Hugging Face export is written in its ``save_dtype`` (``auto``: the dtype the source checkpoint was
 stored in, float32 for the built-in tiny models) by :func:`save_pretrained_as` — a sharded model's
-weights gathered to rank 0 first, in files of at most :data:`MAX_SHARD_SIZE`.
+weights gathered to rank 0 first.
 
 Must not know about configs, trainers or servers: they resolve a setting once with
 :meth:`Precision.resolve` and pass the :class:`Precision` (or a dtype) down.
@@ -33,7 +33,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import wraps
 from pathlib import Path
-from typing import Literal, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -46,11 +46,6 @@ PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16-mixed", "fp16-mixed")
 """The values of a command's ``precision`` key."""
 SAVE_DTYPES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 """The values of a command's ``save_dtype`` key."""
-
-MAX_SHARD_SIZE = "5GB"
-"""The largest safetensors file of an export (``save_pretrained``'s ``max_shard_size``); a larger
-model is written as several files plus an index. 5 GB, as Hugging Face wrote by default until
-``transformers`` 5 (which writes up to 50 GB per file): files that upload and download in pieces."""
 
 MASTER_DTYPE = torch.float32
 """What trained weights (and so their optimizer state and resume checkpoints) are kept in."""
@@ -180,14 +175,15 @@ def save_pretrained_as(
     directory: str | Path,
     dtype: torch.dtype | None = None,
     *,
-    max_shard_size: int | str = MAX_SHARD_SIZE,
+    max_shard_size: int | str | None = None,
 ) -> None:
     """``model.save_pretrained(directory)`` with its floating weights written as ``dtype`` (None:
     as they are). The live model is not touched; tied weights stay tied (cast once), integer
     buffers keep their dtype, and ``config.json`` states ``dtype`` so that loaders with
     ``dtype="auto"`` read the weights back in it. Weights beyond ``max_shard_size`` (bytes, or
-    ``"5GB"``-style) are split into ``model-0000i-of-0000n.safetensors`` files with a
-    ``model.safetensors.index.json``, which ``from_pretrained`` follows.
+    ``"5GB"``-style; None: ``transformers``' default, 50 GB in ``transformers`` 5) are split into
+    ``model-0000i-of-0000n.safetensors`` files with a ``model.safetensors.index.json``, which
+    ``from_pretrained`` (and :func:`~openaligner.models.weights.load_weights_into`) follows.
 
     A sharded model (:func:`openaligner.models.sharding.is_sharded`) makes this a collective:
     every rank calls it with the same ``directory``; the whole weights are gathered to rank 0 on
@@ -198,6 +194,8 @@ def save_pretrained_as(
     directory (``adapter_config.json`` + ``adapter_model.safetensors``) with the adapters (and a
     trained head) as they are, float32 masters, whatever ``dtype``: they are small, and a merge
     into the base should start from the masters; ``dtype`` applies to the merged model."""
+    # None leaves save_pretrained's own default (which a caller may have bound, e.g. a test's partial).
+    sizes: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     state: dict[str, torch.Tensor] | None = None
     if is_sharded(model):
         state = full_state_dict(model)
@@ -209,11 +207,11 @@ def save_pretrained_as(
         return
     if state is None:
         if dtype is None or all(p.dtype == dtype for p in model.parameters()):
-            model.save_pretrained(str(directory), max_shard_size=max_shard_size)
+            model.save_pretrained(str(directory), **sizes)
             return
         state = model.state_dict()
     if dtype is None:  # a sharded model's gathered masters, as they are
-        model.save_pretrained(str(directory), state_dict=state, max_shard_size=max_shard_size)
+        model.save_pretrained(str(directory), state_dict=state, **sizes)
         return
     cast: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
 
@@ -228,7 +226,7 @@ def save_pretrained_as(
     model.save_pretrained(
         str(directory),
         state_dict={name: convert(t) for name, t in state.items()},
-        max_shard_size=max_shard_size,
+        **sizes,
     )
     # save_pretrained writes the live model's dtype into config.json; the file holds ``dtype``.
     config_path = Path(directory) / "config.json"

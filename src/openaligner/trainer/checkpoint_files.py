@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from openaligner import distributed as dp
-from openaligner.io.checkpoint import CheckpointManager, set_rng_state
+from openaligner.io.checkpoint import CheckpointManager, file_entry, set_rng_state
 from openaligner.models.sharding import is_sharded
 from openaligner.models.weights import load_weights_into
 
@@ -259,8 +259,8 @@ def save_collective(
     1. rank 0 stages the temporary directory and every rank learns its path;
     2. every rank calls ``write(tmp)``, which writes that rank's share (e.g. :meth:`TrainingFiles.write`
        of a sharded model) and, on rank 0, the rest (the trainer's state);
-    3. rank 0 seals it (checksums of every rank's files in the manifest), renames it into place and
-       moves ``latest``.
+    3. every rank hashes a share of the files (:func:`checksums_collective`); rank 0 seals the
+       manifest with them, renames the directory into place and moves ``latest``.
 
     The checkpoint root must be on a filesystem every rank sees. A failure on any rank fails the
     phase on every rank (:class:`~openaligner.distributed.CollectiveFailure`, naming the rank
@@ -268,7 +268,27 @@ def save_collective(
     """
     tmp = stage_collective(checkpoints, step)
     dp.run_guarded(lambda: write(tmp), "checkpoint write")
+    checksums = checksums_collective(tmp)
     dp.run_guarded(
-        lambda: checkpoints.publish(step, tmp, metrics) if dp.is_leader() else None, "checkpoint publish"
+        lambda: checkpoints.publish(step, tmp, metrics, checksums) if dp.is_leader() else None,
+        "checkpoint publish",
     )
     return checkpoints.root / f"step_{step}"
+
+
+def checksums_collective(directory: Path) -> dict[str, dict[str, Any]]:
+    """The manifest entries (:func:`~openaligner.io.checkpoint.file_entry`) of every file in
+    ``directory``, hashed by all ranks in parallel (rank r takes every world-size-th file in sorted
+    order: with DCP, about one rank's shard file each), on rank 0 ({} elsewhere); a collective,
+    once every rank's files are written.
+
+    Raises:
+        openaligner.distributed.CollectiveFailure: on every rank, when a rank could not read a file.
+    """
+
+    def share() -> dict[str, dict[str, Any]]:
+        files = sorted(p for p in directory.rglob("*") if p.is_file())
+        return {str(p.relative_to(directory)): file_entry(p) for p in files[dp.rank() :: dp.world_size()]}
+
+    shares = dp.gather_objects(dp.run_guarded(share, "checkpoint checksums"))
+    return {rel: entry for part in shares for rel, entry in part.items()} if dp.is_leader() else {}

@@ -41,7 +41,7 @@ from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.sharding import is_sharded
-from openaligner.trainer.checkpoint_files import TrainingFiles, stage_collective
+from openaligner.trainer.checkpoint_files import TrainingFiles, checksums_collective, stage_collective
 from openaligner.trainer.optim_step import optimizer_step
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
@@ -694,7 +694,8 @@ class PPOTrainer:
     ) -> None:
         """The sharded actor's checkpoint: rank 0 asks the server to save and stages the directory,
         every rank writes its shards of the actor and its optimizer state (while the server
-        saves), then rank 0 writes the rest and publishes as :meth:`_save_on_rank0` does."""
+        saves) and hashes a share of the files, then rank 0 writes the rest and publishes as
+        :meth:`_save_on_rank0` does."""
         critic_saved: list[Future[Any]] = []
         on_rank0_shared(lambda: critic_saved.append(self.rm_critic.save()), "critic_save")
         tmp = stage_collective(checkpoints, self.step)
@@ -702,10 +703,11 @@ class PPOTrainer:
             lambda: ACTOR_FILES.write(tmp, self.model, self.optimizer, self.scheduler, rngs),
             "checkpoint write",
         )
+        checksums = checksums_collective(tmp)
 
         def finish() -> None:
             self._write_rest(tmp, critic_saved[0])
-            checkpoints.publish(self.step, tmp, _monitored(metrics))
+            checkpoints.publish(self.step, tmp, _monitored(metrics), checksums)
 
         on_rank0_shared(finish, "checkpoint")
 

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from openaligner.io.checkpoint import CheckpointManager, rng_state, set_rng_state, verify_checkpoint
+from openaligner.io import checkpoint
+from openaligner.io.checkpoint import (
+    CheckpointManager,
+    file_entry,
+    rng_state,
+    set_rng_state,
+    verify_checkpoint,
+)
 
 
 def _writer(payload: str):
@@ -17,6 +24,20 @@ def _writer(payload: str):
         (d / "sub" / "state.json").write_text("{}")
 
     return write
+
+
+def test_stage_and_publish_take_the_checksums_other_writers_computed(tmp_path, monkeypatch):
+    """What a sharded save does: other processes fill the staged directory and hash their files."""
+    mgr = CheckpointManager(tmp_path)
+    staged = mgr.stage(3)
+    _writer("a")(staged)
+    known = {"weights.bin": file_entry(staged / "weights.bin")}  # hashed by the writer
+    hashed, sha256 = [], checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda p: hashed.append(p.name) or sha256(p))
+    final = mgr.publish(3, staged, {"val_rewards": 1.0}, known)
+    assert hashed == ["state.json"]  # only what no writer hashed
+    assert final == tmp_path / "step_3" and mgr.latest() == final and not staged.exists()
+    assert verify_checkpoint(final) is None and mgr.metrics_of(final) == {"val_rewards": 1.0}
 
 
 def test_save_publishes_complete_checkpoint_and_latest(tmp_path):

@@ -2,7 +2,8 @@
 ``torchrun --nproc_per_node 2 sharded_files_worker.py OUT``.
 
 Trains a tiny gpt2 (tied head: the trickiest export) one AdamW step on rank-specific rows, then
-every rank takes part in: a sharded checkpoint (``OUT/checkpoints/step_1``); exports in float32
+every rank takes part in: a sharded checkpoint (``OUT/checkpoints/step_1``) and one that fails on
+rank 1 (step 2); exports in float32
 and bfloat16 with a small ``max_shard_size`` (``OUT/export_fp32``, ``OUT/export_bf16``); a LoRA
 model's checkpoint (``OUT/lora_checkpoints/step_1``), adapter and merged exports (``OUT/adapter``,
 ``OUT/merged``); a sharded critic's checkpoint (``OUT/critic/step_1``) and export
@@ -70,6 +71,17 @@ def main(out: Path) -> None:
             FILES.write_state(d, {"step": 1})
 
     report["published"] = str(save_collective(CheckpointManager(out / "checkpoints"), 1, write))
+
+    def fail_on_rank_1(d: Path) -> None:
+        write(d)
+        if dp.rank() == 1:
+            raise OSError("No space left on device (simulated)")
+
+    try:
+        save_collective(CheckpointManager(out / "checkpoints"), 2, fail_on_rank_1)
+        report["failures"] = dp.gather_objects(None)
+    except dp.CollectiveFailure as e:
+        report["failures"] = dp.gather_objects(str(e))
     report["weights"] = full_state_dict(model)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     report["optimizer"] = get_optimizer_state_dict(model, opt, options=full)

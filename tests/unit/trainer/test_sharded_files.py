@@ -80,6 +80,16 @@ def test_every_rank_writes_its_shards_and_one_process_reads_them_back_exactly(ru
 
 
 @pytest.mark.slow
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_publishes_nothing(run):
+    out, report = run
+    for message in report["failures"]:  # rank 0's and rank 1's
+        assert "checkpoint write failed on rank(s) [1]" in message
+        assert "rank 1: OSError: No space left on device (simulated)" in message
+    assert CheckpointManager(out / "checkpoints").latest() == out / "checkpoints" / "step_1"
+    assert not (out / "checkpoints" / "step_2").exists()
+
+
+@pytest.mark.slow
 def test_the_export_is_a_hugging_face_directory_in_several_files_with_the_trained_logits(run):
     out, report = run
     export = out / "export_fp32"
