@@ -5,6 +5,7 @@ Owns:
 
 * :class:`ParallelConfig` — the ``parallel`` section of train-sft, train-rm, train-ppo,
   serve-critic and serve-reward.
+* :func:`distribute` — :func:`shard`, then each rank's own RNG streams.
 * :func:`shard` — one FSDP unit per decoder layer (the classes each Hugging Face model lists in
   ``_no_split_modules``, so any architecture works without a per-model policy) plus one for the
   rest (embeddings, final norm, head), optionally with the shards, gradients and optimizer state
@@ -210,6 +211,24 @@ def shard(
         len(layers),
         ", shards on the CPU" if use_offload else "",
     )
+    return model
+
+
+def distribute(model: M, parallel: ParallelConfig, seed: int, name: str = "model") -> M:
+    """``model`` laid over the ranks as ``parallel`` says (:func:`shard`; call after LoRA and before
+    the optimizer), and this rank's own RNG streams from here on.
+
+    Every rank must build ``model`` from the same seed (a new head, LoRA's initial adapters): the
+    replicas start equal and the shards come from one model. Dropout and sampling then draw from
+    ``seed + rank`` on each rank, so ranks do not repeat each other's draws; one process keeps its
+    streams.
+
+    Raises:
+        ShardingError: ``parallel`` cannot shard this model.
+    """
+    model = shard(model, parallel, name=name)
+    if dp.world_size() > 1:
+        torch.manual_seed(seed + dp.rank())
     return model
 
 

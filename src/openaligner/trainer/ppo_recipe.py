@@ -37,7 +37,7 @@ from openaligner.io.metrics import MetricsLogger, rewind_logs
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.lora import MERGED_DIR, LoraError, add_lora, is_peft_model
 from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
-from openaligner.models.sharding import ParallelConfig, ShardingError, is_sharded, shard
+from openaligner.models.sharding import ParallelConfig, ShardingError, distribute, is_sharded, shard
 from openaligner.models.source import (
     SourceError,
     check_vocab,
@@ -94,7 +94,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     """
     c = cfg.trainer
     rank, world = dp.rank(), dp.world_size()
-    torch.manual_seed(c.seed + rank)
+    torch.manual_seed(c.seed)  # every rank builds the same model and adapters (distribute reseeds)
     # 1. start-up checks: positions, tokenizer, prompts (nothing heavy is loaded yet)
     check_seq_length(cfg)
     with as_startup_error(SourceError):
@@ -127,7 +127,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         model = add_lora(model, cfg.lora)
     init_policy = initial_policy(model, cfg.parallel) if c.initial_policy_kl_penalty > 0 else False
     with as_startup_error(ShardingError):
-        model = shard(model, cfg.parallel, name="actor")
+        model = distribute(model, cfg.parallel, c.seed, name="actor")
     actor = CausalLMActor(
         model,
         tokenizer,

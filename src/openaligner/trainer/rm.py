@@ -30,6 +30,7 @@ from openaligner.models.precision import (
     resolve_save_dtype,
 )
 from openaligner.models.reward import RewardModel
+from openaligner.models.sharding import ShardingError, distribute
 from openaligner.models.source import (
     SourceError,
     check_vocab,
@@ -41,7 +42,6 @@ from openaligner.trainer.supervised import (
     Batch,
     SupervisedRunConfig,
     SupervisedTrainer,
-    distribute,
     load_train_val_records,
     rank_share,
     require_full_batch,
@@ -138,12 +138,15 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
         )
         val = build_preference_pairs(val_records, renderer, max_length)
     device = pick_device(cfg.device)
-    model = load_reward_model(cfg.model, len(tokenizer), device, dtype=MASTER_DTYPE)
+    # sharded: the whole model is read into CPU memory; only the shards go to the device
+    load_device = torch.device("cpu") if cfg.parallel.sharded else device
+    model = load_reward_model(cfg.model, len(tokenizer), load_device, dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model.hf_model)
     with as_startup_error(LoraError):
         model = add_lora(model, cfg.lora)  # adapters on the backbone, the head trained in full
-    model = distribute(model, cfg.parallel, cfg.trainer.seed, name="reward model")  # shards after LoRA
+    with as_startup_error(ShardingError):  # shards after LoRA; every rank built the same model
+        model = distribute(model, cfg.parallel, cfg.trainer.seed, name="reward model")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return SupervisedTrainer(
         RMObjective(model),

@@ -28,6 +28,7 @@ from openaligner.models.precision import (
     resolve_save_dtype,
     save_pretrained_as,
 )
+from openaligner.models.sharding import ShardingError, distribute
 from openaligner.models.source import (
     SourceError,
     check_vocab,
@@ -39,7 +40,6 @@ from openaligner.trainer.supervised import (
     Batch,
     SupervisedRunConfig,
     SupervisedTrainer,
-    distribute,
     load_train_val_records,
     rank_share,
     require_full_batch,
@@ -132,12 +132,15 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
         )
         val = build_sft_examples(val_records, renderer, max_length)
     device = pick_device(cfg.device)
-    model = load_causal_lm(cfg.model, len(tokenizer), device, dtype=MASTER_DTYPE)
+    # sharded: the whole model is read into CPU memory; only the shards go to the device
+    load_device = torch.device("cpu") if cfg.parallel.sharded else device
+    model = load_causal_lm(cfg.model, len(tokenizer), load_device, dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model)
     with as_startup_error(LoraError):
         model = add_lora(model, cfg.lora)  # r = 0: the model as it is
-    model = distribute(model, cfg.parallel, cfg.trainer.seed, name="model")  # shards after LoRA
+    with as_startup_error(ShardingError):  # shards after LoRA; every rank built the same model
+        model = distribute(model, cfg.parallel, cfg.trainer.seed, name="model")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return SupervisedTrainer(
         SFTObjective(model),

@@ -58,7 +58,7 @@ from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.lora import MERGED_DIR, LoraConfig, merged_copy
 from openaligner.models.precision import Precision, check_precision, check_save_dtype, save_pretrained_as
-from openaligner.models.sharding import ParallelConfig, ShardingError, full_state_dict, is_sharded, shard
+from openaligner.models.sharding import ParallelConfig, ShardingError, full_state_dict, is_sharded
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
@@ -286,27 +286,6 @@ def even_split(count: int, world_size: int, rank: int) -> tuple[range, int]:
     return range(start, stop), per_rank - (stop - start)
 
 
-M = TypeVar("M", bound=nn.Module)
-
-
-def distribute(model: M, parallel: ParallelConfig, seed: int, name: str) -> M:
-    """``model`` laid over the ranks as ``parallel`` says (:func:`~openaligner.models.sharding.shard`;
-    call after LoRA and before the optimizer), and this rank's own RNG streams from here on.
-
-    Every rank must build ``model`` from the same seed (a new head, LoRA's initial adapters): the
-    replicas start equal and the shards come from one model. Dropout then draws from ``seed +
-    rank`` on each rank, so ranks do not repeat each other's masks; one process keeps its streams.
-
-    Raises:
-        StartupError: ``parallel`` cannot shard this model (:class:`ShardingError`).
-    """
-    with as_startup_error(ShardingError):
-        model = shard(model, parallel, name=name)
-    if dp.world_size() > 1:
-        torch.manual_seed(seed + dp.rank())
-    return model
-
-
 # ---------------------------------------------------------------------- the loop
 class Objective(Protocol):
     """What a supervised trainer optimises.
@@ -352,7 +331,8 @@ class SupervisedTrainer(Generic[T]):
             ``sequence_layout.json`` (the reward server reads it); None writes none.
 
     Under torchrun every rank constructs the trainer with the same arguments (the objective's
-    module already sharded by :func:`distribute` for ``parallel.strategy=fsdp``) and calls the
+    module already sharded by :func:`~openaligner.models.sharding.distribute` for
+    ``parallel.strategy=fsdp``) and calls the
     same methods in the same order: :meth:`fit`, :meth:`validate`, :meth:`save_checkpoint` and
     :meth:`export` are collectives.
 

@@ -102,3 +102,24 @@ def test_a_lora_actor_resumes_from_its_adapter_checkpoint_as_if_never_stopped(tm
     assert [{k: v for k, v in m.items() if not k.startswith(drop)} for m in again] == [
         {k: v for k, v in m.items() if not k.startswith(drop)} for m in metrics
     ]
+
+
+def test_every_rank_starts_from_the_same_adapters(tmp_path, monkeypatch):
+    """Replicas must start equal: LoRA's initial A matrices are random, so every rank draws them
+    from the run's seed (each rank used to draw from seed + rank, so 2 ddp replicas trained two
+    different models from the first step). Ranks 0 and 1 of a 2-rank run, built in one process."""
+    from openaligner import distributed as dp
+
+    adapters = []
+    for rank in (0, 1):
+        monkeypatch.setattr(dp, "rank", lambda rank=rank: rank)
+        monkeypatch.setattr(dp, "world_size", lambda: 2)
+        run = prepare_ppo_run(_cfg(tmp_path, f"rank{rank}", "trainer.max_steps=1"))
+        adapters.append({k: v for k, v in run.actor.model.state_dict().items() if "lora_A" in k})
+        # and from here on each rank draws its own stream (dropout, sampling)
+        adapters[-1]["_next_draw"] = torch.rand(3)
+    assert adapters[0].keys() == adapters[1].keys() and len(adapters[0]) > 1
+    for key in adapters[0]:
+        if key != "_next_draw":
+            assert torch.equal(adapters[0][key], adapters[1][key]), key
+    assert not torch.equal(adapters[0]["_next_draw"], adapters[1]["_next_draw"])
