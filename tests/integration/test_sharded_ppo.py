@@ -17,6 +17,9 @@ import torch
 from procs import free_port
 from transformers import AutoModelForCausalLM
 
+from openaligner.models.builders import TinySize, build_tiny_causal_lm
+from openaligner.trainer.checkpoint_files import load_sharded_state
+
 pytestmark = pytest.mark.slow
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -128,5 +131,14 @@ def test_a_llama_ppo_run_sharded_everywhere_completes_resumes_and_exports(tmp_pa
     tokens = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = exported(input_ids=tokens).logits
-    assert torch.isfinite(logits).all()
-    # TODO(checkpoint API): the step_3 checkpoint read back by one process gives the same logits
+    # the step-3 checkpoint (written by 2 ranks) read back by one process: the exported weights
+    model = build_tiny_causal_lm(
+        "llama",
+        TinySize(vocab_size=exported.config.vocab_size, hidden_size=32, num_layers=2, num_heads=2),
+        seed=7,
+    )
+    load_sharded_state(
+        out / "checkpoints" / "step_3" / "actor.dcp", model, torch.optim.AdamW(model.parameters())
+    )
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=tokens).logits, logits)

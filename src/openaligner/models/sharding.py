@@ -306,16 +306,28 @@ def any_rank_going(ended_here: bool) -> bool:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """The whole state dict of ``model`` on the CPU, on rank 0 (None on the other ranks); for a
-    model that is not sharded, its own state dict on every rank. A collective for a sharded model:
+    """The whole state dict of ``model`` on the CPU, on rank 0 (None on the other ranks), tied
+    weights sharing one tensor; for a model that is not sharded, its own state dict on every rank. A collective for a sharded model:
     every rank calls it."""
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)} if dp.is_leader() else None
+    gathered_state = get_model_state_dict(model, options=options)
+    if not dp.is_leader():
+        return None
+    state = {k: v for k, v in gathered_state.items() if isinstance(v, torch.Tensor)}
+    # Tied weights (GPT-2's head and embedding) come back as separate copies; tie them again, as
+    # the live model's own state_dict() would, so that save_pretrained writes the tie once.
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    for names in names_of.values():
+        present = [n for n in names if n in state]
+        for name in present[1:]:
+            state[name] = state[present[0]]
+    return state
 
 
 def grad_norm_value(norm: torch.Tensor) -> float:
