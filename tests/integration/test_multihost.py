@@ -87,9 +87,10 @@ TRAINER_KEYS = [
     "exp.progress=false",
     "exp.tensorboard=false",
 ]
-# How the trainer is parallelised, one test case each, added to TRAINER_KEYS (a strategy such as
-# FSDP is one more entry).
-PARALLEL: dict[str, list[str]] = {"default": []}
+# How the trainer is parallelised, one test case each, added to TRAINER_KEYS: sharded, the case
+# that needs the most of the network (every forward and backward gathers over both hosts, every
+# rank writes its shard of each checkpoint); replicas across hosts cost one more run if wanted.
+PARALLEL: dict[str, list[str]] = {"fsdp": ["parallel.strategy=fsdp"]}
 # The tiny critic (and reward model) on top of configs/serve_critic.yaml.
 CRITIC_KEYS = [
     "model.tiny=gpt2",
@@ -281,6 +282,9 @@ def test_two_hosts_train_save_and_resume(network, tmp_path, extra_keys):
     rows = read_jsonl(out / "logs" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_2"]
+    if "parallel.strategy=fsdp" in extra_keys:  # each host's rank wrote its own shard files
+        shards = sorted(p.name for p in (out / "checkpoints" / "step_2" / "actor.dcp").glob("*.distcp"))
+        assert shards == ["__0_0.distcp", "__1_0.distcp"], shards
 
     resumed_from = f"resumed from {out / 'checkpoints' / 'step_2'} at step 2"
     for output in run_two_hosts(network, out, prompts, STEPS_RESUMED, keys):

@@ -39,10 +39,12 @@ class Server(procs.Served):
             env={"OPENALIGNER_TOKEN": TOKEN},
         )
 
-    def stop(self) -> None:
+    def stop(self, stopped: str) -> None:
+        """SIGTERM to torchrun, which forwards it to both ranks (and exits non-zero by its own
+        convention); the server says it stopped."""
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=60)
-        assert self.proc.returncode == 0, self.output[-3000:]
+        assert stopped in self.output, self.output[-3000:]
 
 
 def _prompts(path: Path) -> Path:
@@ -118,8 +120,8 @@ def test_a_llama_ppo_run_sharded_everywhere_completes_resumes_and_exports(tmp_pa
         assert "resumed from" not in first
         second = _train(out, prompts, critic_port, reward_port, steps=3)
         assert "resumed from" in second and "at step 2" in second, second[-3000:]
-        critic.stop()
-        reward.stop()
+        critic.stop("critic server stopped at step 3")
+        reward.stop("reward model server stopped")
     finally:
         critic.kill()
         reward.kill()

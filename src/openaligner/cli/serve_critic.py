@@ -210,6 +210,7 @@ def load_models(
     tokenizer = serving.serving_tokenizer(cfg.model, cfg.tokenizer, log)
     vocab_size = serving.loader_vocab_size(tokenizer)
     standardization = cfg.runtime.standardization
+    device = cfg.parallel.load_device(device)  # sharded: read on the CPU, shards go to the device
     critic = load_critic(cfg.model, vocab_size, device, standardization)
     reward_model = None
     if cfg.server.combine_rm_and_critic_server:

@@ -95,7 +95,7 @@ def load_model(
     model = load_reward_model(
         cfg.model,
         serving.loader_vocab_size(tokenizer),
-        device,
+        cfg.parallel.load_device(device),  # sharded: read on the CPU, shards go to the device
         cfg.runtime.standardization,
         dtype=precision.inference_dtype,
     )

@@ -115,6 +115,12 @@ class ParallelConfig:
         """Whether models are sharded (``fsdp`` under a process group of more than one rank)."""
         return self.strategy == "fsdp" and dp.world_size() > 1
 
+    def load_device(self, device: torch.device) -> torch.device:
+        """Where to load a model these settings lay out for ``device``: the CPU when it will be
+        sharded (each rank reads the whole model into CPU memory once; :func:`shard` moves only
+        this rank's shards to ``device``), else ``device`` itself."""
+        return torch.device("cpu") if self.sharded else device
+
     def check_precision(self, precision_name: str, key: str = "precision") -> None:
         """Refuse fp16 loss scaling with shards: the loss scaler's overflow check would see only this
         rank's shard of the gradients, so ranks could disagree about skipping a step.
@@ -307,8 +313,8 @@ def any_rank_going(ended_here: bool) -> bool:
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The whole state dict of ``model`` on the CPU, on rank 0 (None on the other ranks), tied
-    weights sharing one tensor; for a model that is not sharded, its own state dict on every rank. A collective for a sharded model:
-    every rank calls it."""
+    weights sharing one tensor; for a model that is not sharded, its own state dict on every rank.
+    A collective for a sharded model: every rank calls it."""
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -116,10 +116,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         device = torch.device("cuda", torch.cuda.current_device())
     precision = Precision.resolve(cfg.precision, device)
     log.info("precision: %s on %s", precision.name, device)
-    # Shards go to the device as they are made (fully_shard moves them): the whole model is read
-    # into CPU memory, never onto the device.
-    load_device = torch.device("cpu") if cfg.parallel.sharded else device
-    model = load_causal_lm(cfg.actor, len(tokenizer), load_device, dtype=MASTER_DTYPE)
+    model = load_causal_lm(cfg.actor, len(tokenizer), cfg.parallel.load_device(device), dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model, key="actor")
     # with LoRA the initial policy is this same model with its adapters disabled: no second copy

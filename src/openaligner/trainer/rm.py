@@ -138,9 +138,7 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
         )
         val = build_preference_pairs(val_records, renderer, max_length)
     device = pick_device(cfg.device)
-    # sharded: the whole model is read into CPU memory; only the shards go to the device
-    load_device = torch.device("cpu") if cfg.parallel.sharded else device
-    model = load_reward_model(cfg.model, len(tokenizer), load_device, dtype=MASTER_DTYPE)
+    model = load_reward_model(cfg.model, len(tokenizer), cfg.parallel.load_device(device), dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model.hf_model)
     with as_startup_error(LoraError):

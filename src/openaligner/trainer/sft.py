@@ -132,9 +132,7 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
         )
         val = build_sft_examples(val_records, renderer, max_length)
     device = pick_device(cfg.device)
-    # sharded: the whole model is read into CPU memory; only the shards go to the device
-    load_device = torch.device("cpu") if cfg.parallel.sharded else device
-    model = load_causal_lm(cfg.model, len(tokenizer), load_device, dtype=MASTER_DTYPE)
+    model = load_causal_lm(cfg.model, len(tokenizer), cfg.parallel.load_device(device), dtype=MASTER_DTYPE)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model)
     with as_startup_error(LoraError):
