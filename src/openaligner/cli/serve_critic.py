@@ -97,7 +97,6 @@ class ServeCriticConfig:
 
     def __post_init__(self) -> None:
         serving.check_model_choice(self.model)
-        serving.check_parallel(self.parallel)
         self.parallel.check_precision(self.runtime.precision, "runtime.precision")
         if self.model.tiny is not None and self.reward_model.path is not None:
             raise ValueError("model.tiny serves the tiny reward model too; unset reward_model.path")

@@ -40,7 +40,6 @@ class ServeRewardConfig:
 
     def __post_init__(self) -> None:
         serving.check_model_choice(self.model)
-        serving.check_parallel(self.parallel)
 
 
 SCHEMA = ServeRewardConfig

@@ -2,11 +2,11 @@
 the keys they renamed, and the plumbing of a server process.
 
 Owns :class:`RuntimeConfig` (where the served models run, in what precision, and the scale
-rewards are served on), which ``parallel`` keys a server takes and how its models are sharded
-(:func:`check_parallel`, :func:`shard_served`), the rule that a server serves only a model someone named
-(:func:`check_model_choice`), :data:`RENAMED_KEYS`, and the steps both commands take around their
-server: logging, joining the torchrun job, device, threads and precision, the tokenizer, the
-sequence limit, and stopping on SIGINT/SIGTERM. Must not know which server it serves.
+rewards are served on), how its models are sharded (:func:`shard_served`), the rule that a
+server serves only a model someone named (:func:`check_model_choice`), :data:`RENAMED_KEYS`, and
+the steps both commands take around their server: logging, joining the torchrun job, device,
+threads and precision, the tokenizer, the sequence limit, and stopping on SIGINT/SIGTERM. Must not
+know which server it serves.
 """
 
 from __future__ import annotations
@@ -81,20 +81,6 @@ class RuntimeConfig:
         if self.reward_mean is None or self.reward_std is None:
             return None
         return self.reward_mean, self.reward_std
-
-
-def check_parallel(parallel: ParallelConfig) -> None:
-    """The ``parallel`` keys a server takes: all but ``offload_init_policy`` (train-ppo's initial
-    policy; a server has none).
-
-    Raises:
-        ValueError: ``parallel.offload_init_policy`` is set.
-    """
-    if parallel.offload_init_policy:
-        raise ValueError(
-            "parallel.offload_init_policy is train-ppo's (its initial policy); a server has none: "
-            "parallel.offload puts the served models' shards in CPU memory"
-        )
 
 
 def shard_served(model: M, parallel: ParallelConfig, name: str) -> M:

@@ -3,8 +3,8 @@ FSDP2 ``fully_shard``), the ``parallel`` section of every command that holds a m
 
 Owns:
 
-* :class:`ParallelConfig` — the ``parallel`` section of train-sft, train-rm, train-ppo,
-  serve-critic and serve-reward.
+* :class:`ParallelConfig` — the ``parallel`` section of train-sft, train-rm, serve-critic and
+  serve-reward; :class:`ActorParallelConfig` — train-ppo's, with the actor's own keys.
 * :func:`distribute` — :func:`shard`, then each rank's own RNG streams.
 * :func:`shard` — one FSDP unit per decoder layer (the classes each Hugging Face model lists in
   ``_no_split_modules``, so any architecture works without a per-model policy) plus one for the
@@ -73,42 +73,29 @@ class ParallelConfig:
             all-reduce per step; ``fsdp`` — every rank holds 1/N of each weight, its gradient and
             its optimizer state (PyTorch FSDP2), weights are gathered layer by layer for each
             forward and backward. Without torchrun (one process) both are the same.
-        offload: ``fsdp`` only: the trained model's shards, gradients and optimizer state live in
-            CPU memory and the optimizer steps there (FSDP2 ``CPUOffloadPolicy``); each layer is
-            copied to the device for its forward and backward.
-        offload_init_policy: ``fsdp`` only: the PPO actor's frozen initial policy keeps its shards
-            in CPU memory (it only runs no-grad forwards).
+        offload: ``fsdp`` only: the model's shards (and, when trained, its gradients and optimizer
+            state) live in CPU memory and the optimizer steps there (FSDP2 ``CPUOffloadPolicy``);
+            each layer is copied to the device for its forward and backward.
         activation_checkpointing: recompute each decoder layer's activations in the backward
             instead of keeping them (less memory, about one more forward of compute); either
             strategy.
-        generation: ``fsdp`` only, how the PPO actor generates: ``gathered`` — the whole weights
-            are gathered once per rollout phase and every step is local (fast; needs the model's
-            float32 weights to fit on each device beside the shards); ``layerwise`` — each step's
-            forward gathers one layer at a time like training does, all ranks stepping together
-            until every rank's rows have ended (memory of one layer; an all-gather of the whole
-            model per generated token).
     """
 
     strategy: str = "ddp"
     offload: bool = False
-    offload_init_policy: bool = False
     activation_checkpointing: bool = False
-    generation: str = "gathered"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ShardingError(f"parallel.strategy={self.strategy!r} is not one of {', '.join(STRATEGIES)}")
-        if self.generation not in GENERATIONS:
+        self._needs_shards("offload")
+
+    def _needs_shards(self, key: str) -> None:
+        if self.strategy != "fsdp" and getattr(self, key):
             raise ShardingError(
-                f"parallel.generation={self.generation!r} is not one of {', '.join(GENERATIONS)}"
+                f"parallel.{key}=true offloads shards, which needs parallel.strategy=fsdp "
+                f"(it is {self.strategy})"
             )
-        if self.strategy != "fsdp":
-            for key in ("offload", "offload_init_policy"):
-                if getattr(self, key):
-                    raise ShardingError(
-                        f"parallel.{key}=true offloads shards, which needs parallel.strategy=fsdp "
-                        f"(it is {self.strategy})"
-                    )
 
     @property
     def sharded(self) -> bool:
@@ -132,6 +119,33 @@ class ParallelConfig:
             raise ShardingError(
                 f"{key}={precision_name} with parallel.strategy=fsdp is not supported: fp16 loss scaling "
                 "checks overflow per shard; use bf16-mixed (no loss scaling) or parallel.strategy=ddp"
+            )
+
+
+@dataclass
+class ActorParallelConfig(ParallelConfig):
+    """train-ppo's ``parallel`` section: :class:`ParallelConfig` plus what only the PPO actor has.
+
+    Attributes:
+        offload_init_policy: ``fsdp`` only: the frozen initial policy keeps its shards in CPU memory
+            (it only runs no-grad forwards).
+        generation: ``fsdp`` only, how the actor generates: ``gathered`` — the whole weights are
+            gathered once per rollout phase and every step is local (fast; needs the model's
+            float32 weights to fit on each device beside the shards); ``layerwise`` — each step's
+            forward gathers one layer at a time like training does, all ranks stepping together
+            until every rank's rows have ended (memory of one layer; an all-gather of the whole
+            model per generated token).
+    """
+
+    offload_init_policy: bool = False
+    generation: str = "gathered"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._needs_shards("offload_init_policy")
+        if self.generation not in GENERATIONS:
+            raise ShardingError(
+                f"parallel.generation={self.generation!r} is not one of {', '.join(GENERATIONS)}"
             )
 
 

@@ -37,7 +37,7 @@ from openaligner.io.metrics import MetricsLogger, rewind_logs
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.lora import MERGED_DIR, LoraError, add_lora, is_peft_model
 from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
-from openaligner.models.sharding import ParallelConfig, ShardingError, distribute, is_sharded, shard
+from openaligner.models.sharding import ActorParallelConfig, ShardingError, distribute, is_sharded, shard
 from openaligner.models.source import (
     SourceError,
     check_vocab,
@@ -163,7 +163,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     )
 
 
-def initial_policy(model: PreTrainedModel, parallel: ParallelConfig) -> PreTrainedModel | None:
+def initial_policy(model: PreTrainedModel, parallel: ActorParallelConfig) -> PreTrainedModel | None:
     """The frozen initial policy: a float32 copy of ``model`` (call before ``model`` is sharded),
     sharded alike (its shards on the CPU with ``parallel.offload_init_policy``); None for a LoRA
     policy, whose initial policy is itself with the adapters disabled (the actor's default)."""

@@ -58,7 +58,7 @@ from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.lora import MERGED_DIR, LoraConfig, merged_copy
 from openaligner.models.precision import Precision, check_precision, check_save_dtype, save_pretrained_as
-from openaligner.models.sharding import ParallelConfig, ShardingError, full_state_dict, is_sharded
+from openaligner.models.sharding import ParallelConfig, full_state_dict, is_sharded
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
@@ -134,11 +134,6 @@ class SupervisedRunConfig:
     def __post_init__(self) -> None:
         check_precision(self.precision, "precision")
         self.parallel.check_precision(self.precision)
-        if self.parallel.offload_init_policy:
-            raise ShardingError(
-                "parallel.offload_init_policy=true offloads train-ppo's initial policy; a supervised run "
-                "has none (parallel.offload offloads the trained model)"
-            )
         check_save_dtype(self.save_dtype, "save_dtype")
 
 

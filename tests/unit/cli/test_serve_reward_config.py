@@ -59,7 +59,7 @@ def test_sections_are_the_components_own_configs_not_copies():
         (["model.tiny=gpt2", "parallel.strategy=zero3"], "parallel.strategy='zero3' is not one of ddp, fsdp"),
         (
             ["model.tiny=gpt2", "parallel.strategy=fsdp", "parallel.offload_init_policy=true"],
-            "parallel.offload_init_policy is train-ppo's",
+            "Key 'offload_init_policy' not in 'ParallelConfig'",
         ),
     ],
 )

@@ -13,6 +13,7 @@ import torch
 from openaligner.models.builders import TINY_ARCHS, TinySize, build_tiny_causal_lm, build_tiny_critic
 from openaligner.models.lora import LoraConfig, add_lora
 from openaligner.models.sharding import (
+    ActorParallelConfig,
     ParallelConfig,
     ShardingError,
     decoder_layers,
@@ -47,6 +48,14 @@ def test_settings_that_cannot_work_are_refused_naming_the_key():
         ParallelConfig(offload=True)
     with pytest.raises(ShardingError, match="fp16 loss scaling checks overflow per shard; use bf16-mixed"):
         ParallelConfig(strategy="fsdp").check_precision("fp16-mixed")
+    with pytest.raises(
+        ShardingError, match=r"parallel\.offload_init_policy=true .* needs parallel\.strategy"
+    ):
+        ActorParallelConfig(offload_init_policy=True)
+    with pytest.raises(
+        ShardingError, match=r"parallel\.generation='sampled' is not one of gathered, layerwise"
+    ):
+        ActorParallelConfig(strategy="fsdp", generation="sampled")
     ParallelConfig(strategy="fsdp").check_precision("bf16-mixed")
     ParallelConfig(strategy="ddp").check_precision("fp16-mixed")
 

@@ -5,7 +5,8 @@ Used by test_ppo_distributed.py: ``python ppo_dp_worker.py OUT [FAIL_AT]`` or
 ``critic_train`` answer is an error; every rank then writes ``OUT.rank<r>`` (the error it stopped
 with and when) and exits 3. ``STRATEGY=fsdp`` in the environment shards the actor and its initial
 policy (``parallel.strategy``) as train-ppo does, ``GENERATION=layerwise`` generates layer by layer
-(``parallel.generation``); ``ARCH`` picks the tiny model (default gpt2).
+(``parallel.generation``), ``OFFLOAD=1`` puts the shards of both (with the actor's gradients and
+optimizer state) in CPU memory; ``ARCH`` picks the tiny model (default gpt2).
 
 Checkpoints (test_ppo_checkpoints.py): ``CHECKPOINTS=<dir>`` saves after every step there and first
 resumes from the newest one there, as train-ppo does; ``STEPS`` is ``max_steps`` (default 2);
@@ -30,7 +31,7 @@ from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
-from openaligner.models.sharding import ParallelConfig, full_state_dict, shard
+from openaligner.models.sharding import ActorParallelConfig, full_state_dict, shard
 from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs, restore_newest_checkpoint
 from openaligner.trainer.ppo_config import PPOConfig
 from openaligner.trainer.ppo_recipe import initial_policy
@@ -93,8 +94,12 @@ def main(out: Path, fail_at: int | None = None) -> None:
             "gate_unfinished=false",
         ],
     )
-    parallel = ParallelConfig(
-        strategy=os.environ.get("STRATEGY", "ddp"), generation=os.environ.get("GENERATION", "gathered")
+    offload = os.environ.get("OFFLOAD") == "1"
+    parallel = ActorParallelConfig(
+        strategy=os.environ.get("STRATEGY", "ddp"),
+        generation=os.environ.get("GENERATION", "gathered"),
+        offload=offload,
+        offload_init_policy=offload,
     )
     size = TinySize(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2)
     model = build_tiny_causal_lm(os.environ.get("ARCH", "gpt2"), size, seed=0)

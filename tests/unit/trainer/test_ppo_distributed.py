@@ -32,9 +32,19 @@ KEYS = (
 
 
 def run_worker(
-    out: Path, ranks: int, strategy: str = "ddp", arch: str = "gpt2", generation: str = "gathered"
+    out: Path,
+    ranks: int,
+    strategy: str = "ddp",
+    arch: str = "gpt2",
+    generation: str = "gathered",
+    offload: bool = False,
 ) -> dict:
-    env = os.environ | {"STRATEGY": strategy, "ARCH": arch, "GENERATION": generation}
+    env = os.environ | {
+        "STRATEGY": strategy,
+        "ARCH": arch,
+        "GENERATION": generation,
+        "OFFLOAD": str(int(offload)),
+    }
     command = [*TORCHRUN, str(WORKER), str(out)] if ranks == 2 else [sys.executable, str(WORKER), str(out)]
     subprocess.run(command, check=True, timeout=300, env=env)
     return json.loads(out.read_text())
@@ -72,8 +82,12 @@ def test_two_ranks_sharded_or_replicated_match_one_process(tmp_path, arch):
     (a1+a2)+(b1+b2)). One process differs from both by the same kind of rounding (rel 1e-4 above)."""
     one = run_worker(tmp_path / "one.json", 1, arch=arch)
     ddp = run_worker(tmp_path / "ddp.json", 2, "ddp", arch)
-    # gpt2 (tied embeddings) generates layer by layer, llama on gathered weights
-    fsdp = run_worker(tmp_path / "fsdp.json", 2, "fsdp", arch, "layerwise" if arch == "gpt2" else "gathered")
+    # gpt2 (tied embeddings) generates layer by layer; llama on gathered weights, with its shards,
+    # gradients, AdamW state and initial policy in CPU memory (parallel.offload[_init_policy])
+    if arch == "gpt2":
+        fsdp = run_worker(tmp_path / "fsdp.json", 2, "fsdp", arch, "layerwise")
+    else:
+        fsdp = run_worker(tmp_path / "fsdp.json", 2, "fsdp", arch, "gathered", offload=True)
     assert len(fsdp["history"]) == 2
     for m_ddp, m_fsdp, m_one in zip(ddp["history"], fsdp["history"], one["history"], strict=True):
         for key in KEYS:
