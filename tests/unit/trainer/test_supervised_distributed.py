@@ -209,7 +209,7 @@ def test_train_sft_refuses_an_uneven_split_before_loading_anything(tmp_path, mon
     assert not (tmp_path / "out").exists()
 
 
-def test_the_parallel_section_refuses_fp16_with_shards_and_an_initial_policy_to_offload():
+def test_the_parallel_section_refuses_fp16_with_shards_and_has_no_train_ppo_keys():
     data = ["data.train_path=x.jsonl"]
     with pytest.raises(ConfigError, match=r"precision=fp16-mixed with parallel.strategy=fsdp"):
         load_config(SFTConfig, overrides=[*data, "parallel.strategy=fsdp", "precision=fp16-mixed"])
