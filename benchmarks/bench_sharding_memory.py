@@ -35,7 +35,7 @@ MODELS: dict[str, dict[str, int]] = {
     "52M": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "vocab_size": 32000},
     "113M": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "vocab_size": 32000},
     "292M": {"hidden_size": 1024, "num_layers": 24, "num_heads": 16, "vocab_size": 32000},
-    "0.8B": {"hidden_size": 2048, "num_layers": 16, "num_heads": 16, "vocab_size": 32000},
+    "735M": {"hidden_size": 2048, "num_layers": 16, "num_heads": 16, "vocab_size": 32000},
     "1.3B": {"hidden_size": 2048, "num_layers": 28, "num_heads": 16, "vocab_size": 32000},
 }
 GIB = 2**30
