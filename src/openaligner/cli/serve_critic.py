@@ -204,18 +204,20 @@ def load_models(
     from ``reward_model.path`` or the critic's source (the same seed for the tiny model), never
     from a critic checkpoint: it stays the original reward model. The critic is trained, so it
     holds float32 masters; the reward model is cast to ``precision``'s inference dtype."""
+    from openaligner.models.sharding import builds_skeleton
     from openaligner.models.source import load_critic, load_reward_model
 
     tokenizer = serving.serving_tokenizer(cfg.model, cfg.tokenizer, log)
     vocab_size = serving.loader_vocab_size(tokenizer)
     standardization = cfg.runtime.standardization
     device = cfg.parallel.load_device(device)  # sharded: read on the CPU, shards go to the device
-    critic = load_critic(cfg.model, vocab_size, device, standardization)
+    skeleton = builds_skeleton(cfg.parallel)  # sharded: rank 0 alone reads, the others get shards
+    critic = load_critic(cfg.model, vocab_size, device, standardization, skeleton=skeleton)
     reward_model = None
     if cfg.server.combine_rm_and_critic_server:
         rm_path = cfg.reward_model.path
         source = cfg.model if rm_path is None else replace(cfg.model, path=rm_path)
         reward_model = load_reward_model(
-            source, vocab_size, device, standardization, dtype=precision.inference_dtype
+            source, vocab_size, device, standardization, dtype=precision.inference_dtype, skeleton=skeleton
         ).requires_grad_(False)
     return critic, reward_model, tokenizer

@@ -88,6 +88,7 @@ def load_model(
 ) -> tuple[RewardModel, PreTrainedTokenizerBase | None]:
     """The reward model (eval mode, frozen, on ``device``, backbone in the precision's inference
     dtype) and the tokenizer of ``sentences`` requests (None when there is none)."""
+    from openaligner.models.sharding import builds_skeleton
     from openaligner.models.source import load_reward_model
 
     tokenizer = serving.serving_tokenizer(cfg.model, cfg.tokenizer, log)
@@ -97,5 +98,6 @@ def load_model(
         cfg.parallel.load_device(device),  # sharded: read on the CPU, shards go to the device
         cfg.runtime.standardization,
         dtype=precision.inference_dtype,
+        skeleton=builds_skeleton(cfg.parallel),  # sharded: rank 0 alone reads, the others get shards
     )
     return model.requires_grad_(False), tokenizer

@@ -29,7 +29,7 @@ from openaligner import distributed as dp
 from openaligner.config import StartupError, as_startup_error
 from openaligner.data.render import LayoutError, SequenceLayout, tokenizer_identity
 from openaligner.models.precision import Precision, check_precision
-from openaligner.models.sharding import ParallelConfig, ShardingError, shard
+from openaligner.models.sharding import ParallelConfig, ShardingError, fill_from_leader, shard, state_to_share
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
@@ -87,13 +87,17 @@ def shard_served(model: M, parallel: ParallelConfig, name: str) -> M:
     """``model`` laid over the ranks as ``parallel`` says (see
     :func:`~openaligner.models.sharding.shard`; shards in CPU memory with ``parallel.offload``).
     Call after the model is cast to the dtype it serves in and after LoRA adapters are added, and
-    before an optimizer is built over it.
+    before an optimizer is built over it. When sharded, ranks other than 0 loaded a skeleton
+    (:func:`~openaligner.models.sharding.builds_skeleton`) and receive their shards from rank 0 here.
 
     Raises:
         StartupError: the model cannot be sharded (see :class:`~openaligner.models.sharding.ShardingError`).
     """
+    state = state_to_share(model, parallel)  # rank 0's weights for the others' skeletons
     with as_startup_error(ShardingError):
-        return shard(model, parallel, name=name)
+        model = shard(model, parallel, name=name)
+    fill_from_leader(model, state, parallel, offload=parallel.offload)
+    return model
 
 
 def no_model() -> ModelSourceConfig:

@@ -10,6 +10,8 @@ Owns:
   ``_no_split_modules``, so any architecture works without a per-model policy) plus one for the
   rest (embeddings, final norm, head), optionally with the shards, gradients and optimizer state
   on the CPU, and activation checkpointing per decoder layer (also for replicas).
+* :func:`builds_skeleton`, :func:`state_to_share`, :func:`fill_from_leader` — rank 0 alone reads
+  a model that will be sharded; the others build a skeleton and receive their shards.
 * :func:`gathered` — whole weights on every rank for a stretch of forwards (generation).
 * :func:`full_state_dict` — the whole weights on rank 0 (for a Hugging Face export).
 * :func:`is_sharded`, :func:`compute_device`, and what the optimizer step needs
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -250,6 +252,48 @@ def distribute(model: M, parallel: ParallelConfig, seed: int, name: str = "model
     if dp.world_size() > 1:
         torch.manual_seed(seed + dp.rank())
     return model
+
+
+def builds_skeleton(parallel: ParallelConfig) -> bool:
+    """Whether this rank builds its model as a skeleton (meta device, nothing read or drawn) and
+    receives its shards from rank 0 (:func:`fill_from_leader`): every rank but 0 of a sharded run,
+    so that the host holds one whole copy of the weights instead of one per rank."""
+    return parallel.sharded and not dp.is_leader()
+
+
+def state_to_share(model: nn.Module, parallel: ParallelConfig) -> dict[str, torch.Tensor] | None:
+    """Rank 0's whole state dict of ``model`` for :func:`fill_from_leader` (references to its
+    tensors, no copy; take it before sharding), when the model will be sharded; else None."""
+    if not (parallel.sharded and dp.is_leader()):
+        return None
+    return dict(model.state_dict())
+
+
+def fill_from_leader(
+    model: nn.Module, state: Mapping[str, torch.Tensor] | None, parallel: ParallelConfig, *, offload: bool
+) -> None:
+    """Give every rank its shards of rank 0's weights (a collective when ``parallel`` shards; call
+    right after :func:`shard`; a no-op otherwise).
+
+    Rank 0 passes :func:`state_to_share`'s dict and already holds its shards; every other rank
+    built ``model`` as a skeleton (:func:`builds_skeleton`) and passes None: its shards are
+    allocated on the collective device (the CPU with ``offload``) and receive their part of rank
+    0's tensors, then every buffer (rotary frequencies and others a state dict leaves out) is sent
+    whole from rank 0. Tied weights stay tied.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not parallel.sharded or not is_sharded(model):
+        return
+    if not dp.is_leader():
+        model.to_empty(device=torch.device("cpu") if offload else dp.collective_device())
+    full: dict[str, Any] = dict(state) if dp.is_leader() and state is not None else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    for _, buffer in model.named_buffers():
+        received = dp.broadcast_tensor(buffer if dp.is_leader() else None)
+        if not dp.is_leader():
+            buffer.copy_(received.to(buffer.device))
 
 
 def _checkpoint_activations(layer: nn.Module) -> None:

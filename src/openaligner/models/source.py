@@ -12,14 +12,21 @@ loading raise :class:`SourceError`, which the commands report as a start-up refu
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from openaligner.models.builders import (
     TINY_ARCHS,
@@ -208,20 +215,32 @@ def pick_device(name: str) -> torch.device:
 
 
 def load_causal_lm(
-    src: ModelSourceConfig, vocab_size: int, device: torch.device, dtype: torch.dtype = MASTER_DTYPE
+    src: ModelSourceConfig,
+    vocab_size: int,
+    device: torch.device,
+    dtype: torch.dtype = MASTER_DTYPE,
+    *,
+    skeleton: bool = False,
 ) -> PreTrainedModel:
     """The causal LM ``src`` names (tiny ones sized to ``vocab_size`` unless set), eval mode.
 
     Its weights are ``dtype`` whatever the checkpoint was stored in: float32 by default, the master
-    weights a trained model needs (:mod:`openaligner.models.precision`).
+    weights a trained model needs (:mod:`openaligner.models.precision`). With ``skeleton`` the same
+    model is built on the meta device instead, its structure without any weight read or drawn
+    (``device`` is ignored): a rank that receives its shards from rank 0
+    (:func:`openaligner.models.sharding.fill_from_leader`).
     """
     model: PreTrainedModel
-    if src.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(src.path, local_files_only=True, dtype=dtype)
-    else:
-        model = build_tiny_causal_lm(src.tiny_arch, src.tiny_size(vocab_size), seed=src.tiny_seed)
+    with torch.device("meta") if skeleton else nullcontext():
+        if src.path is not None and skeleton:
+            config = AutoConfig.from_pretrained(src.path, local_files_only=True)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        elif src.path is not None:
+            model = AutoModelForCausalLM.from_pretrained(src.path, local_files_only=True, dtype=dtype)
+        else:
+            model = build_tiny_causal_lm(src.tiny_arch, src.tiny_size(vocab_size), seed=src.tiny_seed)
     # nn.Module.to: transformers' typed wrapper of .to rejects a device argument under mypy.
-    nn.Module.to(model, device, dtype)
+    nn.Module.to(model, torch.device("meta") if skeleton else device, dtype)
     return model.eval()
 
 
@@ -231,15 +250,12 @@ def load_reward_model(
     device: torch.device,
     standardization: tuple[float, float] | None = None,
     dtype: torch.dtype = MASTER_DTYPE,
+    *,
+    skeleton: bool = False,
 ) -> RewardModel:
     """A :class:`RewardModel` from ``src`` (an HF directory in the reward/critic layout, or tiny);
     backbone in ``dtype`` (float32 master weights by default), head in float32."""
-    if src.path is not None:
-        model = RewardModel.from_pretrained(src.path, dtype=dtype, standardization=standardization)
-    else:
-        hf = build_tiny_sequence_classifier(src.tiny_arch, src.tiny_size(vocab_size), seed=src.tiny_seed)
-        model = RewardModel(nn.Module.to(hf, dtype=dtype), standardization=standardization)
-    return model.to(device).eval()
+    return _scalar_head_model(RewardModel, src, vocab_size, device, standardization, dtype, skeleton)
 
 
 def load_critic(
@@ -248,12 +264,35 @@ def load_critic(
     device: torch.device,
     standardization: tuple[float, float] | None = None,
     dtype: torch.dtype = MASTER_DTYPE,
+    *,
+    skeleton: bool = False,
 ) -> CriticModel:
     """A :class:`CriticModel` from ``src``; a reward-model directory initialises the critic.
     Backbone in ``dtype`` (float32 master weights by default), head in float32."""
-    if src.path is not None:
-        model = CriticModel.from_pretrained(src.path, dtype=dtype, standardization=standardization)
-    else:
-        hf = build_tiny_sequence_classifier(src.tiny_arch, src.tiny_size(vocab_size), seed=src.tiny_seed)
-        model = CriticModel(nn.Module.to(hf, dtype=dtype), standardization=standardization)
-    return model.to(device).eval()
+    return _scalar_head_model(CriticModel, src, vocab_size, device, standardization, dtype, skeleton)
+
+
+_S = TypeVar("_S", RewardModel, CriticModel)
+
+
+def _scalar_head_model(
+    cls: type[_S],
+    src: ModelSourceConfig,
+    vocab_size: int,
+    device: torch.device,
+    standardization: tuple[float, float] | None,
+    dtype: torch.dtype,
+    skeleton: bool,
+) -> _S:
+    """A reward model or critic from ``src``, eval mode (see :func:`load_causal_lm` for ``skeleton``)."""
+    with torch.device("meta") if skeleton else nullcontext():
+        if src.path is not None and skeleton:
+            config = AutoConfig.from_pretrained(src.path, local_files_only=True, num_labels=1)
+            hf = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+            model = cls(hf, standardization=standardization)
+        elif src.path is not None:
+            model = cls.from_pretrained(src.path, dtype=dtype, standardization=standardization)
+        else:
+            hf = build_tiny_sequence_classifier(src.tiny_arch, src.tiny_size(vocab_size), seed=src.tiny_seed)
+            model = cls(nn.Module.to(hf, dtype=dtype), standardization=standardization)
+    return model.to(torch.device("meta") if skeleton else device).eval()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,7 +37,16 @@ from openaligner.io.metrics import MetricsLogger, rewind_logs
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.lora import MERGED_DIR, LoraError, add_lora, is_peft_model
 from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
-from openaligner.models.sharding import ActorParallelConfig, ShardingError, distribute, is_sharded, shard
+from openaligner.models.sharding import (
+    ActorParallelConfig,
+    ShardingError,
+    builds_skeleton,
+    distribute,
+    fill_from_leader,
+    is_sharded,
+    shard,
+    state_to_share,
+)
 from openaligner.models.source import (
     SourceError,
     check_vocab,
@@ -116,15 +125,19 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         device = torch.device("cuda", torch.cuda.current_device())
     precision = Precision.resolve(cfg.precision, device)
     log.info("precision: %s on %s", precision.name, device)
-    model = load_causal_lm(cfg.actor, len(tokenizer), cfg.parallel.load_device(device), dtype=MASTER_DTYPE)
+    # sharded: rank 0 alone reads the weights, the other ranks receive their shards from it
+    load_device, skeleton = cfg.parallel.load_device(device), builds_skeleton(cfg.parallel)
+    model = load_causal_lm(cfg.actor, len(tokenizer), load_device, dtype=MASTER_DTYPE, skeleton=skeleton)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model, key="actor")
     # with LoRA the initial policy is this same model with its adapters disabled: no second copy
     with as_startup_error(LoraError):
         model = add_lora(model, cfg.lora)
-    init_policy = initial_policy(model, cfg.parallel) if c.initial_policy_kl_penalty > 0 else False
+    state = state_to_share(model, cfg.parallel)
+    init_policy = initial_policy(model, cfg.parallel, state) if c.initial_policy_kl_penalty > 0 else False
     with as_startup_error(ShardingError):
         model = distribute(model, cfg.parallel, c.seed, name="actor")
+    fill_from_leader(model, state, cfg.parallel, offload=cfg.parallel.offload)
     actor = CausalLMActor(
         model,
         tokenizer,
@@ -163,10 +176,16 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     )
 
 
-def initial_policy(model: PreTrainedModel, parallel: ActorParallelConfig) -> PreTrainedModel | None:
+def initial_policy(
+    model: PreTrainedModel,
+    parallel: ActorParallelConfig,
+    state: Mapping[str, torch.Tensor] | None = None,
+) -> PreTrainedModel | None:
     """The frozen initial policy: a float32 copy of ``model`` (call before ``model`` is sharded),
-    sharded alike (its shards on the CPU with ``parallel.offload_init_policy``); None for a LoRA
-    policy, whose initial policy is itself with the adapters disabled (the actor's default)."""
+    sharded alike (its shards on the CPU with ``parallel.offload_init_policy``; ``state``: rank 0's
+    weights for the other ranks' skeletons, see :func:`~openaligner.models.sharding.fill_from_leader`);
+    None for a LoRA policy, whose initial policy is itself with the adapters disabled (the actor's
+    default)."""
     if is_peft_model(model):
         return None
     frozen = copy.deepcopy(model)
@@ -174,6 +193,7 @@ def initial_policy(model: PreTrainedModel, parallel: ActorParallelConfig) -> Pre
     frozen.eval()
     with as_startup_error(ShardingError):
         shard(frozen, parallel, offload=parallel.offload_init_policy, name="initial policy")
+    fill_from_leader(frozen, state, parallel, offload=parallel.offload_init_policy)
     return frozen
 
 

@@ -30,7 +30,13 @@ from openaligner.models.precision import (
     resolve_save_dtype,
 )
 from openaligner.models.reward import RewardModel
-from openaligner.models.sharding import ShardingError, distribute
+from openaligner.models.sharding import (
+    ShardingError,
+    builds_skeleton,
+    distribute,
+    fill_from_leader,
+    state_to_share,
+)
 from openaligner.models.source import (
     SourceError,
     check_vocab,
@@ -138,13 +144,17 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
         )
         val = build_preference_pairs(val_records, renderer, max_length)
     device = pick_device(cfg.device)
-    model = load_reward_model(cfg.model, len(tokenizer), cfg.parallel.load_device(device), dtype=MASTER_DTYPE)
+    # sharded: rank 0 alone reads the weights, the other ranks receive their shards from it
+    load_device, skeleton = cfg.parallel.load_device(device), builds_skeleton(cfg.parallel)
+    model = load_reward_model(cfg.model, len(tokenizer), load_device, dtype=MASTER_DTYPE, skeleton=skeleton)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model.hf_model)
     with as_startup_error(LoraError):
         model = add_lora(model, cfg.lora)  # adapters on the backbone, the head trained in full
+    state = state_to_share(model, cfg.parallel)
     with as_startup_error(ShardingError):  # shards after LoRA; every rank built the same model
         model = distribute(model, cfg.parallel, cfg.trainer.seed, name="reward model")
+    fill_from_leader(model, state, cfg.parallel, offload=cfg.parallel.offload)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return SupervisedTrainer(
         RMObjective(model),

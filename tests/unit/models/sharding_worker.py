@@ -1,5 +1,6 @@
 """One training step of the same tiny Llama held four ways on each of 2 ranks: replicas, shards,
-shards in CPU memory (offload), shards with activation checkpointing. Writes each rank's losses,
+shards in CPU memory (offload), shards with activation checkpointing; and saved models read by rank
+0 alone, the other rank receiving its shards (``loaded_from_rank0``). Writes each rank's losses,
 gradient norms, the weights after the step (summed per tensor) and what its parameters, gradients
 and AdamW state occupy, as JSON: ``torchrun --nproc_per_node 2 sharding_worker.py OUT_PREFIX``
 (writes ``OUT_PREFIX.rank<r>``). Used by test_sharding.py."""
@@ -55,10 +56,53 @@ def one_way(parallel: ParallelConfig) -> dict:
     return {"losses": losses, "grad_norms": norms, "memory": memory, "weights": weights}
 
 
+def loaded_from_rank0(directory: Path) -> dict:
+    """Rank 0 reads saved models (a tied GPT-2 causal LM, a Llama reward model), the other rank
+    builds skeletons and receives its shards: every rank's logits / rewards equal the saved models'."""
+    from openaligner.models.sharding import builds_skeleton, fill_from_leader, state_to_share
+    from openaligner.models.source import ModelSourceConfig, load_causal_lm, load_reward_model
+
+    parallel = ParallelConfig(strategy="fsdp")
+    tokens = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(3))
+    lengths = torch.tensor([10, 6])
+    result = {"skeleton": builds_skeleton(parallel)}
+    lm = load_causal_lm(
+        ModelSourceConfig(path=str(directory / "lm")),
+        0,
+        torch.device("cpu"),
+        skeleton=builds_skeleton(parallel),
+    )
+    result["lm_on_meta"] = next(lm.parameters()).device.type == "meta"
+    state = state_to_share(lm, parallel)
+    lm = shard(lm, parallel)
+    fill_from_leader(lm, state, parallel, offload=False)
+    plain = load_causal_lm(ModelSourceConfig(path=str(directory / "lm")), 0, torch.device("cpu"))
+    with torch.no_grad():
+        result["lm_equal"] = torch.equal(lm(input_ids=tokens).logits, plain(input_ids=tokens).logits)
+    rm_src = ModelSourceConfig(path=str(directory / "rm"))
+    rm = load_reward_model(rm_src, 0, torch.device("cpu"), skeleton=builds_skeleton(parallel))
+    state = state_to_share(rm, parallel)
+    rm = shard(rm, parallel)
+    fill_from_leader(rm, state, parallel, offload=False)
+    plain_rm = load_reward_model(rm_src, 0, torch.device("cpu"))
+    with torch.no_grad():
+        result["rm_diff"] = (rm.infer(tokens, lengths) - plain_rm.infer(tokens, lengths)).abs().max().item()
+    return result
+
+
 def main(prefix: str) -> None:
     torch.set_num_threads(1)
     dp.init_from_env()
     out = {name: one_way(parallel) for name, parallel in WAYS.items()}
+    if dp.is_leader():
+        build_tiny_causal_lm("gpt2", TinySize(num_layers=2), seed=5).save_pretrained(f"{prefix}.models/lm")
+        from openaligner.models.builders import build_tiny_reward_model
+
+        build_tiny_reward_model("llama", TinySize(num_layers=2), seed=6).save_pretrained(
+            f"{prefix}.models/rm"
+        )
+    dp.barrier()
+    out["loaded_from_rank0"] = loaded_from_rank0(Path(f"{prefix}.models"))
     Path(f"{prefix}.rank{dp.rank()}").write_text(json.dumps(out))
     dp.shutdown()
 

@@ -108,7 +108,7 @@ def test_training_state_bytes_counts_params_grads_and_adam_state_once():
 
 
 @pytest.mark.slow
-def test_two_ranks_shards_hold_about_half_and_every_way_trains_alike(tmp_path):
+def test_two_ranks_shards_hold_about_half_every_way_trains_alike_and_rank0_alone_reads(tmp_path):
     """Per rank, parameters + gradients + AdamW state of shards are at most 0.55× those of a
     replica (exactly half plus each tensor's padding to a multiple of 2 rows). Shards, shards in
     CPU memory and shards with activation checkpointing compute the same two steps as replicas:
@@ -126,6 +126,11 @@ def test_two_ranks_shards_hold_about_half_and_every_way_trains_alike(tmp_path):
         for part in ("params", "grads", "optimizer", "total"):
             assert sharded[part] <= 0.55 * replica[part], part
         assert r["fsdp_offload"]["memory"]["total"] == sharded["total"]  # the same shards, in CPU memory
+    # rank 0 alone reads the saved models; rank 1 builds skeletons and gets the same weights
+    assert [r["loaded_from_rank0"]["skeleton"] for r in ranks] == [False, True]
+    assert [r["loaded_from_rank0"]["lm_on_meta"] for r in ranks] == [False, True]
+    for r in ranks:  # (the sharded reward model's forward rounds its last digit differently, on rank 0 too)
+        assert r["loaded_from_rank0"]["lm_equal"] and r["loaded_from_rank0"]["rm_diff"] < 1e-6
     rank0 = ranks[0]
     ddp = rank0["ddp"]
     assert ddp["grad_norms"][0] > 1.0  # clipping acts
