@@ -279,11 +279,15 @@ def fill_from_leader(
     built ``model`` as a skeleton (:func:`builds_skeleton`) and passes None: its shards are
     allocated on the collective device (the CPU with ``offload``) and receive their part of rank
     0's tensors, then every buffer (rotary frequencies and others a state dict leaves out) is sent
-    whole from rank 0. Tied weights stay tied.
+    whole from rank 0. Tied weights stay tied. When rank 0 passes None too, every rank built its
+    whole model itself and nothing is sent.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if not parallel.sharded or not is_sharded(model):
+        return
+    # Rank 0 decides: no state there means every rank built the whole model itself (nothing to send).
+    if not dp.broadcast_int(int(state is not None) if dp.is_leader() else None):
         return
     if not dp.is_leader():
         model.to_empty(device=torch.device("cpu") if offload else dp.collective_device())
