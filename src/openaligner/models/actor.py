@@ -53,9 +53,9 @@ from openaligner.models.generation import (
     generate,
     mask_early_stops,
 )
-from openaligner.models.lora import is_peft_model, merged_copy
+from openaligner.models.lora import is_peft_model, merged_export_copy
 from openaligner.models.precision import Precision, save_pretrained_as
-from openaligner.models.sharding import any_rank_going, compute_device, full_state_dict, gathered, is_sharded
+from openaligner.models.sharding import any_rank_going, compute_device, gathered, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -179,13 +179,9 @@ class CausalLMActor:
         directory (plus the tokenizer), weights as ``dtype``; the live policy is not changed
         (:func:`openaligner.models.lora.merged_copy`). A collective for a sharded policy, as
         :meth:`save_pretrained`."""
-        if is_sharded(self.model):
-            state = full_state_dict(self.model)
-            if state is None:  # not rank 0: its shards went to rank 0
-                return
-            merged = merged_copy(self.model, state)
-        else:
-            merged = merged_copy(self.model)
+        merged = merged_export_copy(self.model)
+        if merged is None:  # not rank 0 of a sharded policy: its shards went to rank 0
+            return
         save_pretrained_as(merged, directory, dtype)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(directory))

@@ -250,6 +250,18 @@ def merged_copy(model: nn.Module, state: dict[str, torch.Tensor] | None = None) 
     return merged
 
 
+def merged_export_copy(model: nn.Module) -> PreTrainedModel | None:
+    """:func:`merged_copy` of ``model``'s whole weights, for writing the merged export. For a sharded
+    model a collective (every rank calls it; the weights are gathered to rank 0, and the other ranks
+    get None); otherwise the model's own tensors, on the caller's rank."""
+    from openaligner.models.sharding import full_state_dict, is_sharded
+
+    if not is_sharded(model):
+        return merged_copy(model)
+    state = full_state_dict(model)
+    return None if state is None else merged_copy(model, state)
+
+
 def _rebuilt(peft_model: Any, state: dict[str, torch.Tensor]) -> Any:
     """A fresh CPU ``peft`` model like ``peft_model`` (its ``default`` adapter), holding ``state``.
 

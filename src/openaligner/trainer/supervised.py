@@ -56,9 +56,9 @@ from openaligner.data.records import DataFileError, Record, read_records, split_
 from openaligner.data.render import LayoutError, SequenceLayout, use_chat_template
 from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import MetricsLogger
-from openaligner.models.lora import MERGED_DIR, LoraConfig, merged_copy
+from openaligner.models.lora import MERGED_DIR, LoraConfig, merged_export_copy
 from openaligner.models.precision import Precision, check_precision, check_save_dtype, save_pretrained_as
-from openaligner.models.sharding import ParallelConfig, full_state_dict, is_sharded
+from openaligner.models.sharding import ParallelConfig, is_sharded
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
@@ -571,9 +571,10 @@ class SupervisedTrainer(Generic[T]):
         if not atomic:
             self.save_pretrained(directory, dtype)
             if merged:
-                state = full_state_dict(self.model) if is_sharded(self.model) else None
+                merged_model = merged_export_copy(self.model)  # a collective when sharded
                 if leader:
-                    save_pretrained_as(merged_copy(self.model, state), directory / MERGED_DIR, dtype)
+                    assert merged_model is not None
+                    save_pretrained_as(merged_model, directory / MERGED_DIR, dtype)
                     self.tokenizer.save_pretrained(str(directory / MERGED_DIR))
                     if self.layout is not None:
                         self.layout.save(directory / MERGED_DIR)
