@@ -27,7 +27,7 @@ from openaligner.algorithms.masked import (
     select_valid,
     single_process,
 )
-from openaligner.algorithms.rewards import response_mask, shape_rewards
+from openaligner.algorithms.rewards import adjust_scores, response_mask, shape_rewards
 
 __all__ = [
     "KL_KINDS",
@@ -37,6 +37,7 @@ __all__ = [
     "PolicyLossStats",
     "Reduce",
     "ValueLossStats",
+    "adjust_scores",
     "aggregate",
     "entropy_from_logits",
     "explained_variance",

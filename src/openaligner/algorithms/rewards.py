@@ -62,13 +62,32 @@ def shape_rewards(
         [B, S-1] rewards, same dtype as ``kl``. Positions outside the response mask carry
         ``−β·kl`` too; callers mask them.
     """
-    s = scores.to(kl.dtype)
+    s = adjust_scores(
+        scores.to(kl.dtype), is_end=is_end, missing_eos_penalty=missing_eos_penalty, score_clip=score_clip
+    )
+    rewards = -beta * kl
+    index = (response_lengths.long() - 2).clamp(min=0).unsqueeze(-1)
+    return rewards.scatter_add(-1, index, s.unsqueeze(-1))
+
+
+def adjust_scores(
+    scores: torch.Tensor,
+    *,
+    is_end: torch.Tensor | None = None,
+    missing_eos_penalty: float | None = None,
+    score_clip: float | None = None,
+) -> torch.Tensor:
+    """The scores a reward uses: clipped to ``[−score_clip, score_clip]`` (when set), then, with
+    ``missing_eos_penalty``, replaced by that fixed score where ``is_end`` is False.
+
+    Shapes: ``scores`` [B], ``is_end`` [B] bool → [B]. Example: scores [3, −1], is_end [T, F],
+    score_clip 2, missing_eos_penalty −5 → [2, −5].
+    """
+    s = scores
     if score_clip is not None:
         s = s.clamp(-score_clip, score_clip)
     if missing_eos_penalty is not None:
         if is_end is None:
             raise ValueError("missing_eos_penalty needs is_end ([B] bool)")
         s = torch.where(is_end.bool(), s, torch.full_like(s, missing_eos_penalty))
-    rewards = -beta * kl
-    index = (response_lengths.long() - 2).clamp(min=0).unsqueeze(-1)
-    return rewards.scatter_add(-1, index, s.unsqueeze(-1))
+    return s

@@ -70,7 +70,8 @@ def _train(cfg: TrainPPOConfig) -> int:
     from openaligner import distributed as dp
     from openaligner.clients.critic import RemoteGPTRMCriticClient, TokenizerMismatchError
     from openaligner.clients.errors import ClientError
-    from openaligner.config import as_startup_error
+    from openaligner.clients.reward_only import RemoteRewardOnlyClient
+    from openaligner.config import StartupError, as_startup_error
     from openaligner.trainer.ppo import NonFiniteTrainingError, PeerFailedError, PPOTrainer, ResumeError
     from openaligner.trainer.ppo_recipe import prepare_ppo_run, run_ppo
 
@@ -81,13 +82,30 @@ def _train(cfg: TrainPPOConfig) -> int:
         # Requests of one fixed width merge in Triton's dynamic batcher (NeMo-Aligner's default).
         cfg.remote.pad_to_length = cfg.data.seq_length
     started: list[PPOTrainer] = []
+    log = logging.getLogger(__name__)
+    # PPO (gae) talks to the critic server (and the reward server, when separate); the critic-free
+    # estimators only to the reward server at remote.reward_model.
+    client_type = RemoteGPTRMCriticClient if cfg.trainer.uses_critic else RemoteRewardOnlyClient
+    if not cfg.trainer.uses_critic:
+        r = cfg.remote.reward_model
+        log.info(
+            "trainer.advantage_estimator=%s: no critic; rewards from the reward server at %s:%d",
+            cfg.trainer.advantage_estimator,
+            r.ip,
+            r.port,
+        )
     try:
-        with RemoteGPTRMCriticClient(cfg.remote) as client:
+        with client_type(cfg.remote) as client:
+            metadata = run.conversations.metadata if run.conversations.has_metadata else None
             with as_startup_error(TokenizerMismatchError):
-                mode = client.configure_reward_input(run.tokenizer, run.conversations)
-            logging.getLogger(__name__).info(
-                "the reward model reads %s (remote.reward_input=%s)", mode, cfg.remote.reward_input
-            )
+                mode = client.configure_reward_input(run.tokenizer, run.conversations, metadata)
+            if metadata is not None and mode != "text":
+                raise StartupError(
+                    "data.metadata_keys names prompt fields for the reward server, but rollouts reach it as "
+                    "token ids (remote.reward_input=tokens), which carry no metadata: serve a reward "
+                    "function or a reward model with its tokenizer, and set remote.reward_input=text or auto"
+                )
+            log.info("the reward model reads %s (remote.reward_input=%s)", mode, cfg.remote.reward_input)
             run_ppo(run, client, on_trainer=started.append)
         dp.shutdown()
     except (ClientError, PeerFailedError, NonFiniteTrainingError, ResumeError) as e:

@@ -60,6 +60,10 @@ ToConversations = Callable[[Mapping[str, torch.Tensor]], list[list[dict[str, str
 """A rollout micro-batch -> each row as a conversation ``[{"role", "content"}, ...]`` ending with
 the assistant's response (see :class:`~openaligner.trainer.rollout.RolloutConversations`)."""
 
+ToMetadata = Callable[[Mapping[str, torch.Tensor]], list[dict[str, Any]]]
+"""A rollout micro-batch -> each row's prompt metadata (sent with the conversations to a reward
+server, e.g. a reward function's reference answer)."""
+
 _HINT = (
     "Check that `openaligner serve-critic` is running and has printed its URL, and that this client's "
     "critic.ip/critic.port/critic.name match the server's server.host/server.port (Triton needs a few "
@@ -234,6 +238,41 @@ def choose_reward_input(
     return "tokens" if reward.fingerprint == policy.fingerprint else "text"
 
 
+@dataclass(frozen=True)
+class RolloutTexts:
+    """How rollouts become the text a reward server reads (``remote.reward_input=text``)."""
+
+    conversations: ToConversations
+    metadata: ToMetadata | None = None  # None: no metadata is sent
+
+
+def request_rewards(
+    rm: RemoteGPTRMClient, rollout_batch: Mapping[str, torch.Tensor], texts: RolloutTexts | None
+) -> Future[torch.Tensor]:
+    """Ask the reward server for a micro-batch's rewards: its token ids (``texts`` None) or its
+    conversations, with their metadata when ``texts`` has some."""
+    if texts is None:
+        return rm.infer_rm(rollout_batch)
+    device = rollout_batch["response_tokens"].device
+    metadata = texts.metadata(rollout_batch) if texts.metadata is not None else None
+    return rm.infer_rm_conversations(texts.conversations(rollout_batch), device, metadata=metadata)
+
+
+def reward_client_config(cfg: RemoteCriticConfig) -> RemoteRMConfig:
+    """The separate reward server's client settings (``remote.reward_model`` and the shared keys)."""
+    return RemoteRMConfig(
+        ip=cfg.reward_model.ip,
+        port=cfg.reward_model.port,
+        name=cfg.reward_model.name,
+        pad_to_length=cfg.pad_to_length,
+        init_timeout_s=cfg.init_timeout_s,
+        request_timeout_s=cfg.request_timeout_s,
+        max_workers=cfg.max_workers,
+        retries_on_rejected_batch=cfg.retries_on_rejected_batch,
+        reconnect_grace_s=cfg.reconnect_grace_s,
+    )
+
+
 class RMCriticFutureResult:
     """The pending answer to one ``infer_rm_critic`` call.
 
@@ -311,29 +350,23 @@ class RemoteGPTRMCriticClient:
         )
         self._rm: RemoteGPTRMClient | None = None
         if not cfg.combine_rm_and_critic_server:
-            self._rm = RemoteGPTRMClient(
-                RemoteRMConfig(
-                    ip=cfg.reward_model.ip,
-                    port=cfg.reward_model.port,
-                    name=cfg.reward_model.name,
-                    pad_to_length=cfg.pad_to_length,
-                    init_timeout_s=cfg.init_timeout_s,
-                    request_timeout_s=cfg.request_timeout_s,
-                    max_workers=cfg.max_workers,
-                    retries_on_rejected_batch=cfg.retries_on_rejected_batch,
-                    reconnect_grace_s=cfg.reconnect_grace_s,
-                )
-            )
+            self._rm = RemoteGPTRMClient(reward_client_config(cfg))
         self._last_train: Future[dict[str, float]] | None = None
         self._order = threading.Lock()
-        self._to_conversations: ToConversations | None = None
+        self._texts: RolloutTexts | None = None
         self.reward_input = "tokens"
         """How rollouts reach the reward model: ``tokens`` until :meth:`configure_reward_input`."""
 
-    def configure_reward_input(self, policy: TokenizerIdentity, to_conversations: ToConversations) -> str:
+    def configure_reward_input(
+        self,
+        policy: TokenizerIdentity,
+        to_conversations: ToConversations,
+        to_metadata: ToMetadata | None = None,
+    ) -> str:
         """Ask the servers for their tokenizers and settle ``cfg.reward_input`` (see
         :func:`choose_reward_input`); in ``text`` mode rollouts then reach the reward server as the
-        conversations ``to_conversations(rollout_batch)`` gives. Returns ``tokens`` or ``text``.
+        conversations ``to_conversations(rollout_batch)`` gives, with ``to_metadata``'s per-row
+        metadata when given. Returns ``tokens`` or ``text``.
 
         Raises:
             TokenizerMismatchError: the servers' tokenizers cannot serve this policy's rollouts.
@@ -351,7 +384,7 @@ class RemoteGPTRMCriticClient:
             critic=critic,
             combined=self.cfg.combine_rm_and_critic_server,
         )
-        self._to_conversations = to_conversations if self.reward_input == "text" else None
+        self._texts = RolloutTexts(to_conversations, to_metadata) if self.reward_input == "text" else None
         return self.reward_input
 
     @property
@@ -416,10 +449,7 @@ class RemoteGPTRMCriticClient:
     def _infer_rewards(self, rollout_batch: Mapping[str, torch.Tensor]) -> Future[torch.Tensor] | None:
         if self._rm is None:
             return None
-        if self._to_conversations is None:
-            return self._rm.infer_rm(rollout_batch)
-        device = rollout_batch["response_tokens"].device
-        return self._rm.infer_rm_conversations(self._to_conversations(rollout_batch), device)
+        return request_rewards(self._rm, rollout_batch, self._texts)
 
     # -- train ---------------------------------------------------------------------------------
     def train(self, ppo_rollout_data: Mapping[str, torch.Tensor]) -> Future[dict[str, float]]:

@@ -27,8 +27,8 @@ also uses:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from openaligner.data.records import Record
@@ -51,6 +51,7 @@ class PromptRecord:
 
     prompt: Prompt
     where: str  # the record's place in its file, for errors
+    metadata: Mapping[str, Any] = field(default_factory=dict)  # fields carried to a reward function
 
 
 @dataclass(frozen=True)
@@ -99,17 +100,31 @@ def preference_shape(
     )
 
 
-def prompt_record(record: Record, prompt_key: str = "prompt", messages_key: str = "messages") -> PromptRecord:
-    """A PPO prompt from ``record``.
+def prompt_record(
+    record: Record,
+    prompt_key: str = "prompt",
+    messages_key: str = "messages",
+    metadata_keys: Sequence[str] = (),
+) -> PromptRecord:
+    """A PPO prompt from ``record``, with its ``metadata_keys`` fields as metadata (e.g. the
+    reference answer a served reward function checks responses against).
 
     Raises:
-        DataFileError: naming the record, the problem and :func:`prompt_shape`.
+        DataFileError: naming the record, the problem and :func:`prompt_shape`; or a missing
+            metadata field (``data.metadata_keys``).
     """
     shape = prompt_shape(prompt_key, messages_key)
     key = prompt_key if prompt_key in record.fields else messages_key
     if key not in record.fields:
         raise _missing(record, (prompt_key, messages_key), shape)
-    return PromptRecord(_prompt(record, key, shape), record.where)
+    absent = [k for k in metadata_keys if k not in record.fields]
+    if absent:
+        raise record.error(
+            f"missing field {absent} named by data.metadata_keys (fields: {sorted(record.fields)}); every "
+            "prompt record must carry the metadata its reward needs"
+        )
+    metadata = {k: record.fields[k] for k in metadata_keys}
+    return PromptRecord(_prompt(record, key, shape), record.where, metadata)
 
 
 def sft_record(

@@ -9,9 +9,10 @@ Prompts too long to leave room for the response are dropped and counted. Knows n
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,21 +31,27 @@ class PromptDataset:
     sources: list[Prompt]  # the prompts as read (text or conversation), aligned with ``prompts``
     dropped_too_long: int  # prompts longer than max_prompt_length
     dropped_empty: int  # prompts that tokenized to nothing
+    metadata: list[Mapping[str, Any]] = field(default_factory=list)  # per kept prompt (data.metadata_keys)
 
     def __len__(self) -> int:
         return len(self.prompts)
 
 
 def read_prompts(
-    path: str | Path, prompt_key: str = "prompt", messages_key: str = "messages", split: str | None = None
+    path: str | Path,
+    prompt_key: str = "prompt",
+    messages_key: str = "messages",
+    split: str | None = None,
+    metadata_keys: Sequence[str] = (),
 ) -> list[PromptRecord]:
-    """The prompts of a JSONL file or a ``datasets`` directory (its ``split`` if a DatasetDict).
+    """The prompts of a JSONL file or a ``datasets`` directory (its ``split`` if a DatasetDict),
+    each with its ``metadata_keys`` fields as metadata.
 
     Raises:
         DataFileError: the file or directory cannot be read, holds no record, or a record is not a
             prompt (:func:`~openaligner.data.formats.prompt_record`).
     """
-    return [prompt_record(r, prompt_key, messages_key) for r in read_records(path, split)]
+    return [prompt_record(r, prompt_key, messages_key, metadata_keys) for r in read_records(path, split)]
 
 
 def build_prompt_dataset(
@@ -55,7 +62,7 @@ def build_prompt_dataset(
     Raises:
         LayoutError: a prompt cannot be rendered (named by its place in the file).
     """
-    kept, sources, too_long, empty = [], [], 0, 0
+    kept, sources, metadata, too_long, empty = [], [], [], 0, 0
     for record in records:
         with located(record.where):
             ids = renderer.prompt_ids(record.prompt)
@@ -66,6 +73,7 @@ def build_prompt_dataset(
         else:
             kept.append(ids)
             sources.append(record.prompt)
+            metadata.append(record.metadata)
     if too_long or empty:
         log.warning(
             "dropped %d prompts longer than %d tokens and %d empty prompts; %d remain",
@@ -74,7 +82,7 @@ def build_prompt_dataset(
             empty,
             len(kept),
         )
-    return PromptDataset(kept, sources, too_long, empty)
+    return PromptDataset(kept, sources, too_long, empty, metadata)
 
 
 class EpochSampler:

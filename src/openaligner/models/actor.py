@@ -80,7 +80,12 @@ class CausalLMActor:
         clip_eps_high: upper ε for asymmetric clipping (default ``clip_eps``).
         dual_clip: dual-clip constant c > 1, or ``None``.
         entropy_coef: weight of the entropy bonus in the loss (NeMo-Aligner's ``entropy_bonus``).
-        loss_aggregation: ``token_mean`` or ``seq_mean_token_mean``.
+        loss_aggregation: ``token_mean``, ``seq_mean_token_mean`` or ``seq_mean_token_sum_norm``
+            (see :func:`~openaligner.algorithms.aggregate`).
+        loss_norm_length: the fixed token count ``seq_mean_token_sum_norm`` divides by (the
+            generation budget).
+        kl_loss_kind: the KL estimator of the KL loss term, added when a batch carries
+            ``ref_logprobs`` and ``kl_coef`` (see :meth:`get_loss_and_metrics`).
         init_policy: the frozen initial policy for the KL penalty. ``None`` deep-copies ``model``
             (or, for a LoRA (``peft``) model, uses ``model`` itself with its adapters disabled: no
             second copy, see :mod:`openaligner.models.lora`); ``False`` keeps no
@@ -110,6 +115,8 @@ class CausalLMActor:
         dual_clip: float | None = None,
         entropy_coef: float = 0.0,
         loss_aggregation: str = "token_mean",
+        loss_norm_length: int | None = None,
+        kl_loss_kind: str = "k3",
         init_policy: PreTrainedModel | bool | None = None,
         cache: CacheKind = "static",
         precision: Precision | None = None,
@@ -134,6 +141,8 @@ class CausalLMActor:
         self.dual_clip = dual_clip
         self.entropy_coef = entropy_coef
         self.loss_aggregation = loss_aggregation
+        self.loss_norm_length = loss_norm_length
+        self.kl_loss_kind = kl_loss_kind
         self.cache: CacheKind = cache
         self.precision = precision if precision is not None else Precision()
         self.gather_for_generation = gather_for_generation
@@ -330,12 +339,15 @@ class CausalLMActor:
                 (1 on response positions), ``prev_logprobs`` [B, S-1] (rollout-time log-probs),
                 ``is_end`` [B] bool (samples that did not end get no policy gradient); optional
                 ``response_lengths`` [B] for the attention mask; ``prompt_lengths`` [B], required
-                when the sampling has ``min_new_tokens`` > 0 (see :meth:`get_inference_log_probs`).
+                when the sampling has ``min_new_tokens`` > 0 (see :meth:`get_inference_log_probs`);
+                optional ``ref_logprobs`` [B, S-1] (initial-policy log-probs) with ``kl_coef`` (a
+                0-d tensor β): adds ``β·KL`` of ``kl_loss_kind`` to the loss (GRPO's KL term).
 
         Returns:
             ``(loss, metrics)``: a scalar loss tensor and floats ``loss``, ``pg_loss``,
             ``ppo_ratio``, ``ppo_ratio_clamped``, ``clip_fraction``, ``dual_clip_fraction``,
-            ``approx_kl``, ``entropy`` (mean per-token entropy over the ``is_end`` mask).
+            ``approx_kl``, ``entropy`` (mean per-token entropy over the ``is_end`` mask), ``kl_loss``
+            (the KL term before β; 0 without one).
         """
         tokens = batch["response_tokens"].to(self.device)
         mask = batch["mask"].to(self.device)
@@ -348,6 +360,7 @@ class CausalLMActor:
         logprobs = next_token_logprobs(logits, tokens[:, first:], temperature)  # [B, S-1-first]
         with nullcontext() if self.entropy_coef > 0 else torch.no_grad():
             entropy = entropy_from_logits(logits[:, :-1], temperature)
+        ref = batch.get("ref_logprobs")
         loss, stats = ppo_policy_loss(
             logprobs,
             batch["prev_logprobs"][:, first:].to(logprobs),
@@ -357,9 +370,13 @@ class CausalLMActor:
             clip_eps_high=self.clip_eps_high,
             dual_clip=self.dual_clip,
             aggregation=self.loss_aggregation,
+            norm_length=self.loss_norm_length,
             is_end=batch["is_end"].to(self.device),
             entropy=entropy,
             entropy_coef=self.entropy_coef,
+            ref_logprobs=ref[:, first:].to(logprobs) if ref is not None else None,
+            kl_coef=float(batch["kl_coef"]) if ref is not None else 0.0,
+            kl_kind=self.kl_loss_kind,
         )
         metrics = {
             "loss": loss.detach(),
@@ -370,6 +387,7 @@ class CausalLMActor:
             "dual_clip_fraction": stats.dual_clip_fraction,
             "approx_kl": stats.approx_kl,
             "entropy": stats.entropy,
+            "kl_loss": stats.kl_loss,
         }
         values = torch.stack([v.float() for v in metrics.values()]).tolist()  # one device sync
         return loss, dict(zip(metrics, values, strict=True))

@@ -44,7 +44,7 @@ from openaligner.models.sharding import is_sharded
 from openaligner.trainer.checkpoint_files import TrainingFiles, checksums_collective, stage_collective
 from openaligner.trainer.optim_step import optimizer_step
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
-from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
+from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_critic_free_data, compute_ppo_data
 from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack, rollout_texts
 
 log = logging.getLogger(__name__)
@@ -286,12 +286,16 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ (1)-(4)
     def generate_rollouts(self) -> tuple[PPOData, dict[str, float]]:
-        """One rollout of ``num_rollout_samples`` prompts → PPO data and rollout metrics."""
+        """One rollout of ``num_rollout_samples`` prompts, each sampled ``n_samples_per_prompt``
+        times → training data and rollout metrics."""
         assert self._train_iter is not None, "generate_rollouts runs inside fit()"
         prompts = next(self._train_iter)
         epoch = self.epoch  # the pass these prompts come from
-        batch, metrics = self._run_inference(prompts, self.cfg.rollout_micro_batch_size, is_validation=False)
-        self.consumed_samples += int(metrics["rollout/rollout_size"])
+        n = self.cfg.samples_per_prompt
+        # A prompt's responses are contiguous rows of this rank: the group its estimator compares.
+        rows = [p for p in prompts for _ in range(n)]
+        batch, metrics = self._run_inference(rows, self.cfg.rollout_micro_batch_size, is_validation=False)
+        self.consumed_samples += self.cfg.num_rollout_samples
         data, ppo_metrics = self.generate_ppo_data(batch)
         metrics |= ppo_metrics
         metrics["rollout/consumed_samples"] = float(self.consumed_samples)
@@ -299,23 +303,43 @@ class PPOTrainer:
         return data, metrics
 
     def generate_ppo_data(self, rollout_batch: RolloutBatch) -> tuple[PPOData, dict[str, float]]:
-        """KL-shaped rewards, GAE and whitening (global over ranks), plus their metrics."""
+        """Advantages by the configured estimator (global statistics over ranks), plus their
+        metrics: KL-shaped rewards, GAE and whitening for PPO (``gae``); a critic-free estimator's
+        baseline otherwise. With the KL as a loss term, the initial policy's log-probs go with the
+        data to the update instead of into the reward."""
         c = self.cfg
-        data, stats = compute_ppo_data(
-            rollout_batch,
-            kl_coef=self.kl_controller.value,
-            kl_kind=c.kl_kind,
-            gamma=c.discount_factor,
-            lam=c.gae_lambda,
-            normalize_advantages=c.normalize_advantages,
-            missing_eos_penalty=c.missing_eos_penalty,
-            score_clip=c.score_clip,
-            reduce=dp.all_reduce_sum,
-        )
+        reward_kl_coef = self.kl_controller.value if c.kl_in_reward else 0.0
+        if c.uses_critic:
+            data, stats = compute_ppo_data(
+                rollout_batch,
+                kl_coef=reward_kl_coef,
+                kl_kind=c.kl_kind,
+                gamma=c.discount_factor,
+                lam=c.gae_lambda,
+                normalize_advantages=c.normalize_advantages,
+                missing_eos_penalty=c.missing_eos_penalty,
+                score_clip=c.score_clip,
+                reduce=dp.all_reduce_sum,
+            )
+        else:
+            data, stats = compute_critic_free_data(
+                rollout_batch,
+                estimator=c.advantage_estimator,
+                group_size=c.samples_per_prompt,
+                kl_coef=reward_kl_coef,
+                kl_kind=c.kl_kind,
+                gamma=c.discount_factor,
+                missing_eos_penalty=c.missing_eos_penalty,
+                score_clip=c.score_clip,
+                reduce=dp.all_reduce_sum,
+            )
+        if not c.kl_in_reward:
+            data.ref_logprobs = rollout_batch.init_logprobs
         metrics = {f"rollout/{k}": float(v) for k, v in stats.items()}
-        # Explained variance of the rollout values against the returns they are trained toward.
-        ev = explained_variance(rollout_batch.values, data.returns, data.mask, reduce=dp.all_reduce_sum)
-        metrics["value/explained_variance"] = float(ev)
+        if c.uses_critic:
+            # Explained variance of the rollout values against the returns they are trained toward.
+            ev = explained_variance(rollout_batch.values, data.returns, data.mask, reduce=dp.all_reduce_sum)
+            metrics["value/explained_variance"] = float(ev)
         metrics["rollout/kl_coef"] = self.kl_controller.value
         if isinstance(self.kl_controller, AdaptiveKLController):
             # Ziegler et al. track the sequence-level KL: the mean over every rank's samples of each
@@ -426,7 +450,7 @@ class PPOTrainer:
         # resumed run draws exactly the tokens an uninterrupted one would.
         # The index is global (rank-major), so N ranks draw what one process would on the same batch.
         mbs = self.cfg.val_micro_batch_size if is_validation else self.cfg.rollout_micro_batch_size
-        samples = self.cfg.val_samples if is_validation else self.cfg.num_rollout_samples
+        samples = self.cfg.val_samples if is_validation else self.cfg.rollout_rows
         index = dp.rank() * (samples // dp.world_size() // mbs) + micro_batch
         seed = derive_seed(self.cfg.seed, int(is_validation), self.step, self.consumed_samples, index)
         return torch.Generator(device=self.model.device).manual_seed(seed)
@@ -446,10 +470,14 @@ class PPOTrainer:
                 advantages=dp.all_gather_rows(data.advantages),
                 returns=dp.all_gather_rows(data.returns),
                 values=dp.all_gather_rows(data.values),
+                ref_logprobs=dp.all_gather_rows(data.ref_logprobs) if data.ref_logprobs is not None else None,
             )
 
     def _send_critic_train(self, data: PPOData) -> None:
-        """Rank 0 sends the global batch to ``critic_train``; the answer is awaited later."""
+        """Rank 0 sends the global batch to ``critic_train``; the answer is awaited later. Nothing
+        without a critic (critic-free estimators)."""
+        if not self.cfg.uses_critic:
+            return
         self._wait_critic_train()
         if dp.rank() == 0:
             payload = {
@@ -547,16 +575,18 @@ class PPOTrainer:
                 for m in range(n_micro):
                     idx = order[start + m * c.micro_batch_size : start + (m + 1) * c.micro_batch_size]
                     mb = data.select(idx)
-                    loss, metrics = self.model.get_loss_and_metrics(
-                        {
-                            "response_tokens": mb.response_tokens,
-                            "prompt_lengths": mb.prompt_lengths,
-                            "advantages": mb.advantages,
-                            "mask": mb.mask,
-                            "prev_logprobs": mb.prev_logprobs,
-                            "is_end": mb.is_end if c.gate_unfinished else torch.ones_like(mb.is_end),
-                        }
-                    )
+                    batch = {
+                        "response_tokens": mb.response_tokens,
+                        "prompt_lengths": mb.prompt_lengths,
+                        "advantages": mb.advantages,
+                        "mask": mb.mask,
+                        "prev_logprobs": mb.prev_logprobs,
+                        "is_end": mb.is_end if c.gate_unfinished else torch.ones_like(mb.is_end),
+                    }
+                    if mb.ref_logprobs is not None:  # the KL as a loss term
+                        batch["ref_logprobs"] = mb.ref_logprobs
+                        batch["kl_coef"] = torch.tensor(self.kl_controller.value, dtype=torch.float64)
+                    loss, metrics = self.model.get_loss_and_metrics(batch)
                     self.grad_scaler.scale(loss / n_micro).backward()
                     for k, v in metrics.items():
                         step_metrics[k] += v / n_micro

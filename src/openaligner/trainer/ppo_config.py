@@ -8,7 +8,7 @@ naming the key and the fix. Below the trainer's constructor only plain values ar
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,10 +56,14 @@ class PPOConfig:
     save_interval: int = 10  # checkpoint every N steps (0 disables; also at the last step)
     sample_table_interval: int = 1  # log a prompt/response/reward table every N steps
     seed: int = 1234  # seeds sampling, shuffling and minibatching (exact resume relies on it)
+    # ---- algorithm (docs/algorithms.md)
+    advantage_estimator: str = "gae"  # gae (PPO + critic) | reinforce | rloo | grpo | dr_grpo | reinforce_pp
+    n_samples_per_prompt: int | None = None  # responses per prompt; null: 4 (group estimators) or 1
     # ---- rewards and KL
-    initial_policy_kl_penalty: float = 0.01  # β of the per-token KL penalty; 0 disables the KL term
+    initial_policy_kl_penalty: float = 0.01  # β of the KL to the initial policy; 0 disables the KL term
+    kl_in: str | None = None  # reward (−β·KL in the reward) | loss (+β·KL in the loss); null: per estimator
     use_absolute_kl: bool = True  # |logp − logp_ref| (NeMo-Aligner); ignored when kl_estimator is set
-    kl_estimator: str | None = None  # k1 | abs | k2 | k3; null = abs or k1 from use_absolute_kl
+    kl_estimator: str | None = None  # k1 | abs | k2 | k3; null: k3 in the loss, else abs/k1 (use_absolute_kl)
     adaptive_kl: bool = False  # adapt β toward kl_target (Ziegler et al. 2019)
     kl_target: float = 6.0  # adaptive KL: target mean sequence KL
     kl_horizon: float = 10000.0  # adaptive KL: horizon in samples
@@ -68,37 +72,70 @@ class PPOConfig:
     # ---- advantages
     discount_factor: float = 1.0  # γ
     gae_lambda: float = 0.95  # λ
-    normalize_advantages: bool = True  # global masked whitening of advantages
+    normalize_advantages: bool = True  # gae: global masked whitening (the others normalise their own way)
     # ---- policy loss
     ratio_eps: float = 0.2  # PPO clip ε
     ratio_eps_high: float | None = None  # upper ε ("clip-higher"); null = ratio_eps
     dual_clip: float | None = None  # dual-clip constant c > 1; null disables
     entropy_bonus: float = 0.0  # weight of the entropy bonus
-    loss_aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean
+    loss_aggregation: str | None = (
+        None  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm; null: per estimator
+    )
     gate_unfinished: bool = True  # samples that never ended get no policy gradient (NeMo-Aligner)
     gradient_clip_val: float = 1.0  # actor gradient-norm clip; 0 disables
     max_nonfinite_steps_in_a_row: int = 3  # stop after this many inf/NaN-gradient (skipped) steps in a row
     ppo_epochs: int = 1  # passes over each rollout (NeMo-Aligner: 1)
     critic_warmup_steps: int = 0  # extra critic-only rollouts before the first actor update
     # ---- batch sizes (all global, i.e. summed over data-parallel ranks)
-    num_rollout_samples: int = 64  # prompts per PPO step
-    rollout_micro_batch_size: int = 8  # prompts per generation call (per rank)
+    num_rollout_samples: int = 64  # prompts per step (each sampled n_samples_per_prompt times)
+    rollout_micro_batch_size: int = 8  # responses per generation call (per rank)
     forward_micro_batch_size: int | None = None  # rows per log-prob forward; null = rollout_micro_batch_size
     num_val_samples: int | None = None  # validation prompts; null = num_rollout_samples
     val_rollout_micro_batch_size: int | None = None  # null = rollout_micro_batch_size
-    global_batch_size: int = 16  # samples per actor optimizer step
-    micro_batch_size: int = 4  # samples per forward/backward (gradient accumulation)
+    global_batch_size: int = 16  # responses per actor optimizer step
+    micro_batch_size: int = 4  # responses per forward/backward (gradient accumulation)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     length: LengthConfig = field(default_factory=LengthConfig)
 
     def __post_init__(self) -> None:
+        self.advantage_estimator = str(self.advantage_estimator).strip().lower()
+        estimator = ESTIMATORS.get(self.advantage_estimator)
+        if estimator is not None:  # an unknown one is refused by _check_ppo, naming the choices
+            if self.n_samples_per_prompt is None:
+                self.n_samples_per_prompt = estimator.default_samples_per_prompt
+            if self.kl_in is None:
+                self.kl_in = estimator.default_kl_in
+            if self.loss_aggregation is None:
+                self.loss_aggregation = estimator.default_loss_aggregation
         _check_ppo(self)
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the estimator needs the critic server's values (only ``gae``)."""
+        return self.advantage_estimator == "gae"
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """``n_samples_per_prompt``, resolved at load."""
+        assert self.n_samples_per_prompt is not None
+        return self.n_samples_per_prompt
+
+    @property
+    def rollout_rows(self) -> int:
+        """Responses per step: ``num_rollout_samples × n_samples_per_prompt`` (global)."""
+        return self.num_rollout_samples * self.samples_per_prompt
 
     @property
     def kl_kind(self) -> str:
         if self.kl_estimator is not None:
             return self.kl_estimator
+        if self.kl_in == "loss":
+            return "k3"
         return "abs" if self.use_absolute_kl else "k1"
+
+    @property
+    def kl_in_reward(self) -> bool:
+        return self.kl_in == "reward"
 
     def sampling_params(self, eos_ids: Sequence[int]) -> SamplingParams:
         """The rollout sampling parameters; responses stop on ``eos_ids`` (the tokenizer's EOS)
@@ -133,12 +170,22 @@ class PPOConfig:
         return self.val_rollout_micro_batch_size or self.rollout_micro_batch_size
 
     def check_world_size(self, world: int) -> None:
-        """Batch sizes must split evenly over ``world`` ranks so that no rank runs an extra collective."""
+        """Batch sizes must split evenly over ``world`` ranks so that no rank runs an extra collective
+        (and, with several samples per prompt, so that each prompt's responses stay on one rank)."""
         problems = []
-        if self.num_rollout_samples % (world * self.rollout_micro_batch_size):
+        if self.num_rollout_samples % world:
             problems.append(
-                f"num_rollout_samples={self.num_rollout_samples} must be a multiple of "
-                f"ranks × rollout_micro_batch_size = {world} × {self.rollout_micro_batch_size}"
+                f"num_rollout_samples={self.num_rollout_samples} must be a multiple of ranks = {world}"
+            )
+        if self.rollout_rows % (world * self.rollout_micro_batch_size):
+            rows = (
+                f"num_rollout_samples × n_samples_per_prompt = {self.rollout_rows}"
+                if self.samples_per_prompt > 1
+                else f"num_rollout_samples={self.num_rollout_samples}"
+            )
+            problems.append(
+                f"{rows} must be a multiple of ranks × rollout_micro_batch_size = {world} × "
+                f"{self.rollout_micro_batch_size}"
             )
         if self.val_check_interval > 0 and self.val_samples % (world * self.val_micro_batch_size):
             problems.append(
@@ -165,6 +212,9 @@ class DataConfig:
     chat_template: str = "auto"  # auto (the tokenizer's template if it has one) | true | false (raw text)
     seq_length: int = 256  # longest prompt + response (≤ the actor's positions); longer prompts are dropped
     add_bos: bool = True  # start each prompt with the tokenizer's BOS id (if it has one; never twice)
+    metadata_keys: list[str] = field(
+        default_factory=list
+    )  # prompt fields sent to the reward server with each response
 
     def __post_init__(self) -> None:
         self.chat_template = check_chat_template_mode(self.chat_template, "data.chat_template")
@@ -232,9 +282,40 @@ def parse_duration_s(text: str | None) -> float | None:
     return float(((d * 24 + h) * 60 + mi) * 60 + s)
 
 
+@dataclass(frozen=True)
+class Estimator:
+    """What an advantage estimator needs and the defaults it brings (docs/algorithms.md)."""
+
+    default_samples_per_prompt: int
+    default_kl_in: str  # reward | loss
+    default_loss_aggregation: str
+    needs_groups: bool  # compares the responses to one prompt: needs ≥ 2 of them
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    # PPO: GAE over the critic's values (Schulman et al. 2016)
+    "gae": Estimator(1, "reward", "token_mean", needs_groups=False),
+    # NeMo-Aligner's REINFORCE: leave-one-out baseline among the responses that ended
+    "reinforce": Estimator(4, "reward", "token_mean", needs_groups=True),
+    # RLOO (Ahmadian et al. 2024): leave-one-out baseline of the sequence reward
+    "rloo": Estimator(4, "reward", "token_mean", needs_groups=True),
+    # GRPO (Shao et al. 2024): group-normalised scores, KL as a loss term
+    "grpo": Estimator(4, "loss", "seq_mean_token_mean", needs_groups=True),
+    # Dr. GRPO (Liu et al. 2025): no std division, token sums over a fixed length
+    "dr_grpo": Estimator(4, "loss", "seq_mean_token_sum_norm", needs_groups=True),
+    # REINFORCE++ (Hu 2025): per-token KL in the reward, returns-to-go, whitened over the batch
+    "reinforce_pp": Estimator(1, "reward", "token_mean", needs_groups=False),
+}
+KL_PLACEMENTS = ("reward", "loss")
+
+
 def _check_ppo(c: PPOConfig) -> None:
     def bad(key: str, why: str) -> None:
         raise ValueError(f"trainer.{key}: {why}")
+
+    if c.advantage_estimator not in ESTIMATORS:
+        bad("advantage_estimator", f"must be one of {', '.join(ESTIMATORS)}, got {c.advantage_estimator!r}")
+    _check_estimator(c, ESTIMATORS[c.advantage_estimator], bad)
 
     if c.kl_estimator is not None and c.kl_estimator not in KL_KINDS:
         bad("kl_estimator", f"must be one of {', '.join(KL_KINDS)} or null, got {c.kl_estimator!r}")
@@ -263,11 +344,16 @@ def _check_ppo(c: PPOConfig) -> None:
     for key in ("num_rollout_samples", "rollout_micro_batch_size", "global_batch_size", "micro_batch_size"):
         if getattr(c, key) < 1:
             bad(key, "must be ≥ 1")
-    if c.num_rollout_samples % c.global_batch_size:
+    if c.rollout_rows % c.global_batch_size:
+        rows = (
+            f"num_rollout_samples × n_samples_per_prompt = {c.rollout_rows}"
+            if c.samples_per_prompt > 1
+            else f"num_rollout_samples={c.num_rollout_samples}"
+        )
         bad(
             "global_batch_size",
-            f"num_rollout_samples={c.num_rollout_samples} must be a multiple of global_batch_size="
-            f"{c.global_batch_size} so every actor step sees a full batch",
+            f"{rows} must be a multiple of global_batch_size={c.global_batch_size} so every actor step "
+            "sees a full batch",
         )
     if c.val_check_interval < 0 or c.save_interval < 0:
         bad("save_interval", "intervals must be ≥ 0 (0 disables)")
@@ -292,3 +378,33 @@ def _check_ppo(c: PPOConfig) -> None:
     if c.length.max_length < 1 or not 0 <= c.length.min_length <= c.length.max_length:
         bad("length.min_length", "need 0 ≤ min_length ≤ max_length and max_length ≥ 1")
     parse_duration_s(c.max_time_per_run)
+
+
+def _check_estimator(c: PPOConfig, estimator: Estimator, bad: Callable[[str, str], None]) -> None:
+    """Refuse estimator settings that would learn nothing, or less than asked, without an error."""
+    name = c.advantage_estimator
+    n = c.samples_per_prompt
+    if n < 1:
+        bad("n_samples_per_prompt", f"must be ≥ 1, got {n}")
+    if estimator.needs_groups and n < 2:
+        bad(
+            "n_samples_per_prompt",
+            f"{name} scores each response against the other responses to the same prompt; with "
+            f"n_samples_per_prompt={n} there is none, every advantage is 0 and the policy learns nothing. "
+            "Set it to 2 or more (e.g. 4)",
+        )
+    if estimator.needs_groups and c.sampling.use_greedy:
+        bad(
+            "sampling.use_greedy",
+            f"greedy decoding gives {name} the same response n_samples_per_prompt times, so every "
+            "advantage is 0 and the policy learns nothing; sample (use_greedy=false)",
+        )
+    if c.kl_in not in KL_PLACEMENTS:
+        bad("kl_in", f"must be reward, loss or null (the estimator's default), got {c.kl_in!r}")
+    if not c.uses_critic and c.critic_warmup_steps:
+        bad(
+            "critic_warmup_steps",
+            f"{name} uses no critic, so there is nothing to warm up; set critic_warmup_steps=0",
+        )
+    if c.loss_aggregation == "seq_mean_token_sum_norm" and c.length.max_length < 1:
+        bad("loss_aggregation", "seq_mean_token_sum_norm divides by length.max_length, which must be ≥ 1")

@@ -1,7 +1,9 @@
-"""Turn one rollout (tokens, log-probs, scores, values) into PPO training data and rollout metrics.
+"""Turn one rollout (tokens, log-probs, scores, values) into training data and rollout metrics.
 
-This is the trainer's ``generate_ppo_data`` step as a plain function: KL-shaped rewards, the
-response mask, GAE and global advantage whitening, all from :mod:`openaligner.algorithms`.
+This is the trainer's ``generate_ppo_data`` step as plain functions: for PPO
+(:func:`compute_ppo_data`) KL-shaped rewards, the response mask, GAE and global advantage
+whitening; for the critic-free estimators (:func:`compute_critic_free_data`) the sequence or
+token rewards and each estimator's baseline; all the math from :mod:`openaligner.algorithms`.
 Cross-rank statistics go through a ``reduce`` callable (all-reduce SUM under torch.distributed,
 identity on one process), so this module makes no distributed calls of its own.
 """
@@ -14,12 +16,18 @@ import torch
 
 from openaligner.algorithms import (
     Reduce,
+    adjust_scores,
+    broadcast_to_tokens,
     gae,
+    grpo_advantages,
     kl_penalty,
     masked_mean,
     masked_mean_var,
     masked_sum,
+    reinforce_pp_advantages,
     response_mask,
+    rloo_advantages,
+    sequence_kl,
     shape_rewards,
     single_process,
 )
@@ -53,14 +61,15 @@ class PPOData:
     prev_logprobs: torch.Tensor  # [B, S-1]
     advantages: torch.Tensor  # [B, S-1], whitened when requested
     returns: torch.Tensor  # [B, S-1]
-    values: torch.Tensor  # [B, S-1] rollout values (the critic's prev_values)
+    values: torch.Tensor  # [B, S-1] rollout values (the critic's prev_values; 0 without a critic)
+    ref_logprobs: torch.Tensor | None = None  # [B, S-1] initial-policy log-probs for a KL loss term
 
     def __len__(self) -> int:
         return int(self.response_tokens.shape[0])
 
     def select(self, index: torch.Tensor) -> PPOData:
         """Rows ``index`` of every field (for minibatches)."""
-        return PPOData(**{k: v[index] for k, v in self.__dict__.items()})
+        return PPOData(**{k: v[index] if v is not None else None for k, v in self.__dict__.items()})
 
 
 def compute_ppo_data(
@@ -135,5 +144,93 @@ def compute_ppo_data(
         advantages=advantages,
         returns=returns,
         values=batch.values,
+    )
+    return data, metrics
+
+
+SEQUENCE_ESTIMATORS = ("reinforce", "rloo", "grpo", "dr_grpo")
+"""Critic-free estimators whose advantage is one number per response, on every response token."""
+
+
+def compute_critic_free_data(
+    batch: RolloutBatch,
+    *,
+    estimator: str,
+    group_size: int,
+    kl_coef: float,
+    kl_kind: str,
+    gamma: float = 1.0,
+    missing_eos_penalty: float | None = None,
+    score_clip: float | None = None,
+    reduce: Reduce = single_process,
+) -> tuple[PPOData, dict[str, torch.Tensor]]:
+    """Advantages without a critic (docs/algorithms.md), plus the rollout metrics of :func:`compute_ppo_data`.
+
+    ``batch`` holds ``B = prompts × group_size`` rows, the ``group_size`` responses to one prompt
+    contiguous (see :class:`~openaligner.trainer.ppo.PPOTrainer`). Scores are first adjusted
+    (``score_clip``, ``missing_eos_penalty``); ``kl_coef`` > 0 puts the KL into the reward
+    (pass 0 to keep it out, e.g. when it is a loss term):
+
+    - ``reinforce`` (NeMo-Aligner): ``r − β·mean_t KL_t``; leave-one-out baseline among the
+      group's responses that ended (``is_end``).
+    - ``rloo``: ``r − β·Σ_t KL_t``; leave-one-out baseline over the whole group.
+    - ``grpo`` / ``dr_grpo``: ``r − β·Σ_t KL_t``; group mean subtracted, divided by the group's std
+      (``grpo`` only).
+    - ``reinforce_pp``: per-token rewards ``−β·KL_t`` plus the score at the last response token;
+      returns-to-go (``gamma``), whitened over every valid token of the global batch.
+
+    Returns:
+        ``(data, metrics)``: ``data.advantages`` [B, S-1] (0 outside the mask), ``returns`` and
+        ``values`` zeros; metrics as :func:`compute_ppo_data`'s except ``returns_*``/``values_*``.
+    """
+    width = batch.logprobs.shape[-1]
+    mask = response_mask(batch.prompt_lengths, batch.response_lengths, width, dtype=batch.logprobs.dtype)
+    if batch.init_logprobs is not None:
+        kl = kl_penalty(batch.logprobs, batch.init_logprobs, kl_kind)
+    else:
+        kl = torch.zeros_like(batch.logprobs)
+    scores = adjust_scores(
+        batch.rewards.to(kl.dtype),
+        is_end=batch.is_end,
+        missing_eos_penalty=missing_eos_penalty,
+        score_clip=score_clip,
+    )
+    if estimator in SEQUENCE_ESTIMATORS:
+        reduction = "mean" if estimator == "reinforce" else "sum"
+        rewards = scores - kl_coef * sequence_kl(kl, mask, reduction)
+        if estimator == "reinforce":
+            per_sample = rloo_advantages(rewards, group_size, valid=batch.is_end.bool())
+        elif estimator == "rloo":
+            per_sample = rloo_advantages(rewards, group_size)
+        else:
+            per_sample = grpo_advantages(rewards, group_size, scale_by_std=estimator == "grpo")
+        advantages = broadcast_to_tokens(per_sample, mask)
+    elif estimator == "reinforce_pp":
+        token_rewards = shape_rewards(scores, kl, batch.response_lengths, kl_coef)
+        rewards = masked_sum(token_rewards, mask, dim=-1)
+        advantages = reinforce_pp_advantages(token_rewards, mask, gamma, reduce=reduce)
+    else:
+        raise ValueError(f"unknown critic-free estimator {estimator!r}")
+
+    per_sample_kl = torch.stack([masked_mean(kl, mask, dim=-1), rewards, masked_sum(kl, mask, dim=-1)])
+    sums = reduce(torch.cat([per_sample_kl.sum(dim=-1), torch.tensor([float(len(batch))])]).double())
+    metrics: dict[str, torch.Tensor] = {
+        "init_policy_kl": sums[0] / sums[3],
+        "rewards_with_kl": sums[1] / sums[3],
+        "sequence_kl": sums[2] / sums[3],
+    }
+    mean, var = masked_mean_var(advantages, mask, reduce=reduce)
+    metrics["advantages_mean"] = mean
+    metrics["advantages_std"] = var.clamp_min(0).sqrt()
+    zeros = torch.zeros_like(batch.logprobs)
+    data = PPOData(
+        response_tokens=batch.response_tokens,
+        prompt_lengths=batch.prompt_lengths,
+        is_end=batch.is_end,
+        mask=mask,
+        prev_logprobs=batch.logprobs,
+        advantages=advantages,
+        returns=zeros,
+        values=zeros,
     )
     return data, metrics

@@ -117,7 +117,10 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         train_set, val_set = load_prompt_sets(cfg, Renderer(tokenizer, layout))
     train_prompts, val_prompts = train_set.prompts, val_set.prompts
     conversations = RolloutConversations(
-        train_prompts + val_prompts, train_set.sources + val_set.sources, decode
+        train_prompts + val_prompts,
+        train_set.sources + val_set.sources,
+        decode,
+        train_set.metadata + val_set.metadata,
     )
     # 2. the actor: float32 masters, computing in the precision's dtype
     device = pick_device(cfg.device)
@@ -147,6 +150,8 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         dual_clip=c.dual_clip,
         entropy_coef=c.entropy_bonus,
         loss_aggregation=c.loss_aggregation,
+        loss_norm_length=c.length.max_length,
+        kl_loss_kind=c.kl_kind,
         init_policy=init_policy,
         precision=precision,
         gather_for_generation=cfg.parallel.generation == "gathered",
@@ -159,9 +164,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     prompts = Prompts(train=train_loader, val=val_loader, collate=make_prompt_collate(actor.pad_id))
     # 4. optimizer and schedule over the run's optimizer steps
     optim_steps = (
-        c.total_steps(train_loader.steps_per_epoch)
-        * c.ppo_epochs
-        * (c.num_rollout_samples // c.global_batch_size)
+        c.total_steps(train_loader.steps_per_epoch) * c.ppo_epochs * (c.rollout_rows // c.global_batch_size)
     )
     optimizer, scheduler = build_optimizer(actor.parameters(), cfg.optim, optim_steps)
     optim = ActorOptim(optimizer, scheduler, precision.grad_scaler())
@@ -320,7 +323,7 @@ def load_prompt_sets(cfg: TrainPPOConfig, renderer: Renderer) -> tuple[PromptDat
 
     def read(key: str, path: str, split_key: str, split: str) -> PromptDataset:
         try:
-            records = read_prompts(path, d.prompt_key, d.messages_key, split)
+            records = read_prompts(path, d.prompt_key, d.messages_key, split, d.metadata_keys)
         except DataFileError as e:
             raise StartupError(
                 f"{key}={e}; {key} must name a JSONL file with one record per line, or a datasets "
@@ -341,7 +344,8 @@ def load_prompt_sets(cfg: TrainPPOConfig, renderer: Renderer) -> tuple[PromptDat
             cfg,
             " (null: trainer.num_rollout_samples)" if c.num_val_samples is None else "",
         )
-    return train, replace(val, prompts=val.prompts[: c.val_samples], sources=val.sources[: c.val_samples])
+    n = c.val_samples
+    return train, replace(val, prompts=val.prompts[:n], sources=val.sources[:n], metadata=val.metadata[:n])
 
 
 def _require_prompts(

@@ -7,6 +7,7 @@ tensors and a ``decode`` callable; nothing of models, servers or PPO math.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -131,6 +132,8 @@ class RolloutConversations:
         prompts: token ids of every prompt the run samples (train and validation).
         sources: the prompts as read, aligned with ``prompts``.
         decode: policy token ids → text (special tokens skipped).
+        metadata: each prompt's metadata (``data.metadata_keys``), aligned with ``prompts``; None or
+            empty: none. Two records with the same prompt ids share the metadata of the later one.
     """
 
     def __init__(
@@ -138,11 +141,37 @@ class RolloutConversations:
         prompts: Sequence[Sequence[int]],
         sources: Sequence[Prompt],
         decode: Callable[[Sequence[int]], str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         if len(prompts) != len(sources):
             raise ValueError(f"{len(prompts)} prompts but {len(sources)} sources")
-        self._sources = {tuple(int(i) for i in ids): s for ids, s in zip(prompts, sources, strict=True)}
+        if metadata and len(metadata) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(metadata)} metadata records")
+        keys = [tuple(int(i) for i in ids) for ids in prompts]
+        self._sources = dict(zip(keys, sources, strict=True))
+        self._metadata = dict(zip(keys, metadata, strict=True)) if metadata else None
         self._decode = decode
+
+    @property
+    def has_metadata(self) -> bool:
+        """Whether the prompts carry metadata (``data.metadata_keys`` named fields)."""
+        return self._metadata is not None and any(self._metadata.values())
+
+    def metadata(self, rollout_batch: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+        """``response_tokens`` [B, S] and ``prompt_lengths`` [B] → each row's prompt metadata ({} when
+        the prompts carry none).
+
+        Raises:
+            KeyError: a row's prompt is not one of ``prompts``.
+        """
+        tokens = rollout_batch["response_tokens"].cpu()
+        rows = []
+        for i, p in enumerate(rollout_batch["prompt_lengths"].reshape(-1).tolist()):
+            key = tuple(tokens[i, : int(p)].tolist())
+            if key not in self._sources:
+                raise KeyError(f"rollout row {i}: its prompt ids are not those of any prompt of the run")
+            rows.append(dict(self._metadata[key]) if self._metadata is not None else {})
+        return rows
 
     def __call__(self, rollout_batch: Mapping[str, torch.Tensor]) -> list[list[dict[str, str]]]:
         """``response_tokens`` [B, S], ``prompt_lengths`` [B], ``response_lengths`` [B] → B

@@ -12,7 +12,8 @@ Checkpoints (test_ppo_checkpoints.py): ``CHECKPOINTS=<dir>`` saves after every s
 resumes from the newest one there, as train-ppo does; ``STEPS`` is ``max_steps`` (default 2);
 ``OPTIM=adamw`` trains with AdamW and a decaying LR schedule (optimizer state and schedule to
 checkpoint) instead of plain SGD. ``EXPORT=<dir>`` writes the final actor there as train-ppo does
-(``CausalLMActor.save_pretrained``, on every rank when sharded).
+(``CausalLMActor.save_pretrained``, on every rank when sharded). ``ESTIMATOR=grpo`` (or another
+critic-free estimator) samples 4 prompts × 4 responses a step instead of 16 × 1 and trains no critic.
 """
 
 import json
@@ -52,6 +53,7 @@ class Scorer:
         return Done((target_share(batch), values))
 
     def train(self, data):
+        assert not os.environ.get("ESTIMATOR"), "a critic-free estimator trained a critic"
         self.train_calls += 1
         f = Future()
         if self.train_calls == self.fail_at:
@@ -72,6 +74,12 @@ def main(out: Path, fail_at: int | None = None) -> None:
     torch.set_num_threads(1)
     dp.init_from_env()
     checkpoint_dir = os.environ.get("CHECKPOINTS")
+    estimator = os.environ.get("ESTIMATOR")
+    critic_free = (
+        [f"advantage_estimator={estimator}", "n_samples_per_prompt=4", "num_rollout_samples=4"]
+        if estimator
+        else []
+    )
     cfg = load_config(
         PPOConfig,
         None,
@@ -92,6 +100,7 @@ def main(out: Path, fail_at: int | None = None) -> None:
             "kl_horizon=20",
             "sampling.stop_token_ids=[1]",
             "gate_unfinished=false",
+            *critic_free,
         ],
     )
     offload = os.environ.get("OFFLOAD") == "1"
@@ -105,7 +114,12 @@ def main(out: Path, fail_at: int | None = None) -> None:
     model = build_tiny_causal_lm(os.environ.get("ARCH", "gpt2"), size, seed=0)
     init = initial_policy(model, parallel)
     actor = CausalLMActor(
-        shard(model, parallel), init_policy=init, gather_for_generation=parallel.generation == "gathered"
+        shard(model, parallel),
+        init_policy=init,
+        gather_for_generation=parallel.generation == "gathered",
+        loss_aggregation=cfg.loss_aggregation,
+        loss_norm_length=cfg.length.max_length,
+        kl_loss_kind=cfg.kl_kind,
     )
     prompts = [[3 + (i % 20), 4 + (i % 7), 5][: 1 + i % 3] for i in range(32)]
     scheduler = None
@@ -122,7 +136,7 @@ def main(out: Path, fail_at: int | None = None) -> None:
         actor,
         ActorOptim(opt, scheduler),
         Prompts(
-            train=PromptLoader(prompts, 16, cfg.seed, True, dp.rank(), dp.world_size()),
+            train=PromptLoader(prompts, cfg.num_rollout_samples, cfg.seed, True, dp.rank(), dp.world_size()),
             val=None,
             collate=make_prompt_collate(actor.pad_id),
         ),

@@ -107,7 +107,13 @@ def make_trainer(
             peft = pytest.importorskip("peft")
             lora = peft.LoraConfig(r=lora_rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
             model = peft.get_peft_model(model, lora)
-        actor = CausalLMActor(model, clip_eps=cfg.ratio_eps)
+        actor = CausalLMActor(
+            model,
+            clip_eps=cfg.ratio_eps,
+            loss_aggregation=cfg.loss_aggregation,
+            loss_norm_length=cfg.length.max_length,
+            kl_loss_kind=cfg.kl_kind,
+        )
     if prompts is None:
         prompts = [[3 + (i % 20), 4 + (i % 7), 5] for i in range(32)]
     opt = torch.optim.AdamW(actor.parameters(), lr=3e-3)

@@ -38,12 +38,14 @@ def run_worker(
     arch: str = "gpt2",
     generation: str = "gathered",
     offload: bool = False,
+    estimator: str = "",
 ) -> dict:
     env = os.environ | {
         "STRATEGY": strategy,
         "ARCH": arch,
         "GENERATION": generation,
         "OFFLOAD": str(int(offload)),
+        "ESTIMATOR": estimator,
     }
     command = [*TORCHRUN, str(WORKER), str(out)] if ranks == 2 else [sys.executable, str(WORKER), str(out)]
     subprocess.run(command, check=True, timeout=300, env=env)
@@ -104,3 +106,21 @@ def test_two_ranks_sharded_or_replicated_match_one_process(tmp_path, arch):
     assert ddp["betas"][0] == ddp["betas"][1] == pytest.approx(one["betas"][0], rel=1e-6)
     assert fsdp["betas"][0] == fsdp["betas"][1] == pytest.approx(ddp["betas"][0], rel=1e-6)
     assert one["betas"][0] != 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("estimator", "strategy"), [("grpo", "ddp"), ("reinforce_pp", "fsdp")])
+def test_critic_free_estimators_on_two_ranks_match_one_process(tmp_path, estimator, strategy):
+    """Each prompt's 4 responses stay on the rank that drew the prompt, so GRPO's group statistics
+    are local; REINFORCE++ whitens over every rank's tokens (a global statistic): either way two
+    ranks (replicas or shards) compute what one process does, with no critic_train sent."""
+    one = run_worker(tmp_path / "one.json", 1, estimator=estimator)
+    two = run_worker(tmp_path / "two.json", 2, strategy, estimator=estimator)
+    keys = [k for k in KEYS if not k.startswith(("value/", "rollout/returns", "rollout/values"))]
+    for m_two, m_one in zip(two["history"], one["history"], strict=True):
+        assert m_two["rollout/rollout_size"] == 16
+        for key in keys:
+            assert m_two[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-5), key
+    for name, total in one["weights"].items():
+        assert two["weights"][name] == pytest.approx(total, rel=1e-5, abs=1e-6), name
+    assert two["history"][1]["policy/ppo_ratio"] != 1.0  # it trained
