@@ -1,4 +1,5 @@
-"""PPO math for RLHF: masked statistics, KL estimators and controllers, reward shaping, GAE, losses.
+"""RLHF math: masked statistics, KL estimators and controllers, reward shaping, GAE, the critic-free
+estimators (RLOO, GRPO, REINFORCE++), losses.
 
 Pure tensor functions over the next-token-aligned layout (B batch, S-1 positions, mask 1 = valid).
 This package imports only torch and the standard library: no models, configs, servers or
@@ -6,6 +7,17 @@ torch.distributed calls (cross-rank statistics take a ``reduce`` callable).
 """
 
 from openaligner.algorithms.advantages import gae, gae_reference, td_errors
+from openaligner.algorithms.critic_free import (
+    broadcast_to_tokens,
+    grpo_advantages,
+    grpo_advantages_reference,
+    reinforce_pp_advantages,
+    returns_to_go,
+    returns_to_go_reference,
+    rloo_advantages,
+    rloo_advantages_reference,
+    sequence_kl,
+)
 from openaligner.algorithms.kl import KL_KINDS, AdaptiveKLController, FixedKLController, kl_penalty
 from openaligner.algorithms.logprobs import entropy_from_logits, logprobs_from_logits, next_token_logprobs
 from openaligner.algorithms.losses import (
@@ -39,10 +51,13 @@ __all__ = [
     "ValueLossStats",
     "adjust_scores",
     "aggregate",
+    "broadcast_to_tokens",
     "entropy_from_logits",
     "explained_variance",
     "gae",
     "gae_reference",
+    "grpo_advantages",
+    "grpo_advantages_reference",
     "kl_penalty",
     "logprobs_from_logits",
     "masked_mean",
@@ -52,8 +67,14 @@ __all__ = [
     "masked_whiten",
     "next_token_logprobs",
     "ppo_policy_loss",
+    "reinforce_pp_advantages",
     "response_mask",
+    "returns_to_go",
+    "returns_to_go_reference",
+    "rloo_advantages",
+    "rloo_advantages_reference",
     "select_valid",
+    "sequence_kl",
     "shape_rewards",
     "single_process",
     "td_errors",

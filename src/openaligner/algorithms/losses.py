@@ -11,10 +11,11 @@ from typing import Literal
 
 import torch
 
-from openaligner.algorithms.masked import Reduce, masked_mean, masked_mean_var, select_valid
+from openaligner.algorithms.kl import kl_penalty
+from openaligner.algorithms.masked import Reduce, masked_mean, masked_mean_var, masked_sum, select_valid
 
-LossAggregation = Literal["token_mean", "seq_mean_token_mean"]
-LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean")
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class PolicyLossStats:
     ratio_clamped_mean: torch.Tensor  # NeMo-Aligner's ppo_ratio_clamped
     entropy: torch.Tensor  # mean per-token entropy (0 when none was given)
     pg_loss: torch.Tensor  # the policy-gradient part, before the entropy bonus
+    kl_loss: torch.Tensor  # the KL term before its coefficient (0 when there is none)
 
 
 @dataclass(frozen=True)
@@ -40,17 +42,29 @@ class ValueLossStats:
     returns_mean: torch.Tensor
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, aggregation: str, norm_length: int | None = None
+) -> torch.Tensor:
     """Reduce a per-token loss [B, S-1] to a scalar.
 
     ``token_mean``: every valid token weighs the same (NeMo-Aligner, PPO2).
     ``seq_mean_token_mean``: mean per sample, then mean over samples that have a valid token
-    (each sample weighs the same regardless of length).
+    (each sample weighs the same regardless of length; GRPO).
+    ``seq_mean_token_sum_norm``: each sample's token *sum* divided by the constant
+    ``norm_length`` (the generation budget), then the mean over samples that have a valid token
+    (Dr. GRPO, Liu et al. 2025: a token weighs the same in a long and a short response, without
+    ``token_mean``'s dependence on the batch's total length). Example: losses [[1, 1, 0], [2, 0,
+    0]], mask [[1, 1, 0], [1, 0, 0]], norm_length 4 → (2/4 + 2/4) / 2 = 0.5.
     """
     if aggregation == "token_mean":
         return masked_mean(loss, mask)
-    if aggregation == "seq_mean_token_mean":
-        per_sample = masked_mean(loss, mask, dim=-1)
+    if aggregation in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
+        if aggregation == "seq_mean_token_mean":
+            per_sample = masked_mean(loss, mask, dim=-1)
+        else:
+            if norm_length is None or norm_length < 1:
+                raise ValueError(f"seq_mean_token_sum_norm needs norm_length >= 1, got {norm_length}")
+            per_sample = masked_sum(loss, mask, dim=-1) / norm_length
         has_tokens = (mask.sum(dim=-1) > 0).to(loss.dtype)
         return masked_mean(per_sample, has_tokens)
     raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {LOSS_AGGREGATIONS}")
@@ -66,9 +80,13 @@ def ppo_policy_loss(
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
     aggregation: str = "token_mean",
+    norm_length: int | None = None,
     is_end: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """Clipped surrogate objective of PPO (Schulman et al. 2017, eq. 7), as a loss to minimise.
 
@@ -85,11 +103,15 @@ def ppo_policy_loss(
         clip_eps: ε (NeMo-Aligner's ``ratio_eps``, default there 0.2).
         clip_eps_high: upper ε ("clip-higher"); defaults to ``clip_eps``.
         dual_clip: the dual-clip constant c (> 1) or ``None``.
-        aggregation: see :func:`aggregate`.
+        aggregation: see :func:`aggregate` (``norm_length`` with it).
         is_end: [B] bool; when given, samples that never ended get no policy gradient
             (NeMo-Aligner's default gating).
         entropy: [B, S-1] per-token entropy of the current policy (with grad) for the bonus.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        ref_logprobs: [B, S-1] log-probs of the sampled tokens under the initial policy; with
+            ``kl_coef`` > 0, ``kl_coef · aggregate(KL_kind(logprobs, ref_logprobs))`` is added to the
+            loss: the KL as a loss term (GRPO, DeepSeekMath eq. 4, with ``k3``), its gradient
+            through ``logprobs`` only.
 
     Returns:
         ``(loss, stats)``. With no valid token the loss is 0 with zero gradient. Values outside
@@ -113,12 +135,17 @@ def ppo_policy_loss(
         dual_capped = (advantages < 0) & (pg > cap)
         pg = torch.where(advantages < 0, torch.minimum(pg, cap), pg)
 
-    pg_loss = aggregate(pg, loss_mask, aggregation)
+    pg_loss = aggregate(pg, loss_mask, aggregation, norm_length)
     loss = pg_loss
     entropy_mean = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     if entropy is not None:
-        entropy_mean = aggregate(select_valid(entropy, m), loss_mask, aggregation)
+        entropy_mean = aggregate(select_valid(entropy, m), loss_mask, aggregation, norm_length)
         loss = loss - entropy_coef * entropy_mean
+    kl_term = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    if ref_logprobs is not None and kl_coef > 0:
+        per_token = kl_penalty(select_valid(logprobs, m), select_valid(ref_logprobs, m), kl_kind)
+        kl_term = aggregate(select_valid(per_token, m), loss_mask, aggregation, norm_length)
+        loss = loss + kl_coef * kl_term
 
     with torch.no_grad():
         clipped = (ratio < 1.0 - clip_eps) | (ratio > 1.0 + eps_high)
@@ -131,6 +158,7 @@ def ppo_policy_loss(
             ratio_clamped_mean=masked_mean(ratio_clamped, m),
             entropy=entropy_mean.detach(),
             pg_loss=pg_loss.detach(),
+            kl_loss=kl_term.detach(),
         )
     return loss, stats
 

@@ -143,6 +143,7 @@ def test_groups_stay_on_one_rank():
             "num_rollout_samples=6",
             "rollout_micro_batch_size=4",
             "global_batch_size=8",
+            "val_check_interval=0",
         ],
     )
     with pytest.raises(ValueError, match="num_rollout_samples=6 must be a multiple of ranks = 4"):
