@@ -134,6 +134,12 @@ class PPOConfig:
         return "abs" if self.use_absolute_kl else "k1"
 
     @property
+    def aggregation(self) -> str:
+        """``loss_aggregation``, resolved at load."""
+        assert self.loss_aggregation is not None
+        return self.loss_aggregation
+
+    @property
     def kl_in_reward(self) -> bool:
         return self.kl_in == "reward"
 

@@ -69,7 +69,8 @@ class PPOData:
 
     def select(self, index: torch.Tensor) -> PPOData:
         """Rows ``index`` of every field (for minibatches)."""
-        return PPOData(**{k: v[index] if v is not None else None for k, v in self.__dict__.items()})
+        picked = {k: v[index] for k, v in self.__dict__.items() if v is not None}
+        return PPOData(**picked)
 
 
 def compute_ppo_data(

@@ -149,7 +149,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         clip_eps_high=c.ratio_eps_high,
         dual_clip=c.dual_clip,
         entropy_coef=c.entropy_bonus,
-        loss_aggregation=c.loss_aggregation,
+        loss_aggregation=c.aggregation,
         loss_norm_length=c.length.max_length,
         kl_loss_kind=c.kl_kind,
         init_policy=init_policy,

@@ -117,7 +117,7 @@ def main(out: Path, fail_at: int | None = None) -> None:
         shard(model, parallel),
         init_policy=init,
         gather_for_generation=parallel.generation == "gathered",
-        loss_aggregation=cfg.loss_aggregation,
+        loss_aggregation=cfg.aggregation,
         loss_norm_length=cfg.length.max_length,
         kl_loss_kind=cfg.kl_kind,
     )

@@ -110,7 +110,7 @@ def make_trainer(
         actor = CausalLMActor(
             model,
             clip_eps=cfg.ratio_eps,
-            loss_aggregation=cfg.loss_aggregation,
+            loss_aggregation=cfg.aggregation,
             loss_norm_length=cfg.length.max_length,
             kl_loss_kind=cfg.kl_kind,
         )
