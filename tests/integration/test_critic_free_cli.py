@@ -10,6 +10,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -34,17 +35,34 @@ def _serve(args: list[str]) -> tuple[Served, int]:
     return served, port
 
 
+class Servers:
+    """The module's reward servers, each started on first use: a tiny reward model (char tokenizer,
+    as the actor's) and a reward function."""
+
+    ARGS: ClassVar[dict[str, list[str]]] = {
+        "model": ["model.tiny=gpt2", "model.tiny_seed=0", "server.inference_micro_batch_size=[8]"],
+        "function": ["reward.function=critic_free_rewards:letter_share"],
+    }
+
+    def __init__(self) -> None:
+        self.started: dict[str, tuple[Served, int]] = {}
+
+    def port(self, kind: str) -> int:
+        if kind not in self.started:
+            self.started[kind] = _serve(self.ARGS[kind])
+        return self.started[kind][1]
+
+    def stop(self) -> None:
+        for served, _ in self.started.values():
+            served.proc.send_signal(signal.SIGTERM)
+            served.proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def servers():
-    """A tiny reward model (char tokenizer, as the actor's) and a reward function, both served."""
-    model, model_port = _serve(
-        ["model.tiny=gpt2", "model.tiny_seed=0", "server.inference_micro_batch_size=[8]"]
-    )
-    function, function_port = _serve(["reward.function=critic_free_rewards:letter_share"])
-    yield {"model": model_port, "function": function_port}
-    for s in (model, function):
-        s.proc.send_signal(signal.SIGTERM)
-        s.proc.wait(timeout=30)
+    s = Servers()
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +119,8 @@ def test_every_estimator_trains_against_a_served_reward_and_resumes_exactly(
     tmp_path, servers, prompts, estimator, reward
 ):
     out = tmp_path / "run"
-    assert _train(out, prompts, estimator, servers[reward], reward) == 0
+    port = servers.port(reward)
+    assert _train(out, prompts, estimator, port, reward) == 0
     rows = read_jsonl(out / "logs" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["rollout/rollout_size"] == 16  # 4 prompts × 4 responses
@@ -111,7 +130,7 @@ def test_every_estimator_trains_against_a_served_reward_and_resumes_exactly(
     assert (out / "actor" / "model.safetensors").is_file()
     # drop step 2 and run again: it resumes from step 1 and repeats step 2 exactly
     shutil.rmtree(out / "checkpoints" / "step_2")
-    assert _train(out, prompts, estimator, servers[reward], reward) == 0
+    assert _train(out, prompts, estimator, port, reward) == 0
     again = read_jsonl(out / "logs" / "metrics.jsonl")
     assert [r["step"] for r in again] == [1, 2]
     for k, v in rows[1].items():

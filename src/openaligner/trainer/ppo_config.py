@@ -78,9 +78,7 @@ class PPOConfig:
     ratio_eps_high: float | None = None  # upper ε ("clip-higher"); null = ratio_eps
     dual_clip: float | None = None  # dual-clip constant c > 1; null disables
     entropy_bonus: float = 0.0  # weight of the entropy bonus
-    loss_aggregation: str | None = (
-        None  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm; null: per estimator
-    )
+    loss_aggregation: str | None = None  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     gate_unfinished: bool = True  # samples that never ended get no policy gradient (NeMo-Aligner)
     gradient_clip_val: float = 1.0  # actor gradient-norm clip; 0 disables
     max_nonfinite_steps_in_a_row: int = 3  # stop after this many inf/NaN-gradient (skipped) steps in a row
