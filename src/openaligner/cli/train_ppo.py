@@ -44,8 +44,9 @@ def run(cfg: TrainPPOConfig) -> int:
         return _train(cfg)
     except KeyboardInterrupt as e:
         name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("SIGINT", 130)
+        note = _resume_note(Path(cfg.exp.output_dir), cfg.trainer.uses_critic)
         print(
-            f"openaligner train-ppo: stopped by {name}; {_resume_note(Path(cfg.exp.output_dir))}",
+            f"openaligner train-ppo: stopped by {name}; {note}",
             file=sys.stderr,
             flush=True,
         )
@@ -54,12 +55,14 @@ def run(cfg: TrainPPOConfig) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _resume_note(out: Path) -> str:
+def _resume_note(out: Path, uses_critic: bool = True) -> str:
     from openaligner.io.checkpoint import CheckpointManager
 
     latest = CheckpointManager(out / "checkpoints").latest()
     if latest is None:
         return "no checkpoint was written yet, so the same command starts over"
+    if not uses_critic:
+        return f"the same command resumes from {latest}"
     return (
         f"the same command resumes from {latest} and sends the critic server back to the critic saved "
         f"with it (restart serve-critic with the same checkpoint.dir if it is not running)"
@@ -111,7 +114,8 @@ def _train(cfg: TrainPPOConfig) -> int:
     except (ClientError, PeerFailedError, NonFiniteTrainingError, ResumeError) as e:
         stopped = ""
         if started:
-            stopped = f" The run stopped at step {started[0].step}; {_resume_note(run.output_dir)}."
+            note = _resume_note(run.output_dir, cfg.trainer.uses_critic)
+            stopped = f" The run stopped at step {started[0].step}; {note}."
         print(f"openaligner train-ppo: {e}{stopped}", file=sys.stderr, flush=True)
         return 1
     return 0
