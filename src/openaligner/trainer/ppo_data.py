@@ -93,12 +93,7 @@ def compute_ppo_data(
     (what the adaptive KL controller tracks); ``{advantages,returns,values}_{mean,std}`` are the
     masked mean and uncorrected standard deviation over all valid tokens.
     """
-    width = batch.logprobs.shape[-1]
-    mask = response_mask(batch.prompt_lengths, batch.response_lengths, width, dtype=batch.logprobs.dtype)
-    if batch.init_logprobs is not None:
-        kl = kl_penalty(batch.logprobs, batch.init_logprobs, kl_kind)
-    else:
-        kl = torch.zeros_like(batch.logprobs)
+    mask, kl = _mask_and_kl(batch, kl_kind)
     token_rewards = shape_rewards(
         batch.rewards,
         kl,
@@ -109,20 +104,7 @@ def compute_ppo_data(
         score_clip=score_clip,
     )
     advantages, returns = gae(batch.values, token_rewards, mask, gamma, lam)
-
-    per_sample = torch.stack(
-        [
-            masked_mean(kl, mask, dim=-1),
-            masked_mean(token_rewards, mask, dim=-1),
-            masked_sum(kl, mask, dim=-1),
-        ]
-    )
-    sums = reduce(torch.cat([per_sample.sum(dim=-1), torch.tensor([float(len(batch))])]).double())
-    metrics: dict[str, torch.Tensor] = {
-        "init_policy_kl": sums[0] / sums[3],
-        "rewards_with_kl": sums[1] / sums[3],
-        "sequence_kl": sums[2] / sums[3],
-    }
+    metrics = _kl_metrics(kl, mask, masked_mean(token_rewards, mask, dim=-1), reduce)
     stats = {
         name: masked_mean_var(tensor, mask, reduce=reduce)
         for name, tensor in (("advantages", advantages), ("returns", returns), ("values", batch.values))
@@ -184,12 +166,7 @@ def compute_critic_free_data(
         ``(data, metrics)``: ``data.advantages`` [B, S-1] (0 outside the mask), ``returns`` and
         ``values`` zeros; metrics as :func:`compute_ppo_data`'s except ``returns_*``/``values_*``.
     """
-    width = batch.logprobs.shape[-1]
-    mask = response_mask(batch.prompt_lengths, batch.response_lengths, width, dtype=batch.logprobs.dtype)
-    if batch.init_logprobs is not None:
-        kl = kl_penalty(batch.logprobs, batch.init_logprobs, kl_kind)
-    else:
-        kl = torch.zeros_like(batch.logprobs)
+    mask, kl = _mask_and_kl(batch, kl_kind)
     scores = adjust_scores(
         batch.rewards.to(kl.dtype),
         is_end=batch.is_end,
@@ -213,13 +190,7 @@ def compute_critic_free_data(
     else:
         raise ValueError(f"unknown critic-free estimator {estimator!r}")
 
-    per_sample_kl = torch.stack([masked_mean(kl, mask, dim=-1), rewards, masked_sum(kl, mask, dim=-1)])
-    sums = reduce(torch.cat([per_sample_kl.sum(dim=-1), torch.tensor([float(len(batch))])]).double())
-    metrics: dict[str, torch.Tensor] = {
-        "init_policy_kl": sums[0] / sums[3],
-        "rewards_with_kl": sums[1] / sums[3],
-        "sequence_kl": sums[2] / sums[3],
-    }
+    metrics = _kl_metrics(kl, mask, rewards, reduce)
     mean, var = masked_mean_var(advantages, mask, reduce=reduce)
     metrics["advantages_mean"] = mean
     metrics["advantages_std"] = var.clamp_min(0).sqrt()
@@ -235,3 +206,27 @@ def compute_critic_free_data(
         values=zeros,
     )
     return data, metrics
+
+
+def _mask_and_kl(batch: RolloutBatch, kl_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The response mask [B, S-1] and the per-token KL estimate [B, S-1] (zeros without initial-policy
+    log-probs)."""
+    width = batch.logprobs.shape[-1]
+    mask = response_mask(batch.prompt_lengths, batch.response_lengths, width, dtype=batch.logprobs.dtype)
+    if batch.init_logprobs is None:
+        return mask, torch.zeros_like(batch.logprobs)
+    return mask, kl_penalty(batch.logprobs, batch.init_logprobs, kl_kind)
+
+
+def _kl_metrics(
+    kl: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor, reduce: Reduce
+) -> dict[str, torch.Tensor]:
+    """Means over every rank's samples: each sample's token-mean KL (``init_policy_kl``), its reward
+    ``rewards`` [B] (``rewards_with_kl``) and its summed KL (``sequence_kl``)."""
+    per_sample = torch.stack([masked_mean(kl, mask, dim=-1), rewards, masked_sum(kl, mask, dim=-1)])
+    sums = reduce(torch.cat([per_sample.sum(dim=-1), torch.tensor([float(rewards.shape[0])])]).double())
+    return {
+        "init_policy_kl": sums[0] / sums[3],
+        "rewards_with_kl": sums[1] / sums[3],
+        "sequence_kl": sums[2] / sums[3],
+    }
