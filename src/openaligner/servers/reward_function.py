@@ -19,24 +19,25 @@ object from the ``metadata`` input, ``{}`` without one.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import inspect
 import json
 import logging
-import math
 import multiprocessing
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from openaligner.servers.batching import split_rows
+from openaligner.servers.function_worker import (
+    RewardFunctionError,
+    RewardFunctionLoadError,
+    split_spec,
+    worker_main,
+)
 from openaligner.servers.protocol import (
     MESSAGES,
     METADATA,
@@ -64,114 +65,6 @@ MAX_METADATA_BYTES = 65536
 """Largest ``metadata`` object per row (UTF-8 bytes of its JSON)."""
 
 
-class RewardFunctionError(RuntimeError):
-    """The reward function failed on a call: it raised, timed out, died or returned a wrong value."""
-
-
-class RewardFunctionLoadError(ValueError):
-    """``reward.function`` cannot be loaded: bad form, import error, not callable."""
-
-
-# -------------------------------------------------------------------------------- loading
-def load_function(spec: str) -> tuple[Callable[..., Any], bool]:
-    """``module:callable`` or ``path/to/file.py:callable`` → ``(fn, takes_metadata)``.
-
-    Raises:
-        RewardFunctionLoadError: naming the spec and what went wrong.
-    """
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise RewardFunctionLoadError(
-            f"reward.function={spec!r} must look like 'package.module:function' or 'path/to/file.py:function'"
-        )
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name).expanduser().resolve()
-            if not path.is_file():
-                raise RewardFunctionLoadError(f"reward.function={spec!r}: {path} does not exist")
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            assert module_spec is not None and module_spec.loader is not None
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except RewardFunctionLoadError:
-        raise
-    except Exception as e:  # the user's module: anything may go wrong while importing it
-        raise RewardFunctionLoadError(
-            f"reward.function={spec!r}: importing {module_name!r} failed ({type(e).__name__}: {e})"
-        ) from None
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise RewardFunctionLoadError(
-            f"reward.function={spec!r}: {module_name!r} has no callable {attr!r}"
-            + (f" (it is a {type(fn).__name__})" if fn is not None else "")
-        )
-    return fn, _takes_metadata(fn)
-
-
-def _takes_metadata(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` accepts a third positional argument (``metadata``)."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return True
-    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
-        return True
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    positional = [p for p in params if p.kind in kinds]
-    return len(positional) >= 3
-
-
-def check_scores(value: Any, rows: int, name: str) -> list[float]:
-    """The function's answer as ``rows`` finite floats.
-
-    Raises:
-        RewardFunctionError: naming what it returned and what was expected.
-    """
-    if isinstance(value, torch.Tensor | np.ndarray):
-        value = value.tolist()
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise RewardFunctionError(
-            f"{name} returned {type(value).__name__}; expected a list of {rows} numbers, one per response"
-        )
-    if len(value) != rows:
-        raise RewardFunctionError(f"{name} returned {len(value)} scores for {rows} responses")
-    scores = []
-    for i, v in enumerate(value):
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            kind = type(v).__name__
-            raise RewardFunctionError(f"{name} returned {v!r} ({kind}) for row {i}; expected a number")
-        if not math.isfinite(float(v)):
-            raise RewardFunctionError(f"{name} returned {v} for row {i}; expected a finite number")
-        scores.append(float(v))
-    return scores
-
-
-# -------------------------------------------------------------------------------- the worker
-def _worker_main(spec: str, conn: Connection) -> None:
-    """The worker process: load the function, then answer ``(prompts, responses, metadata)``
-    calls with ``("ok", scores)`` or ``("error", message)`` until the pipe closes."""
-    try:
-        fn, takes_metadata = load_function(spec)
-    except RewardFunctionLoadError as e:
-        conn.send(("load_error", str(e)))
-        return
-    conn.send(("ready", takes_metadata))
-    while True:
-        try:
-            prompts, responses, metadata = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            value = fn(prompts, responses, metadata) if takes_metadata else fn(prompts, responses)
-            conn.send(("ok", check_scores(value, len(prompts), spec)))
-        except RewardFunctionError as e:
-            conn.send(("error", str(e)))
-        except BaseException as e:  # the user's code: report whatever it raised, keep serving
-            conn.send(("error", f"{spec} raised {type(e).__name__}: {e}"))
-
-
 class FunctionRunner:
     """Calls the reward function ``spec`` in a worker process, one call at a time.
 
@@ -189,6 +82,7 @@ class FunctionRunner:
     def __init__(self, spec: str, timeout_s: float = 60.0, start_timeout_s: float = 120.0) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
+        split_spec(spec)  # a malformed spec is refused before any process starts
         self.spec = spec
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
@@ -202,7 +96,7 @@ class FunctionRunner:
 
     def _start(self) -> None:
         parent, child = self._context.Pipe()
-        process = self._context.Process(target=_worker_main, args=(self.spec, child), daemon=True)
+        process = self._context.Process(target=worker_main, args=(self.spec, child), daemon=True)
         process.start()
         child.close()
         if not parent.poll(self.start_timeout_s):
@@ -243,7 +137,10 @@ class FunctionRunner:
                 answered = self._conn.poll(self.timeout_s)
                 outcome = self._conn.recv() if answered else None
             except (EOFError, OSError, BrokenPipeError):
-                code = self._process.exitcode if self._process is not None else None
+                code = None
+                if self._process is not None:
+                    self._process.join(2)  # reap it, for its exit code
+                    code = self._process.exitcode
                 self._restart()
                 raise RewardFunctionError(
                     f"{self.spec}: its worker process died during the call (exit code {code}); restarted"
