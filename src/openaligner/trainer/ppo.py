@@ -1,9 +1,12 @@
 """PPOTrainer: the actor-side PPO loop that drives the reward model and critic servers.
 
-One step, as a recipe: (1) generate rollouts in micro-batches, sending each micro-batch to the
-reward/critic servers asynchronously; (2) policy and initial-policy log-probs; (3) wait for
-rewards and values; (4) KL-shaped rewards, GAE and global advantage whitening; (5) send the
-critic its training data; (6) update the actor with clipped PPO; (7) log, validate, checkpoint.
+One step, as a recipe: (1) generate rollouts in micro-batches (``n_samples_per_prompt`` responses
+per prompt), sending each micro-batch to the reward/critic servers asynchronously; (2) policy and
+initial-policy log-probs; (3) wait for rewards and values; (4) advantages: KL-shaped rewards, GAE
+and global whitening for PPO, or a critic-free estimator (``trainer.advantage_estimator``:
+REINFORCE, RLOO, GRPO, Dr. GRPO, REINFORCE++, which talk to the reward server alone); (5) send the
+critic its training data (PPO only); (6) update the actor with the clipped surrogate loss (plus a
+KL term with ``kl_in=loss``); (7) log, validate, checkpoint.
 
 Owns the loop, its state (step, consumed samples, optimisation steps) and exact resume. Knows
 the actor model and the server client only through their methods; the math comes from
@@ -219,6 +222,7 @@ class PPOTrainer:
         """How many optimizer steps one ``critic_train`` runs (the last answer's; recorded in
         checkpoints)."""
         self._train_iter: Iterator[list[Sequence[int]]] | None = None
+        self._loss_kl_coef = self.kl_controller.value
         self.history: list[dict[str, float]] = []
 
     # ------------------------------------------------------------------ properties
@@ -335,6 +339,8 @@ class PPOTrainer:
             )
         if not c.kl_in_reward:
             data.ref_logprobs = rollout_batch.init_logprobs
+        # β of a KL loss term: the one in effect for these rollouts (before an adaptive update below)
+        self._loss_kl_coef = self.kl_controller.value
         metrics = {f"rollout/{k}": float(v) for k, v in stats.items()}
         if c.uses_critic:
             # Explained variance of the rollout values against the returns they are trained toward.
@@ -585,7 +591,7 @@ class PPOTrainer:
                     }
                     if mb.ref_logprobs is not None:  # the KL as a loss term
                         batch["ref_logprobs"] = mb.ref_logprobs
-                        batch["kl_coef"] = torch.tensor(self.kl_controller.value, dtype=torch.float64)
+                        batch["kl_coef"] = torch.tensor(self._loss_kl_coef, dtype=torch.float64)
                     loss, metrics = self.model.get_loss_and_metrics(batch)
                     self.grad_scaler.scale(loss / n_micro).backward()
                     for k, v in metrics.items():
