@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import signal
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -110,7 +111,10 @@ def check_scores(value: Any, rows: int, name: str) -> list[float]:
 
 def worker_main(spec: str, conn: Connection) -> None:
     """The worker process: load the function, then answer ``(prompts, responses, metadata)``
-    calls with ``("ok", scores)`` or ``("error", message)`` until the pipe closes."""
+    calls with ``("ok", scores)`` or ``("error", message)`` until the pipe closes (the server
+    closed it, or died). Ctrl-C in the server's terminal reaches the whole process group: the worker
+    ignores it and is stopped by the server instead."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         fn, takes_metadata = load_function(spec)
     except RewardFunctionLoadError as e:
