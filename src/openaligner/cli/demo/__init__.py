@@ -146,11 +146,8 @@ def run(cfg: DemoConfig) -> int:
                 rm_metrics = last_metrics(run_dir / "rm" / "metrics.jsonl", "val/")
 
             served = "the gold scorer as a reward function" if cfg.reward == "gold" else "reward model"
-            banner(
-                console,
-                4,
-                f"serving: {served}{' and critic' if variant.uses_critic else ''} in their own processes",
-            )
+            where = " and critic in their own processes" if variant.uses_critic else " in its own process"
+            banner(console, 4, f"serving: {served}{where}")
             rm_port = free_loopback_port()
             reward_yaml = write_config(
                 configs / f"serve_reward{tag}.yaml",
