@@ -48,13 +48,17 @@ def write_config(path: Path, command: str, overrides: Sequence[str]) -> Path:
 def reuse_problem(model_dir: Path, yaml_path: Path, command: str, overrides: Sequence[str]) -> str | None:
     """Why the model in ``model_dir`` cannot stand in for running ``command`` with ``overrides``;
     None when it can: the training finished (the final model is there) and the YAML it was trained
-    from, ``yaml_path``, is the one these overrides give (same seed, mode, steps and paths)."""
+    from, ``yaml_path``, is the one these overrides give (same seed, mode, steps and paths: a moved
+    run directory is trained again)."""
     if not (model_dir / "config.json").is_file() or not any(model_dir.glob("*.safetensors")):
         return f"{model_dir} holds no trained model"
     if not yaml_path.is_file():
         return f"{yaml_path} is missing, so what {model_dir} was trained with is unknown"
     if yaml_path.read_text() != config_yaml(command, overrides):
-        return f"{model_dir} was trained with another seed, mode or step count than asked ({yaml_path})"
+        return (
+            f"{model_dir} was trained with another configuration than asked (seed, mode, step counts or "
+            f"run directory; see {yaml_path})"
+        )
     return None
 
 
