@@ -54,7 +54,13 @@ def reuse_problem(model_dir: Path, yaml_path: Path, command: str, overrides: Seq
         return f"{model_dir} holds no trained model"
     if not yaml_path.is_file():
         return f"{yaml_path} is missing, so what {model_dir} was trained with is unknown"
-    if yaml_path.read_text() != config_yaml(command, overrides):
+    from openaligner.config import ConfigError
+
+    try:
+        asked = config_yaml(command, overrides)
+    except ConfigError as e:  # e.g. the run directory's tokenizer or data are gone
+        return f"the configuration {model_dir} was trained with cannot be checked: {e}"
+    if yaml_path.read_text() != asked:
         return (
             f"{model_dir} was trained with another configuration than asked (seed, mode, step counts or "
             f"run directory; see {yaml_path})"
