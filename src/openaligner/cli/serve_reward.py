@@ -1,9 +1,12 @@
-"""``openaligner serve-reward [CONFIG] [key=value ...]``: serve a frozen reward model over HTTP.
+"""``openaligner serve-reward [CONFIG] [key=value ...]``: serve a frozen reward model, a Python
+reward function, or both, over HTTP.
 
 Loads the reward model the config names (a Hugging Face directory, or the tiny seeded test model
-when asked for), starts :class:`openaligner.servers.reward.RewardModelServer` and serves until
-SIGINT or SIGTERM. Under ``torchrun`` every rank loads the model and computes a share of each
-batch; with ``parallel.strategy=fsdp`` each then keeps only its shard of the weights (every rank
+when asked for) and/or the reward function ``reward.function`` (in a worker process of its own, see
+:mod:`openaligner.servers.reward_function`), starts
+:class:`openaligner.servers.reward.RewardModelServer` and serves until SIGINT or SIGTERM. Under
+``torchrun`` every rank loads the model and computes a share of each batch (the function runs on
+rank 0); with ``parallel.strategy=fsdp`` each then keeps only its shard of the weights (every rank
 takes part in every forward). Rank 0 runs Triton and the others follow it. Prints the URL once
 the server answers, and stops Triton (no process left behind) on either signal.
 """
@@ -12,18 +15,38 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from openaligner.cli import serving
 from openaligner.cli.serving import RuntimeConfig
+from openaligner.config import StartupError, as_startup_error
 from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
 from openaligner.models.sharding import ParallelConfig
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
 from openaligner.servers.reward import RewardServerConfig
+
+if TYPE_CHECKING:
+    from openaligner.servers.reward_function import FunctionRunner
+
+
+@dataclass
+class RewardFunctionConfig:
+    """A Python reward function served instead of, or with, the reward model (docs/serving.md)."""
+
+    function: str | None = None  # "package.module:function" or "path/to/file.py:function"; null: none
+    model_weight: float = (
+        1.0  # with a model and a function: reward = model_weight·model + function_weight·function
+    )
+    function_weight: float = 1.0  # weight of the function's score
+    timeout_s: float = 60.0  # a call still running after this long fails; its worker is restarted
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"{{section}}.timeout_s must be > 0, got {self.timeout_s}")
 
 
 @dataclass
@@ -34,12 +57,14 @@ class ServeRewardConfig:
     tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # for `sentences`
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # device, precision, reward scale
     server: RewardServerConfig = field(default_factory=RewardServerConfig)  # how to serve it
+    reward: RewardFunctionConfig = field(default_factory=RewardFunctionConfig)  # a reward function
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # replicas (ddp) or shards (fsdp)
     threads: int | None = None  # torch CPU threads per rank; null: on CPU, cores - 1 (Triton needs one)
     log_level: str = "INFO"  # Python logging level of this process
 
     def __post_init__(self) -> None:
-        serving.check_model_choice(self.model)
+        if self.reward.function is None or self.model.path is not None or self.model.tiny is not None:
+            serving.check_model_choice(self.model)
 
 
 SCHEMA = ServeRewardConfig
@@ -51,36 +76,74 @@ def run(cfg: ServeRewardConfig) -> int:
     from openaligner.servers.reward import RewardModelServer
 
     log = serving.setup_logging(cfg.log_level, "openaligner.serve_reward")
+    has_model = cfg.model.path is not None or cfg.model.tiny is not None
     with serving.process_group():
         device, precision = serving.prepare_runtime(cfg.runtime, cfg.threads, log)
-        model, tokenizer = load_model(cfg, device, precision, log)
-        # sharded after the cast to the inference dtype: the shards hold the weights as served
-        model = serving.shard_served(model, cfg.parallel, "reward model")
-        hf_config = model.hf_model.config
-        max_len = serving.sequence_limit(cfg.server.max_sequence_length, [position_limit(hf_config)])
-        tokenize = serving.sentences_tokenizer(tokenizer, cfg.model.path, max_len)
-        render, described = serving.served_tokenizer(tokenizer, cfg.model.path)
-        server = RewardModelServer(
-            precision.autocast_fn(model.infer),
-            tokenize,
-            cfg.server,
-            render_func=render,
-            tokenizer_info=described,
-            vocab_size=int(hf_config.vocab_size),
-            max_sequence_length=max_len,
-        )
-        serving.install_signal_handlers(server, log)
-        if dp.is_leader() and server.start():  # False: stopped while starting
-            print(
-                f"reward model server ready at {server.url} (model '{cfg.server.model_name}', "
-                f"{dp.world_size()} rank(s){', sharded' if cfg.parallel.sharded else ''}); "
-                "stop with Ctrl-C or SIGTERM",
-                flush=True,
+        runner = start_reward_function(cfg.reward) if dp.is_leader() else None
+        try:
+            settings: dict[str, Any] = {}
+            if has_model:
+                model, tokenizer = load_model(cfg, device, precision, log)
+                # sharded after the cast to the inference dtype: the shards hold the weights as served
+                model = serving.shard_served(model, cfg.parallel, "reward model")
+                hf_config = model.hf_model.config
+                max_len = serving.sequence_limit(cfg.server.max_sequence_length, [position_limit(hf_config)])
+                render, described = serving.served_tokenizer(tokenizer, cfg.model.path)
+                if runner is not None and render is None:
+                    raise StartupError(
+                        "reward.function with a reward model needs the model's tokenizer to lay text out for "
+                        "it: set tokenizer.path (or serve a model directory that holds its tokenizer)"
+                    )
+                settings = {
+                    "infer_fn": precision.autocast_fn(model.infer),
+                    "tokenize_func": serving.sentences_tokenizer(tokenizer, cfg.model.path, max_len),
+                    "render_func": render,
+                    "tokenizer_info": described,
+                    "vocab_size": int(hf_config.vocab_size),
+                    "max_sequence_length": max_len,
+                }
+            server = RewardModelServer(
+                settings.pop("infer_fn", None),
+                settings.pop("tokenize_func", None),
+                cfg.server,
+                reward_function=runner,
+                function_name=cfg.reward.function or "",
+                model_weight=cfg.reward.model_weight,
+                function_weight=cfg.reward.function_weight,
+                **settings,
             )
-        server.run_server()
+            serving.install_signal_handlers(server, log)
+            if dp.is_leader() and server.start():  # False: stopped while starting
+                served = [f"model '{cfg.server.model_name}'"]
+                if cfg.reward.function is not None:
+                    served.append(f"function {cfg.reward.function}")
+                print(
+                    f"reward model server ready at {server.url} ({', '.join(served)}, "
+                    f"{dp.world_size()} rank(s){', sharded' if cfg.parallel.sharded else ''}); "
+                    "stop with Ctrl-C or SIGTERM",
+                    flush=True,
+                )
+            server.run_server()
+        finally:
+            if runner is not None:
+                runner.close()
         if dp.is_leader():
             print("reward model server stopped", flush=True)
     return 0
+
+
+def start_reward_function(cfg: RewardFunctionConfig) -> FunctionRunner | None:
+    """The worker process of ``reward.function`` (None without one), once it has loaded it.
+
+    Raises:
+        StartupError: the function cannot be imported, or is not callable.
+    """
+    if cfg.function is None:
+        return None
+    from openaligner.servers.reward_function import FunctionRunner, RewardFunctionLoadError
+
+    with as_startup_error(RewardFunctionLoadError):
+        return FunctionRunner(cfg.function, timeout_s=cfg.timeout_s)
 
 
 def load_model(

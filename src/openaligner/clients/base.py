@@ -54,7 +54,7 @@ from openaligner.clients.errors import (
     ServerTimeoutError,
     ServerUnavailableError,
 )
-from openaligner.servers.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope, tokenizer_route
+from openaligner.servers.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope, reads_text, tokenizer_route
 
 LOGGER = logging.getLogger(__name__)
 
@@ -176,7 +176,8 @@ class TritonHTTPClient:
     def tokenizer(self, model: str) -> dict[str, Any] | None:
         """What the server says of the tokenizer ``model`` lays text out with (GET
         :data:`~openaligner.servers.protocol.TOKENIZER_ROUTE`): ``name``, ``fingerprint`` and
-        ``vocab_fingerprint``; None when it has no tokenizer, or is too old to say.
+        ``vocab_fingerprint``, plus ``"reads": "text"`` for a server that scores text with a reward
+        function (then perhaps alone); None when it has no tokenizer, or is too old to say.
 
         Raises:
             ServerUnavailableError: the server cannot be reached.
@@ -198,10 +199,14 @@ class TritonHTTPClient:
         if answer.status != 200:
             return None  # a server from before the tokenizer route
         try:
-            info = json.loads(body).get("tokenizer")
+            doc = json.loads(body)
+            info = doc.get("tokenizer")
         except (ValueError, AttributeError):
             return None
-        return info if isinstance(info, dict) else None
+        info = info if isinstance(info, dict) else None
+        if reads_text(doc):  # a reward function's server: it reads text only (its model's tokenizer, if any)
+            return {**(info or {}), "reads": "text"}
+        return info
 
     # -- readiness ---------------------------------------------------------------------------
 

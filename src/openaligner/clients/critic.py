@@ -54,6 +54,7 @@ from openaligner.servers.protocol import (
     TOKEN_PARAMETER,
     TOKENS,
     VALUES,
+    reads_text,
 )
 
 ToConversations = Callable[[Mapping[str, torch.Tensor]], list[list[dict[str, str]]]]
@@ -151,16 +152,20 @@ class TokenizerIdentity:
     name: str  # where it was loaded from, for messages
     fingerprint: str  # sha256 of the tokenizer, its template and the model's sequence layout
     vocab_fingerprint: str  # sha256 of the vocabulary and special tokens: what the ids mean
+    reads_text: bool = False  # the server scores text with a reward function: it reads `messages` only
 
     @classmethod
     def from_server(cls, info: Mapping[str, Any] | None, where: str) -> TokenizerIdentity | None:
-        """From a server's tokenizer description (None: the server has no tokenizer)."""
+        """From a server's tokenizer description (None: the server has no tokenizer and reads ids)."""
         if info is None:
             return None
+        if reads_text(info) and info.get("fingerprint") is None:
+            return cls(f"a reward function ({where})", "", "", reads_text=True)
         return cls(
             f"{info.get('name') or 'its tokenizer'} ({where})",
             str(info.get("fingerprint")),
             str(info.get("vocab_fingerprint")),
+            reads_text=reads_text(info),
         )
 
 
@@ -179,7 +184,8 @@ def choose_reward_input(
     must also lay sequences out as the policy's prompts are (``fingerprint``). With a separate reward
     server, ``auto`` picks ``tokens`` when its tokenizer and layout are the policy's
     (``fingerprint``) and ``text`` when they differ; a server that says nothing of its tokenizer
-    (none loaded, or from before the tokenizer route) gets ``tokens``, as before.
+    (none loaded, or from before the tokenizer route) gets ``tokens``, as before. A server that
+    scores text with a reward function (``reads_text``) gets ``text``, and ``tokens`` is refused.
 
     Args:
         mode: ``auto``, ``tokens`` or ``text``.
@@ -222,6 +228,13 @@ def choose_reward_input(
                 "data.chat_template with train-rm's, or set remote.reward_input=tokens to send the ids anyway"
             )
         return "tokens"
+    if reward is not None and reward.reads_text:
+        if mode == "tokens":
+            raise TokenizerMismatchError(
+                f"remote.reward_input=tokens, but {reward.name} serves a reward function, which reads text: "
+                "set remote.reward_input=text (or auto)"
+            )
+        return "text"
     if mode == "tokens":
         return "tokens"
     if reward is None:

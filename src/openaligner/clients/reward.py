@@ -22,6 +22,7 @@ from openaligner.clients.errors import BadRequestError
 from openaligner.servers.protocol import (
     DEFAULT_HOST,
     MESSAGES,
+    METADATA,
     REWARD_DEFAULT_PORT,
     REWARD_MODEL_NAME,
     REWARDS,
@@ -100,22 +101,46 @@ class RemoteGPTRMClient:
         return self._client.tokenizer(self.cfg.name)
 
     def infer_rm_conversations(
-        self, conversations: Sequence[Sequence[Mapping[str, str]]], device: torch.device | str = "cpu"
+        self,
+        conversations: Sequence[Sequence[Mapping[str, str]]],
+        device: torch.device | str = "cpu",
+        metadata: Sequence[Mapping[str, Any]] | None = None,
     ) -> Future[torch.Tensor]:
         """Request rewards for conversations that the server lays out with its own tokenizer and
-        template, as its model was trained (the ``messages`` input).
+        template, as its model was trained (the ``messages`` input), or scores with a reward
+        function (which also reads ``metadata``).
 
         Args:
             conversations: B lists of ``{"role", "content"}``, each ending with the assistant's
                 response.
             device: where the rewards are put.
+            metadata: B JSON-serialisable objects (e.g. ``{"answer": "42"}``) for a reward
+                function; None: none sent.
 
         Returns:
             A future whose ``result()`` is rewards [B] float32 on ``device``.
+
+        Raises:
+            BadRequestError: at once, when ``metadata`` has another number of rows or cannot be
+                written as JSON objects.
         """
         rows = [json.dumps([{"role": m["role"], "content": m["content"]} for m in c]) for c in conversations]
-        inputs = {MESSAGES.name: np.array([[r.encode("utf-8")] for r in rows], dtype=np.object_)}
+        inputs = {MESSAGES.name: _bytes_rows(rows)}
+        if metadata is not None:
+            inputs[METADATA.name] = _bytes_rows(self._metadata_rows(metadata, len(rows)))
         return self._client.submit(self.cfg.name, inputs, self._to_rewards(len(rows), device))
+
+    def _metadata_rows(self, metadata: Sequence[Mapping[str, Any]], rows: int) -> list[str]:
+        def bad(message: str) -> BadRequestError:
+            where = self._client.where(self.cfg.name)
+            return BadRequestError(f"{where}: {message}", url=self.url, model=self.cfg.name)
+
+        if len(metadata) != rows:
+            raise bad(f"metadata has {len(metadata)} rows for {rows} conversations")
+        try:
+            return [json.dumps(dict(m)) for m in metadata]
+        except (TypeError, ValueError) as e:
+            raise bad(f"metadata must be JSON objects: {e}") from None
 
     def _to_rewards(
         self, rows: int, device: torch.device | str
@@ -217,3 +242,8 @@ def rollout_arrays(
     if pad_to_length is not None and width < pad_to_length:
         array = np.pad(array, ((0, 0), (0, pad_to_length - width)))
     return np.ascontiguousarray(array), lengths.detach().to("cpu", torch.int64).numpy()
+
+
+def _bytes_rows(rows: Sequence[str]) -> np.ndarray:
+    """UTF-8 texts as a BYTES input [B, 1]."""
+    return np.array([[r.encode("utf-8")] for r in rows], dtype=np.object_)

@@ -14,6 +14,7 @@ Shapes are per sample, as Triton declares them: a batched request prepends the b
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -72,13 +73,20 @@ MESSAGES = TensorSpec(
     doc='UTF-8 JSON conversation per row, [{"role", "content"}, ...] ending with the assistant\'s '
     "response; laid out by the server as its model was trained",
 )
+METADATA = TensorSpec(
+    "metadata",
+    np.bytes_,
+    (1,),
+    optional=True,
+    doc='UTF-8 JSON object per row (e.g. {"answer": "42"}), with `messages`, for a served reward function',
+)
 TOKENS = TensorSpec("tokens", np.int64, (-1,), optional=True, doc="right-padded token ids")
 SEQUENCE_LENGTHS = TensorSpec(
     "sequence_lengths", np.int64, (1,), optional=True, doc="valid tokens per row, 1 ≤ length ≤ S"
 )
 REWARDS = TensorSpec("rewards", np.float32, (1,), doc="scalar head at index sequence_length − 1")
 
-REWARD_INPUTS: tuple[TensorSpec, ...] = (SENTENCES, MESSAGES, TOKENS, SEQUENCE_LENGTHS)
+REWARD_INPUTS: tuple[TensorSpec, ...] = (SENTENCES, MESSAGES, METADATA, TOKENS, SEQUENCE_LENGTHS)
 REWARD_OUTPUTS: tuple[TensorSpec, ...] = (REWARDS,)
 
 # -- critic server ---------------------------------------------------------------------------
@@ -159,10 +167,22 @@ def tokenizer_description(
 ) -> dict[str, object]:
     """What a server says of its tokenizer: ``{"tokenizer": null}`` when it has none, else its
     ``name`` (where it was loaded from), ``fingerprint`` (tokenizer + the sequence layout the model
-    was trained with) and ``vocab_fingerprint`` (tokenizer alone), sha256 hex digests."""
+    was trained with) and ``vocab_fingerprint`` (tokenizer alone), sha256 hex digests. A server
+    that scores text with a reward function adds ``"reads": "text"`` (:func:`text_reader`)."""
     if fingerprint is None:
         return {"tokenizer": None}
     return {"tokenizer": {"name": name, "fingerprint": fingerprint, "vocab_fingerprint": vocab_fingerprint}}
+
+
+def text_reader(description: Mapping[str, object]) -> dict[str, object]:
+    """The tokenizer description of a server that reads only text (``messages``): a reward
+    function's, alone or with a model (whose tokenizer the description still names)."""
+    return {**description, "reads": "text"}
+
+
+def reads_text(description: Mapping[str, object]) -> bool:
+    """Whether a tokenizer description is a :func:`text_reader`'s."""
+    return description.get("reads") == "text"
 
 
 TOKEN_PARAMETER = "openaligner_token"

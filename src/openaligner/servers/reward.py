@@ -36,6 +36,7 @@ from openaligner.servers.protocol import (
     REWARD_MODEL_NAME,
     REWARD_OUTPUTS,
 )
+from openaligner.servers.reward_function import RewardFunctionEndpoint, ScoreTexts
 from openaligner.servers.sequence_endpoint import SequenceEndpoint
 from openaligner.servers.transport.lifecycle import ServerLifecycle
 from openaligner.servers.validation import RenderFn, RequestError, SequenceRequest, TokenizeFn
@@ -109,7 +110,8 @@ class RewardModelServer(ServerLifecycle):
 
     Args:
         infer_fn: ``(tokens [b, S] int64, lengths [b] int64) -> rewards [b]`` (no grad), called
-            once per ``cfg.model_forward_micro_batch_size`` rows.
+            once per ``cfg.model_forward_micro_batch_size`` rows; None: no model (a reward function
+            alone).
         tokenize_func: tokenizer for ``sentences``; None refuses sentences.
         render_func: lays out ``messages`` (:func:`make_render_func`); None refuses messages.
         tokenizer_info: what the tokenizer route says (see
@@ -117,6 +119,11 @@ class RewardModelServer(ServerLifecycle):
         cfg: serving settings (default :class:`RewardServerConfig`). Here ``max_sequence_length``
             None skips the length check: the server does not know the model's positions.
         vocab_size: refuse token ids outside ``[0, vocab_size)``; None skips the check.
+        reward_function: scores ``(prompts, responses, metadata)`` (usually a
+            :class:`~openaligner.servers.reward_function.FunctionRunner`); the server then reads
+            ``messages`` (+ ``metadata``) and answers ``model_weight · model + function_weight ·
+            function`` (see :class:`~openaligner.servers.reward_function.RewardFunctionEndpoint`).
+        function_name: the function's name in error messages.
         **settings: :class:`RewardServerConfig` keys that replace ``cfg``'s, as the keyword
             arguments of NeMo-Aligner's ``RewardModelServer``:
             ``RewardModelServer(infer_fn=f, port=5555, inference_micro_batch_size=[4, 8])``.
@@ -130,13 +137,17 @@ class RewardModelServer(ServerLifecycle):
 
     def __init__(
         self,
-        infer_fn: InferFn,
+        infer_fn: InferFn | None,
         tokenize_func: TokenizeFn | None = None,
         cfg: RewardServerConfig | None = None,
         *,
         render_func: RenderFn | None = None,
         tokenizer_info: Mapping[str, object] | None = None,
         vocab_size: int | None = None,
+        reward_function: ScoreTexts | None = None,
+        function_name: str = "the reward function",
+        model_weight: float = 1.0,
+        function_weight: float = 1.0,
         **settings: Any,
     ) -> None:
         self.cfg = replace(cfg or RewardServerConfig(), **settings)
@@ -147,9 +158,13 @@ class RewardModelServer(ServerLifecycle):
                 f"{dp.world_size()} ranks) exceeds max_batch_size {self.cfg.max_batch_size}; "
                 f"raise max_batch_size"
             )
-        self._local_infer = micro_batched(infer_fn, self.cfg.model_forward_micro_batch_size)
+        if infer_fn is None and reward_function is None:
+            raise ValueError("a reward server needs a reward model (infer_fn), a reward function, or both")
+        self._local_infer = (
+            micro_batched(infer_fn, self.cfg.model_forward_micro_batch_size) if infer_fn else None
+        )
         self._init_lifecycle()
-        self.endpoint = RewardEndpoint(
+        sequences = RewardEndpoint(
             self._forward_from_rank0,
             model_name=self.cfg.model_name,
             tokenize_func=tokenize_func,
@@ -162,6 +177,23 @@ class RewardModelServer(ServerLifecycle):
             strip_sequence_length_to_multiple=self.cfg.strip_sequence_length_to_multiple,
             dp_size=dp.world_size(),
         )
+        self.endpoint: RewardEndpoint | RewardFunctionEndpoint = sequences
+        if reward_function is not None:
+            # Text scored by the function, and by the model too when there is one (the rows laid
+            # out and shaped as the model endpoint would).
+            self.endpoint = RewardFunctionEndpoint(
+                reward_function,
+                name=function_name,
+                model_forward=self._forward_from_rank0 if infer_fn is not None else None,
+                render_func=render_func,
+                prepare_model_batch=sequences.shaped_batch,
+                model_weight=model_weight,
+                function_weight=function_weight,
+                model_name=self.cfg.model_name,
+                tokenizer_info=tokenizer_info,
+                max_batch_size=self.cfg.max_batch_size,
+                max_sequence_length=self.cfg.max_sequence_length,
+            )
 
     @property
     def url(self) -> str:
@@ -194,6 +226,7 @@ class RewardModelServer(ServerLifecycle):
 
     def _forward_from_rank0(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         if self._dispatcher is None:  # endpoint used without start(): compute in this process
+            assert self._local_infer is not None
             return self._local_infer(tokens, lengths)
         return self._dispatcher.call(Opcode.FORWARD, (tokens, lengths))
 
@@ -203,7 +236,9 @@ class RewardModelServer(ServerLifecycle):
         lengths = dp.broadcast_tensor(batch[1] if batch is not None else None)
         local_tokens, local_lengths = dp.local_rows(tokens), dp.local_rows(lengths)
         device = dp.collective_device()
-        local = dp.run_guarded(lambda: self._local_infer(local_tokens, local_lengths).to(device))
+        infer = self._local_infer
+        assert infer is not None, "FORWARD is sent only when a reward model is served"
+        local = dp.run_guarded(lambda: infer(local_tokens, local_lengths).to(device))
         return dp.all_gather_rows(local, same_shape=True)
 
 

@@ -23,6 +23,7 @@ import torch
 
 from openaligner.servers.protocol import (
     MESSAGES,
+    METADATA,
     REWARD_INPUTS,
     SENTENCES,
     SEQUENCE_LENGTHS,
@@ -168,6 +169,16 @@ def decode_sentences(sentences: np.ndarray, name: str = SENTENCES.name) -> list[
                 f"{e.start}); encode text with UTF-8"
             ) from None
     return texts
+
+
+class RequestsFailed(Exception):
+    """Raised by an endpoint's ``run`` when some requests of a formed batch could not be answered
+    (e.g. a served reward function failed on them): their positions in the batch → why. The
+    transport answers those requests with the reason and tells the others to resend."""
+
+    def __init__(self, failed: dict[int, str]) -> None:
+        super().__init__("; ".join(f"[{i}] {why}" for i, why in failed.items()))
+        self.failed = failed
 
 
 class UnauthorizedError(RequestError):
@@ -316,6 +327,11 @@ def parse_sequence_request(
         RequestError: which input is wrong and what was expected.
     """
     check_known_inputs(inputs, REWARD_INPUTS)
+    if METADATA.name in inputs:
+        raise RequestError(
+            f"input '{METADATA.name}' is read by a server that scores text with a reward function "
+            "(serve-reward reward.function=...); this one scores with a model alone: leave it out"
+        )
     if SENTENCES.name in inputs:
         sentences = check_spec(inputs[SENTENCES.name], SENTENCES)
         return _from_sentences(sentences, tokenize_func, max_sequence_length, max_batch_size)

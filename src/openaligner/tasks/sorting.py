@@ -60,6 +60,13 @@ def gold_score(prompt: str, response: str) -> float:
     return 100.0 * hits / max(len(words), len(target))
 
 
+def gold_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """The gold scorer as a reward function for ``serve-reward reward.function=
+    openaligner.tasks.sorting:gold_reward``: the share (0–1) of positions where each response
+    matches its prompt's sorted digits (:func:`gold_score` / 100)."""
+    return [gold_score(p, r) / 100.0 for p, r in zip(prompts, responses, strict=True)]
+
+
 def random_digits(rng: random.Random, cfg: SortingTaskConfig) -> list[int]:
     return [rng.randrange(10) for _ in range(rng.randint(cfg.min_digits, cfg.max_digits))]
 

@@ -37,7 +37,7 @@ import numpy as np
 from openaligner.servers.protocol import DEFAULT_HOST, REQUEST_ID_PARAMETER, ErrorEnvelope, TensorSpec
 from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES, HTTPGuard, RequestCheck
 from openaligner.servers.transport.workspace import ServerWorkspace, default_root
-from openaligner.servers.validation import RequestError, UnauthorizedError
+from openaligner.servers.validation import RequestError, RequestsFailed, UnauthorizedError
 
 LOGGER = logging.getLogger(__name__)
 
@@ -218,7 +218,14 @@ class TritonCallable:
             LOGGER.warning("%s", envelope.message)
             raise BatchRejected(envelope.render())
         with self.lock:
-            outputs = self.endpoint.run(parsed)
+            try:
+                outputs = self.endpoint.run(parsed)
+            except RequestsFailed as e:
+                rids = [rid for rid, _ in decoded]
+                failed = {rids[i]: why for i, why in e.failed.items()}
+                envelope = rejection(self.endpoint.model_name, failed, [r for r in rids if r not in failed])
+                LOGGER.warning("%s", envelope.message)
+                raise BatchRejected(envelope.render()) from None
         return [self._encode(o) for o in outputs]
 
     def _encode(self, output: Mapping[str, Any]) -> dict[str, np.ndarray]:

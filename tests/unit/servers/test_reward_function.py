@@ -1,0 +1,253 @@
+"""A served reward function: the isolated worker (raises, hangs, dies, answers wrongly — and serving
+goes on), the endpoint on in-memory arrays (metadata, text only, merged requests, weights with a
+model), the client's choice of text, and the built-in functions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from openaligner.clients.critic import TokenizerIdentity, TokenizerMismatchError, choose_reward_input
+from openaligner.servers.protocol import reads_text, text_reader, tokenizer_description
+from openaligner.servers.reward_function import (
+    FunctionRunner,
+    RewardFunctionEndpoint,
+    RewardFunctionError,
+    RewardFunctionLoadError,
+    conversation_texts,
+)
+from openaligner.servers.validation import (
+    RequestError,
+    RequestsFailed,
+    SequenceRequest,
+    parse_sequence_request,
+)
+from openaligner.tasks.sorting import gold_reward, make_prompt
+
+FUNCTIONS = Path(__file__).parents[2] / "integration" / "critic_free_rewards.py"
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = FunctionRunner(f"{FUNCTIONS}:behave", timeout_s=3.0)
+    yield r
+    r.close()
+
+
+def call(runner, do=None, rows=2):
+    meta = [{"do": do} if do else {} for _ in range(rows)]
+    return runner(["p"] * rows, ["ab", "abcd"][:rows] + ["x"] * max(0, rows - 2), meta)
+
+
+@pytest.mark.parametrize(
+    ("do", "needle"),
+    [
+        ("raise", "behave raised ValueError: this response cannot be scored"),
+        ("hang", "did not answer within reward.timeout_s=3 s; its worker was killed and restarted"),
+        ("exit", "worker process died during the call (exit code 7); restarted"),
+        ("short", "returned 1 scores for 2 responses"),
+        ("nan", "returned nan for row 0; expected a finite number"),
+    ],
+)
+def test_a_failing_function_fails_that_call_and_the_next_call_is_served(runner, do, needle):
+    with pytest.raises(RewardFunctionError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        call(runner, do)
+    assert call(runner) == [2.0, 4.0]  # the same worker, or a restarted one, serves on
+
+
+def test_the_worker_restarts_only_when_it_had_to(runner):
+    before = runner.restarts
+    with pytest.raises(RewardFunctionError):
+        call(runner, "raise")
+    assert runner.restarts == before  # an exception does not cost a restart
+    with pytest.raises(RewardFunctionError):
+        call(runner, "exit")
+    assert runner.restarts == before + 1
+
+
+def test_a_two_argument_function_is_called_without_metadata():
+    r = FunctionRunner(f"{FUNCTIONS}:two_arguments")
+    try:
+        assert r(["abc", "a"], ["x", "y"], [{}, {}]) == [3.0, 1.0]
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("no_colon", "must look like"),
+        ("openaligner.no_such_module:f", "importing 'openaligner.no_such_module' failed"),
+        ("openaligner.tasks.sorting:no_such_function", "has no callable 'no_such_function'"),
+        ("openaligner.tasks.sorting:PROMPT_WORD", "has no callable 'PROMPT_WORD' \\(it is a str\\)"),
+    ],
+)
+def test_a_function_that_cannot_load_is_refused_at_start(spec, needle):
+    with pytest.raises(RewardFunctionLoadError, match=needle):
+        FunctionRunner(spec).close()
+
+
+def messages(*rows):
+    return np.array(
+        [
+            [json.dumps([{"role": "user", "content": p}, {"role": "assistant", "content": r}]).encode()]
+            for p, r in rows
+        ],
+        dtype=np.object_,
+    )
+
+
+def metadata(*objects):
+    return np.array(
+        [[json.dumps(o).encode() if not isinstance(o, bytes) else o] for o in objects], dtype=np.object_
+    )
+
+
+class Recorder:
+    """An in-process function: scores len(response) + metadata "bonus"; fails rows whose response is "bad"."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, prompts, responses, meta):
+        self.calls.append((prompts, responses, meta))
+        if "bad" in responses:
+            raise RewardFunctionError("cannot score 'bad'")
+        return [len(r) + m.get("bonus", 0) for r, m in zip(responses, meta, strict=True)]
+
+
+def test_endpoint_passes_prompts_responses_and_metadata_and_splits_answers():
+    fn = Recorder()
+    ep = RewardFunctionEndpoint(fn, name="recorder")
+    a = ep.validate(
+        {"messages": messages(("q1", "aa"), ("q2", "bbb")), "metadata": metadata({"bonus": 10}, {})}
+    )
+    b = ep.validate({"messages": messages(("q3", "c"))})
+    out = ep.run([a, b])
+    assert [o["rewards"].reshape(-1).tolist() for o in out] == [[12.0, 3.0], [1.0]]
+    assert fn.calls == [(["q1", "q2", "q3"], ["aa", "bbb", "c"], [{"bonus": 10}, {}, {}])]
+    assert reads_text(ep.tokenizer_info)
+
+
+def test_only_the_failing_request_of_a_merged_batch_fails():
+    fn = Recorder()
+    ep = RewardFunctionEndpoint(fn, name="recorder")
+    good = ep.validate({"messages": messages(("q", "fine"))})
+    bad = ep.validate({"messages": messages(("q", "bad"))})
+    with pytest.raises(RequestsFailed) as caught:
+        ep.run([good, bad, good])
+    assert caught.value.failed == {1: "cannot score 'bad'"}  # requests 0 and 2 are resent by their clients
+    with pytest.raises(RequestsFailed) as alone:
+        ep.run([bad])
+    assert alone.value.failed == {0: "cannot score 'bad'"}
+
+
+@pytest.mark.parametrize(
+    ("inputs", "needle"),
+    [
+        (
+            {"tokens": np.zeros((1, 3), np.int64), "sequence_lengths": np.ones((1, 1), np.int64)},
+            "reads 'messages'",
+        ),
+        ({"sentences": np.array([[b"hi"]], dtype=np.object_)}, "reads 'messages'"),
+        ({"messages": messages(("q", "r")), "metadata": metadata(b"{not json")}, "row 0 is not JSON"),
+        (
+            {"messages": messages(("q", "r")), "metadata": metadata([1, 2])},
+            "is a JSON list; send a JSON object",
+        ),
+        ({"messages": messages(("q", "r")), "metadata": metadata({}, {})}, "has 2 rows but 'messages' has 1"),
+        ({"messages": messages(("q", "r")), "metadata": metadata({"a": "x" * 70000})}, "over 65536 bytes"),
+    ],
+)
+def test_endpoint_refuses_what_it_cannot_score(inputs, needle):
+    with pytest.raises(RequestError, match=needle):
+        RewardFunctionEndpoint(Recorder(), name="recorder").validate(inputs)
+
+
+def test_a_model_server_refuses_metadata():
+    with pytest.raises(RequestError, match="read by a server that scores text with a reward function"):
+        parse_sequence_request(
+            {"messages": messages(("q", "r")), "metadata": metadata({})},
+            tokenize_func=None,
+            vocab_size=None,
+            max_sequence_length=None,
+            max_batch_size=8,
+        )
+
+
+def test_combined_with_a_model_the_reward_is_the_weighted_sum():
+    def render(conversations, max_length):
+        lengths = torch.tensor([len(c[-1]["content"]) for c in conversations])
+        return torch.ones(len(conversations), int(lengths.max())), lengths
+
+    def shape(requests: list[SequenceRequest]):  # the model rows, then one padding row
+        tokens = torch.cat([r.tokens for r in requests])
+        lengths = torch.cat([r.lengths for r in requests])
+        return torch.cat([tokens, tokens[:1]]), torch.cat([lengths, lengths[:1]])
+
+    ep = RewardFunctionEndpoint(
+        Recorder(),
+        name="recorder",
+        model_forward=lambda tokens, lengths: 100.0 * lengths.float(),  # "model score" = 100·length
+        render_func=render,
+        prepare_model_batch=shape,
+        model_weight=0.5,
+        function_weight=2.0,
+    )
+    r = ep.validate({"messages": messages(("q", "ab"), ("q", "abc"))})
+    (out,) = ep.run([r])
+    # 0.5·100·len + 2·len
+    assert out["rewards"].reshape(-1).tolist() == [0.5 * 200 + 2 * 2, 0.5 * 300 + 2 * 3]
+
+
+def test_conversation_texts():
+    assert conversation_texts(
+        [{"role": "user", "content": "sort 3 1"}, {"role": "assistant", "content": "1 3"}]
+    ) == (
+        "sort 3 1",
+        "1 3",
+    )
+    chat = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+    ]
+    assert conversation_texts(chat) == ("system: be brief\nuser: hi", "yo")
+
+
+def test_a_text_reading_server_gets_text_and_refuses_tokens():
+    policy = TokenizerIdentity("char", "f", "v")
+    function_only = TokenizerIdentity.from_server({"reads": "text"}, "http://h:1")
+    assert function_only is not None and function_only.reads_text
+    assert choose_reward_input("auto", policy, reward=function_only, critic=None, combined=False) == "text"
+    with pytest.raises(TokenizerMismatchError, match="serves a reward function, which reads text"):
+        choose_reward_input("tokens", policy, reward=function_only, critic=None, combined=False)
+    # a model with the policy's own tokenizer, combined with a function: still text
+    combined = TokenizerIdentity.from_server(
+        text_reader(tokenizer_description("char", "f", "v"))["tokenizer"] | {"reads": "text"}, "http://h:1"
+    )
+    assert combined is not None and combined.reads_text
+    assert choose_reward_input("auto", policy, reward=combined, critic=None, combined=False) == "text"
+
+
+def test_the_sorting_gold_reward_is_the_gold_score_as_a_share():
+    prompt = make_prompt([3, 1, 2])
+    assert gold_reward([prompt, prompt], ["1 2 3", "1 3 2"]) == [1.0, pytest.approx(1 / 3)]
+
+
+def test_the_math_verifier_compares_answers_and_names_the_metadata_key():
+    pytest.importorskip("math_verify")
+    from openaligner.tasks.math_answer import verify
+
+    scores = verify(
+        ["q"] * 3,
+        ["so the answer is \\boxed{1/2}", "It is 0.5.", "I think 3"],
+        [{"answer": "0.5"}, {"answer": "\\frac{1}{2}"}, {"answer": "4"}],
+    )
+    assert scores == [1.0, 1.0, 0.0]
+    with pytest.raises(KeyError, match=r"data.metadata_keys=\[answer\]"):
+        verify(["q"], ["1"], [{}])
