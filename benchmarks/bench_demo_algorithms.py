@@ -10,8 +10,10 @@ only in their RL stage. A run whose report is already in its run directory is re
 Per run: the held-out gold score of the trained and the SFT policy (sampled and greedy, as in the
 report), the KL to the SFT policy, the RL stage's wall time, the first step whose training
 rollouts' gold score (``rollout/score``) reaches ``--target`` (null if none) and the curve of
-``rollout/score`` per step, with the 1-minute load average before and after the run (kept in
-``bench{tag}.json`` beside the report). Then per
+``rollout/score`` per step, the median RL step time, and what else ran: the share of the
+machine's CPU time spent on other processes during the run (``/proc/stat`` less this run's own
+CPU time) and the 1-minute load average before and after (kept in ``bench{tag}.json`` beside the
+report). Then per
 algorithm and reward: mean, standard deviation, median, min and max over seeds. Writes the JSON
 to ``--json`` (and prints it) and plots the mean gold score of the rollouts per step, one panel
 per reward, to ``--plot``. Usage::
@@ -28,6 +30,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -58,20 +61,46 @@ def run_demo(out: Path, seed: int, variant: Variant, quick: bool, target: float,
             *(["quick=true"] if quick else []),
         ]
         load_before, t0 = os.getloadavg()[0], time.perf_counter()
+        busy0, ours0 = _busy_cpu_s(), _children_cpu_s()
         with log.open("ab") as f:
             proc = subprocess.run([sys.executable, "-m", "openaligner", "demo", *args], stdout=f, stderr=f)
+        wall_s = time.perf_counter() - t0
+        other_s = max(0.0, (_busy_cpu_s() - busy0) - (_children_cpu_s() - ours0))
         # exit 1 only says the gold score did not rise: the run and its report are complete
         if proc.returncode not in (0, 1) or not report_path.is_file():
             raise RuntimeError(f"`openaligner demo {' '.join(args)}` failed ({proc.returncode}); see {log}")
         conditions = {
-            "demo_s": round(time.perf_counter() - t0, 1),
+            "demo_s": round(wall_s, 1),
+            # CPU time the machine spent on anything but this demo run, as a share of all cores
+            "other_cpu_share": round(other_s / (wall_s * (os.cpu_count() or 1)), 3),
             "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "reused_models": models,
         }
         conditions_path.write_text(json.dumps(conditions))
         print(f"seed {seed} {variant.algorithm}/{variant.reward}: {conditions}", file=sys.stderr, flush=True)
     conditions = json.loads(conditions_path.read_text()) if conditions_path.is_file() else {}
-    return record(json.loads(report_path.read_text()), seed, variant, target) | conditions
+    steps = [m["timing/step_s"] for m in _jsonl(run_dir / variant.rl_dir / "logs" / "metrics.jsonl")]
+    median_step = {"rl_step_median_s": round(statistics.median(steps), 3)} if steps else {}
+    return record(json.loads(report_path.read_text()), seed, variant, target) | median_step | conditions
+
+
+def _busy_cpu_s() -> float:
+    """Seconds of CPU the whole machine has spent busy (all cores, /proc/stat)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's finished children (a demo run and the servers it started)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    )
 
 
 def record(report: dict[str, Any], seed: int, variant: Variant, target: float) -> dict[str, Any]:
@@ -191,7 +220,7 @@ def main() -> None:
     import torch
     import transformers
 
-    keys = ("gold", "gold_greedy", "gold_sft", "kl_to_sft", "reward_score", "rl_stage_s")
+    keys = ("gold", "gold_greedy", "gold_sft", "kl_to_sft", "reward_score", "rl_stage_s", "rl_step_median_s")
     result: dict[str, Any] = {
         "benchmark": "demo_algorithms",
         "command": " ".join(["python", *sys.argv]),

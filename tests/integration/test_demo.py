@@ -64,6 +64,8 @@ def test_grpo_against_the_gold_scorer_reuses_the_sft_model_and_serves_no_critic(
     report = json.loads((out / "report-grpo-gold.json").read_text())
     assert (report["algorithm"], report["reward"]) == ("grpo", "gold")
     assert [step for step, _ in report["rollout_score"]] == [1, 2, 3, 4]
+    for policy in report["eval"].values():  # the served function scores as the gold scorer (0–1)
+        assert policy["rm_score"] == pytest.approx(policy["gold"] / 100, abs=1e-5)
     assert "GRPO against the gold scorer" in (out / "report-grpo-gold.md").read_text()
     assert "algorithm grpo, reward gold" in proc.stdout
     assert not (out / "configs" / "serve_critic-grpo-gold.yaml").exists()  # no critic server

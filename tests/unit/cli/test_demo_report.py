@@ -54,7 +54,7 @@ def test_a_critic_free_run_against_the_gold_scorer_is_reported_under_its_own_nam
     assert "Algorithm: **grpo** (trainer.advantage_estimator=grpo); reward: **gold**" in text
     assert "| metric | SFT policy | GRPO policy |" in text
     # the reward server's score is the gold function's, and no reward model was trained
-    assert "| reward from the served gold function |" in text
+    assert "| gold function reward (0–1) |" in text
     assert "No reward model" in text and "train-rm" not in text and "serve-critic" not in text
     saved = json.loads((tmp_path / "report-grpo-gold.json").read_text())
     assert (saved["algorithm"], saved["reward"], saved["rollout_score"]) == ("grpo", "gold", [])

@@ -45,7 +45,7 @@ def last_metrics(path: Path, prefix: str) -> dict[str, float]:
 
 def reward_label(variant: Variant) -> str:
     """What the reward server's score is: the learned reward model's, or the gold function's."""
-    return "reward-model score" if variant.reward == "model" else "reward from the served gold function"
+    return "reward-model score" if variant.reward == "model" else "gold function reward (0–1)"
 
 
 def plot_ppo_curves(metrics_path: Path, path: Path, variant: Variant) -> Path | None:
@@ -61,7 +61,7 @@ def plot_ppo_curves(metrics_path: Path, path: Path, variant: Variant) -> Path | 
 
     panels = [
         ("rollout/score", "gold score of rollouts (0–100)"),
-        ("rollout/rewards", "learned reward-model score" if variant.reward == "model" else "gold reward"),
+        ("rollout/rewards", reward_label(variant)),
         ("rollout/init_policy_kl", "KL to the SFT policy (per token)"),
         ("rollout/generation_length", "response length (tokens)"),
     ]
