@@ -9,7 +9,14 @@ epoch, KL coefficient 0.05, lr 1e-5. The critic (combined with the reward model)
 :class:`PPOTrainer` in this process with ``torch.set_num_threads(--threads)``, dropping to
 ``--overlap-threads`` (default: threads − server threads) for the log-prob passes and the update
 while the server works on the same cores (``server_overlap_threads``); rollouts are generated
-``--rollout-micro-batch`` prompts at a time (64, as TRL does by default).
+``--rollout-micro-batch`` responses at a time (64, as TRL does by default).
+
+``--estimators gae,grpo,rloo,reinforce,reinforce_pp`` also runs the critic-free estimators on the
+same workload, one after the other in each round (``trainer.advantage_estimator``): the same 64
+responses of 64 new tokens per step, as 16 prompts × 4 responses (``n_samples_per_prompt=4``, for
+``reinforce_pp`` too), the same minibatches, KL coefficient (at the estimator's default place) and
+lr; the reward model is served alone by ``openaligner serve-reward`` (no critic) and read through
+the critic-free client. Each gets the same report as PPO, plus its step-time ratio to PPO's.
 
 Then, unless ``--peer none``, the same workload on Hugging Face TRL's PPO trainer
 (``bench_trl_ppo.py``, in a child process of ``--peer-python``, which needs the ``bench`` extra:
@@ -21,7 +28,8 @@ of the step spent waiting on the server and the actor update's FLOP/s (``flops.p
 per token, 64 × 96 tokens) against the best fp32 2048² matmul measured at the start and the end
 of the run; and the step-time ratio openaligner / TRL, of the medians and of the fastest steps, per
 pair and as the median over the pairs. Prints one JSON object. Usage:
-``python benchmarks/bench_ppo_step.py [--steps 6] [--threads 2] [--server-threads 1] [--rounds 1]``.
+``python benchmarks/bench_ppo_step.py [--steps 6] [--threads 2] [--server-threads 1] [--rounds 1]
+[--estimators gae] [--peer trl|none]``.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import torch
 from flops import gpt2_shape, matmul_peak_flop_per_s
 
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS, ROLLOUTS = 512, 32, 64, 64
+SAMPLES_PER_PROMPT = 4  # responses per prompt of the critic-free estimators (16 prompts × 4 = 64)
 
 
 def _free_port() -> int:
@@ -55,30 +64,38 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start_critic(
-    model_dir: Path, ckpt_dir: Path, threads: int, log: Path
+def _start_server(
+    estimator: str, model_dir: Path, ckpt_dir: Path, threads: int, log: Path
 ) -> tuple[subprocess.Popen[bytes], int]:
+    """PPO (``gae``): ``serve-critic`` with the reward model combined; a critic-free estimator:
+    ``serve-reward`` alone. Returns the process and its port once it answers ready."""
     port = _free_port()
     args = [
         f"model.path={model_dir}",
         f"server.port={port}",
-        f"checkpoint.dir={ckpt_dir}",
         "server.inference_micro_batch_size=[16]",
         "server.model_forward_micro_batch_size=16",
-        "train.global_batch_size=64",
-        "train.micro_batch_size=16",
-        "optim.lr=1e-5",
-        "optim.warmup_steps=0",
-        "optim.scheduler=constant",
         f"threads={threads}",
     ]
+    if estimator == "gae":
+        command, model = "serve-critic", "critic_infer"
+        args += [
+            f"checkpoint.dir={ckpt_dir}",
+            "train.global_batch_size=64",
+            "train.micro_batch_size=16",
+            "optim.lr=1e-5",
+            "optim.warmup_steps=0",
+            "optim.scheduler=constant",
+        ]
+    else:
+        command, model = "serve-reward", "reward_model"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "openaligner", "serve-critic", *args],
+        [sys.executable, "-m", "openaligner", command, *args],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    url = f"http://127.0.0.1:{port}/v2/models/critic_infer/ready"
+    url = f"http://127.0.0.1:{port}/v2/models/{model}/ready"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -93,11 +110,23 @@ def _start_critic(
 
 
 def run_openaligner(
-    steps: int, threads: int, server_threads: int, rollout_micro_batch: int, overlap_threads: int | None
+    steps: int,
+    threads: int,
+    server_threads: int,
+    rollout_micro_batch: int,
+    overlap_threads: int | None,
+    estimator: str = "gae",
 ) -> dict[str, Any]:
-    """``steps`` PPO steps of PPOTrainer against a served critic; the result dict (module doc)."""
+    """``steps`` steps of PPOTrainer with ``estimator`` against a served critic (``gae``) or reward
+    model (the critic-free ones); the result dict (module doc)."""
     torch.set_num_threads(threads)
-    from openaligner.clients.critic import CriticAddress, RemoteCriticConfig, RemoteGPTRMCriticClient
+    from openaligner.clients.critic import (
+        CriticAddress,
+        RemoteCriticConfig,
+        RemoteGPTRMCriticClient,
+        RewardModelAddress,
+    )
+    from openaligner.clients.reward_only import RemoteRewardOnlyClient
     from openaligner.config import load_config
     from openaligner.io.metrics import MetricsLogger
     from openaligner.models.actor import CausalLMActor
@@ -111,13 +140,18 @@ def run_openaligner(
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         build_tiny_reward_model("gpt2", WORKLOAD_SIZE, seed=0).save_pretrained(work / "rm")
-        server, port = _start_critic(work / "rm", work / "critic", server_threads, work / "critic.log")
+        server, port = _start_server(
+            estimator, work / "rm", work / "critic", server_threads, work / "server.log"
+        )
+        per_prompt = 1 if estimator == "gae" else SAMPLES_PER_PROMPT
         try:
             cfg = load_config(
                 PPOConfig,
                 None,
                 [
-                    f"num_rollout_samples={ROLLOUTS}",
+                    f"advantage_estimator={estimator}",
+                    f"num_rollout_samples={ROLLOUTS // per_prompt}",
+                    f"n_samples_per_prompt={per_prompt}",
                     f"rollout_micro_batch_size={rollout_micro_batch}",
                     "global_batch_size=16",
                     "micro_batch_size=16",
@@ -136,16 +170,20 @@ def run_openaligner(
             )
             actor = CausalLMActor(build_tiny_causal_lm("gpt2", WORKLOAD_SIZE, seed=0))
             optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5, fused=True)  # as train-ppo
-            remote = RemoteCriticConfig(
-                critic=CriticAddress(port=port), pad_to_length=PROMPT_TOKENS + NEW_TOKENS
-            )
-            with RemoteGPTRMCriticClient(remote) as client:
+            width = PROMPT_TOKENS + NEW_TOKENS
+            if estimator == "gae":
+                remote = RemoteCriticConfig(critic=CriticAddress(port=port), pad_to_length=width)
+                client: RemoteGPTRMCriticClient | RemoteRewardOnlyClient = RemoteGPTRMCriticClient(remote)
+            else:
+                remote = RemoteCriticConfig(reward_model=RewardModelAddress(port=port), pad_to_length=width)
+                client = RemoteRewardOnlyClient(remote)
+            with client:
                 trainer = PPOTrainer(
                     cfg,
                     actor,
                     ActorOptim(optimizer),
                     Prompts(
-                        train=PromptLoader(prompts, ROLLOUTS, 0, True),
+                        train=PromptLoader(prompts, ROLLOUTS // per_prompt, 0, True),
                         val=None,
                         collate=make_prompt_collate(0),
                     ),
@@ -168,6 +206,8 @@ def run_openaligner(
     update_flops = shape.train_flops_per_token(seq) * ROLLOUTS * seq
     return {
         "benchmark": "ppo_step",
+        "estimator": estimator,
+        "prompts_x_responses": f"{ROLLOUTS // per_prompt} x {per_prompt}",
         "steps_measured": len(measured),
         "median_step_s": round(step_s, 3),
         "min_step_s": round(min(m["timing/step_s"] for m in measured), 3),
@@ -207,7 +247,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--server-threads", type=int, default=1)
-    parser.add_argument("--rollout-micro-batch", type=int, default=64, help="prompts per generation call")
+    parser.add_argument("--rollout-micro-batch", type=int, default=64, help="responses per generation call")
     parser.add_argument(
         "--overlap-threads",
         type=int,
@@ -217,6 +257,11 @@ def main() -> None:
     parser.add_argument("--peer", choices=("trl", "none"), default="trl")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter with the bench extra")
     parser.add_argument("--rounds", type=int, default=1, help="openaligner then the peer, this many times")
+    parser.add_argument(
+        "--estimators",
+        default="gae",
+        help="comma-separated trainer.advantage_estimator values, run in this order each round",
+    )
     ns = parser.parse_args()
     import transformers
 
@@ -227,13 +272,17 @@ def main() -> None:
     # The update runs on overlap_threads cores while the critic trains: its peak is measured too.
     peak_threads = sorted({ns.threads, overlap_threads or ns.threads})
     peaks = {t: [matmul_peak_flop_per_s(t)] for t in peak_threads}
+    estimators = ns.estimators.split(",")
     rounds = []
     for _ in range(ns.rounds):
-        ours = run_openaligner(
-            ns.steps, ns.threads, ns.server_threads, ns.rollout_micro_batch, overlap_threads
-        )
+        runs = {
+            e: run_openaligner(
+                ns.steps, ns.threads, ns.server_threads, ns.rollout_micro_batch, overlap_threads, e
+            )
+            for e in estimators
+        }
         peer = run_peer(ns.peer_python, ns.steps, ns.threads) if ns.peer == "trl" else None
-        rounds.append((ours, peer))
+        rounds.append((runs, peer))
     for t in peak_threads:
         peaks[t].append(matmul_peak_flop_per_s(t))
     peak = {t: max(p) for t, p in peaks.items()}
@@ -246,18 +295,29 @@ def main() -> None:
         },
         "rounds": [],
     }
-    for ours, peer in rounds:
-        achieved = ours["actor_update_gflop_per_s"] * 1e9
-        ours["actor_update_peak_fraction"] = {
-            f"of_{t}_thread_peak": round(achieved / p, 3) for t, p in peak.items()
-        }
-        entry: dict[str, Any] = {"openaligner": ours}
-        if peer is not None:
+    for runs, peer in rounds:
+        for run in runs.values():
+            achieved = run["actor_update_gflop_per_s"] * 1e9
+            run["actor_update_peak_fraction"] = {
+                f"of_{t}_thread_peak": round(achieved / p, 3) for t, p in peak.items()
+            }
+        entry: dict[str, Any] = {}
+        ours = runs.get("gae")
+        if ours is not None:
+            entry["openaligner"] = ours
+        critic_free = {e: r for e, r in runs.items() if e != "gae"}
+        if critic_free:
+            entry["critic_free"] = critic_free
+            if ours is not None:
+                entry["step_time_ratio_vs_ppo"] = {
+                    e: round(r["median_step_s"] / ours["median_step_s"], 3) for e, r in critic_free.items()
+                }
+        if peer is not None and ours is not None:
             entry["trl"] = peer
             entry["step_time_ratio_vs_trl"] = round(ours["median_step_s"] / peer["median_step_s"], 3)
             entry["min_step_time_ratio_vs_trl"] = round(ours["min_step_s"] / peer["min_step_s"], 3)
         result["rounds"].append(entry)
-    if ns.peer == "trl":
+    if ns.peer == "trl" and "gae" in estimators:
         # Load from other jobs drifts between the runs of a pair: the median over pairs is the figure.
         for key in ("step_time_ratio_vs_trl", "min_step_time_ratio_vs_trl"):
             result[f"median_{key}"] = round(statistics.median(e[key] for e in result["rounds"]), 3)

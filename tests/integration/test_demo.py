@@ -1,4 +1,5 @@
-"""`openaligner demo quick=true`: the whole pipeline as a user runs it, in CI size."""
+"""`openaligner demo quick=true`: the whole pipeline as a user runs it, in CI size; then GRPO against
+the gold scorer on the same run directory's SFT model (`reuse_models=true`)."""
 
 import json
 import signal
@@ -23,14 +24,23 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def test_quick_demo_improves_the_gold_score_and_cleans_up(tmp_path):
-    out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "openaligner", "demo", "quick=true", f"output_dir={out}"],
+def _demo(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "openaligner", "demo", "quick=true", *args],
         capture_output=True,
         text=True,
         timeout=900,
     )
+
+
+@pytest.fixture(scope="module")
+def quick_demo(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    return out, _demo(f"output_dir={out}")
+
+
+def test_quick_demo_improves_the_gold_score_and_cleans_up(quick_demo):
+    out, proc = quick_demo
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     sft, ppo = report["eval"]["sft"], report["eval"]["ppo"]
@@ -42,6 +52,24 @@ def test_quick_demo_improves_the_gold_score_and_cleans_up(tmp_path):
         assert (out / name).exists(), name
     assert "gold-score gain" in proc.stdout
     # the servers were stopped: no process still refers to this run's configs
+    assert _processes_mentioning(str(out)) == []
+
+
+def test_grpo_against_the_gold_scorer_reuses_the_sft_model_and_serves_no_critic(quick_demo):
+    out, _ = quick_demo
+    sft_weights = (out / "sft" / "model.safetensors").stat().st_mtime_ns
+    proc = _demo(f"output_dir={out}", "algorithm=grpo", "reward=gold", "reuse_models=true", "ppo_steps=4")
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: no gain in 4 steps
+    assert (out / "sft" / "model.safetensors").stat().st_mtime_ns == sft_weights  # not trained again
+    report = json.loads((out / "report-grpo-gold.json").read_text())
+    assert (report["algorithm"], report["reward"]) == ("grpo", "gold")
+    assert [step for step, _ in report["rollout_score"]] == [1, 2, 3, 4]
+    for policy in report["eval"].values():  # the served function scores as the gold scorer (0–1)
+        assert policy["rm_score"] == pytest.approx(policy["gold"] / 100, abs=1e-5)
+    assert "GRPO against the gold scorer" in (out / "report-grpo-gold.md").read_text()
+    assert "algorithm grpo, reward gold" in proc.stdout
+    assert not (out / "configs" / "serve_critic-grpo-gold.yaml").exists()  # no critic server
+    assert (out / "report.md").exists()  # the PPO run's report is still there
     assert _processes_mentioning(str(out)) == []
 
 

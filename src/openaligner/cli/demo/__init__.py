@@ -7,6 +7,11 @@ plots. Every stage runs the same command a user would (``train-sft``, ``train-rm
 ``serve-reward``, ``serve-critic``, ``train-ppo``) from a YAML file written into the run
 directory, so each can be re-run on its own. Servers are stopped on exit, Ctrl-C included.
 
+``algorithm`` swaps PPO for a critic-free estimator (GRPO, RLOO, REINFORCE: no critic server)
+and ``reward=gold`` serves the gold scorer itself as the reward function (no reward model unless
+PPO's critic starts from it); ``reuse_models`` compares them on one run directory's SFT and
+reward models (see :class:`~openaligner.cli.demo.presets.Variant`).
+
 This module is the recipe; its parts live beside it: ``presets`` (sizes and each command's
 settings), ``stages`` (data, YAML, running a command), ``processes`` (the servers), ``evaluate``
 and ``report``.
@@ -21,8 +26,11 @@ from rich.console import Console
 
 from openaligner.cli.demo.evaluate import evaluate
 from openaligner.cli.demo.presets import (
+    ALGORITHMS,
     PRESETS,
+    REWARDS,
     ROLLOUTS_PER_STEP,
+    Variant,
     ppo_overrides,
     rm_overrides,
     serve_critic_overrides,
@@ -39,7 +47,7 @@ from openaligner.cli.demo.report import (
     print_summary,
     write_report,
 )
-from openaligner.cli.demo.stages import make_data, run_command, write_config
+from openaligner.cli.demo.stages import make_data, reuse_problem, run_command, write_config
 from openaligner.servers.transport.triton import free_loopback_port
 
 
@@ -49,33 +57,61 @@ class DemoConfig:
     quick: bool = False  # the CI-sized run (about 2 minutes); else the full run (under 10 minutes)
     output_dir: str = "runs/demo"  # run directory: data, configs, models, logs, plots, report.md
     host: str = "127.0.0.1"  # where the servers listen (loopback; their ports are free loopback ports)
+    algorithm: str = "ppo"  # ppo (with a served critic) | grpo | rloo | reinforce (critic-free, 4 per prompt)
+    reward: str = "model"  # model (the learned reward model) | gold (the gold scorer as a reward function)
+    reuse_models: bool = False  # skip SFT/RM training: reuse this seed's models in output_dir (else refuse)
     sft_steps: int = 0  # SFT optimizer steps; 0 = the preset of the mode
     rm_steps: int = 0  # reward-model optimizer steps; 0 = the preset of the mode
-    ppo_steps: int = 0  # PPO steps; 0 = the preset of the mode
+    ppo_steps: int = 0  # RL (PPO or critic-free) steps; 0 = the preset of the mode
     eval_samples: int = 256  # held-out prompts scored by the gold scorer before and after PPO
     server_start_timeout_s: float = 180.0  # how long to wait for each server to become ready
 
     def __post_init__(self) -> None:
         if min(self.sft_steps, self.rm_steps, self.ppo_steps) < 0 or self.eval_samples < 8:
             raise ValueError("step counts must be >= 0 (0 = preset) and eval_samples >= 8")
+        self.algorithm = self.algorithm.strip().lower()
+        self.reward = self.reward.strip().lower()
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
+
+    @property
+    def variant(self) -> Variant:
+        return Variant(self.algorithm, self.reward)
 
 
 SCHEMA = DemoConfig
 
 
 def run(cfg: DemoConfig) -> int:
-    """Run the six stages; 0 if PPO raised the held-out gold score, 1 if not, 130 if interrupted."""
+    """Run the six stages; 0 if RL raised the held-out gold score, 1 if not, 2 if ``reuse_models``
+    found no models to reuse, 130 if interrupted."""
     console = Console()
     preset = PRESETS["quick" if cfg.quick else "full"]
+    variant = cfg.variant
     sft_steps = cfg.sft_steps or preset.sft_steps
     rm_steps = cfg.rm_steps or preset.rm_steps
     ppo_steps = cfg.ppo_steps or preset.ppo_steps
     run_dir = Path(cfg.output_dir).resolve()
     configs, logs = run_dir / "configs", run_dir / "logs"
+    sft_args = sft_overrides(run_dir, cfg.seed, sft_steps)
+    rm_args = rm_overrides(run_dir, cfg.seed, rm_steps)
+    if cfg.reuse_models:
+        problem = reuse_problem(run_dir / "sft", configs / "sft.yaml", "train-sft", sft_args)
+        if problem is None and variant.needs_reward_model:
+            problem = reuse_problem(run_dir / "rm", configs / "rm.yaml", "train-rm", rm_args)
+        if problem is not None:
+            console.print(
+                f"[bold red]reuse_models=true[/]: {problem}. Run the demo once with the same seed, mode and "
+                f"step counts in output_dir={cfg.output_dir} (reuse_models=false) to train them."
+            )
+            return 2
     for d in (configs, logs):
         d.mkdir(parents=True, exist_ok=True)
     times = StageTimes()
     servers = ServerProcesses(cfg.host, cfg.server_start_timeout_s)
+    tag = variant.tag
     with sigterm_as_keyboard_interrupt():
         try:
             banner(console, 1, "data: the sorting task, its tokenizer and four data sets")
@@ -83,61 +119,80 @@ def run(cfg: DemoConfig) -> int:
                 example, answer = make_data(run_dir, cfg.seed, preset)
             console.print(f"  prompts like [bold]{example}[/] → gold answer [bold]{answer}[/]")
 
-            banner(console, 2, f"SFT: a tiny GPT-2 imitates mixed demonstrations ({sft_steps} steps)")
-            sft_yaml = write_config(
-                configs / "sft.yaml", "train-sft", sft_overrides(run_dir, cfg.seed, sft_steps)
-            )
-            with times("sft"):
-                run_command("train-sft", sft_yaml)
+            if cfg.reuse_models:
+                banner(console, 2, f"SFT: reusing the SFT model in {run_dir / 'sft'}")
+            else:
+                banner(console, 2, f"SFT: a tiny GPT-2 imitates mixed demonstrations ({sft_steps} steps)")
+                sft_yaml = write_config(configs / "sft.yaml", "train-sft", sft_args)
+                with times("sft"):
+                    run_command("train-sft", sft_yaml)
 
-            banner(
-                console,
-                3,
-                f"reward model: Bradley–Terry on gold-labelled pairs with 10% label noise ({rm_steps} steps)",
-            )
-            rm_yaml = write_config(configs / "rm.yaml", "train-rm", rm_overrides(run_dir, cfg.seed, rm_steps))
-            with times("reward_model"):
-                run_command("train-rm", rm_yaml)
-            rm_metrics = last_metrics(run_dir / "rm" / "metrics.jsonl", "val/")
-
-            banner(console, 4, "serving: reward model and critic in their own processes")
-            rm_port, critic_port = free_loopback_port(), free_loopback_port()
-            reward_yaml = write_config(
-                configs / "serve_reward.yaml",
-                "serve-reward",
-                serve_reward_overrides(run_dir, cfg.host, rm_port),
-            )
-            critic_yaml = write_config(
-                configs / "serve_critic.yaml",
-                "serve-critic",
-                serve_critic_overrides(run_dir, cfg.host, critic_port),
-            )
-            with times("server_start"):
-                servers.start("serve-reward", reward_yaml, rm_port, "reward_model", logs / "serve_reward.log")
-                servers.start(
-                    "serve-critic", critic_yaml, critic_port, "critic_infer", logs / "serve_critic.log"
+            rm_metrics: dict[str, float] = {}
+            if not variant.needs_reward_model:
+                banner(console, 3, "reward model: not needed (the gold scorer gives the rewards, no critic)")
+            elif cfg.reuse_models:
+                banner(console, 3, f"reward model: reusing the reward model in {run_dir / 'rm'}")
+            else:
+                banner(
+                    console,
+                    3,
+                    "reward model: Bradley–Terry on gold-labelled pairs with 10% label noise "
+                    f"({rm_steps} steps)",
                 )
-                servers.wait_ready()
-            console.print(
-                f"  reward model  http://{cfg.host}:{rm_port}   critic  http://{cfg.host}:{critic_port}"
-            )
+                rm_yaml = write_config(configs / "rm.yaml", "train-rm", rm_args)
+                with times("reward_model"):
+                    run_command("train-rm", rm_yaml)
+            if variant.needs_reward_model:
+                rm_metrics = last_metrics(run_dir / "rm" / "metrics.jsonl", "val/")
 
-            banner(
-                console,
-                5,
-                f"PPO against the learned reward model ({ppo_steps} steps × {ROLLOUTS_PER_STEP} rollouts)",
+            served = "the gold scorer as a reward function" if cfg.reward == "gold" else "reward model"
+            where = " and critic in their own processes" if variant.uses_critic else " in its own process"
+            banner(console, 4, f"serving: {served}{where}")
+            rm_port = free_loopback_port()
+            reward_yaml = write_config(
+                configs / f"serve_reward{tag}.yaml",
+                "serve-reward",
+                serve_reward_overrides(run_dir, cfg.host, rm_port, cfg.reward),
             )
+            critic_port = free_loopback_port() if variant.uses_critic else None
+            with times("server_start"):
+                servers.start(
+                    "serve-reward", reward_yaml, rm_port, "reward_model", logs / f"serve_reward{tag}.log"
+                )
+                if critic_port is not None:
+                    critic_yaml = write_config(
+                        configs / f"serve_critic{tag}.yaml",
+                        "serve-critic",
+                        serve_critic_overrides(run_dir, cfg.host, critic_port, variant),
+                    )
+                    servers.start(
+                        "serve-critic",
+                        critic_yaml,
+                        critic_port,
+                        "critic_infer",
+                        logs / f"serve_critic{tag}.log",
+                    )
+                servers.wait_ready()
+            critic_url = f"   critic  http://{cfg.host}:{critic_port}" if critic_port is not None else ""
+            console.print(f"  reward  http://{cfg.host}:{rm_port}{critic_url}")
+
+            per_step = (
+                f"{ROLLOUTS_PER_STEP} rollouts"
+                if variant.samples_per_prompt == 1
+                else f"{variant.prompts_per_step} prompts × {variant.samples_per_prompt} rollouts"
+            )
+            banner(console, 5, f"{variant.title} ({ppo_steps} steps × {per_step})")
             ppo_yaml = write_config(
-                configs / "ppo.yaml",
+                configs / f"ppo{tag}.yaml",
                 "train-ppo",
-                ppo_overrides(run_dir, cfg.seed, ppo_steps, cfg.host, critic_port, rm_port),
+                ppo_overrides(run_dir, cfg.seed, ppo_steps, cfg.host, critic_port, rm_port, variant),
             )
             with times("ppo"):
                 run_command("train-ppo", ppo_yaml)
 
             banner(console, 6, "evaluation against the gold scorer")
             with times("evaluation"):
-                report = evaluate(run_dir, cfg.seed, cfg.eval_samples, cfg.host, rm_port)
+                report = evaluate(run_dir, cfg.seed, cfg.eval_samples, cfg.host, rm_port, variant)
             times.stop()
         except KeyboardInterrupt:
             console.print("[bold red]interrupted[/]: stopping the servers")
@@ -145,10 +200,11 @@ def run(cfg: DemoConfig) -> int:
         finally:
             servers.stop()
 
-    plot = plot_ppo_curves(run_dir / "ppo" / "logs" / "metrics.jsonl", run_dir / "ppo_curves.png")
-    heading = (
-        f"Seed {cfg.seed}, {'quick' if cfg.quick else 'full'} mode, {cfg.eval_samples} held-out prompts."
-    )
-    write_report(run_dir, report, rm_metrics, times.seconds, plot, heading)
-    print_summary(console, report, times.seconds, run_dir)
+    metrics_path = run_dir / variant.rl_dir / "logs" / "metrics.jsonl"
+    plot = plot_ppo_curves(metrics_path, run_dir / f"ppo_curves{tag}.png", variant)
+    mode = "quick" if cfg.quick else "full"
+    reused = " (SFT and reward models reused)" if cfg.reuse_models else ""
+    heading = f"{variant.title}: seed {cfg.seed}, {mode} mode{reused}, {cfg.eval_samples} held-out prompts."
+    write_report(run_dir, variant, report, rm_metrics, times.seconds, plot, heading, metrics_path)
+    print_summary(console, variant, report, times.seconds, run_dir)
     return 0 if gold_gain(report) > 0 else 1

@@ -1,8 +1,9 @@
-"""The demo's verdict: the SFT and PPO policies on held-out prompts, scored by the gold scorer.
+"""The demo's verdict: the SFT and RL-trained policies on held-out prompts, scored by the gold scorer.
 
-Owns the evaluation metrics of the report (gold score sampled and greedy, reward-model score from
-the running reward server, KL to the SFT policy, response length, properly ended). Knows the run
-directory's layout and the sorting task; nothing of how the models were trained.
+Owns the evaluation metrics of the report (gold score sampled and greedy, the reward server's score
+— the reward model's, or the gold function's with ``reward=gold`` —, KL to the SFT policy, response
+length, properly ended). Knows the run directory's layout and the sorting task; nothing of how the
+models were trained.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 from openaligner.algorithms import response_mask
-from openaligner.cli.demo.presets import MAX_NEW_TOKENS
+from openaligner.cli.demo.presets import MAX_NEW_TOKENS, Variant
 from openaligner.clients.reward import RemoteGPTRMClient, RemoteRMConfig
 from openaligner.data.records import read_records
 from openaligner.data.render import Renderer, SequenceLayout, use_chat_template
@@ -23,17 +24,23 @@ from openaligner.tasks.sorting import mean_gold_score
 from openaligner.trainer.rollout import make_prompt_collate, rollout_texts
 
 
-def evaluate(run_dir: Path, seed: int, samples: int, host: str, rm_port: int) -> dict[str, dict[str, float]]:
-    """Gold score, reward-model score, KL to the SFT policy and length, before and after PPO.
+def evaluate(
+    run_dir: Path, seed: int, samples: int, host: str, rm_port: int, variant: Variant
+) -> dict[str, dict[str, float]]:
+    """Gold score, reward-server score, KL to the SFT policy and length, before and after RL.
 
     Args:
-        run_dir: the demo's run directory (tokenizer, validation prompts, ``sft``, ``ppo/actor``).
+        run_dir: the demo's run directory (tokenizer, validation prompts, ``sft``, the RL stage's
+            ``actor``).
         seed: seeds the sampled responses.
         samples: how many of the validation prompts to score.
         host, rm_port: where the reward server answers.
+        variant: which RL stage's policy to score (its ``rl_dir``), and whether the reward server
+            reads token ids (the reward model) or text (the gold function).
 
     Returns:
-        ``{"sft": metrics, "ppo": metrics}`` with ``gold``, ``gold_greedy``, ``rm_score``,
+        ``{"sft": metrics, "ppo": metrics}`` (``ppo``: the RL-trained policy, whatever the
+        algorithm) with ``gold``, ``gold_greedy``, ``rm_score`` (the reward server's score),
         ``kl_to_sft`` (nats per response), ``response_tokens`` and ``properly_ended``.
     """
     tokenizer = load_tokenizer(run_dir / "tokenizer")
@@ -43,7 +50,7 @@ def evaluate(run_dir: Path, seed: int, samples: int, host: str, rm_port: int) ->
     ids = [renderer.prompt_ids(p) for p in prompts]  # laid out as train-ppo lays out its prompts
     batch = make_prompt_collate(0)(ids)
     sft = CausalLMActor.from_pretrained(run_dir / "sft", init_policy=False)
-    ppo = CausalLMActor.from_pretrained(run_dir / "ppo" / "actor", init_policy=False)
+    ppo = CausalLMActor.from_pretrained(run_dir / variant.rl_dir / "actor", init_policy=False)
     sampled = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=1)
     greedy = SamplingParams(greedy=True, max_new_tokens=MAX_NEW_TOKENS)
     for scorer in (sft, ppo):  # the KL below scores the distribution sampled from
@@ -67,10 +74,19 @@ def evaluate(run_dir: Path, seed: int, samples: int, host: str, rm_port: int) ->
             out = actor.infer(batch, generator=torch.Generator().manual_seed(seed + 17))
             kl = _kl_per_response(actor, sft, out)
             greedy_out = actor.infer(batch, greedy)
+            texts = responses(actor, out)
+            if variant.reward == "gold":  # the function reads the conversations, as train-ppo sends them
+                conversations = [
+                    [{"role": "user", "content": p}, {"role": "assistant", "content": r}]
+                    for p, r in zip(prompts, texts, strict=True)
+                ]
+                rewards = rm.infer_rm_conversations(conversations).result()
+            else:
+                rewards = rm.infer_rm(out).result()
             results[name] = {
-                "gold": mean_gold_score(prompts, responses(actor, out)),
+                "gold": mean_gold_score(prompts, texts),
                 "gold_greedy": mean_gold_score(prompts, responses(actor, greedy_out)),
-                "rm_score": float(rm.infer_rm(out).result().mean()),
+                "rm_score": float(rewards.mean()),
                 "kl_to_sft": kl,
                 "response_tokens": float((out["response_lengths"] - out["prompt_lengths"]).float().mean()),
                 "properly_ended": float(out["is_end"].float().mean()),

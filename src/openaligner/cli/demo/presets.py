@@ -1,7 +1,9 @@
-"""The demo's settings: data and step counts per mode, and what each stage's command is configured with.
+"""The demo's settings: data and step counts per mode, the algorithm and reward compared, and what
+each stage's command is configured with.
 
 Owns the numbers of the demo (sizes, learning rates, batch sizes, the KL penalty, ...) as the
-dotted overrides each command's YAML is resolved from. Knows no process, model or report.
+dotted overrides each command's YAML is resolved from, and which stages and servers a choice of
+algorithm and reward needs (:class:`Variant`). Knows no process, model or report.
 """
 
 from __future__ import annotations
@@ -24,8 +26,71 @@ PRESETS = {
     "full": Preset(n_sft=4000, n_pref=3000, n_ppo=2048, sft_steps=800, rm_steps=400, ppo_steps=100),
     "quick": Preset(n_sft=3000, n_pref=2000, n_ppo=1024, sft_steps=400, rm_steps=200, ppo_steps=30),
 }
-ROLLOUTS_PER_STEP = 64
+ROLLOUTS_PER_STEP = 64  # responses per RL step, for every algorithm
+SAMPLES_PER_PROMPT = 4  # responses per prompt of the critic-free algorithms (16 prompts × 4)
 MAX_NEW_TOKENS = 8
+KL_PENALTY = 0.2  # β for every algorithm: strong enough that the policy does not exploit the RM
+
+ALGORITHMS: dict[str, str] = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce": "reinforce"}
+"""The demo's ``algorithm`` → train-ppo's ``trainer.advantage_estimator``."""
+REWARDS = ("model", "gold")
+GOLD_REWARD_FUNCTION = "openaligner.tasks.sorting:gold_reward"
+"""The gold scorer as the reward function ``serve-reward`` serves with ``reward=gold``."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Which algorithm trains the policy against which reward, and what that needs.
+
+    ``ppo`` with ``model`` is the demo's original run and keeps its file names (``ppo/``,
+    ``configs/ppo.yaml``, ``report.md``, ...); every other variant's RL stage writes beside it with
+    its :attr:`tag` appended (``ppo-grpo-gold/``, ``configs/ppo-grpo-gold.yaml``,
+    ``report-grpo-gold.md``), so that variants can share one run directory's SFT and reward models.
+    """
+
+    algorithm: str = "ppo"  # a key of ALGORITHMS
+    reward: str = "model"  # model (the learned reward model) | gold (the gold scorer as a function)
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
+
+    @property
+    def uses_critic(self) -> bool:
+        """Only PPO (GAE) trains a critic, served by ``serve-critic``."""
+        return self.algorithm == "ppo"
+
+    @property
+    def needs_reward_model(self) -> bool:
+        """The reward model is trained when it gives the rewards or PPO's critic starts from it."""
+        return self.reward == "model" or self.uses_critic
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return 1 if self.uses_critic else SAMPLES_PER_PROMPT
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Prompts per RL step: every algorithm trains on ``ROLLOUTS_PER_STEP`` responses a step."""
+        return ROLLOUTS_PER_STEP // self.samples_per_prompt
+
+    @property
+    def tag(self) -> str:
+        """Appended to the RL stage's file names; empty for the original ``ppo``/``model`` run."""
+        return "" if (self.algorithm, self.reward) == ("ppo", "model") else f"-{self.algorithm}-{self.reward}"
+
+    @property
+    def rl_dir(self) -> str:
+        """The RL stage's output directory inside the run directory."""
+        return f"ppo{self.tag}"
+
+    @property
+    def title(self) -> str:
+        """E.g. ``GRPO against the gold scorer``."""
+        against = "the learned reward model" if self.reward == "model" else "the gold scorer"
+        return f"{self.algorithm.upper()} against {against}"
 
 
 def _tiny_model(seed: int) -> list[str]:
@@ -83,9 +148,12 @@ def rm_overrides(run_dir: Path, seed: int, steps: int) -> list[str]:
     ]
 
 
-def serve_reward_overrides(run_dir: Path, host: str, port: int) -> list[str]:
+def serve_reward_overrides(run_dir: Path, host: str, port: int, reward: str) -> list[str]:
+    served = (
+        [f"model.path={run_dir / 'rm'}"] if reward == "model" else [f"reward.function={GOLD_REWARD_FUNCTION}"]
+    )
     return [
-        f"model.path={run_dir / 'rm'}",
+        *served,
         f"server.host={host}",
         f"server.port={port}",
         "server.inference_micro_batch_size=[16]",
@@ -94,7 +162,7 @@ def serve_reward_overrides(run_dir: Path, host: str, port: int) -> list[str]:
     ]
 
 
-def serve_critic_overrides(run_dir: Path, host: str, port: int) -> list[str]:
+def serve_critic_overrides(run_dir: Path, host: str, port: int, variant: Variant) -> list[str]:
     return [
         f"model.path={run_dir / 'rm'}",  # the critic starts from the reward model
         f"server.host={host}",
@@ -108,14 +176,24 @@ def serve_critic_overrides(run_dir: Path, host: str, port: int) -> list[str]:
         "optim.scheduler=constant",
         "optim.warmup_steps=0",
         "optim.weight_decay=0.0",
-        f"checkpoint.dir={run_dir / 'critic'}",
+        f"checkpoint.dir={run_dir / ('critic' + variant.tag)}",
         "threads=1",  # the actor trainer needs the cores most
     ]
 
 
 def ppo_overrides(
-    run_dir: Path, seed: int, steps: int, host: str, critic_port: int, rm_port: int
+    run_dir: Path,
+    seed: int,
+    steps: int,
+    host: str,
+    critic_port: int | None,
+    rm_port: int,
+    variant: Variant,
 ) -> list[str]:
+    """train-ppo's settings; ``critic_port`` is None for the critic-free algorithms (no critic server)."""
+    critic = (
+        [f"remote.critic.ip={host}", f"remote.critic.port={critic_port}"] if critic_port is not None else []
+    )
     return [
         f"actor.path={run_dir / 'sft'}",
         f"tokenizer.path={run_dir / 'tokenizer'}",
@@ -125,7 +203,9 @@ def ppo_overrides(
         "data.seq_length=64",
         f"trainer.max_steps={steps}",
         "trainer.max_epochs=100",
-        f"trainer.num_rollout_samples={ROLLOUTS_PER_STEP}",
+        f"trainer.advantage_estimator={ALGORITHMS[variant.algorithm]}",
+        f"trainer.num_rollout_samples={variant.prompts_per_step}",
+        f"trainer.n_samples_per_prompt={variant.samples_per_prompt}",
         "trainer.rollout_micro_batch_size=16",
         "trainer.global_batch_size=16",
         "trainer.micro_batch_size=16",
@@ -133,18 +213,17 @@ def ppo_overrides(
         "trainer.val_rollout_micro_batch_size=32",
         f"trainer.val_check_interval={max(steps // 5, 1)}",
         f"trainer.save_interval={max(steps // 5, 1)}",
-        "trainer.initial_policy_kl_penalty=0.2",  # strong enough that PPO does not exploit the RM
+        f"trainer.initial_policy_kl_penalty={KL_PENALTY}",
         f"trainer.length.max_length={MAX_NEW_TOKENS}",
         f"trainer.seed={seed}",
         "trainer.sample_table_interval=10",
         "optim.lr=5e-4",
         "remote.combine_rm_and_critic_server=false",
-        f"remote.critic.ip={host}",
-        f"remote.critic.port={critic_port}",
+        *critic,
         f"remote.reward_model.ip={host}",
         f"remote.reward_model.port={rm_port}",
         "remote.pad_to_length=64",
-        f"exp.output_dir={run_dir / 'ppo'}",
+        f"exp.output_dir={run_dir / variant.rl_dir}",
         "exp.task_scorer=sorting",
         "exp.keep_last=1",
     ]

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from openaligner.cli.demo.presets import ALGORITHMS, Variant
 from openaligner.io.metrics import PhaseTimer, read_jsonl
 
 Evaluation = dict[str, dict[str, float]]
@@ -42,8 +43,13 @@ def last_metrics(path: Path, prefix: str) -> dict[str, float]:
     return {k: v for k, v in rows[-1].items() if k.startswith(prefix)} if rows else {}
 
 
-def plot_ppo_curves(metrics_path: Path, path: Path) -> Path | None:
-    """Plot gold score, reward, KL and length per PPO step from ``metrics_path`` into ``path``;
+def reward_label(variant: Variant) -> str:
+    """What the reward server's score is: the learned reward model's, or the gold function's."""
+    return "reward-model score" if variant.reward == "model" else "gold function reward (0–1)"
+
+
+def plot_ppo_curves(metrics_path: Path, path: Path, variant: Variant) -> Path | None:
+    """Plot gold score, reward, KL and length per RL step from ``metrics_path`` into ``path``;
     ``None`` (no file written) when there are no metrics."""
     metrics = _records(metrics_path)
     if not metrics:
@@ -55,7 +61,7 @@ def plot_ppo_curves(metrics_path: Path, path: Path) -> Path | None:
 
     panels = [
         ("rollout/score", "gold score of rollouts (0–100)"),
-        ("rollout/rewards", "learned reward-model score"),
+        ("rollout/rewards", reward_label(variant)),
         ("rollout/init_policy_kl", "KL to the SFT policy (per token)"),
         ("rollout/generation_length", "response length (tokens)"),
     ]
@@ -70,8 +76,9 @@ def plot_ppo_curves(metrics_path: Path, path: Path) -> Path | None:
             ax.plot(*zip(*vpts, strict=True), "o--", lw=1, label="validation")
             ax.legend(fontsize=8)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("PPO step")
+        ax.set_xlabel(f"{variant.algorithm.upper()} step")
         ax.grid(alpha=0.3)
+    fig.suptitle(variant.title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -80,36 +87,59 @@ def plot_ppo_curves(metrics_path: Path, path: Path) -> Path | None:
 
 def write_report(
     run_dir: Path,
+    variant: Variant,
     report: Evaluation,
     rm_metrics: dict[str, float],
     seconds: dict[str, float],
     plot: Path | None,
     heading: str,
+    metrics_path: Path,
 ) -> None:
-    """Write ``report.md`` (``heading`` under the title, the tables, the plot, the commands to
-    re-run each stage) and ``report.json`` (``eval``, ``rm``, ``seconds``) into ``run_dir``."""
-    sft, ppo = report["sft"], report["ppo"]
+    """Write ``report{tag}.md`` (``heading`` under the title, the tables, the plot, the commands to
+    re-run each stage) and ``report{tag}.json`` (``algorithm``, ``reward``, ``eval``, ``rm``,
+    ``seconds`` and ``rollout_score``: ``[step, gold score of the step's rollouts]`` per RL step
+    from ``metrics_path``) into ``run_dir`` (``tag``: :attr:`Variant.tag`)."""
+    sft, rl = report["sft"], report["ppo"]
+    name = variant.algorithm.upper()
     rows = [
         ("gold score, sampled (0–100)", "gold"),
         ("gold score, greedy", "gold_greedy"),
-        ("reward-model score", "rm_score"),
+        (reward_label(variant), "rm_score"),
         ("KL to the SFT policy (nats / response)", "kl_to_sft"),
         ("response length (tokens)", "response_tokens"),
         ("properly ended", "properly_ended"),
     ]
+    if rm_metrics:
+        rm_line = "Reward model on held-out pairs: " + ", ".join(
+            f"{k.removeprefix('val/')} {v:.3f}" for k, v in rm_metrics.items()
+        )
+    else:
+        rm_line = "No reward model: the gold scorer gave the rewards."
+    if variant.reward == "gold":
+        rm_line += " The reward score above is the served gold function's, not a learned model's."
+    tag = variant.tag
+    configs = run_dir / "configs"
+    servers = [f"openaligner serve-reward {configs / f'serve_reward{tag}.yaml'} &"]
+    if variant.uses_critic:
+        servers.append(f"openaligner serve-critic {configs / f'serve_critic{tag}.yaml'} &")
+    trainers = [f"openaligner train-sft {configs / 'sft.yaml'}"]
+    if variant.needs_reward_model:
+        trainers.append(f"openaligner train-rm {configs / 'rm.yaml'}")
     lines = [
         "# openaligner demo report",
         "",
+        f"Algorithm: **{variant.algorithm}** (trainer.advantage_estimator={ALGORITHMS[variant.algorithm]}); "
+        f"reward: **{variant.reward}** ({_reward_words(variant)}).",
+        "",
         heading,
         "",
-        "| metric | SFT policy | PPO policy |",
+        f"| metric | SFT policy | {name} policy |",
         "|---|---|---|",
-        *[f"| {label} | {sft[k]:.3f} | {ppo[k]:.3f} |" for label, k in rows],
+        *[f"| {label} | {sft[k]:.3f} | {rl[k]:.3f} |" for label, k in rows],
         "",
         f"Gold-score gain: **{gold_gain(report):+.1f} points** (sampled).",
         "",
-        "Reward model on held-out pairs: "
-        + ", ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in rm_metrics.items()),
+        rm_line,
         "",
         "| stage | seconds |",
         "|---|---|",
@@ -117,35 +147,49 @@ def write_report(
         "",
     ]
     if plot is not None:
-        lines += [f"![PPO curves]({plot.name})", ""]
+        lines += [f"![{name} curves]({plot.name})", ""]
     lines += [
         "## Re-run any stage on its own",
         "",
         "```bash",
-        f"openaligner train-sft {run_dir / 'configs' / 'sft.yaml'}",
-        f"openaligner train-rm {run_dir / 'configs' / 'rm.yaml'}",
-        f"openaligner serve-reward {run_dir / 'configs' / 'serve_reward.yaml'} &",
-        f"openaligner serve-critic {run_dir / 'configs' / 'serve_critic.yaml'} &",
-        f"openaligner train-ppo {run_dir / 'configs' / 'ppo.yaml'}",
+        *trainers,
+        *servers,
+        f"openaligner train-ppo {configs / f'ppo{tag}.yaml'}",
         "```",
         "",
     ]
-    (run_dir / "report.md").write_text("\n".join(lines))
-    (run_dir / "report.json").write_text(
-        json.dumps({"eval": report, "rm": rm_metrics, "seconds": seconds}, indent=1)
+    (run_dir / f"report{tag}.md").write_text("\n".join(lines))
+    curve = [
+        [m["step"], m["rollout/score"]] for m in _records(metrics_path) if m.get("rollout/score") is not None
+    ]
+    (run_dir / f"report{tag}.json").write_text(
+        json.dumps(
+            {
+                "algorithm": variant.algorithm,
+                "reward": variant.reward,
+                "eval": report,
+                "rm": rm_metrics,
+                "seconds": seconds,
+                "rollout_score": curve,
+            },
+            indent=1,
+        )
     )
 
 
-def print_summary(console: Console, report: Evaluation, seconds: dict[str, float], run_dir: Path) -> None:
-    """The SFT-vs-PPO table, the gold-score gain and where the report is."""
-    table = Table(title="openaligner demo: SFT policy vs PPO policy on held-out prompts")
+def print_summary(
+    console: Console, variant: Variant, report: Evaluation, seconds: dict[str, float], run_dir: Path
+) -> None:
+    """The SFT-vs-RL table, the gold-score gain and where the report is."""
+    name = variant.algorithm.upper()
+    table = Table(title=f"openaligner demo: SFT policy vs {variant.title}, on held-out prompts")
     table.add_column("metric")
     table.add_column("SFT", justify="right")
-    table.add_column("PPO", justify="right")
+    table.add_column(name, justify="right")
     for label, key in [
         ("gold score (0–100)", "gold"),
         ("gold score, greedy", "gold_greedy"),
-        ("reward-model score", "rm_score"),
+        (reward_label(variant), "rm_score"),
         ("KL to SFT (nats)", "kl_to_sft"),
         ("response tokens", "response_tokens"),
     ]:
@@ -154,14 +198,21 @@ def print_summary(console: Console, report: Evaluation, seconds: dict[str, float
     gain = gold_gain(report)
     color = "green" if gain > 0 else "red"
     console.print(
+        f"algorithm {variant.algorithm}, reward {variant.reward}: "
         f"gold-score gain [bold {color}]{gain:+.1f}[/] points; total {seconds.get('total', 0):.0f} s"
     )
-    console.print(f"report: {run_dir / 'report.md'}")
+    console.print(f"report: {run_dir / f'report{variant.tag}.md'}")
 
 
 def gold_gain(report: Evaluation) -> float:
-    """The PPO policy's sampled gold score minus the SFT policy's, in points."""
+    """The trained (RL) policy's sampled gold score minus the SFT policy's, in points."""
     return report["ppo"]["gold"] - report["sft"]["gold"]
+
+
+def _reward_words(variant: Variant) -> str:
+    if variant.reward == "model":
+        return "the Bradley–Terry reward model learned from noisy preferences"
+    return "the gold scorer itself, served as a reward function"
 
 
 def _records(path: Path) -> list[dict[str, Any]]:

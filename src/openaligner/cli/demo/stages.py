@@ -1,7 +1,8 @@
 """The demo's in-process stages: the task data, each command's full YAML, and running a command.
 
-Owns what a stage leaves in the run directory (data, tokenizer, ``configs/*.yaml``) and how a
-command runs in this process (as the command line would). Knows nothing of servers or reports.
+Owns what a stage leaves in the run directory (data, tokenizer, ``configs/*.yaml``), whether a
+trained model there can stand in for a stage, and how a command runs in this process (as the
+command line would). Knows nothing of servers or reports.
 """
 
 from __future__ import annotations
@@ -29,14 +30,42 @@ def make_data(run_dir: Path, seed: int, preset: Preset) -> tuple[str, str]:
     return example, answer(example)
 
 
-def write_config(path: Path, command: str, overrides: Sequence[str]) -> Path:
-    """Resolve ``overrides`` against the command's schema and write the full YAML."""
+def config_yaml(command: str, overrides: Sequence[str]) -> str:
+    """The full YAML of ``overrides`` resolved against the command's schema."""
     from openaligner.cli.main import COMMANDS
-    from openaligner.config import load_config, save_config
+    from openaligner.config import config_to_yaml, load_config
 
     module = importlib.import_module(COMMANDS[command][0])
-    save_config(load_config(module.SCHEMA, None, list(overrides)), path)
+    return config_to_yaml(load_config(module.SCHEMA, None, list(overrides)))
+
+
+def write_config(path: Path, command: str, overrides: Sequence[str]) -> Path:
+    """Resolve ``overrides`` against the command's schema and write the full YAML."""
+    path.write_text(config_yaml(command, overrides))
     return path
+
+
+def reuse_problem(model_dir: Path, yaml_path: Path, command: str, overrides: Sequence[str]) -> str | None:
+    """Why the model in ``model_dir`` cannot stand in for running ``command`` with ``overrides``;
+    None when it can: the training finished (the final model is there) and the YAML it was trained
+    from, ``yaml_path``, is the one these overrides give (same seed, mode, steps and paths: a moved
+    run directory is trained again)."""
+    if not (model_dir / "config.json").is_file() or not any(model_dir.glob("*.safetensors")):
+        return f"{model_dir} holds no trained model"
+    if not yaml_path.is_file():
+        return f"{yaml_path} is missing, so what {model_dir} was trained with is unknown"
+    from openaligner.config import ConfigError
+
+    try:
+        asked = config_yaml(command, overrides)
+    except ConfigError as e:  # e.g. the run directory's tokenizer or data are gone
+        return f"the configuration {model_dir} was trained with cannot be checked: {e}"
+    if yaml_path.read_text() != asked:
+        return (
+            f"{model_dir} was trained with another configuration than asked (seed, mode, step counts or "
+            f"run directory; see {yaml_path})"
+        )
+    return None
 
 
 def run_command(command: str, yaml_path: Path) -> None:
