@@ -101,6 +101,9 @@ def run(cfg: ServeRewardConfig) -> int:
                     "tokenizer_info": described,
                     "vocab_size": int(hf_config.vocab_size),
                     "max_sequence_length": max_len,
+                    "prompts_rendered": bool(
+                        getattr(serving.recorded_layout(cfg.model.path), "chat_template", False)
+                    ),
                 }
             server = RewardModelServer(
                 settings.pop("infer_fn", None),

@@ -184,9 +184,18 @@ def sentences_tokenizer(
     """
     if tokenizer is None:
         return None
+    return make_tokenize_func(tokenizer, max_length=max_length, layout=recorded_layout(reward_model_dir))
+
+
+def recorded_layout(model_dir: str | None) -> SequenceLayout | None:
+    """The layout train-rm recorded next to the model in ``model_dir`` (None: none recorded, or no
+    directory).
+
+    Raises:
+        StartupError: the layout file cannot be read.
+    """
     with as_startup_error(LayoutError):
-        layout = SequenceLayout.load(reward_model_dir) if reward_model_dir is not None else None
-    return make_tokenize_func(tokenizer, max_length=max_length, layout=layout)
+        return SequenceLayout.load(model_dir) if model_dir is not None else None
 
 
 def served_tokenizer(
@@ -201,8 +210,7 @@ def served_tokenizer(
     """
     if tokenizer is None:
         return None, tokenizer_description(None, None, None)
-    with as_startup_error(LayoutError):
-        layout = SequenceLayout.load(model_dir) if model_dir is not None else None
+    layout = recorded_layout(model_dir)
     try:
         render: RenderFn | None = make_render_func(tokenizer, layout)
     except LayoutError as e:  # e.g. add_eos without an EOS token: `sentences` still work

@@ -36,6 +36,7 @@ from openaligner.servers.protocol import (
     REWARD_MODEL_NAME,
     REWARD_OUTPUTS,
 )
+from openaligner.servers.reward_formats import TextReading, reward_routes
 from openaligner.servers.reward_function import RewardFunctionEndpoint, ScoreTexts
 from openaligner.servers.sequence_endpoint import SequenceEndpoint
 from openaligner.servers.transport.lifecycle import ServerLifecycle
@@ -97,6 +98,7 @@ class RewardServerConfig(ServingConfig):
 
     port: int = REWARD_DEFAULT_PORT  # HTTP port
     model_name: str = REWARD_MODEL_NAME  # Triton model name that clients ask for
+    remote_rm_reward_key: str | None = None  # POST /remote_rm (slime) answers {key: reward}; null: the number
 
 
 class RewardModelServer(ServerLifecycle):
@@ -124,6 +126,9 @@ class RewardModelServer(ServerLifecycle):
             ``messages`` (+ ``metadata``) and answers ``model_weight · model + function_weight ·
             function`` (see :class:`~openaligner.servers.reward_function.RewardFunctionEndpoint`).
         function_name: the function's name in error messages.
+        prompts_rendered: the model was trained with a chat template, so a prompt string sent in
+            another framework's format is taken as already rendered (see
+            :mod:`openaligner.servers.reward_formats`).
         **settings: :class:`RewardServerConfig` keys that replace ``cfg``'s, as the keyword
             arguments of NeMo-Aligner's ``RewardModelServer``:
             ``RewardModelServer(infer_fn=f, port=5555, inference_micro_batch_size=[4, 8])``.
@@ -148,6 +153,7 @@ class RewardModelServer(ServerLifecycle):
         function_name: str = "the reward function",
         model_weight: float = 1.0,
         function_weight: float = 1.0,
+        prompts_rendered: bool = False,
         **settings: Any,
     ) -> None:
         self.cfg = replace(cfg or RewardServerConfig(), **settings)
@@ -186,6 +192,7 @@ class RewardModelServer(ServerLifecycle):
                 name=function_name,
                 model_forward=self._forward_from_rank0 if infer_fn is not None else None,
                 render_func=render_func,
+                tokenize_func=tokenize_func,
                 prepare_model_batch=sequences.shaped_batch,
                 model_weight=model_weight,
                 function_weight=function_weight,
@@ -194,6 +201,17 @@ class RewardModelServer(ServerLifecycle):
                 max_batch_size=self.cfg.max_batch_size,
                 max_sequence_length=self.cfg.max_sequence_length,
             )
+
+        self.routes = reward_routes(
+            self.cfg.model_name,
+            TextReading(
+                function=reward_function is not None,
+                model=infer_fn is not None,
+                rendered_prompts=prompts_rendered,
+            ),
+            self.cfg.remote_rm_reward_key,
+        )
+        """The field's other wire formats, answered beside KServe v2 (OpenRLHF, slime, classify)."""
 
     @property
     def url(self) -> str:
@@ -213,7 +231,7 @@ class RewardModelServer(ServerLifecycle):
         if self._dispatcher is None:
             self._dispatcher = Rank0Dispatcher(self.handlers(), heartbeat_s=self.cfg.heartbeat_s)
         host = self.cfg.triton_host()
-        host.bind(self.endpoint, self.cfg.batching(dp.world_size()), threading.Lock())
+        host.bind(self.endpoint, self.cfg.batching(dp.world_size()), threading.Lock(), routes=self.routes)
         try:
             return self._start_host(host)
         except BaseException:

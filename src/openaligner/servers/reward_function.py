@@ -44,6 +44,7 @@ from openaligner.servers.protocol import (
     REWARD_INPUTS,
     REWARD_MODEL_NAME,
     REWARD_OUTPUTS,
+    SENTENCES,
     text_reader,
     tokenizer_description,
 )
@@ -52,11 +53,13 @@ from openaligner.servers.validation import (
     RequestError,
     RequestsFailed,
     SequenceRequest,
+    TokenizeFn,
     check_batch_size,
     check_known_inputs,
     check_spec,
     decode_messages,
     decode_sentences,
+    parse_sequence_request,
 )
 
 LOGGER = logging.getLogger(__name__)
@@ -243,6 +246,8 @@ class RewardFunctionEndpoint:
         model_forward: ``(tokens [B, S], lengths [B]) -> rewards [B]`` of a reward model combined
             with the function, or None (function only).
         render_func: lays ``messages`` out for the model (required with ``model_forward``).
+        tokenize_func: lays out ``sentences`` for the model: whole texts, already rendered, sent
+            beside ``messages`` when the model reads the texts whole (None refuses them).
         model_weight, function_weight: reward = model_weight · model + function_weight · function.
         model_name: the Triton model name.
         tokenizer_info: what the tokenizer route says (the model's tokenizer, or none) — ``reads``
@@ -263,6 +268,7 @@ class RewardFunctionEndpoint:
         name: str,
         model_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         render_func: RenderFn | None = None,
+        tokenize_func: TokenizeFn | None = None,
         prepare_model_batch: ShapeBatch | None = None,
         model_weight: float = 1.0,
         function_weight: float = 1.0,
@@ -277,6 +283,7 @@ class RewardFunctionEndpoint:
         self.name = name
         self.model_forward = model_forward
         self.render_func = render_func
+        self.tokenize_func = tokenize_func
         self.prepare_model_batch = prepare_model_batch
         self.model_weight = model_weight
         self.function_weight = function_weight
@@ -288,7 +295,8 @@ class RewardFunctionEndpoint:
         """Calls of the function that failed (each failed its requests only)."""
 
     def validate(self, inputs: Mapping[str, np.ndarray]) -> TextRequest:
-        """Check one request: ``messages`` (and optional ``metadata``); tokens are refused.
+        """Check one request: ``messages`` (and optional ``metadata``; with a model, optional
+        ``sentences``: the model's whole texts, one per conversation); tokens are refused.
 
         Raises:
             RequestError: naming the input and what was expected.
@@ -309,11 +317,35 @@ class RewardFunctionEndpoint:
             metadata = decode_metadata(check_spec(inputs[METADATA.name], METADATA), len(conversations))
         texts = [conversation_texts(c) for c in conversations]
         sequences = None
-        if self.model_forward is not None:
+        if SENTENCES.name in inputs:
+            sequences = self._model_sentences(inputs[SENTENCES.name], len(conversations))
+        elif self.model_forward is not None:
             assert self.render_func is not None
             tokens, lengths = self.render_func(conversations, self.max_sequence_length)
             sequences = SequenceRequest(tokens.to(torch.int64), lengths.reshape(-1).to(torch.int64))
         return TextRequest([p for p, _ in texts], [r for _, r in texts], metadata, sequences)
+
+    def _model_sentences(self, array: np.ndarray, rows: int) -> SequenceRequest:
+        """The model's rows from ``sentences``: whole texts, each already rendered (the function
+        still reads ``messages``)."""
+        if self.model_forward is None or self.tokenize_func is None:
+            raise RequestError(
+                f"input '{SENTENCES.name}' gives the texts a reward model combined with the function reads; "
+                f"this server has {'no model' if self.model_forward is None else 'no tokenizer'}: send "
+                f"'{MESSAGES.name}' alone"
+            )
+        if array.shape[0] != rows:
+            raise RequestError(
+                f"input '{SENTENCES.name}' has {array.shape[0]} rows but '{MESSAGES.name}' has {rows}; send "
+                "one text per conversation"
+            )
+        return parse_sequence_request(
+            {SENTENCES.name: array},
+            tokenize_func=self.tokenize_func,
+            vocab_size=None,
+            max_sequence_length=self.max_sequence_length,
+            max_batch_size=self.max_batch_size,
+        )
 
     def run(self, requests: Sequence[TextRequest]) -> list[dict[str, np.ndarray]]:
         """Score a formed batch. When the function fails on it, each request is scored alone so that

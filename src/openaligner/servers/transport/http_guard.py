@@ -16,25 +16,38 @@ PyTriton puts in them. Answers are compressed only for clients that asked (``Acc
 ``GET``/``HEAD`` under ``/v2`` are forwarded; every other route (Triton's model-control and
 shared-memory routes) and compressed request bodies (never inflated) are refused.
 
+Other wire formats (:class:`ForeignRoute`: e.g. ``POST /get_reward``) are answered on their own
+paths by the same front: the route turns a body into the model's input arrays, which are judged
+by the same check and sent to Triton as a KServe request — so they are batched with every other
+client's — and turns Triton's answer back into the format's. A request that Triton rejected only
+because it was merged with a failing one is resent here, as the Python client would.
+
 Must not know what an endpoint computes, nor how Triton is started.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import re
 import threading
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import numpy as np
 
-from openaligner.servers.transport.kserve import HEADER_LENGTH, parse_infer_request
+from openaligner.servers.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope
+from openaligner.servers.transport.kserve import (
+    HEADER_LENGTH,
+    InferRequest,
+    parse_infer_request,
+    parse_infer_response,
+)
 from openaligner.servers.validation import RequestError, UnauthorizedError
 
 LOGGER = logging.getLogger(__name__)
@@ -50,6 +63,53 @@ TOKENIZER_PATH = re.compile(r"^/v2/models/([^/]+)/tokenizer$")
 RequestCheck = Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], None]
 """Judges one decoded request — ``(inputs, request parameters)`` — before it is forwarded; raises
 :class:`RequestError` (answered 400) or :class:`UnauthorizedError` (answered 403) to refuse it."""
+
+RESENDS_ON_REJECTED_BATCH = 5
+"""How often a foreign route's request is resent when Triton merged it with a failing one."""
+
+
+class Translation(Protocol):
+    """One foreign request, translated: the model's ``inputs`` (arrays with the batch dimension
+    first) and how to write the format's answer."""
+
+    @property
+    def inputs(self) -> Mapping[str, np.ndarray]: ...
+
+    def answer(self, outputs: Mapping[str, np.ndarray], checked: Any) -> Any:
+        """The format's answer (a JSON value) from the model's ``outputs`` and what the model's
+        check returned for ``inputs``."""
+
+
+class ForeignRoute(Protocol):
+    """A wire format answered on its own paths, in front of the Triton model ``model``."""
+
+    @property
+    def paths(self) -> Sequence[str]: ...
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def title(self) -> str:
+        """The format's name in messages, e.g. ``OpenRLHF``."""
+
+    def translate(self, body: bytes) -> Translation:
+        """Read one request body.
+
+        Raises:
+            RequestError: naming the field at fault and what the format expects.
+        """
+
+    def error(self, status: int, message: str) -> Any:
+        """The format's error answer (a JSON value) for an HTTP ``status``."""
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
 
 _HOP_BY_HOP = {
     "connection",
@@ -113,6 +173,7 @@ class HTTPGuard:
         workers: threads that parse and check requests.
         tokenizers: model name -> what ``GET /v2/models/<name>/tokenizer`` answers (JSON), for
             the models that have such a route.
+        routes: other wire formats answered on their own paths (see :class:`ForeignRoute`).
     """
 
     def __init__(
@@ -125,6 +186,7 @@ class HTTPGuard:
         checks: Mapping[str, RequestCheck] | None = None,
         workers: int = 4,
         tokenizers: Mapping[str, Mapping[str, object]] | None = None,
+        routes: Sequence[ForeignRoute] = (),
     ) -> None:
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
@@ -133,8 +195,12 @@ class HTTPGuard:
         self.max_request_bytes = max_request_bytes
         self.checks = dict(checks or {})
         self.tokenizers = {name: json.dumps(info).encode() for name, info in (tokenizers or {}).items()}
+        self.routes = {path: route for route in routes for path in route.paths}
         self.refused = 0
         """Requests answered by the guard itself with an error."""
+        self.resent = 0
+        """Foreign requests resent because Triton merged them with a failing one."""
+        self._ids = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="openaligner-http-check")
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -225,33 +291,26 @@ class HTTPGuard:
             return web.Response(status=200, body=described, content_type="application/json")
         if method in ("GET", "HEAD") and (path == "/v2" or path.startswith("/v2/")):
             return await self._forward(request, request.raw_path, None, {})
+        route = self.routes.get(path)
+        if route is not None:
+            return await self._foreign(request, route)
         match = INFER_PATH.match(path)
         if method != "POST" or match is None:
+            others = "".join(f", POST on {p} ({r.title})" for p, r in self.routes.items())
             return self._refuse(
                 405,
                 f"{method} {path} is not served here; this server answers GET on /v2 (health, model "
-                f"metadata) and POST on /v2/models/<name>/infer",
+                f"metadata) and POST on /v2/models/<name>/infer{others}",
             )
-        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-        if encoding not in ("", "identity"):
-            return self._refuse(
-                415,
-                f"compressed request bodies (Content-Encoding: {encoding}) are not accepted; send the body "
-                f"uncompressed",
-            )
-        declared = request.content_length
-        if declared is not None and declared > self.max_request_bytes:
-            return self._too_large(declared)
-        body = bytearray()
-        while chunk := await request.content.readany():
-            body += chunk
-            if len(body) > self.max_request_bytes:
-                return self._too_large(None)
+        try:
+            body = await self._read_body(request)
+        except _Refused as e:
+            return self._refuse(e.status, e.message)
         model, version = match.group(1), match.group(2)
         loop = asyncio.get_running_loop()
         try:
             payload, header_length = await loop.run_in_executor(
-                self._executor, self._prepare, model, bytes(body), request.headers.get(HEADER_LENGTH)
+                self._executor, self._prepare, model, body, request.headers.get(HEADER_LENGTH)
             )
         except UnauthorizedError as e:
             return self._refuse(403, f"{model}: {e}")
@@ -267,6 +326,118 @@ class HTTPGuard:
         headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(header_length)}
         return await self._forward(request, target + "/infer", payload, headers)
 
+    async def _read_body(self, request: Any) -> bytes:
+        """The whole request body, refused (:class:`_Refused`) when compressed or over the limit."""
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise _Refused(
+                415,
+                f"compressed request bodies (Content-Encoding: {encoding}) are not accepted; send the body "
+                f"uncompressed",
+            )
+        declared = request.content_length
+        if declared is not None and declared > self.max_request_bytes:
+            raise _Refused(413, self._too_large_text(declared))
+        body = bytearray()
+        while chunk := await request.content.readany():
+            body += chunk
+            if len(body) > self.max_request_bytes:
+                raise _Refused(413, self._too_large_text(None))
+        return bytes(body)
+
+    # -- foreign wire formats --------------------------------------------------------------------
+    async def _foreign(self, request: Any, route: ForeignRoute) -> Any:
+        """Answer one request of another wire format: translate, check, send to Triton as a KServe
+        request (resent when rejected only for a merged failing request), translate the answer."""
+        if request.method != "POST":
+            return self._refuse_as(route, 405, f"{request.method} {request.path} is not served; send POST")
+        try:
+            body = await self._read_body(request)
+        except _Refused as e:
+            return self._refuse_as(route, e.status, e.message)
+        rid = f"{route.title.lower()}-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        try:
+            translation, checked, payload, header_length = await loop.run_in_executor(
+                self._executor, self._prepare_foreign, route, body, rid
+            )
+        except UnauthorizedError as e:
+            return self._refuse_as(route, 403, f"{route.model}: {e}")
+        except RequestError as e:
+            return self._refuse_as(route, 400, f"{route.model}: {e}")
+        except Exception as e:  # a failure of ours: its traceback goes to our log only
+            LOGGER.exception("the HTTP front failed on a %s request", route.title)
+            failure = type(e).__name__
+            return self._refuse_as(
+                route, 500, f"{route.model}: the server failed while reading the request ({failure})"
+            )
+        headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(header_length)}
+        target = f"{self.upstream}/v2/models/{quote(route.model, safe='')}/infer"
+        for attempt in range(RESENDS_ON_REJECTED_BATCH + 1):
+            try:
+                status, answer = await self._post_upstream(target, payload, headers)
+            except _Refused as e:
+                return self._refuse_as(route, e.status, e.message)
+            if status == 200:
+                return self._foreign_answer(route, translation, answer, checked)
+            text = _error_text(answer)
+            envelope = ErrorEnvelope.find(text)
+            if envelope is not None and rid in envelope.valid and attempt < RESENDS_ON_REJECTED_BATCH:
+                self.resent += 1
+                continue
+            if envelope is not None and rid in envelope.invalid:
+                return self._refuse_as(route, 400, f"{route.model}: {envelope.invalid[rid]}")
+            return self._refuse_as(route, 500 if status >= 500 else status, without_traceback(text))
+        raise AssertionError("unreachable")  # the last attempt always returns
+
+    def _prepare_foreign(
+        self, route: ForeignRoute, body: bytes, rid: str
+    ) -> tuple[Translation, Any, bytes, int]:
+        """Translate and judge one foreign request, and encode it for Triton (on a worker thread)."""
+        translation = route.translate(body)
+        check = self.checks.get(route.model)
+        checked = check(translation.inputs, {}) if check is not None else None
+        payload, header_length = InferRequest.from_arrays(
+            translation.inputs, {REQUEST_ID_PARAMETER: rid}
+        ).encode()
+        return translation, checked, payload, header_length
+
+    async def _post_upstream(self, target: str, payload: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        import aiohttp
+
+        try:
+            async with self._session.post(
+                target, data=payload, headers={**headers, "Accept-Encoding": "identity"}
+            ) as upstream:
+                return upstream.status, await upstream.read()
+        except aiohttp.ClientError as e:
+            raise _Refused(
+                503,
+                f"tritonserver behind this address does not answer ({type(e).__name__}): it may have "
+                f"stopped; check the server log",
+            ) from None
+
+    def _foreign_answer(
+        self, route: ForeignRoute, translation: Translation, answer: bytes, checked: Any
+    ) -> Any:
+        from aiohttp import web
+
+        try:
+            outputs = parse_infer_response(answer)
+            body = json.dumps(translation.answer(outputs, checked), allow_nan=False).encode()
+        except ValueError as e:  # e.g. a reward model that produced NaN: the server's failure
+            LOGGER.error("could not answer a %s request: %s", route.title, e)
+            return self._refuse_as(route, 500, f"{route.model}: the server could not write its answer: {e}")
+        return web.Response(status=200, body=body, content_type="application/json")
+
+    def _refuse_as(self, route: ForeignRoute, status: int, message: str) -> Any:
+        from aiohttp import web
+
+        self.refused += 1
+        LOGGER.warning("%s", message)
+        body = json.dumps(route.error(status, message)).encode()
+        return web.Response(status=status, body=body, content_type="application/json")
+
     def _prepare(self, model: str, body: bytes, header_length: str | None) -> tuple[bytes, int]:
         """Parse, judge and re-encode one request (on a worker thread)."""
         parsed = parse_infer_request(body, header_length)
@@ -275,12 +446,11 @@ class HTTPGuard:
             check(parsed.arrays(), parsed.parameters)
         return parsed.encode()
 
-    def _too_large(self, size: int | None) -> Any:
+    def _too_large_text(self, size: int | None) -> str:
         size_text = f"{size} bytes" if size is not None else f"more than {self.max_request_bytes} bytes"
-        return self._refuse(
-            413,
+        return (
             f"request body is {size_text}, over this server's limit of {self.max_request_bytes} bytes "
-            f"(max_request_bytes); send fewer rows per request",
+            f"(max_request_bytes); send fewer rows per request"
         )
 
     def _refuse(self, status: int, message: str) -> Any:
@@ -314,6 +484,15 @@ class HTTPGuard:
                 f"tritonserver behind this address does not answer ({type(e).__name__}): it may have "
                 f"stopped; check the server log",
             )
+
+
+def _error_text(payload: bytes) -> str:
+    """The ``error`` text of a Triton error answer (the payload itself when it is not JSON)."""
+    try:
+        text = json.loads(payload)["error"]
+    except (ValueError, KeyError, TypeError):
+        return payload.decode("utf-8", "replace")
+    return text if isinstance(text, str) else json.dumps(text)
 
 
 def _clean_failure(payload: bytes, headers: dict[str, str]) -> tuple[bytes, dict[str, str]]:

@@ -9,15 +9,17 @@ first (Python the last), and it has its own views on ``NaN``, huge numbers and b
 This module owns both directions of the body format:
 
 * :func:`parse_infer_request` reads an inference body (JSON, or JSON plus the binary extension)
-  strictly — a key twice, ``NaN``/``Infinity``, numbers no 64-bit type holds (Python itself fails
-  on integers over 4,300 digits), invalid UTF-8, lone surrogates, a byte-order mark or anything
-  after the JSON are refused, not guessed — checks every declared shape against the values
-  actually sent, and decodes each input into a numpy array, as the served callable receives it.
-  Each refusal is one :class:`RequestError` sentence naming the input (or the part of the
-  request) and what was expected.
+  strictly (:mod:`~openaligner.servers.transport.strict_json`) — a key twice, ``NaN``/``Infinity``,
+  numbers no 64-bit type holds (Python itself fails on integers over 4,300 digits), invalid UTF-8,
+  lone surrogates, a byte-order mark or anything after the JSON are refused, not guessed — checks
+  every declared shape against the values actually sent, and decodes each input into a numpy
+  array, as the served callable receives it. Each refusal is one :class:`RequestError` sentence
+  naming the input (or the part of the request) and what was expected.
 * :meth:`InferRequest.encode` writes the request back canonically: a compact ASCII JSON header and
   every value in binary form. Forwarding that, and never the client's bytes, makes Triton read
-  exactly what this side read, by construction.
+  exactly what this side read, by construction. :meth:`InferRequest.from_arrays` builds a request
+  from decoded arrays (a request this server makes itself from another wire format), and
+  :func:`parse_infer_response` reads Triton's JSON answer back into arrays.
 
 What the served model requires — which inputs, dtypes, ranks, rows, value ranges — is left to its
 own checks. Must not know about HTTP, Triton's process or what an endpoint computes.
@@ -34,6 +36,10 @@ from typing import Any
 
 import numpy as np
 
+from openaligner.servers.transport.strict_json import Unreadable, check_text, read_json
+from openaligner.servers.transport.strict_json import is_int as _is_int
+from openaligner.servers.transport.strict_json import kind as _kind
+from openaligner.servers.transport.strict_json import short as _short
 from openaligner.servers.validation import RequestError
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -58,86 +64,11 @@ _NUMPY = {
 _ITEM_BYTES = {**{name: dtype.itemsize for name, dtype in _NUMPY.items()}, "BF16": 2}
 _DATATYPES = (*_ITEM_BYTES, "BYTES")
 _INT64 = (-(2**63), 2**63)
-_MAX_INT_DIGITS = 20
-"""No 64-bit integer has more digits; longer ones are never converted (Python refuses over 4,300)."""
-
-
-# ----------------------------------------------------------------------------- strict JSON
-class _Unreadable:
-    """A JSON number no 64-bit type holds, or a non-standard literal; kept as text so that the
-    check of the input it belongs to can name it."""
-
-    def __init__(self, text: str, problem: str) -> None:
-        self.text = text
-        self.problem = problem
-
-
-def _parse_int(text: str) -> int | _Unreadable:
-    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
-        return _Unreadable(text, f"an integer of {len(text.lstrip('-'))} digits")
-    return int(text)
-
-
-def _parse_float(text: str) -> float | _Unreadable:
-    value = float(text)
-    return _Unreadable(text, "a number too large for a 64-bit float") if math.isinf(value) else value
-
-
-def _parse_constant(text: str) -> _Unreadable:
-    return _Unreadable(text, "not a JSON number")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """An object's keys, each at most once, and no string Triton could read differently."""
-    seen: set[str] = set()
-    for key, value in pairs:
-        if key in seen:
-            name = next((v for k, v in pairs if k == "name" and isinstance(v, str)), None)
-            where = f" of '{name}'" if name is not None and key != "name" else ""
-            raise RequestError(
-                f"request body gives the key {_short(key)}{where} more than once in one object; JSON "
-                f"parsers disagree on which one counts (Triton keeps the first, Python the last), so "
-                f"send each key once"
-            )
-        seen.add(key)
-        _check_text(key)
-        if isinstance(value, str):
-            _check_text(value)
-    return dict(pairs)
-
-
-def _check_text(text: str, where: str = "request body") -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(
-            f"{where} holds a lone UTF-16 surrogate ({text[e.start]!r}) in a string; send valid Unicode"
-        ) from None
+_EXPECTED = f"a KServe v2 inference request, e.g. {EXAMPLE}"
 
 
 def _parse_json(header: bytes) -> dict[str, Any]:
-    if not header.strip():
-        raise RequestError(f"request body is empty; send a KServe v2 inference request, e.g. {EXAMPLE}")
-    try:
-        doc = json.loads(
-            header.decode("utf-8"),
-            object_pairs_hook=_unique_keys,
-            parse_int=_parse_int,
-            parse_float=_parse_float,
-            parse_constant=_parse_constant,
-        )
-    except UnicodeDecodeError as e:
-        raise RequestError(
-            f"request body is not UTF-8 JSON (byte {header[e.start]:#04x} at offset {e.start}); send a "
-            f"KServe v2 inference request, e.g. {EXAMPLE}"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise RequestError(
-            f"request body is not valid JSON ({e.msg} at offset {e.pos}); send a KServe v2 inference "
-            f"request, e.g. {EXAMPLE}"
-        ) from None
-    except RecursionError:
-        raise RequestError("request body nests JSON too deeply; send a KServe v2 inference request") from None
+    doc = read_json(header, _EXPECTED)
     if not isinstance(doc, dict):
         raise RequestError(
             f"request body must be a JSON object with 'inputs', got {_kind(doc)}; e.g. {EXAMPLE}"
@@ -192,6 +123,42 @@ class InferRequest:
             doc["outputs"] = list(self.outputs)
         header = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
         return b"".join([header, *(x.raw for x in self.inputs)]), len(header)
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray], parameters: Mapping[str, Any]) -> InferRequest:
+        """A request carrying ``arrays`` (int64, float32 or object arrays of ``bytes``, each with its
+        batch dimension first) and the request ``parameters``."""
+        inputs = []
+        for name, array in arrays.items():
+            if array.dtype == object:
+                elements = [bytes(x) for x in array.reshape(-1)]
+                raw: bytes = _bytes_elements(elements)
+                datatype = "BYTES"
+            else:
+                datatype = next(k for k, v in _NUMPY.items() if v == array.dtype.newbyteorder("<"))
+                array = np.ascontiguousarray(array, dtype=_NUMPY[datatype])
+                raw = array.tobytes()
+            inputs.append(InferInput(name, datatype, tuple(array.shape), array, raw))
+        return cls(tuple(inputs), dict(parameters), None, None)
+
+
+def parse_infer_response(payload: bytes) -> dict[str, np.ndarray]:
+    """Output name -> values of a Triton answer in JSON form (``{"outputs": [{"name", "datatype",
+    "shape", "data"}, ...]}``, as Triton writes it when no output was asked for in binary).
+
+    Raises:
+        ValueError: the payload is not such an answer.
+    """
+    try:
+        out = {}
+        for o in json.loads(payload)["outputs"]:
+            dtype = _NUMPY.get(o["datatype"])
+            if dtype is None:
+                raise ValueError(f"output {o['name']!r} has datatype {o['datatype']}, not read here")
+            out[o["name"]] = np.array(o["data"], dtype=dtype).reshape(o["shape"])
+        return out
+    except (KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ValueError(f"not a KServe v2 inference answer ({type(e).__name__}: {e})") from None
 
 
 @dataclass(frozen=True)
@@ -397,7 +364,7 @@ def _from_json(d: _Declared) -> InferInput:
     if d.datatype == "BYTES":
         encoded = []
         for i, text in enumerate(values):
-            _check_text(text, f"input '{d.name}': 'data' at index {i}")
+            check_text(text, f"input '{d.name}': 'data' at index {i}")
             encoded.append(text.encode("utf-8"))
         array = np.empty(count, dtype=object)
         array[:] = encoded
@@ -483,28 +450,6 @@ def _value_problem(value: Any, datatype: str) -> str | None:
         if _is_int(value) and low <= value < high:
             return None
         return f"{'unsigned' if unsigned else 'signed'} {bits}-bit integers"
-    if isinstance(value, _Unreadable):
+    if isinstance(value, Unreadable):
         return "finite JSON numbers that fit a 64-bit float (send NaN or infinities in binary form)"
     return None if isinstance(value, int | float) and not isinstance(value, bool) else "numbers"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number"
-    )
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    """``value`` as JSON, cut to ``limit`` characters (for messages)."""
-    if isinstance(value, _Unreadable):
-        text = value.text if len(value.text) <= limit else f"{value.text[: limit - 3]}..."
-        return f"{text} ({value.problem})"
-    try:
-        text = json.dumps(value, default=lambda v: v.text if isinstance(v, _Unreadable) else str(v))
-    except (RecursionError, ValueError):
-        return _kind(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -35,7 +35,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from openaligner.servers.protocol import DEFAULT_HOST, REQUEST_ID_PARAMETER, ErrorEnvelope, TensorSpec
-from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES, HTTPGuard, RequestCheck
+from openaligner.servers.transport.http_guard import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    ForeignRoute,
+    HTTPGuard,
+    RequestCheck,
+)
 from openaligner.servers.transport.workspace import ServerWorkspace, default_root
 from openaligner.servers.validation import RequestError, RequestsFailed, UnauthorizedError
 
@@ -321,6 +326,7 @@ class TritonHost:
             tuple[Endpoint, Batching | None, threading.Lock | threading.RLock, Authorize | None]
         ] = []
         self._callables: list[TritonCallable] = []
+        self._routes: list[ForeignRoute] = []
         self._triton: Any = None
         self._workspace: ServerWorkspace | None = None
         self.start_time_s: float | None = None
@@ -337,16 +343,20 @@ class TritonHost:
         batching: Batching | None,
         lock: threading.Lock | threading.RLock,
         authorize: Authorize | None = None,
+        routes: Sequence[ForeignRoute] = (),
     ) -> None:
         """Serve ``endpoint`` as Triton model ``endpoint.model_name`` (before :meth:`start`).
 
         ``batching=None`` declares a model without a batch dimension (one request per call).
         Endpoints bound with the same ``lock`` never run at the same time. ``authorize``, when
         given, sees each request's Triton parameters before anything else and may refuse it.
+        ``routes`` are other wire formats the HTTP front answers for this model (see
+        :class:`~openaligner.servers.transport.http_guard.ForeignRoute`).
         """
         if self._triton is not None:
             raise RuntimeError("bind endpoints before start()")
         self._bindings.append((endpoint, batching, lock, authorize))
+        self._routes.extend(routes)
 
     def start(self) -> None:
         """Start tritonserver and the HTTP front; return once every bound model is ready (about 3 s).
@@ -440,6 +450,7 @@ class TritonHost:
             max_request_bytes=self.max_request_bytes,
             checks=checks,
             tokenizers=tokenizers,
+            routes=self._routes,
         )
         self.guard.start()
 
