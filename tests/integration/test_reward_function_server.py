@@ -143,3 +143,34 @@ def test_a_raising_function_fails_only_its_own_request(server):
         },
     )
     assert status == 200
+
+
+def post_json(port: int, path: str, doc: object) -> tuple[int, object]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=json.dumps(doc).encode(), method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_other_frameworks_formats_reach_the_function_with_their_labels(server):
+    """behave scores len(response); a label arrives as metadata["label"] (behave ignores it)."""
+    status, got = post_json(
+        server,
+        "/get_reward",
+        {"query": ["Q: 2+2? A: 4", "Q: x A:yz"], "prompts": ["Q: 2+2? A:", "Q: x A:"], "labels": ["4", "5"]},
+    )
+    assert status == 200 and got == {"rewards": [2.0, 2.0], "scores": [2.0, 2.0], "extra_logs": {}}
+    assert post_json(
+        server, "/remote_rm", {"prompt": [{"role": "user", "content": "q"}], "response": "abc", "label": 1}
+    ) == (200, 3.0)
+    status, got = post_json(
+        server, "/classify", {"model": "fn", "input": "whole text", "use_activation": False}
+    )
+    assert status == 200 and got["data"][0]["probs"] == [10.0] and got["model"] == "fn"
+    # token ids cannot be read by a function: refused in vLLM's error shape, naming what to send
+    status, got = post_json(server, "/classify", {"input": [5, 6, 7]})
+    assert status == 400 and got["error"]["code"] == 400 and "must be text" in got["error"]["message"]

@@ -2,16 +2,20 @@
 torchrun (replicas or shards) stopped by SIGTERM. Both must answer like the offline model and
 leave no Triton behind."""
 
+import json
 import re
 import signal
 import sys
 import time
+import urllib.request
 
 import pytest
 import torch
 from procs import Served, alive, descendants, free_port
 
 from openaligner.clients.reward import RemoteGPTRMClient, RemoteRMConfig
+from openaligner.data.render import Renderer, SequenceLayout
+from openaligner.servers.reward import make_tokenize_func
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +35,7 @@ def check_answers_and_stop(served: Served, port: int, tiny, sig: signal.Signals)
             got = rm.infer_rm(batch).result()
         want = tiny.reward_model().infer(batch["response_tokens"], batch["response_lengths"])
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        check_other_frameworks_formats(port, tiny)
         served.proc.send_signal(sig)
         served.proc.wait(timeout=60)
         time.sleep(0.5)  # let orphaned children (if any) be seen before checking
@@ -39,6 +44,38 @@ def check_answers_and_stop(served: Served, port: int, tiny, sig: signal.Signals)
         return served.output
     finally:
         served.kill()
+
+
+def post(port: int, path: str, doc: object) -> object:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(doc).encode())
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+def check_other_frameworks_formats(port: int, tiny) -> None:
+    """OpenRLHF's, slime's and vLLM's formats score as the offline model scores the text laid out as
+    train-rm lays it out (a model trained on raw text: prompt and response tokenized apart)."""
+    model, tok = tiny.reward_model(), tiny.tokenizer
+
+    def split(prompt: str, response: str) -> float:
+        p, r = Renderer(tok, SequenceLayout()).example_ids(prompt, {"role": "assistant", "content": response})
+        return float(model.infer(torch.tensor([p + r]), torch.tensor([len(p + r)]))[0])
+
+    def whole(text: str) -> float:
+        return float(model.infer(*make_tokenize_func(tok, max_length=256)([text]))[0])
+
+    got = post(
+        port,
+        "/get_reward",
+        {"query": ["sort: 3 1 2 = 1 2 3"], "prompts": ["sort: 3 1 2 ="], "labels": ["1 2 3"]},
+    )
+    assert got["rewards"] == got["scores"] == pytest.approx([split("sort: 3 1 2 =", " 1 2 3")], abs=1e-5)
+    got = post(port, "/remote_rm", {"prompt": "hello", "response": " world", "label": None})
+    assert got == pytest.approx(split("hello", " world"), abs=1e-5)
+    got = post(port, "/classify", {"model": "rm", "input": ["hello world", "abc"], "use_activation": False})
+    assert [d["probs"][0] for d in got["data"]] == pytest.approx(
+        [whole("hello world"), whole("abc")], abs=1e-5
+    )
 
 
 def test_cli_single_rank_stops_cleanly_on_sigint(tiny):

@@ -370,9 +370,16 @@ class ClassifyRoute:
         return _Translation(inputs, lambda outputs, checked: self._write(outputs, checked, name, activation))
 
     def _input(self, value: Any) -> dict[str, np.ndarray]:
-        if isinstance(value, list) and value and all(is_int(v) for v in value):
+        ids = isinstance(value, list) and value and all(is_int(v) for v in value)
+        nested = isinstance(value, list) and value and all(isinstance(v, list) for v in value)
+        if (ids or nested) and self.reading.function:
+            raise RequestError(
+                "this server scores text with a reward function, so 'input' must be text (a string or a "
+                "list of strings) or 'messages' a conversation, not token ids"
+            )
+        if ids:
             return token_inputs([self._ids(value, "'input'")])
-        if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        if nested:
             return token_inputs([self._ids(v, f"'input'[{i}]") for i, v in enumerate(value)])
         texts = _strings(value, "input", CLASSIFY_EXAMPLE)
         return text_inputs([Row(t) for t in texts], self.reading)

@@ -204,6 +204,42 @@ def test_combined_with_a_model_the_reward_is_the_weighted_sum():
     assert out["rewards"].reshape(-1).tolist() == [0.5 * 200 + 2 * 2, 0.5 * 300 + 2 * 3]
 
 
+def test_combined_with_a_model_whole_texts_feed_the_model_and_conversations_the_function():
+    """Another framework's prompt string that is already rendered: the model reads the whole text
+    (``sentences``), the function the prompt and response (``messages``)."""
+    seen = []
+
+    def tokenize(texts):
+        seen.extend(texts)
+        lengths = torch.tensor([len(t) for t in texts])
+        return torch.ones(len(texts), int(lengths.max()), dtype=torch.int64), lengths
+
+    def render(conversations, max_length):  # must not be used when sentences are given
+        raise AssertionError("rendered")
+
+    ep = RewardFunctionEndpoint(
+        Recorder(),
+        name="recorder",
+        model_forward=lambda tokens, lengths: 100.0 * lengths.float(),
+        render_func=render,
+        tokenize_func=tokenize,
+        prepare_model_batch=lambda rs: (
+            torch.cat([r.tokens for r in rs]),
+            torch.cat([r.lengths for r in rs]),
+        ),
+    )
+    whole = np.array([[b"<s>q</s>ab"], [b"<s>q</s>abc"]], dtype=np.object_)
+    r = ep.validate({"messages": messages(("q", "ab"), ("q", "abc")), "sentences": whole})
+    (out,) = ep.run([r])
+    assert seen == ["<s>q</s>ab", "<s>q</s>abc"]
+    assert out["rewards"].reshape(-1).tolist() == [100 * 10 + 2, 100 * 11 + 3]
+    with pytest.raises(RequestError, match="has 2 rows but 'messages' has 1"):
+        ep.validate({"messages": messages(("q", "ab")), "sentences": whole})
+    alone = RewardFunctionEndpoint(Recorder(), name="recorder")
+    with pytest.raises(RequestError, match="this server has no model: send 'messages' alone"):
+        alone.validate({"messages": messages(("q", "ab")), "sentences": whole[:1]})
+
+
 def test_conversation_texts():
     assert conversation_texts(
         [{"role": "user", "content": "sort 3 1"}, {"role": "assistant", "content": "1 3"}]

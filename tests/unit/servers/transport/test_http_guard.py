@@ -204,3 +204,148 @@ def test_a_taken_port_is_reported_at_start():
         guard = HTTPGuard("127.0.0.1", taken.getsockname()[1], free_port())
         with pytest.raises(OSError):
             guard.start()
+
+
+# ---------------------------------------------------------------------------- foreign wire formats
+class Scored:
+    """A foreign route's translation: one ``sentences`` row; the answer is ``{"score": reward}``."""
+
+    def __init__(self, text):
+        self.inputs = {"sentences": np.array([[text.encode()]], dtype=object)}
+
+    def answer(self, outputs, checked):
+        return {"score": float(outputs["rewards"].reshape(-1)[0]), "checked": checked}
+
+
+class ScoreRoute:
+    """A stand-in wire format on ``/score``: the body is the text to score."""
+
+    paths = ("/score",)
+    model = "m"
+    title = "score"
+
+    def translate(self, raw):
+        if raw == b"unreadable":
+            raise RequestError("the body must be text")
+        return Scored(raw.decode())
+
+    def error(self, status, message):
+        return {"problem": message, "status": status}
+
+
+def envelope(kind, rid, why="the function raised"):
+    from openaligner.servers.protocol import ErrorEnvelope
+
+    invalid = {rid: why} if kind == "bad_request" else {"other": why}
+    valid = (rid,) if kind == "rejected_batch" else ()
+    return ErrorEnvelope(kind, f"m: {why}", invalid, valid).render()
+
+
+class ScoringUpstream(BaseHTTPRequestHandler):
+    """Triton stand-in for the foreign route: answers by the text of the request's one row."""
+
+    seen: list = []  # noqa: RUF012 — shared across requests on purpose
+
+    def do_POST(self):
+        from openaligner.servers.protocol import REQUEST_ID_PARAMETER
+
+        received = self.rfile.read(int(self.headers["Content-Length"]))
+        parsed = parse_infer_request(received, self.headers.get(HEADER_LENGTH))
+        text = parsed.arrays()["sentences"][0, 0].decode()
+        rid = parsed.parameters[REQUEST_ID_PARAMETER]
+        self.seen.append((text, rid))
+        tries = sum(1 for t, r in self.seen if r == rid)
+        rewards = {"outputs": [{"name": "rewards", "datatype": "FP32", "shape": [1, 1], "data": [1.5]}]}
+        status, doc = 200, rewards
+        if text == "merged" and tries <= 2:  # rejected twice alongside a failing request, then served
+            status, doc = (
+                500,
+                {
+                    "error": PYTRITON_FAILURE.replace(
+                        "<<openaligner-error {} openaligner-error>>", envelope("rejected_batch", rid)
+                    )
+                },
+            )
+        elif text == "fails":
+            status, doc = 500, {"error": envelope("bad_request", rid)}
+        elif text == "crash":
+            status, doc = 500, {"error": PYTRITON_FAILURE}
+        payload = json.dumps(doc).encode()
+        if text == "nan":
+            payload = payload.replace(b"1.5", b"NaN")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def check_sentences(inputs, parameters):
+    if inputs["sentences"][0, 0] == b"refuse":
+        raise RequestError("input 'sentences' says refuse")
+    return "checked"
+
+
+@pytest.fixture(scope="module")
+def foreign():
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), ScoringUpstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    guard = HTTPGuard(
+        "127.0.0.1",
+        free_port(),
+        upstream.server_address[1],
+        max_request_bytes=4096,
+        checks={"m": check_sentences},
+        routes=[ScoreRoute()],
+    )
+    guard.start()
+    yield guard
+    guard.stop()
+    upstream.shutdown()
+    upstream.server_close()
+
+
+def test_a_foreign_format_is_checked_sent_as_kserve_and_answered_in_its_own_shape(foreign):
+    status, headers, answer = request(foreign, "POST", "/score", b"hello")
+    assert status == 200 and headers["Content-Type"].startswith("application/json")
+    assert json.loads(answer) == {"score": 1.5, "checked": "checked"}  # what the model's check returned
+    text, rid = ScoringUpstream.seen[-1]
+    assert text == "hello" and rid.startswith("score-")
+
+
+def test_a_foreign_request_rejected_only_for_a_merged_failing_one_is_resent(foreign):
+    resent = foreign.resent
+    status, _, answer = request(foreign, "POST", "/score", b"merged")
+    assert status == 200 and json.loads(answer)["score"] == 1.5
+    assert foreign.resent == resent + 2
+
+
+@pytest.mark.parametrize(
+    ("method", "payload", "headers", "status", "needle"),
+    [
+        ("POST", b"unreadable", {}, 400, "m: the body must be text"),
+        ("POST", b"refuse", {}, 400, "m: input 'sentences' says refuse"),
+        ("POST", b"fails", {}, 400, "m: the function raised"),
+        ("POST", b"crash", {}, 500, "OutOfMemoryError: CUDA out of memory"),
+        ("POST", b"nan", {}, 500, "the server could not write its answer"),
+        ("GET", None, {}, 405, "GET /score is not served; send POST"),
+        ("POST", b"x", {"Content-Encoding": "gzip"}, 415, "Content-Encoding: gzip"),
+        ("POST", b" " * 5000, {}, 413, "over this server's limit of 4096 bytes"),
+    ],
+)
+def test_foreign_refusals_and_failures_come_in_the_formats_error_shape(
+    foreign, method, payload, headers, status, needle
+):
+    got, _, answer = request(foreign, method, "/score", payload, headers)
+    doc = json.loads(answer)
+    assert got == status and doc["status"] == status and needle in doc["problem"], doc
+    assert "Traceback" not in doc["problem"] and "model.py" not in doc["problem"]
+    assert request(foreign, "POST", "/score", b"hello")[0] == 200  # and it serves on
+
+
+def test_the_405_for_unknown_routes_lists_the_foreign_ones(foreign):
+    status, _, answer = request(foreign, "POST", "/nowhere", b"{}")
+    assert status == 405 and "POST on /score (score)" in json.loads(answer)["error"]

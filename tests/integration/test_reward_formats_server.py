@@ -1,0 +1,197 @@
+"""Other frameworks' trainers against a real reward server: requests built as OpenRLHF's, slime's and
+verl's clients build them (one sample per POST, with aiohttp), scored by a chat-template reward
+model combined with a reward function, must equal the offline scores of the text laid out as
+train-rm did, and 32 such clients at once must be batched together by Triton."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+from procs import free_port
+
+from conftest import CHATML
+from openaligner.data.render import Renderer, SequenceLayout
+from openaligner.models.builders import TinySize, build_tiny_sequence_classifier
+from openaligner.models.reward import RewardModel
+from openaligner.models.tokenizers import build_char_tokenizer
+from openaligner.servers.reward import RewardModelServer, make_render_func, make_tokenize_func
+
+pytestmark = pytest.mark.slow
+
+CHAT = SequenceLayout(chat_template=True)
+MODEL_WEIGHT, FUNCTION_WEIGHT = 0.5, 2.0
+
+
+class LabelReward:
+    """The served function: ``len(response)``, plus 10 when the sample's label is in the response;
+    records the rows of each call (to see which requests Triton merged)."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(
+        self, prompts: list[str], responses: list[str], metadata: list[dict[str, Any]]
+    ) -> list[float]:
+        self.calls.append(len(responses))
+        return [
+            len(r) + (10.0 if str(m.get("label")) in r else 0.0)
+            for r, m in zip(responses, metadata, strict=True)
+        ]
+
+
+class Served:
+    def __init__(self) -> None:
+        tok = build_char_tokenizer()
+        tok.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
+        tok.chat_template = CHATML
+        size = TinySize(vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=4)
+        self.tokenizer = tok
+        self.model = RewardModel(build_tiny_sequence_classifier("gpt2", size, seed=0)).eval()
+        self.function = LabelReward()
+        self.tokenize = make_tokenize_func(tok, max_length=256, layout=CHAT)
+        self.port = free_port()
+        self.server = RewardModelServer(
+            self.model.infer,
+            self.tokenize,
+            port=self.port,
+            render_func=make_render_func(tok, CHAT),
+            reward_function=self.function,
+            function_name="LabelReward",
+            model_weight=MODEL_WEIGHT,
+            function_weight=FUNCTION_WEIGHT,
+            prompts_rendered=True,  # as serve-reward sets it for a model trained with a chat template
+            vocab_size=len(tok),
+            max_sequence_length=256,
+            max_queue_delay_microseconds=100_000,  # hold requests so that concurrent clients merge
+            inference_micro_batch_size=[32],
+            model_forward_micro_batch_size=32,
+            max_batch_size=64,
+            heartbeat_s=None,
+        )
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def model_score_of_text(self, text: str) -> float:
+        """The model's score of a whole, already rendered text (BOS/EOS as train-rm added them)."""
+        tokens, lengths = self.tokenize([text])
+        return float(self.model.infer(tokens, lengths)[0])
+
+    def model_score_of_conversation(self, prompt: list[dict[str, str]], response: str) -> float:
+        prompt_ids, response_ids = Renderer(self.tokenizer, CHAT).example_ids(
+            tuple(prompt), {"role": "assistant", "content": response}
+        )
+        ids = prompt_ids + response_ids
+        return float(self.model.infer(torch.tensor([ids]), torch.tensor([len(ids)]))[0])
+
+    def rendered_prompt(self, question: str) -> str:
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = Served()
+    s.server.start()
+    yield s
+    s.server.stop()
+
+
+# The three clients, written as those frameworks send: one sample per POST, JSON via aiohttp,
+# raise_for_status, the score read where each framework reads it.
+async def openrlhf_reward(
+    session: aiohttp.ClientSession, url: str, query: str, prompt: str, label: str
+) -> float:
+    payload = {"query": [query], "prompts": [prompt], "labels": [label]}
+    async with session.post(url, json=payload) as response:
+        response.raise_for_status()
+        return (await response.json())["rewards"][0]
+
+
+async def slime_reward(session: aiohttp.ClientSession, url: str, sample: dict[str, Any]) -> float:
+    async with session.post(url, json=sample) as response:
+        response.raise_for_status()
+        return await response.json()
+
+
+async def verl_reward(session: aiohttp.ClientSession, url: str, text: str) -> float:
+    payload = {"model": "/models/my-rm", "input": text, "activation": False}
+    async with session.post(url, json=payload) as response:
+        response.raise_for_status()
+        return (await response.json())["data"][-1]["probs"][-1]
+
+
+def expected(s: Served, model_score: float, response: str, label: str | None = None) -> float:
+    function = len(response) + (10.0 if label is not None and label in response else 0.0)
+    return MODEL_WEIGHT * model_score + FUNCTION_WEIGHT * function
+
+
+def test_each_framework_gets_the_offline_score_of_the_text_laid_out_as_train_rm_did(served):
+    s = served
+    prompt = s.rendered_prompt("2+2?")
+    query = prompt + "4<|im_end|>"  # OpenRLHF decodes prompt and response tokens with their EOS
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    verl_text = s.tokenizer.apply_chat_template(
+        [*conversation, {"role": "assistant", "content": "four"}], tokenize=False
+    )
+
+    async def ask() -> tuple[float, float, float, float]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            return await asyncio.gather(
+                openrlhf_reward(session, s.url("/get_reward"), query, prompt, "4"),
+                slime_reward(session, s.url("/remote_rm"), {"prompt": prompt, "response": "4", "label": "5"}),
+                slime_reward(
+                    session, s.url("/remote_rm"), {"prompt": conversation, "response": "4", "label": "4"}
+                ),
+                verl_reward(session, s.url("/classify"), verl_text),
+            )
+
+    got = asyncio.run(ask())
+    want = [
+        # a rendered prompt string: the model reads the whole text, the function the response
+        expected(s, s.model_score_of_text(query), "4<|im_end|>", "4"),
+        expected(s, s.model_score_of_text(prompt + "4"), "4", "5"),
+        # a conversation: rendered with the reward model's own template, as train-rm did
+        expected(s, s.model_score_of_conversation(conversation, "4"), "4", "4"),
+        # a whole text: the function sees it as the response to an empty prompt
+        expected(s, s.model_score_of_text(verl_text), verl_text),
+    ]
+    assert got == pytest.approx(want, abs=1e-4)
+    assert len(set(got)) == 4  # the four cases differ, so each was read its own way
+
+
+def test_32_one_sample_clients_of_every_format_are_batched_together_and_each_gets_its_own_score(served):
+    s = served
+    prompts = [s.rendered_prompt(f"q{i}") for i in range(32)]
+    responses = ["x" * (1 + i % 7) for i in range(32)]
+
+    async def one(session: aiohttp.ClientSession, i: int) -> float:
+        if i % 3 == 0:
+            return await openrlhf_reward(
+                session, s.url("/get_reward"), prompts[i] + responses[i], prompts[i], "x"
+            )
+        if i % 3 == 1:
+            return await slime_reward(
+                session, s.url("/remote_rm"), {"prompt": prompts[i], "response": responses[i]}
+            )
+        return await verl_reward(session, s.url("/v1/classify"), prompts[i] + responses[i])
+
+    async def ask() -> list[float]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            return list(await asyncio.gather(*(one(session, i) for i in range(32))))
+
+    calls_before = len(s.function.calls)
+    got = asyncio.run(ask())
+    want = []
+    for i in range(32):
+        model = s.model_score_of_text(prompts[i] + responses[i])
+        response = responses[i] if i % 3 != 2 else prompts[i] + responses[i]
+        want.append(expected(s, model, response, "x" if i % 3 == 0 else None))
+    assert got == pytest.approx(want, abs=1e-4)
+    calls = s.function.calls[calls_before:]
+    assert sum(calls) == 32 and len(calls) < 32 and max(calls) > 1, calls  # requests were merged
