@@ -15,13 +15,18 @@ from typing import Any
 ANSWER_KEY = "answer"
 """The metadata key holding each prompt's reference answer (a prompt-record field sent by
 train-ppo's ``data.metadata_keys``)."""
+LABEL_KEY = "label"
+"""Where other frameworks' requests put the reference answer (their samples' ``label``; see
+:mod:`openaligner.servers.reward_formats`); read when there is no ``answer``."""
 
 
 def verify(prompts: list[str], responses: list[str], metadata: list[Mapping[str, Any]]) -> list[float]:
-    """1.0 for each response whose answer matches ``metadata[i]["answer"]``, else 0.0.
+    """1.0 for each response whose answer matches ``metadata[i]["answer"]`` (else its ``label``),
+    else 0.0.
 
     Raises:
-        KeyError: a row's metadata has no ``answer`` (the message names ``data.metadata_keys``).
+        KeyError: a row's metadata has neither ``answer`` nor ``label`` (the message names
+            ``data.metadata_keys``).
         ImportError: ``math-verify`` is not installed (the message names the extra).
     """
     try:
@@ -33,12 +38,14 @@ def verify(prompts: list[str], responses: list[str], metadata: list[Mapping[str,
         ) from None
     scores = []
     for i, (response, meta) in enumerate(zip(responses, metadata, strict=True)):
-        if ANSWER_KEY not in meta:
+        key = ANSWER_KEY if ANSWER_KEY in meta else LABEL_KEY
+        if meta.get(key) is None:
             raise KeyError(
                 f"row {i} carries no {ANSWER_KEY!r} in its metadata (got {sorted(meta)}): give every prompt "
-                f"record an {ANSWER_KEY!r} field and set data.metadata_keys=[{ANSWER_KEY}] in train-ppo"
+                f"record an {ANSWER_KEY!r} field and set data.metadata_keys=[{ANSWER_KEY}] in train-ppo (or "
+                f"send the answer as the sample's label)"
             )
-        gold = parse(_as_math(str(meta[ANSWER_KEY])))
+        gold = parse(_as_math(str(meta[key])))
         guess = parse(response)
         scores.append(1.0 if gold and guess and equal(gold, guess) else 0.0)
     return scores

@@ -285,5 +285,9 @@ def test_the_math_verifier_compares_answers_and_names_the_metadata_key():
         [{"answer": "0.5"}, {"answer": "\\frac{1}{2}"}, {"answer": "4"}],
     )
     assert scores == [1.0, 1.0, 0.0]
+    # other frameworks send the reference answer as the sample's label
+    assert verify(["q", "q"], ["\\boxed{4}", "5"], [{"label": "4"}, {"label": 4}]) == [1.0, 0.0]
     with pytest.raises(KeyError, match=r"data.metadata_keys=\[answer\]"):
         verify(["q"], ["1"], [{}])
+    with pytest.raises(KeyError, match="send the answer as the sample's label"):
+        verify(["q"], ["1"], [{"label": None}])
