@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from openaligner.servers.protocol import MESSAGES, METADATA, REWARDS, SENTENCES, SEQUENCE_LENGTHS, TOKENS
+from openaligner.servers.reward_function import MAX_METADATA_BYTES
 from openaligner.servers.transport.strict_json import (
     check_text,
     first_unreadable,
@@ -200,9 +201,16 @@ def _same_length(value: Any, where: str, rows: int, of: str) -> list[Any] | None
 
 
 def _label(value: Any, where: str) -> Any:
+    """A sample's label: plain JSON that fits the function's ``metadata`` row."""
     bad = first_unreadable(value)
     if bad is not None:
         raise RequestError(f"{where} holds {short(bad)}; a label must be plain JSON")
+    try:
+        size = len(json.dumps({"label": value}).encode("utf-8"))
+    except RecursionError:
+        raise RequestError(f"{where} nests JSON too deeply") from None
+    if size > MAX_METADATA_BYTES:
+        raise RequestError(f"{where} takes {size} bytes as metadata, over the limit of {MAX_METADATA_BYTES}")
     return value
 
 

@@ -110,6 +110,11 @@ def test_openrlhf_labels_reach_a_reward_function_as_metadata():
         (b'{"query": ["a"], "labels": [NaN]}', "'labels'[0] holds NaN (not a JSON number)"),
         (b'{"query": ["\\ud800"]}', "'query'[0] holds a lone UTF-16 surrogate"),
         (b'{"query": ["a"], "query": ["b"]}', 'gives the key "query" more than once'),
+        (
+            b'{"query": ["a"], "labels": ["' + b"x" * 70000 + b'"]}',
+            "'labels'[0] takes 70013 bytes as metadata",
+        ),
+        (b'{"query": ["a"], "labels": [' + b"[" * 990 + b"]" * 990 + b"]}", "nests JSON too deeply"),
     ],
 )
 def test_openrlhf_refusals_name_the_field(raw, needle):
