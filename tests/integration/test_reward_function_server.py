@@ -11,6 +11,7 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from procs import Served, free_port
@@ -48,9 +49,9 @@ def server():
     served.proc.wait(timeout=30)
 
 
-def post(port: int, body: dict) -> tuple[int, dict]:
+def post(port: int, body: object, path: str = "/v2/models/reward_model/infer") -> tuple[int, Any]:
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v2/models/reward_model/infer", data=json.dumps(body).encode(), method="POST"
+        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST"
     )
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
@@ -145,32 +146,19 @@ def test_a_raising_function_fails_only_its_own_request(server):
     assert status == 200
 
 
-def post_json(port: int, path: str, doc: object) -> tuple[int, object]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=json.dumps(doc).encode(), method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_other_frameworks_formats_reach_the_function_with_their_labels(server):
     """behave scores len(response); a label arrives as metadata["label"] (behave ignores it)."""
-    status, got = post_json(
-        server,
-        "/get_reward",
-        {"query": ["Q: 2+2? A: 4", "Q: x A:yz"], "prompts": ["Q: 2+2? A:", "Q: x A:"], "labels": ["4", "5"]},
-    )
+    openrlhf = {
+        "query": ["Q: 2+2? A: 4", "Q: x A:yz"],
+        "prompts": ["Q: 2+2? A:", "Q: x A:"],
+        "labels": ["4", "5"],
+    }
+    status, got = post(server, openrlhf, "/get_reward")
     assert status == 200 and got == {"rewards": [2.0, 2.0], "scores": [2.0, 2.0], "extra_logs": {}}
-    assert post_json(
-        server, "/remote_rm", {"prompt": [{"role": "user", "content": "q"}], "response": "abc", "label": 1}
-    ) == (200, 3.0)
-    status, got = post_json(
-        server, "/classify", {"model": "fn", "input": "whole text", "use_activation": False}
-    )
+    slime = {"prompt": [{"role": "user", "content": "q"}], "response": "abc", "label": 1}
+    assert post(server, slime, "/remote_rm") == (200, 3.0)
+    status, got = post(server, {"model": "fn", "input": "whole text", "use_activation": False}, "/classify")
     assert status == 200 and got["data"][0]["probs"] == [10.0] and got["model"] == "fn"
     # token ids cannot be read by a function: refused in vLLM's error shape, naming what to send
-    status, got = post_json(server, "/classify", {"input": [5, 6, 7]})
+    status, got = post(server, {"input": [5, 6, 7]}, "/classify")
     assert status == 400 and got["error"]["code"] == 400 and "must be text" in got["error"]["message"]
