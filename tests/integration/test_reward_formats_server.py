@@ -63,7 +63,7 @@ class Served:
             function_name="LabelReward",
             model_weight=MODEL_WEIGHT,
             function_weight=FUNCTION_WEIGHT,
-            prompts_rendered=True,  # as serve-reward sets it for a model trained with a chat template
+            chat_template=True,  # as serve-reward sets it from the model's recorded layout
             vocab_size=len(tok),
             max_sequence_length=256,
             max_queue_delay_microseconds=100_000,  # hold requests so that concurrent clients merge

@@ -101,7 +101,7 @@ def run(cfg: ServeRewardConfig) -> int:
                     "tokenizer_info": described,
                     "vocab_size": int(hf_config.vocab_size),
                     "max_sequence_length": max_len,
-                    "prompts_rendered": bool(
+                    "chat_template": bool(
                         getattr(serving.recorded_layout(cfg.model.path), "chat_template", False)
                     ),
                 }

@@ -91,6 +91,13 @@ def micro_batched(infer_fn: InferFn, micro_batch_size: int) -> InferFn:
     return run
 
 
+PROMPT_STRINGS = ("auto", "rendered", "raw")
+"""How a prompt string sent in another framework's format is read (``server.prompt_strings``):
+``rendered`` — already laid out with a chat template (the whole text is read as it stands);
+``raw`` — the user's message (laid out with the model's template, if it has one); ``auto`` —
+``rendered`` for a model trained with a chat template, else ``raw``."""
+
+
 @dataclass(kw_only=True)
 class RewardServerConfig(ServingConfig):
     """How the reward model server serves: the ``server`` section of ``openaligner serve-reward``
@@ -99,6 +106,20 @@ class RewardServerConfig(ServingConfig):
     port: int = REWARD_DEFAULT_PORT  # HTTP port
     model_name: str = REWARD_MODEL_NAME  # Triton model name that clients ask for
     remote_rm_reward_key: str | None = None  # POST /remote_rm (slime) answers {key: reward}; null: the number
+    prompt_strings: str = "auto"  # other formats' prompt strings: rendered | raw | auto (the model's layout)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prompt_strings not in PROMPT_STRINGS:
+            raise ValueError(
+                f"{{section}}.prompt_strings must be one of {', '.join(PROMPT_STRINGS)}, got "
+                f"{self.prompt_strings!r}"
+            )
+
+    def prompts_rendered(self, chat_template: bool) -> bool:
+        """Whether a prompt string of another framework's format is taken as already rendered, for
+        a model trained with (``chat_template``) or without a chat template."""
+        return chat_template if self.prompt_strings == "auto" else self.prompt_strings == "rendered"
 
 
 class RewardModelServer(ServerLifecycle):
@@ -126,9 +147,9 @@ class RewardModelServer(ServerLifecycle):
             ``messages`` (+ ``metadata``) and answers ``model_weight · model + function_weight ·
             function`` (see :class:`~openaligner.servers.reward_function.RewardFunctionEndpoint`).
         function_name: the function's name in error messages.
-        prompts_rendered: the model was trained with a chat template, so a prompt string sent in
-            another framework's format is taken as already rendered (see
-            :mod:`openaligner.servers.reward_formats`).
+        chat_template: the model was trained with a chat template (its recorded layout says so);
+            with ``server.prompt_strings=auto``, a prompt string sent in another framework's format
+            is then taken as already rendered (see :mod:`openaligner.servers.reward_formats`).
         **settings: :class:`RewardServerConfig` keys that replace ``cfg``'s, as the keyword
             arguments of NeMo-Aligner's ``RewardModelServer``:
             ``RewardModelServer(infer_fn=f, port=5555, inference_micro_batch_size=[4, 8])``.
@@ -153,7 +174,7 @@ class RewardModelServer(ServerLifecycle):
         function_name: str = "the reward function",
         model_weight: float = 1.0,
         function_weight: float = 1.0,
-        prompts_rendered: bool = False,
+        chat_template: bool = False,
         **settings: Any,
     ) -> None:
         self.cfg = replace(cfg or RewardServerConfig(), **settings)
@@ -207,7 +228,7 @@ class RewardModelServer(ServerLifecycle):
             TextReading(
                 function=reward_function is not None,
                 model=infer_fn is not None,
-                rendered_prompts=prompts_rendered,
+                rendered_prompts=self.cfg.prompts_rendered(chat_template),
             ),
             self.cfg.remote_rm_reward_key,
         )

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from openaligner.servers.reward import RewardServerConfig
 from openaligner.servers.reward_formats import (
     ClassifyRoute,
     OpenRLHFRoute,
@@ -225,6 +226,26 @@ def test_classify_refusals_name_the_field(doc, needle):
     with pytest.raises(RequestError) as caught:
         ClassifyRoute("reward_model", RAW_MODEL).translate(body(doc))
     assert needle in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("setting", "chat_template", "rendered"),
+    [("auto", True, True), ("auto", False, False), ("raw", True, False), ("rendered", False, True)],
+)
+def test_server_prompt_strings_says_how_prompt_strings_are_read(setting, chat_template, rendered):
+    cfg = RewardServerConfig(prompt_strings=setting)
+    assert cfg.prompts_rendered(chat_template) is rendered
+    reading = TextReading(function=False, model=True, rendered_prompts=cfg.prompts_rendered(chat_template))
+    inputs = (
+        RemoteRMRoute("reward_model", reading).translate(body({"prompt": "2+2?", "response": "4"})).inputs
+    )
+    # raw: the user's message, laid out with the model's own template; rendered: the text as it stands
+    assert set(inputs) == ({"sentences"} if rendered else {"messages"})
+
+
+def test_an_unknown_prompt_strings_setting_is_refused():
+    with pytest.raises(ValueError, match="prompt_strings must be one of auto, rendered, raw, got 'chat'"):
+        RewardServerConfig(prompt_strings="chat")
 
 
 def test_each_format_writes_errors_its_clients_read():
