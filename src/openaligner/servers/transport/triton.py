@@ -387,6 +387,8 @@ class TritonHost:
             raise
         self.start_time_s = time.perf_counter() - started
         LOGGER.info("Triton serving %s at %s", [b[0].model_name for b in self._bindings], self.url)
+        for route in self._routes:
+            LOGGER.info("also answering %s for %s: POST %s", route.title, route.model, ", ".join(route.paths))
 
     def _start(self) -> None:
         from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
