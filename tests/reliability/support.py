@@ -23,7 +23,7 @@ from procs import descendants
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
 from openaligner.servers.protocol import TOKEN_PARAMETER, ErrorEnvelope
-from openaligner.servers.reward import RewardModelServer, make_tokenize_func
+from openaligner.servers.reward import RewardModelServer, make_render_func, make_tokenize_func
 from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
 
 TOKEN = "reliability-s3cret"
@@ -47,11 +47,12 @@ DATATYPES = {
 
 
 def reward_server(tiny: Any, port: int, **overrides: Any) -> RewardModelServer:
-    """The tiny reward model behind ``reward_model`` (not started): tokenizer, vocabulary and
-    sequence limits as ``openaligner serve-reward`` sets them."""
+    """The tiny reward model behind ``reward_model`` (not started): tokenizer (for ``sentences``
+    and ``messages``), vocabulary and sequence limits as ``openaligner serve-reward`` sets them."""
     settings: dict[str, Any] = dict(
         infer_fn=tiny.reward_model().infer,
         tokenize_func=make_tokenize_func(tiny.tokenizer, max_length=POSITIONS),
+        render_func=make_render_func(tiny.tokenizer),
         port=port,
         inference_micro_batch_size=[4],
         model_forward_micro_batch_size=4,

@@ -13,7 +13,10 @@ Then well-formed and hostile clients together: 16 well-formed clients per server
 ``tritonclient`` connections and 4 of the project's own clients) next to 4 hostile ones sending
 hand-written bad requests — most shaped exactly like the good ones, so that Triton would merge
 them — and resource hogs. No well-formed request may fail or get another answer than alone, and
-every hostile one must get its 4xx, never a 5xx or a traceback.
+every hostile one must get its 4xx, never a 5xx or a traceback. Beside them on the reward server,
+clients of other frameworks' wire formats (OpenRLHF's /get_reward, slime's /remote_rm, verl's
+/classify: one sample per request, as those trainers send) must get each sample's reward alone,
+and hostile requests in those formats join the hostile mix.
 
 ``test_load_short`` and ``test_mixed_..._short`` (a few seconds each) run in every test run;
 ``test_load_soak`` runs for ``$OPENALIGNER_LOAD_SECONDS`` (default 60) and
@@ -22,6 +25,7 @@ every hostile one must get its 4xx, never a 5xx or a traceback.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -192,9 +196,63 @@ def test_load_soak_no_errors_and_bounded_memory(cli_servers):
 GOOD_CLIENTS = 16  # per server: 12 tritonclient connections and 4 of the project's own clients
 OWN_CLIENTS = 4
 HOSTILE_CLIENTS = 4  # per server
+FOREIGN_FORMATS = ("OpenRLHF", "slime", "verl")  # good clients of other wire formats, one each, reward only
+OPENRLHF, REMOTE_RM, CLASSIFY = "/get_reward", "/remote_rm", "/classify"
+
+
+def _foreign_samples() -> list[tuple[str, str, str]]:
+    """``DISTINCT`` (prompt, response, label) samples of assorted lengths."""
+    rng = np.random.default_rng(5)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789?:.,!"))
+    return [
+        (
+            "Q: " + "".join(rng.choice(letters, rng.integers(2, 40))) + "? A:",
+            " " + "".join(rng.choice(letters, rng.integers(1, 40))),
+            str(i),
+        )
+        for i in range(DISTINCT)
+    ]
+
+
+FOREIGN_SAMPLES = _foreign_samples()
+
+
+def foreign_request(fmt: str, sample: tuple[str, str, str]) -> tuple[str, bytes]:
+    """One sample as ``fmt``'s trainer sends it: OpenRLHF's remote RM (query = prompt + response),
+    slime's remote_rm, verl's vLLM classify call (the raw reward: use_activation false)."""
+    prompt, response, label = sample
+    if fmt == "OpenRLHF":
+        return OPENRLHF, json.dumps(
+            {"query": [prompt + response], "prompts": [prompt], "labels": [label]}
+        ).encode()
+    if fmt == "slime":
+        return REMOTE_RM, json.dumps({"prompt": prompt, "response": response, "label": label}).encode()
+    doc = {"model": "reward_model", "input": prompt + response, "use_activation": False}
+    return CLASSIFY, json.dumps(doc).encode()
+
+
+def foreign_reward(fmt: str, port: int, sample: tuple[str, str, str]) -> float:
+    """The reward the server answers for ``sample`` in ``fmt``."""
+    from support import post
+
+    path, body = foreign_request(fmt, sample)
+    got = post(port, path, body)
+    assert got.status == 200, f"{fmt}: {got.status} {got.body[:300]!r}"
+    doc = json.loads(got.body)
+    if fmt == "OpenRLHF":
+        assert doc["rewards"] == doc["scores"] and len(doc["rewards"]) == 1, doc
+        return float(doc["rewards"][0])
+    if fmt == "slime":
+        assert isinstance(doc, float), doc
+        return doc
+    assert len(doc["data"]) == 1, doc
+    return float(doc["data"][0]["probs"][0])
+
+
 MIXED_SHORT_S = 5.0
 MIXED_SOAK_S = 20.0
 MIXED_MODELS = {"reward_model": "reward model", "critic_infer": "critic"}
+MIXED_WARMUP_FRACTION = 0.4  # RSS growth is measured over the rest of the run
 
 
 @dataclass(frozen=True)
@@ -205,6 +263,8 @@ class Hostile:
     body: bytes
     headers: dict[str, str]
     status_class: int = 4
+    path: str | None = None  # another wire format's route, on the reward server only (None: infer)
+    method: str = "POST"
 
 
 def _raw_json(*items: str, extra: str = "") -> bytes:
@@ -270,6 +330,69 @@ def hostile_requests() -> list[Hostile]:
             "rows over max_batch_size", *with_(np.zeros((1025, 2), np.int64), np.ones((1025, 1), np.int64))
         ),
         Hostile("a 2 MB text", *binary_body({"sentences": np.array([[b"a" * 2**21]], dtype=object)}), 2),
+        *foreign_hostile_requests(),
+    ]
+
+
+def foreign_hostile_requests() -> list[Hostile]:
+    """Hostile requests in the other wire formats, most of them one sample like the good foreign
+    clients' (so that Triton would merge them with good ones if they ever reached it)."""
+    import gzip
+
+    sample = FOREIGN_SAMPLES[0]
+    query, prompt, response = sample[0] + sample[1], sample[0], sample[1]
+    openrlhf = json.dumps({"query": [query], "prompts": [prompt]})
+    return [
+        Hostile("OpenRLHF: NaN label", (openrlhf[:-1] + ', "labels": [NaN]}').encode(), {}, path=OPENRLHF),
+        Hostile(
+            "OpenRLHF: 'query' twice, 1025 rows first",
+            ('{"query": ' + json.dumps([query] * 1025) + ", " + openrlhf[1:]).encode(),
+            {},
+            path=OPENRLHF,
+        ),
+        Hostile(
+            "OpenRLHF: rows over max_batch_size",
+            json.dumps({"query": ["a"] * 1025}).encode(),
+            {},
+            path=OPENRLHF,
+        ),
+        Hostile(
+            "OpenRLHF: 'labels' one short",
+            json.dumps({"query": [query, query], "prompts": [prompt, prompt], "labels": ["4"]}).encode(),
+            {},
+            path=OPENRLHF,
+        ),
+        Hostile(
+            "remote_rm: 'response' a number",
+            json.dumps({"prompt": prompt, "response": 4}).encode(),
+            {},
+            path=REMOTE_RM,
+        ),
+        Hostile(
+            "remote_rm: lone surrogate",
+            (json.dumps({"prompt": prompt, "response": response})[:-2] + '\\udc00"}').encode(),
+            {},
+            path=REMOTE_RM,
+        ),
+        Hostile(
+            "remote_rm: gzip body",
+            gzip.compress(json.dumps({"prompt": prompt, "response": response}).encode()),
+            {"Content-Encoding": "gzip"},
+            path=REMOTE_RM,
+        ),
+        Hostile("classify: id outside the vocabulary", b'{"input": [5, 600, 7]}', {}, path=CLASSIFY),
+        Hostile(
+            "classify: ids over the position limit",
+            json.dumps({"input": [5] * 4097}).encode(),
+            {},
+            path=CLASSIFY,
+        ),
+        Hostile(
+            "classify: a 5000-digit id", ('{"input": [[5, ' + "9" * 5000 + "]]}").encode(), {}, path=CLASSIFY
+        ),
+        Hostile("classify: empty text", b'{"input": "", "use_activation": false}', {}, path=CLASSIFY),
+        Hostile("classify: GET", b"", {}, path=CLASSIFY, method="GET"),
+        Hostile("classify: a 2 MB text", json.dumps({"input": "a" * 2**21}).encode(), {}, 2, path=CLASSIFY),
     ]
 
 
@@ -282,6 +405,13 @@ class MixedResult:
     good_failures: dict[str, list[str]] = field(default_factory=dict)
     hostile: Counter[str] = field(default_factory=Counter)
     hostile_violations: list[str] = field(default_factory=list)
+    foreign: Counter[str] = field(default_factory=Counter)  # good foreign-format answers, per format
+    at_start: dict[str, Memory] = field(default_factory=dict)
+    at_end: dict[str, Memory] = field(default_factory=dict)
+
+    def growth(self, model: str) -> float:
+        """Relative RSS growth of the server's process tree from the end of the warm-up to the end."""
+        return (self.at_end[model].tree_kb - self.at_start[model].tree_kb) / self.at_start[model].tree_kb
 
     def summary(self) -> str:
         parts = [f"{self.seconds:.0f} s"]
@@ -291,6 +421,15 @@ class MixedResult:
             parts.append(
                 f"{model}: {total} good requests, {failed} failed ({failed / max(total, 1):.1%}), "
                 f"{self.hostile[model]} hostile answered"
+            )
+            if model in self.at_start:
+                parts[-1] += (
+                    f", tree RSS {self.at_start[model].tree_kb // 1024} -> "
+                    f"{self.at_end[model].tree_kb // 1024} MB ({self.growth(model):+.1%})"
+                )
+        if self.foreign:
+            parts.append(
+                "foreign formats: " + ", ".join(f"{f} {n} answered" for f, n in self.foreign.items())
             )
         return "; ".join(parts)
 
@@ -332,11 +471,14 @@ def _own_batches(model: str) -> list[dict[str, Any]]:
     return out
 
 
-def run_mixed(ports: dict[str, int], seconds: float, hostile: list[Hostile]) -> MixedResult:
+def run_mixed(
+    ports: dict[str, int], seconds: float, hostile: list[Hostile], pids: dict[str, int] | None = None
+) -> MixedResult:
     """``GOOD_CLIENTS`` closed-loop well-formed clients and ``HOSTILE_CLIENTS`` hostile ones per
-    model for ``seconds``; every good answer is compared with the same request's answer alone."""
-    from support import post
-
+    model for ``seconds``, and on the reward server one good client per foreign format; every good
+    answer is compared with the same request's answer alone. Hostile requests on a foreign route go
+    to the reward server only. The RSS of ``pids`` (model -> server pid) is taken after the first
+    ``MIXED_WARMUP_FRACTION`` of the run and at its end."""
     tritonclient_requests = {model: requests_for(model) for model in ports}
     own_batches = {model: _own_batches(model) for model in ports}
     reference: dict[str, list[dict[str, np.ndarray]]] = {}
@@ -347,6 +489,11 @@ def run_mixed(ports: dict[str, int], seconds: float, hostile: list[Hostile]) -> 
         client.close()
         with _own_client(model, port) as own:
             own_reference[model] = [_own_request(own, model, b) for b in own_batches[model]]
+    foreign_port = ports.get("reward_model")
+    foreign_reference = {
+        fmt: [foreign_reward(fmt, foreign_port, sample) for sample in FOREIGN_SAMPLES]
+        for fmt in (FOREIGN_FORMATS if foreign_port is not None else ())
+    }
 
     result = MixedResult(seconds)
     result.good_failures = {model: [] for model in ports}
@@ -390,13 +537,32 @@ def run_mixed(ports: dict[str, int], seconds: float, hostile: list[Hostile]) -> 
         finally:
             client.close()
 
-    def hostile_loop(model: str, index: int) -> None:
+    def foreign_loop(fmt: str, index: int) -> None:
+        assert foreign_port is not None
         sent = 0
         while not stop.is_set():
-            h = hostile[(index + sent) % len(hostile)]
+            which = (index + sent) % DISTINCT
             sent += 1
             try:
-                got = post(ports[model], f"/v2/models/{model}/infer", h.body, h.headers)
+                got = foreign_reward(fmt, foreign_port, FOREIGN_SAMPLES[which])
+                np.testing.assert_allclose(got, foreign_reference[fmt][which], rtol=1e-4, atol=1e-4)
+            except Exception as e:  # every failure is counted, none ends the run
+                with lock:
+                    result.good_failures["reward_model"].append(
+                        f"{fmt} client: {type(e).__name__}: {str(e)[:300]}"
+                    )
+                continue
+            with lock:
+                result.foreign[fmt] += 1
+
+    def hostile_loop(model: str, index: int) -> None:
+        mine = [h for h in hostile if h.path is None or model == "reward_model"]
+        sent = 0
+        while not stop.is_set():
+            h = mine[(index + sent) % len(mine)]
+            sent += 1
+            try:
+                got = _send(ports[model], h.method, h.path or f"/v2/models/{model}/infer", h.body, h.headers)
             except OSError as e:
                 with lock:
                     result.hostile_violations.append(f"{model} {h.what}: {type(e).__name__}: {e}")
@@ -405,6 +571,10 @@ def run_mixed(ports: dict[str, int], seconds: float, hostile: list[Hostile]) -> 
                 result.hostile[model] += 1
                 if got.status // 100 != h.status_class or b"Traceback" in got.body:
                     result.hostile_violations.append(f"{model} {h.what}: {got.status} {got.body[:200]!r}")
+                elif h.path is not None and got.status >= 400 and "error" not in json.loads(got.body):
+                    result.hostile_violations.append(
+                        f"{model} {h.what}: not an error body: {got.body[:200]!r}"
+                    )
 
     threads = [
         threading.Thread(target=loop, args=(model, i), daemon=True)
@@ -412,14 +582,36 @@ def run_mixed(ports: dict[str, int], seconds: float, hostile: list[Hostile]) -> 
         for loop, count in ((good_loop, GOOD_CLIENTS), (hostile_loop, HOSTILE_CLIENTS))
         for i in range(count)
     ]
+    threads += [
+        threading.Thread(target=foreign_loop, args=(fmt, i), daemon=True)
+        for i, fmt in enumerate(foreign_reference)
+    ]
     for t in threads:
         t.start()
-    time.sleep(seconds)
+    time.sleep(MIXED_WARMUP_FRACTION * seconds)  # the first large requests set the high-water marks
+    result.at_start = {m: Memory.of(pid) for m, pid in (pids or {}).items()}
+    time.sleep((1 - MIXED_WARMUP_FRACTION) * seconds)
     stop.set()
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a client thread hung"
+    result.at_end = {m: Memory.of(pid) for m, pid in (pids or {}).items()}
     return result
+
+
+def _send(port: int, method: str, path: str, body: bytes, headers: dict[str, str]) -> Any:
+    """``method path`` to ``127.0.0.1:port`` (no body when ``body`` is empty)."""
+    import http.client
+
+    from support import Answer
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60.0)
+    try:
+        conn.request(method, path, body=body or None, headers={"Content-Type": "application/json", **headers})
+        response = conn.getresponse()
+        return Answer(response.status, response.read())
+    finally:
+        conn.close()
 
 
 def check_mixed(result: MixedResult, ports: dict[str, int]) -> None:
@@ -431,14 +623,18 @@ def check_mixed(result: MixedResult, ports: dict[str, int]) -> None:
     assert not result.hostile_violations, result.hostile_violations[:5]
     for model in ports:
         assert result.good[model] >= 20 and result.hostile[model] >= 10, result.summary()
+    if "reward_model" in ports:
+        assert all(result.foreign[fmt] >= 5 for fmt in FOREIGN_FORMATS), result.summary()
+    for model in result.at_start:
+        assert result.growth(model) < MAX_RSS_GROWTH, result.summary()
 
 
 def test_mixed_good_and_hostile_clients_short(cli_servers):
-    ports, _ = _targets(cli_servers)
-    check_mixed(run_mixed(ports, MIXED_SHORT_S, hostile_requests()), ports)
+    ports, pids = _targets(cli_servers)
+    check_mixed(run_mixed(ports, MIXED_SHORT_S, hostile_requests(), pids), ports)
 
 
 @pytest.mark.soak
 def test_mixed_good_and_hostile_clients_soak(cli_servers):
-    ports, _ = _targets(cli_servers)
-    check_mixed(run_mixed(ports, MIXED_SOAK_S, hostile_requests()), ports)
+    ports, pids = _targets(cli_servers)
+    check_mixed(run_mixed(ports, MIXED_SOAK_S, hostile_requests(), pids), ports)
