@@ -70,7 +70,8 @@ def serve(conn: Connection, port: int, threads: int, server_kwargs: dict[str, An
     while True:
         message = conn.recv()
         if message == "stats":
-            conn.send(asdict(server.endpoint.stats))
+            stats = getattr(server.endpoint, "stats", None)  # a model endpoint's (a function's has none)
+            conn.send(asdict(stats) if stats is not None else {})
         elif message == "stop":
             started = time.perf_counter()
             server.stop()

@@ -24,8 +24,8 @@ non-object bodies, missing or doubled keys, wrong types, lengths that disagree, 
 surrogates, NaN / infinite / 50-digit labels, token ids that are not 64-bit integers or lie outside
 the vocabulary or the positions, too many rows, compressed bodies, wrong methods. Each must get its
 4xx in the format's own error shape, naming the field at fault; afterwards every format answers its
-valid requests exactly as before. Texts over the position limit are cut, not refused. Two known
-wrong messages are kept as strict-xfail tests (marked BUG).
+valid requests exactly as before. Texts over the position limit are cut, not refused. Refusals
+by the model's check name the client's field, not the KServe input it became.
 """
 
 from __future__ import annotations
@@ -1005,8 +1005,8 @@ def openrlhf_lengths_differ(draw: Any, fmt: Format) -> Case:
 def openrlhf_empty(draw: Any, fmt: Format) -> Case:
     doc = _openrlhf_doc(draw)
     doc["query"] = [] if draw(st.booleans()) else ""
-    needle = ("'query' must be a non-empty list of strings", "row 0 has no tokens; send non-empty text")
-    if doc["query"] == "":  # one empty text (the message names the model's input 'sentences': see below)
+    needle = ("'query' must be a non-empty list of strings", "'query'[0] has no tokens; send non-empty text")
+    if doc["query"] == "":  # one empty text, refused by the model's check in the client's terms
         doc.pop("prompts", None)
         doc.pop("labels", None)
     return _foreign(draw, fmt, "empty", json_body_raw(doc), (needle,), status=400)
@@ -1199,9 +1199,9 @@ def classify_empty(draw: Any, fmt: Format) -> Case:
         rows.insert(r, [])
         doc["input"] = rows
         needle = f"'input'[{r}] is an empty list of token ids; send at least one"
-    else:  # an empty text has no tokens (the message names the model's 'sentences': see the bugs below)
+    else:  # an empty text has no tokens, refused by the model's check in the client's terms
         doc["input"] = ""
-        needle = "row 0 has no tokens; send non-empty text"
+        needle = "'input' has no tokens; send non-empty text"
     return _foreign(draw, fmt, "empty", json_body_raw(doc), (needle,), status=400)
 
 
@@ -1215,7 +1215,8 @@ def classify_id_outside_vocabulary(draw: Any, fmt: Format) -> Case:
     value = draw(st.integers(-(2**63), -1) | st.integers(VOCAB, 2**63 - 1))
     rows[r][c] = value
     doc["input"] = rows[0] if flat else rows
-    needle = f"row {r}, position {c} holds id {value}, outside the vocabulary [0, {VOCAB})"
+    field = "'input'" if flat else f"'input'[{r}]"
+    needle = f"{field}, token {c}, holds id {value}, outside the vocabulary [0, {VOCAB})"
     return _foreign(draw, fmt, "id outside vocabulary", json_body_raw(doc), (needle,), status=400)
 
 
@@ -1229,7 +1230,8 @@ def classify_ids_over_position_limit(draw: Any, fmt: Format) -> Case:
     length = draw(st.integers(POSITIONS + 1, 4 * POSITIONS))
     rows[r] = [5] * length
     doc["input"] = rows[0] if flat else rows
-    needle = f"row {r} has {length} tokens, more than the server's max_sequence_length {POSITIONS}"
+    field = "'input'" if flat else f"'input'[{r}]"
+    needle = f"{field} has {length} tokens, more than the server's max_sequence_length {POSITIONS}"
     return _foreign(draw, fmt, "ids over position limit", json_body_raw(doc), (needle,), status=400)
 
 
@@ -1871,32 +1873,16 @@ def test_foreign_bodies_over_max_request_bytes_and_head_are_refused(reward, path
     assert send(port, "HEAD", path, b"").status == 405
 
 
-# Known bugs, kept as failing tests (strict xfail: they fail today; fixing the server turns them
-# into errors here, to be unmarked). See the commit message for requests and answers.
-BUG_MIXED_IDS = (
-    "BUG: /classify with a flat token-id list holding one non-integer after an integer names the "
-    "wrong element: {'input': [5, 1.5, 7]} -> 400 \"'input'[0] must be a string, got a number 5\" "
-    "(element 0 is a valid id; element 1 is at fault and a token id is expected)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=BUG_MIXED_IDS)
 @pytest.mark.parametrize("bad", ["1.5", "true", "null", "NaN", "99999999999999999999999"])
 def test_classify_names_the_token_id_at_fault_in_a_flat_list(reward, bad):
+    """A flat list with no text in it is token ids: its bad element is named as a token id (it was
+    once read as texts, and element 0, a good id, was named "must be a string")."""
     answer = post(reward.cfg.port, "/classify", f'{{"input": [5, {bad}, 7]}}'.encode())
     assert answer.status == 400
     error = foreign_error("/classify", answer)
     assert "'input'[1] must be a token id (an integer)" in error, error
 
 
-BUG_INTERNAL_NAMES = (
-    "BUG: refusals on the OpenRLHF/remote_rm/classify routes name the model's KServe inputs "
-    "('sentences', 'tokens', 'sequence_lengths', 'messages'), which these clients never send, "
-    "instead of the client's field (and remote_rm's even suggests sending 'sentences')"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=BUG_INTERNAL_NAMES)
 @pytest.mark.parametrize(
     "path, doc, field_name",
     [
@@ -1922,6 +1908,8 @@ BUG_INTERNAL_NAMES = (
     ],
 )
 def test_foreign_refusals_name_the_clients_field(reward, path, doc, field_name):
+    """A refusal by the model's check names the client's field, not the KServe input it became
+    ('sentences', 'tokens', 'sequence_lengths', 'messages'), which these clients never send."""
     answer = post(reward.cfg.port, path, json.dumps(doc).encode())
     assert answer.status == 400
     error = foreign_error(path, answer)

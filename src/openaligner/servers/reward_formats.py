@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -249,13 +250,35 @@ def _flag(doc: Mapping[str, Any], key: str) -> bool | None:
 
 
 # ----------------------------------------------------------------------------- the formats
+_MODEL_INPUT = re.compile(r"input '(?:\w+)'(?:: row (\d+)(?:, position (\d+))?)?")
+"""A refusal's name for the ``reward_model`` input (and row, position) at fault."""
+
+
 @dataclass(frozen=True)
 class _Translation:
+    """``inputs`` for the model, how to ``write`` the answer, and the client's names for them:
+    ``fields[row]`` names where row ``row`` came from (e.g. ``'query'[2]``); ``text`` is how the
+    format sends a sample as plain text."""
+
     inputs: Mapping[str, np.ndarray]
     write: Callable[[Mapping[str, np.ndarray], Any], Any]
+    fields: Sequence[str]
+    text: str
 
     def answer(self, outputs: Mapping[str, np.ndarray], checked: Any) -> Any:
         return self.write(outputs, checked)
+
+    def explain(self, message: str) -> str:
+        """``message`` (a refusal of the model's inputs) in the client's terms: ``input 'tokens':
+        row 1, position 4`` becomes ``'input'[1], token 4,`` — the client never sent ``tokens``."""
+
+        def field(match: re.Match[str]) -> str:
+            if match.group(1) is None:  # the whole input: the client's field without an index
+                return re.sub(r"\[\d+\]$", "", self.fields[0])
+            name = self.fields[min(int(match.group(1)), len(self.fields) - 1)]
+            return name if match.group(2) is None else f"{name}, token {match.group(2)},"
+
+        return _MODEL_INPUT.sub(field, message).replace(f"'{SENTENCES.name}'", self.text)
 
 
 @dataclass(frozen=True)
@@ -291,7 +314,8 @@ class OpenRLHFRoute:
                 rows.append(Row(query[len(prompts[i]) :], prompts[i], **label))
             else:
                 rows.append(Row(query, None, **label))
-        return _Translation(text_inputs(rows, self.reading), self._write)
+        fields = [f"'query'[{i}]" for i in range(len(queries))]
+        return _Translation(text_inputs(rows, self.reading), self._write, fields, "a 'query'")
 
     @staticmethod
     def _write(outputs: Mapping[str, np.ndarray], checked: Any) -> Any:
@@ -327,7 +351,8 @@ class RemoteRMRoute:
         )
         label = {"label": _label(doc["label"], "'label'"), "has_label": True} if "label" in doc else {}
         rows = [Row(response, prompt, **label)]
-        return _Translation(text_inputs(rows, self.reading), self._write)
+        field = "'prompt'" if isinstance(prompt, list) else "the 'prompt' and 'response'"
+        return _Translation(text_inputs(rows, self.reading), self._write, [field], "a string 'prompt'")
 
     def _write(self, outputs: Mapping[str, np.ndarray], checked: Any) -> Any:
         (reward,) = rewards_of(outputs)
@@ -375,12 +400,21 @@ class ClassifyRoute:
                     "'messages' must end with the assistant's response to score, after at least one message"
                 )
             inputs = text_inputs([Row(messages[-1]["content"], messages[:-1])], self.reading)
+            fields = ["'messages'"]
         else:
-            inputs = self._input(doc["input"])
-        return _Translation(inputs, lambda outputs, checked: self._write(outputs, checked, name, activation))
+            inputs, fields = self._input(doc["input"])
+        return _Translation(
+            inputs,
+            lambda outputs, checked: self._write(outputs, checked, name, activation),
+            fields,
+            "a text 'input'",
+        )
 
-    def _input(self, value: Any) -> dict[str, np.ndarray]:
-        ids = isinstance(value, list) and value and all(is_int(v) for v in value)
+    def _input(self, value: Any) -> tuple[dict[str, np.ndarray], list[str]]:
+        """The model's inputs for ``input``, and the client's name for each of its rows."""
+        # a flat list with no text in it is token ids, so its bad element is named as a token id
+        flat = isinstance(value, list) and value and not any(isinstance(v, (str, list, dict)) for v in value)
+        ids = flat and any(is_int(v) for v in value)
         nested = isinstance(value, list) and value and all(isinstance(v, list) for v in value)
         if (ids or nested) and self.reading.function:
             raise RequestError(
@@ -388,11 +422,12 @@ class ClassifyRoute:
                 "list of strings) or 'messages' a conversation, not token ids"
             )
         if ids:
-            return token_inputs([self._ids(value, "'input'")])
+            return token_inputs([self._ids(value, "'input'")]), ["'input'"]
+        each = [f"'input'[{i}]" for i in range(len(value))] if isinstance(value, list) else ["'input'"]
         if nested:
-            return token_inputs([self._ids(v, f"'input'[{i}]") for i, v in enumerate(value)])
+            return token_inputs([self._ids(v, f"'input'[{i}]") for i, v in enumerate(value)]), each
         texts = _strings(value, "input", CLASSIFY_EXAMPLE)
-        return text_inputs([Row(t) for t in texts], self.reading)
+        return text_inputs([Row(t) for t in texts], self.reading), each
 
     @staticmethod
     def _ids(value: list[Any], where: str) -> list[int]:

@@ -214,6 +214,7 @@ def test_classify_answers_as_vllm_sigmoid_unless_activation_is_off_with_usage_fr
         ({"input": [[1, 2], []]}, "'input'[1] is an empty list of token ids"),
         ({"input": [[1, 2.5]]}, "'input'[0][1] must be a token id (an integer), got 2.5"),
         ({"input": [1, "a"]}, "'input'[0] must be a string, got a number 1"),
+        ({"input": [5, 2.5]}, "'input'[1] must be a token id (an integer), got 2.5"),  # no text: ids
         ({"input": {"text": "a"}}, "'input' must be a non-empty list of strings, got an object"),
         ({"input": "a", "model": 5}, "'model' must be a string"),
         (
@@ -226,6 +227,50 @@ def test_classify_refusals_name_the_field(doc, needle):
     with pytest.raises(RequestError) as caught:
         ClassifyRoute("reward_model", RAW_MODEL).translate(body(doc))
     assert needle in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("route", "doc", "refusal", "explained"),
+    [
+        (
+            OpenRLHFRoute("m", RAW_MODEL),
+            {"query": ["a", "b"]},
+            "input 'sentences': row 1 has no tokens; send non-empty text",
+            "'query'[1] has no tokens; send non-empty text",
+        ),
+        (
+            ClassifyRoute("m", RAW_MODEL),
+            {"input": [5, 600]},
+            "input 'tokens': row 0, position 1 holds id 600, outside the vocabulary",
+            "'input', token 1, holds id 600, outside the vocabulary",
+        ),
+        (
+            ClassifyRoute("m", RAW_MODEL),
+            {"input": [[5], [6, 7]]},
+            "input 'tokens' is 300 wide, more than the server's max_sequence_length 256",
+            "'input' is 300 wide, more than the server's max_sequence_length 256",
+        ),
+        (
+            ClassifyRoute("m", RAW_MODEL),
+            {"input": [[5], [6, 7]]},
+            "input 'sequence_lengths': row 1 has 300 tokens",
+            "'input'[1] has 300 tokens",
+        ),
+        (
+            RemoteRMRoute("m", RAW_MODEL),
+            {
+                "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+                "response": "a",
+            },
+            "input 'messages': row 0 has 2 message(s) before the response, but ...: send one user message "
+            "and the assistant's response, or 'sentences'",
+            "'prompt' has 2 message(s) before the response, but ...: send one user message and the "
+            "assistant's response, or a string 'prompt'",
+        ),
+    ],
+)
+def test_a_refusal_of_the_models_inputs_is_explained_in_the_clients_fields(route, doc, refusal, explained):
+    assert route.translate(body(doc)).explain(refusal) == explained
 
 
 @pytest.mark.parametrize(

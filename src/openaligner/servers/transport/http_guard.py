@@ -79,6 +79,10 @@ class Translation(Protocol):
         """The format's answer (a JSON value) from the model's ``outputs`` and what the model's
         check returned for ``inputs``."""
 
+    def explain(self, message: str) -> str:
+        """``message``, a refusal of ``inputs`` by the model's check or the model, in the terms of
+        the client's request (the client never named the model's inputs)."""
+
 
 class ForeignRoute(Protocol):
     """A wire format answered on its own paths, in front of the Triton model ``model``."""
@@ -386,7 +390,8 @@ class HTTPGuard:
                 self.resent += 1
                 continue
             if envelope is not None and rid in envelope.invalid:
-                return self._refuse_as(route, 400, f"{route.model}: {envelope.invalid[rid]}")
+                why = translation.explain(envelope.invalid[rid])
+                return self._refuse_as(route, 400, f"{route.model}: {why}")
             return self._refuse_as(route, 500 if status >= 500 else status, without_traceback(text))
         raise AssertionError("unreachable")  # the last attempt always returns
 
@@ -396,7 +401,10 @@ class HTTPGuard:
         """Translate and judge one foreign request, and encode it for Triton (on a worker thread)."""
         translation = route.translate(body)
         check = self.checks.get(route.model)
-        checked = check(translation.inputs, {}) if check is not None else None
+        try:
+            checked = check(translation.inputs, {}) if check is not None else None
+        except RequestError as e:
+            raise RequestError(translation.explain(str(e))) from None
         payload, header_length = InferRequest.from_arrays(
             translation.inputs, {REQUEST_ID_PARAMETER: rid}
         ).encode()

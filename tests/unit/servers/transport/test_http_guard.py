@@ -216,6 +216,9 @@ class Scored:
     def answer(self, outputs, checked):
         return {"score": float(outputs["rewards"].reshape(-1)[0]), "checked": checked}
 
+    def explain(self, message):
+        return message.replace("input 'sentences'", "the body")
+
 
 class ScoreRoute:
     """A stand-in wire format on ``/score``: the body is the text to score."""
@@ -268,6 +271,8 @@ class ScoringUpstream(BaseHTTPRequestHandler):
             )
         elif text == "fails":
             status, doc = 500, {"error": envelope("bad_request", rid)}
+        elif text == "odd":
+            status, doc = 500, {"error": envelope("bad_request", rid, "input 'sentences': row 0 is odd")}
         elif text == "crash":
             status, doc = 500, {"error": PYTRITON_FAILURE}
         payload = json.dumps(doc).encode()
@@ -327,8 +332,9 @@ def test_a_foreign_request_rejected_only_for_a_merged_failing_one_is_resent(fore
     ("method", "payload", "headers", "status", "needle"),
     [
         ("POST", b"unreadable", {}, 400, "m: the body must be text"),
-        ("POST", b"refuse", {}, 400, "m: input 'sentences' says refuse"),
+        ("POST", b"refuse", {}, 400, "m: the body says refuse"),  # in the client's terms
         ("POST", b"fails", {}, 400, "m: the function raised"),
+        ("POST", b"odd", {}, 400, "m: the body: row 0 is odd"),
         ("POST", b"crash", {}, 500, "OutOfMemoryError: CUDA out of memory"),
         ("POST", b"nan", {}, 500, "the server could not write its answer"),
         ("GET", None, {}, 405, "GET /score is not served; send POST"),
