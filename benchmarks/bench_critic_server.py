@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import platform
-import socket
 import statistics
 import tempfile
 import threading
@@ -39,6 +36,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from bench_reward_server import ChildServer, free_port, versions
 
 SEQ_TOKENS = 96
 PROMPT_TOKENS = 32
@@ -240,28 +239,6 @@ def train_interleaved(port: int, pool: torch.Tensor, requests: int, mbs: int) ->
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": version("transformers"),
-        "nvidia-pytriton": version("nvidia-pytriton"),
-        "tritonclient": version("tritonclient"),
-        "cpu": cpu,
-        "cores": str(mp.cpu_count()),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
@@ -287,13 +264,7 @@ def main() -> None:
         "max_batch_size": 256,
     }
     port = free_port()
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    spawned = time.perf_counter()
-    proc = ctx.Process(target=serve, args=(child, port, args.threads, settings))
-    proc.start()
-    start_s = parent.recv()["start_s"]
-    ready_s = time.perf_counter() - spawned
+    server = ChildServer(serve, port, args.threads, settings)
 
     levels = []
     try:
@@ -301,11 +272,9 @@ def main() -> None:
             for concurrency in CONCURRENCY:
                 offline_mbs = offline_infer_sequences_per_s(critic, rm, pool, args.forward_micro_batch)
                 offline_full = offline_infer_sequences_per_s(critic, rm, pool, None)
-                parent.send("stats")
-                before = parent.recv()
+                before = server.stats()
                 result = load(port, concurrency, rows, args.seconds, pool.numpy())
-                parent.send("stats")
-                after = parent.recv()
+                after = server.stats()
                 calls = after["calls"] - before["calls"]
                 result["mean_formed_batch_rows"] = (after["rows"] - before["rows"]) / max(1, calls)
                 result["offline_micro_batched_sequences_per_s"] = offline_mbs
@@ -315,9 +284,7 @@ def main() -> None:
                 levels.append(result)
         train = train_interleaved(port, pool, args.train_requests, args.train_micro_batch)
     finally:
-        parent.send("stop")
-        stop_s = parent.recv()["stop_s"]
-        proc.join(timeout=30)
+        stop_s = server.stop()
 
     print(
         json.dumps(
@@ -329,8 +296,8 @@ def main() -> None:
                 "server": settings,
                 "infer_levels": levels,
                 "train": train,
-                "startup_s": start_s,
-                "process_ready_s": ready_s,
+                "startup_s": server.start_s,
+                "process_ready_s": server.ready_s,
                 "shutdown_s": stop_s,
                 "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
                 "versions": versions(),

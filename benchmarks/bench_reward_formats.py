@@ -45,7 +45,6 @@ import argparse
 import http.client
 import json
 import math
-import multiprocessing as mp
 import os
 import statistics
 import threading
@@ -57,7 +56,7 @@ from typing import Any
 
 import torch
 
-from bench_reward_server import build_model, free_port, versions
+from bench_reward_server import ChildServer, build_model, free_port, versions
 
 POOL = 128
 PROMPT_WORDS = 32
@@ -325,13 +324,7 @@ def main() -> None:
         "max_batch_size": 256,
     }
     port = free_port()
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    spawned = time.perf_counter()
-    proc = ctx.Process(target=serve, args=(child, port, args.threads, server_kwargs))
-    proc.start()
-    start_s = parent.recv()["start_s"]
-    ready_s = time.perf_counter() - spawned
+    server = ChildServer(serve, port, args.threads, server_kwargs)
 
     rounds: list[list[dict[str, Any]]] = []
     try:
@@ -342,11 +335,9 @@ def main() -> None:
             for fmt in chosen:
                 offline_full = offline_sequences_per_s(model, tokens, lengths, None)
                 offline_mbs = offline_sequences_per_s(model, tokens, lengths, args.forward_micro_batch)
-                parent.send("stats")
-                before = parent.recv()
+                before = server.stats()
                 result = load(port, fmt, expected, args.seconds)
-                parent.send("stats")
-                after = parent.recv()
+                after = server.stats()
                 calls = after["calls"] - before["calls"]
                 result["mean_formed_batch_rows"] = (after["rows"] - before["rows"]) / max(1, calls)
                 result["offline_full_batch_sequences_per_s"] = offline_full
@@ -361,9 +352,7 @@ def main() -> None:
                     r["ratio_to_kserve_tokens"] = r["sequences_per_s"] / reference["sequences_per_s"]
             rounds.append(measured)
     finally:
-        parent.send("stop")
-        stop_s = parent.recv()["stop_s"]
-        proc.join(timeout=30)
+        stop_s = server.stop()
 
     results = [medians([measured[i] for measured in rounds]) for i in range(len(chosen))]
     print(
@@ -381,8 +370,8 @@ def main() -> None:
                 "server": server_kwargs,
                 "rounds": args.rounds,
                 "formats": results,
-                "startup_s": start_s,
-                "process_ready_s": ready_s,
+                "startup_s": server.start_s,
+                "process_ready_s": server.ready_s,
                 "shutdown_s": stop_s,
                 "load_average_before": list(load_before),
                 "load_average_after": list(os.getloadavg()),

@@ -31,6 +31,7 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
@@ -137,6 +138,33 @@ def load(port: int, concurrency: int, rows: int, seconds: float, pool: np.ndarra
     }
 
 
+class ChildServer:
+    """A server started by ``serve(conn, *args)`` in a spawned child process and driven over a
+    pipe: ``serve`` first sends ``{"start_s": seconds}``, then answers ``"stats"`` with its counters
+    and ``"stop"`` with ``{"stop_s": seconds}`` before it returns."""
+
+    def __init__(self, serve: Callable[..., None], *args: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        spawned = time.perf_counter()
+        self._proc = ctx.Process(target=serve, args=(child, *args))
+        self._proc.start()
+        self.start_s: float = self._conn.recv()["start_s"]
+        self.ready_s = time.perf_counter() - spawned
+
+    def stats(self) -> dict[str, Any]:
+        """The server's counters now."""
+        self._conn.send("stats")
+        return self._conn.recv()
+
+    def stop(self) -> float:
+        """Stop the server; the seconds its stop took."""
+        self._conn.send("stop")
+        stop_s: float = self._conn.recv()["stop_s"]
+        self._proc.join(timeout=30)
+        return stop_s
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -182,13 +210,7 @@ def main() -> None:
         "max_batch_size": 256,
     }
     port = free_port()
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    spawned = time.perf_counter()
-    proc = ctx.Process(target=serve, args=(child, port, args.threads, server_kwargs))
-    proc.start()
-    start_s = parent.recv()["start_s"]
-    ready_s = time.perf_counter() - spawned
+    server = ChildServer(serve, port, args.threads, server_kwargs)
 
     levels = []
     try:
@@ -196,11 +218,9 @@ def main() -> None:
             for concurrency in CONCURRENCY:
                 offline_full = offline_sequences_per_s(model, pool, None)
                 offline_mbs = offline_sequences_per_s(model, pool, args.forward_micro_batch)
-                parent.send("stats")
-                before = parent.recv()
+                before = server.stats()
                 result = load(port, concurrency, rows, args.seconds, pool.numpy())
-                parent.send("stats")
-                after = parent.recv()
+                after = server.stats()
                 calls = after["calls"] - before["calls"]
                 result["mean_formed_batch_rows"] = (after["rows"] - before["rows"]) / max(1, calls)
                 result["offline_full_batch_sequences_per_s"] = offline_full
@@ -209,9 +229,7 @@ def main() -> None:
                 result["ratio_to_offline_micro_batched"] = result["sequences_per_s"] / offline_mbs
                 levels.append(result)
     finally:
-        parent.send("stop")
-        stop_s = parent.recv()["stop_s"]
-        proc.join(timeout=30)
+        stop_s = server.stop()
 
     print(
         json.dumps(
@@ -221,8 +239,8 @@ def main() -> None:
                 "threads": args.threads,
                 "server": server_kwargs,
                 "levels": levels,
-                "startup_s": start_s,
-                "process_ready_s": ready_s,
+                "startup_s": server.start_s,
+                "process_ready_s": server.ready_s,
                 "shutdown_s": stop_s,
                 "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
                 "versions": versions(),
