@@ -29,7 +29,6 @@ import json
 import os
 import statistics
 import tempfile
-import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench_reward_server import ChildServer, free_port, versions
+from bench_reward_server import ChildServer, free_port, triton_load, versions
 
 SEQ_TOKENS = 96
 PROMPT_TOKENS = 32
@@ -155,50 +154,8 @@ class OfflineTrainer:
 
 def load(port: int, concurrency: int, rows: int, seconds: float, pool: np.ndarray) -> dict[str, Any]:
     """Closed-loop clients on critic_infer; latencies of requests that started after the warm-up."""
-    import tritonclient.http as triton_http
-
-    warmup_until = time.monotonic() + 1.0
-    stop_at = warmup_until + seconds
-    latencies: list[list[float]] = [[] for _ in range(concurrency)]
-    lengths = np.full((rows, 1), SEQ_TOKENS, np.int64)
-
-    def client(i: int) -> None:
-        http = triton_http.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=60)
-        k = i
-        try:
-            while True:
-                begin = time.monotonic()
-                if begin >= stop_at:
-                    return
-                idx = [(k * rows + j) % POOL for j in range(rows)]
-                k += concurrency
-                tokens = triton_http.InferInput("tokens", [rows, SEQ_TOKENS], "INT64")
-                tokens.set_data_from_numpy(pool[idx])
-                lens = triton_http.InferInput("sequence_lengths", [rows, 1], "INT64")
-                lens.set_data_from_numpy(lengths)
-                out = http.infer("critic_infer", [tokens, lens])
-                assert out.as_numpy("values").shape == (rows, SEQ_TOKENS)
-                assert out.as_numpy("rewards").shape == (rows, 1)
-                if begin >= warmup_until:
-                    latencies[i].append(time.monotonic() - begin)
-        finally:
-            http.close()
-
-    workers = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    flat = sorted(x for per in latencies for x in per)
-    return {
-        "concurrency": concurrency,
-        "rows_per_request": rows,
-        "requests": len(flat),
-        "requests_per_s": len(flat) / seconds,
-        "sequences_per_s": len(flat) * rows / seconds,
-        "latency_p50_ms": 1000 * flat[len(flat) // 2],
-        "latency_p99_ms": 1000 * flat[min(len(flat) - 1, int(0.99 * len(flat)))],
-    }
+    outputs = {"values": (-1, SEQ_TOKENS), "rewards": (-1, 1)}
+    return triton_load(port, "critic_infer", outputs, concurrency, rows, seconds, pool)
 
 
 def train_interleaved(port: int, pool: torch.Tensor, requests: int, mbs: int) -> dict[str, Any]:

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from bench_reward_server import ChildServer, build_model, free_port, versions
+from bench_reward_server import ChildServer, build_model, closed_loop, free_port, versions
 
 POOL = 128
 PROMPT_WORDS = 32
@@ -233,50 +233,28 @@ def check_answers(port: int, fmt: Format, expected: list[float], indices: range)
 
 def load(port: int, fmt: Format, expected: list[float], seconds: float) -> dict[str, Any]:
     """CONCURRENCY closed-loop clients; latencies of requests that started after the warm-up."""
-    warmup_until = time.monotonic() + 1.0
-    stop_at = warmup_until + seconds
-    latencies: list[list[float]] = [[] for _ in range(CONCURRENCY)]
-    mismatches = [0] * CONCURRENCY
-    failures: list[BaseException] = []
+    mismatches = [0]
+    lock = threading.Lock()
 
-    def client(i: int) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        k = i
-        try:
-            while True:
-                begin = time.monotonic()
-                if begin >= stop_at:
-                    return
-                index = k % POOL
-                k += CONCURRENCY
-                got = post(conn, fmt, index)
-                if abs(got - expected[index]) > TOLERANCE:
-                    mismatches[i] += 1
-                if begin >= warmup_until:
-                    latencies[i].append(time.monotonic() - begin)
-        except BaseException as e:
-            failures.append(e)
-        finally:
-            conn.close()
+    def request(conn: http.client.HTTPConnection, k: int) -> None:
+        index = k % POOL
+        if abs(post(conn, fmt, index) - expected[index]) > TOLERANCE:
+            with lock:
+                mismatches[0] += 1
 
-    workers = [threading.Thread(target=client, args=(i,)) for i in range(CONCURRENCY)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if failures:
-        raise RuntimeError(f"{fmt.name}: {len(failures)} client(s) failed, first: {failures[0]!r}")
-    flat = sorted(x for per in latencies for x in per)
+    def connect() -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+
+    try:
+        result = closed_loop(CONCURRENCY, seconds, connect, request)
+    except RuntimeError as e:
+        raise RuntimeError(f"{fmt.name}: {e}") from None
     return {
         "format": fmt.name,
         "path": fmt.path,
-        "concurrency": CONCURRENCY,
-        "requests": len(flat),
-        "requests_per_s": len(flat) / seconds,
-        "sequences_per_s": len(flat) / seconds,
-        "latency_p50_ms": 1000 * flat[len(flat) // 2],
-        "latency_p99_ms": 1000 * flat[min(len(flat) - 1, int(0.99 * len(flat)))],
-        "reward_mismatches": sum(mismatches),
+        **result,
+        "sequences_per_s": result["requests_per_s"],
+        "reward_mismatches": mismatches[0],
     }
 
 

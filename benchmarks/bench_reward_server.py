@@ -31,7 +31,7 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
@@ -91,51 +91,88 @@ def offline_sequences_per_s(model: Any, tokens: torch.Tensor, micro_batch_size: 
     return tokens.shape[0] / statistics.median(times)
 
 
-def load(port: int, concurrency: int, rows: int, seconds: float, pool: np.ndarray) -> dict[str, Any]:
-    """Closed-loop clients; latencies of requests that started after the warm-up."""
-    import tritonclient.http as triton_http
+def closed_loop(
+    concurrency: int, seconds: float, connect: Callable[[], Any], request: Callable[[Any, int], None]
+) -> dict[str, Any]:
+    """``concurrency`` client threads, each with its own ``connect()``ion (closed with ``.close()``),
+    calling ``request(connection, k)`` back to back (``k`` = i, i + concurrency, …) for a 1 s
+    warm-up and then ``seconds``. Counts and latencies are of requests started after the warm-up.
 
+    Raises:
+        RuntimeError: a client failed (the first failure is named).
+    """
     warmup_until = time.monotonic() + 1.0
     stop_at = warmup_until + seconds
     latencies: list[list[float]] = [[] for _ in range(concurrency)]
-    lengths = np.full((rows, 1), SEQ_TOKENS, np.int64)
+    failures: list[BaseException] = []
 
     def client(i: int) -> None:
-        http = triton_http.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=60)
+        connection = connect()
         k = i
         try:
-            while True:
-                begin = time.monotonic()
-                if begin >= stop_at:
-                    return
-                idx = [(k * rows + j) % POOL for j in range(rows)]
+            while (begin := time.monotonic()) < stop_at:
+                request(connection, k)
                 k += concurrency
-                tokens = triton_http.InferInput("tokens", [rows, SEQ_TOKENS], "INT64")
-                tokens.set_data_from_numpy(pool[idx])
-                lens = triton_http.InferInput("sequence_lengths", [rows, 1], "INT64")
-                lens.set_data_from_numpy(lengths)
-                out = http.infer("reward_model", [tokens, lens]).as_numpy("rewards")
-                assert out.shape == (rows, 1)
                 if begin >= warmup_until:
                     latencies[i].append(time.monotonic() - begin)
+        except BaseException as e:
+            failures.append(e)
         finally:
-            http.close()
+            connection.close()
 
     workers = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
     for w in workers:
         w.start()
     for w in workers:
         w.join()
+    if failures:
+        raise RuntimeError(f"{len(failures)} client(s) failed, first: {failures[0]!r}")
     flat = sorted(x for per in latencies for x in per)
     return {
         "concurrency": concurrency,
-        "rows_per_request": rows,
         "requests": len(flat),
         "requests_per_s": len(flat) / seconds,
-        "sequences_per_s": len(flat) * rows / seconds,
         "latency_p50_ms": 1000 * flat[len(flat) // 2],
         "latency_p99_ms": 1000 * flat[min(len(flat) - 1, int(0.99 * len(flat)))],
     }
+
+
+def triton_load(
+    port: int,
+    model: str,
+    outputs: Mapping[str, tuple[int, ...]],
+    concurrency: int,
+    rows: int,
+    seconds: float,
+    pool: np.ndarray,
+) -> dict[str, Any]:
+    """Closed-loop tritonclient clients sending ``rows`` sequences of ``pool`` per request to
+    ``model``, checking each answer's ``outputs`` shapes (``-1`` stands for ``rows``)."""
+    import tritonclient.http as triton_http
+
+    lengths = np.full((rows, 1), pool.shape[1], np.int64)
+
+    def request(http: Any, k: int) -> None:
+        idx = [(k * rows + j) % len(pool) for j in range(rows)]
+        tokens = triton_http.InferInput("tokens", [rows, pool.shape[1]], "INT64")
+        tokens.set_data_from_numpy(pool[idx])
+        lens = triton_http.InferInput("sequence_lengths", [rows, 1], "INT64")
+        lens.set_data_from_numpy(lengths)
+        answer = http.infer(model, [tokens, lens])
+        for name, shape in outputs.items():
+            got = answer.as_numpy(name).shape
+            assert got == tuple(rows if d == -1 else d for d in shape), f"{name}: {got}"
+
+    def connect() -> Any:
+        return triton_http.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=60)
+
+    result = closed_loop(concurrency, seconds, connect, request)
+    return {**result, "rows_per_request": rows, "sequences_per_s": result["requests_per_s"] * rows}
+
+
+def load(port: int, concurrency: int, rows: int, seconds: float, pool: np.ndarray) -> dict[str, Any]:
+    """Closed-loop clients on reward_model; latencies of requests that started after the warm-up."""
+    return triton_load(port, "reward_model", {"rewards": (-1, 1)}, concurrency, rows, seconds, pool)
 
 
 class ChildServer:
