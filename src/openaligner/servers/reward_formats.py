@@ -351,7 +351,7 @@ class RemoteRMRoute:
         )
         label = {"label": _label(doc["label"], "'label'"), "has_label": True} if "label" in doc else {}
         rows = [Row(response, prompt, **label)]
-        field = "'prompt'" if isinstance(prompt, list) else "the 'prompt' and 'response'"
+        field = "'prompt'" if isinstance(prompt, list) else "the sample ('prompt' + 'response')"
         return _Translation(text_inputs(rows, self.reading), self._write, [field], "a string 'prompt'")
 
     def _write(self, outputs: Mapping[str, np.ndarray], checked: Any) -> Any:

@@ -257,6 +257,12 @@ def test_classify_refusals_name_the_field(doc, needle):
             "'input'[1] has 300 tokens",
         ),
         (
+            RemoteRMRoute("m", CHAT_MODEL),
+            {"prompt": "", "response": ""},
+            "input 'sentences': row 0 has no tokens; send non-empty text",
+            "the sample ('prompt' + 'response') has no tokens; send non-empty text",
+        ),
+        (
             RemoteRMRoute("m", RAW_MODEL),
             {
                 "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
