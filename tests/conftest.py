@@ -13,6 +13,7 @@ from functools import cache
 import pytest
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from chatml import CHATML
 from openaligner.models.builders import (
     TinyArch,
     TinySize,
@@ -60,13 +61,6 @@ def _classifier(arch: TinyArch, size: TinySize, seed: int) -> PreTrainedModel:
 @pytest.fixture(scope="session")
 def tiny() -> TinyModels:
     return TinyModels()
-
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-"""A ChatML chat template (Qwen's turn layout, without its default system prompt)."""
 
 
 @pytest.fixture

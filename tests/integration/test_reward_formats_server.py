@@ -13,7 +13,7 @@ import pytest
 import torch
 from procs import free_port
 
-from conftest import CHATML
+from chatml import CHATML
 from openaligner.data.render import Renderer, SequenceLayout
 from openaligner.models.builders import TinySize, build_tiny_sequence_classifier
 from openaligner.models.reward import RewardModel
