@@ -36,7 +36,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench_reward_server import ChildServer, free_port, triton_load, versions
+from bench_reward_server import (
+    ChildServer,
+    against_offline,
+    free_port,
+    serve_until_stopped,
+    server_settings,
+    triton_load,
+    versions,
+)
 
 SEQ_TOKENS = 96
 PROMPT_TOKENS = 32
@@ -101,19 +109,8 @@ def serve(conn: Connection, port: int, threads: int, settings: dict[str, Any]) -
         None,
         reward_model=reward_model,
     )
-    started = time.perf_counter()
-    server.start()
-    conn.send({"start_s": time.perf_counter() - started})
-    while True:
-        message = conn.recv()
-        if message == "stats":
-            s = server.infer_endpoint.stats
-            conn.send({"calls": s.calls, "rows": s.rows})
-        elif message == "stop":
-            started = time.perf_counter()
-            server.stop()
-            conn.send({"stop_s": time.perf_counter() - started})
-            return
+    stats = server.infer_endpoint.stats
+    serve_until_stopped(conn, server, lambda: {"calls": stats.calls, "rows": stats.rows})
 
 
 def offline_infer_sequences_per_s(critic: Any, rm: Any, tokens: torch.Tensor, mbs: int | None) -> float:
@@ -213,13 +210,7 @@ def main() -> None:
 
     pool = sequences()
     critic, rm = build_models()
-    settings = {
-        "inference_micro_batch_size": list(args.preferred),
-        "model_forward_micro_batch_size": args.forward_micro_batch,
-        "train_micro_batch_size": args.train_micro_batch,
-        "max_queue_delay_microseconds": args.queue_delay_us,
-        "max_batch_size": 256,
-    }
+    settings = {**server_settings(args), "train_micro_batch_size": args.train_micro_batch}
     port = free_port()
     server = ChildServer(serve, port, args.threads, settings)
 
@@ -232,12 +223,7 @@ def main() -> None:
                 before = server.stats()
                 result = load(port, concurrency, rows, args.seconds, pool.numpy())
                 after = server.stats()
-                calls = after["calls"] - before["calls"]
-                result["mean_formed_batch_rows"] = (after["rows"] - before["rows"]) / max(1, calls)
-                result["offline_micro_batched_sequences_per_s"] = offline_mbs
-                result["ratio_to_offline_micro_batched"] = result["sequences_per_s"] / offline_mbs
-                result["offline_full_batch_sequences_per_s"] = offline_full
-                result["ratio_to_offline_full_batch"] = result["sequences_per_s"] / offline_full
+                against_offline(result, before, after, offline_full, offline_mbs)
                 levels.append(result)
         train = train_interleaved(port, pool, args.train_requests, args.train_micro_batch)
     finally:

@@ -56,7 +56,16 @@ from typing import Any
 
 import torch
 
-from bench_reward_server import ChildServer, build_model, closed_loop, free_port, versions
+from bench_reward_server import (
+    ChildServer,
+    against_offline,
+    build_model,
+    closed_loop,
+    free_port,
+    serve_until_stopped,
+    server_settings,
+    versions,
+)
 
 POOL = 128
 PROMPT_WORDS = 32
@@ -129,18 +138,7 @@ def serve(conn: Connection, port: int, threads: int, server_kwargs: dict[str, An
     )
     endpoint = server.endpoint
     assert isinstance(endpoint, RewardEndpoint)  # no reward function: the model's endpoint
-    started = time.perf_counter()
-    server.start()
-    conn.send({"start_s": time.perf_counter() - started})
-    while True:
-        message = conn.recv()
-        if message == "stats":
-            conn.send(asdict(endpoint.stats))
-        elif message == "stop":
-            started = time.perf_counter()
-            server.stop()
-            conn.send({"stop_s": time.perf_counter() - started})
-            return
+    serve_until_stopped(conn, server, lambda: asdict(endpoint.stats))
 
 
 # ----------------------------------------------------------------------------- the formats
@@ -295,12 +293,7 @@ def main() -> None:
             parser.error(f"unknown formats {sorted(unknown)}; choose from {[f.name for f in chosen]}")
         chosen = [f for f in chosen if f.name in args.formats]
 
-    server_kwargs = {
-        "inference_micro_batch_size": list(args.preferred),
-        "model_forward_micro_batch_size": args.forward_micro_batch,
-        "max_queue_delay_microseconds": args.queue_delay_us,
-        "max_batch_size": 256,
-    }
+    server_kwargs = server_settings(args)
     port = free_port()
     server = ChildServer(serve, port, args.threads, server_kwargs)
 
@@ -316,12 +309,7 @@ def main() -> None:
                 before = server.stats()
                 result = load(port, fmt, expected, args.seconds)
                 after = server.stats()
-                calls = after["calls"] - before["calls"]
-                result["mean_formed_batch_rows"] = (after["rows"] - before["rows"]) / max(1, calls)
-                result["offline_full_batch_sequences_per_s"] = offline_full
-                result["ratio_to_offline_full_batch"] = result["sequences_per_s"] / offline_full
-                result["offline_micro_batched_sequences_per_s"] = offline_mbs
-                result["ratio_to_offline_micro_batched"] = result["sequences_per_s"] / offline_mbs
+                against_offline(result, before, after, offline_full, offline_mbs)
                 result["load_average_1min_after"] = os.getloadavg()[0]
                 measured.append(result)
             reference = next((r for r in measured if r["format"] == "kserve-tokens"), None)

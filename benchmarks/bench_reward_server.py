@@ -59,20 +59,27 @@ def serve(conn: Connection, port: int, threads: int, server_kwargs: dict[str, An
     """Child process: build the model, serve it, answer 'stats' and 'stop' over ``conn``."""
     os.dup2(2, 1)  # tritonserver inherits stdout and prints to it; keep the parent's JSON clean
     torch.set_num_threads(threads)
-    from openaligner.servers.reward import RewardModelServer
+    from openaligner.servers.reward import RewardEndpoint, RewardModelServer
 
     model = build_model()
     server = RewardModelServer(
         infer_fn=model.infer, port=port, vocab_size=512, max_sequence_length=256, **server_kwargs
     )
+    endpoint = server.endpoint
+    assert isinstance(endpoint, RewardEndpoint)  # no reward function: the model's endpoint
+    serve_until_stopped(conn, server, lambda: asdict(endpoint.stats))
+
+
+def serve_until_stopped(conn: Connection, server: Any, stats: Callable[[], Mapping[str, Any]]) -> None:
+    """The child's side of :class:`ChildServer`: start ``server``, send ``{"start_s"}``, then answer
+    ``"stats"`` with ``stats()`` (holding ``calls`` and ``rows``) until ``"stop"``."""
     started = time.perf_counter()
     server.start()
     conn.send({"start_s": time.perf_counter() - started})
     while True:
         message = conn.recv()
         if message == "stats":
-            stats = getattr(server.endpoint, "stats", None)  # a model endpoint's (a function's has none)
-            conn.send(asdict(stats) if stats is not None else {})
+            conn.send(dict(stats()))
         elif message == "stop":
             started = time.perf_counter()
             server.stop()
@@ -175,6 +182,34 @@ def load(port: int, concurrency: int, rows: int, seconds: float, pool: np.ndarra
     return triton_load(port, "reward_model", {"rewards": (-1, 1)}, concurrency, rows, seconds, pool)
 
 
+def server_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The serving settings the benchmarks' ``--forward-micro-batch``, ``--preferred`` and
+    ``--queue-delay-us`` give (and ``max_batch_size`` 256)."""
+    return {
+        "inference_micro_batch_size": list(args.preferred),
+        "model_forward_micro_batch_size": args.forward_micro_batch,
+        "max_queue_delay_microseconds": args.queue_delay_us,
+        "max_batch_size": 256,
+    }
+
+
+def against_offline(
+    result: dict[str, Any],
+    before: Mapping[str, Any],
+    after: Mapping[str, Any],
+    offline_full: float,
+    offline_mbs: float,
+) -> None:
+    """Add to a load level's ``result`` its mean formed batch (from the server's counters
+    ``before`` and ``after`` it) and its ratios to the offline full-batch and micro-batched rates."""
+    calls = after["calls"] - before["calls"]
+    result["mean_formed_batch_rows"] = (after["rows"] - before["rows"]) / max(1, calls)
+    result["offline_full_batch_sequences_per_s"] = offline_full
+    result["ratio_to_offline_full_batch"] = result["sequences_per_s"] / offline_full
+    result["offline_micro_batched_sequences_per_s"] = offline_mbs
+    result["ratio_to_offline_micro_batched"] = result["sequences_per_s"] / offline_mbs
+
+
 class ChildServer:
     """A server started by ``serve(conn, *args)`` in a spawned child process and driven over a
     pipe: ``serve`` first sends ``{"start_s": seconds}``, then answers ``"stats"`` with its counters
@@ -240,12 +275,7 @@ def main() -> None:
     pool = sequences()
     model = build_model()
 
-    server_kwargs = {
-        "inference_micro_batch_size": list(args.preferred),
-        "model_forward_micro_batch_size": args.forward_micro_batch,
-        "max_queue_delay_microseconds": args.queue_delay_us,
-        "max_batch_size": 256,
-    }
+    server_kwargs = server_settings(args)
     port = free_port()
     server = ChildServer(serve, port, args.threads, server_kwargs)
 
@@ -258,12 +288,7 @@ def main() -> None:
                 before = server.stats()
                 result = load(port, concurrency, rows, args.seconds, pool.numpy())
                 after = server.stats()
-                calls = after["calls"] - before["calls"]
-                result["mean_formed_batch_rows"] = (after["rows"] - before["rows"]) / max(1, calls)
-                result["offline_full_batch_sequences_per_s"] = offline_full
-                result["ratio_to_offline_full_batch"] = result["sequences_per_s"] / offline_full
-                result["offline_micro_batched_sequences_per_s"] = offline_mbs
-                result["ratio_to_offline_micro_batched"] = result["sequences_per_s"] / offline_mbs
+                against_offline(result, before, after, offline_full, offline_mbs)
                 levels.append(result)
     finally:
         stop_s = server.stop()
