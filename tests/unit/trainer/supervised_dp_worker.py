@@ -7,6 +7,13 @@ or ``torchrun --nproc_per_node 2 supervised_dp_worker.py OUT DATA [key=value ...
 process group, rank-0 writes, shutdown) with ``OUT/run`` as output_dir. Every rank writes
 ``OUT/rank<r>.json``: the command's exit code and how many forwards this rank ran in training and
 in validation.
+
+``OPTIMIZER=sgd`` in the environment swaps AdamW for plain SGD (no momentum, constant rate): an
+update then is ``lr × gradient``, linear in the gradient, so weights of two runs differ by the
+learning rate times their gradients' rounding differences and nothing amplifies them (AdamW's
+``g / (√v + ε)`` turns rounding noise on near-zero gradients into updates of up to ``lr``).
+``DEFECT=summed`` (for the test that shows the comparison catches defects) doubles every rank's
+gradients before the optimizer step: two ranks summing their gradients instead of averaging.
 """
 
 import json
@@ -18,6 +25,7 @@ from pathlib import Path
 import torch
 
 from openaligner.cli.main import main
+from openaligner.trainer import supervised
 from openaligner.trainer.rm import RMObjective
 from openaligner.trainer.sft import SFTObjective
 
@@ -39,8 +47,37 @@ COMMON = (
 )
 
 
+def sgd(params, cfg, run_steps):
+    """Plain SGD at ``cfg.lr`` with a constant schedule, in place of AdamW."""
+    optimizer = torch.optim.SGD([p for p in params if p.requires_grad], lr=cfg.lr)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def double_gradients_before_step(optimizer) -> None:
+    """A defect on purpose: this rank's gradients doubled before every optimizer step."""
+
+    def pre_step(opt, args, kwargs):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(2)
+
+    optimizer.register_step_pre_hook(pre_step)
+
+
 def run(out: Path, data: Path, overrides: list[str]) -> int:
     torch.set_num_threads(1)
+    if os.environ.get("OPTIMIZER") == "sgd":
+        supervised.build_optimizer = sgd
+    if os.environ.get("DEFECT") == "summed":
+        build = supervised.build_optimizer
+
+        def defective(params, cfg, run_steps):
+            optimizer, scheduler = build(params, cfg, run_steps)
+            double_gradients_before_step(optimizer)
+            return optimizer, scheduler
+
+        supervised.build_optimizer = defective
     objective = os.environ["OBJECTIVE"]
     cls = SFTObjective if objective == "sft" else RMObjective
     forwards: Counter[str] = Counter()
