@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint setup clean bench-setup
+.PHONY: demo test test-heavy lint setup clean bench-setup
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,13 @@ lint: setup
 	$(BIN)/mypy
 
 # pytest exits 5 when it collects no test; make treats that as a failure like any other.
+# `test` runs every test but the heavy tier (pyproject's addopts deselect it); `test-heavy` runs
+# that tier alone. CI (.ci/run) runs both.
 test: lint
 	$(BIN)/pytest -q
+
+test-heavy: setup
+	$(BIN)/pytest -q -m heavy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -44,7 +44,7 @@ from openaligner.models.builders import TINY_ARCHS
 from openaligner.models.tokenizers import load_tokenizer
 from openaligner.trainer import ppo_recipe
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # minutes: the second CI step (make test-heavy)
 
 SEPARATE_REWARD_SERVER = ("gpt2", "gemma2")
 """Archs served by serve-reward + a values-only serve-critic; the others by one combined critic."""
