@@ -151,7 +151,9 @@ def generation_prompt(tokenizer: PreTrainedTokenizerBase) -> str | None:
     return with_prompt[len(without) :]
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], generation_prompt: bool) -> str:
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], generation_prompt: bool
+) -> str:
     """``messages`` rendered to text with ``tokenizer``'s chat template.
 
     Raises:
