@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
+
 from openaligner.data.formats import Message, Prompt
 
 if TYPE_CHECKING:
@@ -139,13 +141,17 @@ def cut_rendered(text: str, generation_prompt: str | None) -> tuple[str, str] | 
 def generation_prompt(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The text ``tokenizer``'s chat template adds for ``add_generation_prompt=True``
     (``<|im_start|>assistant\\n`` in ChatML): where the prompt part of a rendered conversation ends.
-    None: no template, or one whose generation prompt does not extend the conversation it follows
-    (train-rm refuses such a template: see :meth:`Renderer.example_ids`)."""
+    None: no template, one that cannot render a lone user message, or one whose generation prompt
+    does not extend the conversation it follows (train-rm refuses such a template: see
+    :meth:`Renderer.example_ids`)."""
     if not has_chat_template(tokenizer):
         return None
     probe = [{"role": "user", "content": "?"}]
-    without = render_chat(tokenizer, probe, generation_prompt=False)
-    with_prompt = render_chat(tokenizer, probe, generation_prompt=True)
+    try:
+        without = render_chat(tokenizer, probe, generation_prompt=False)
+        with_prompt = render_chat(tokenizer, probe, generation_prompt=True)
+    except (LayoutError, TemplateError):  # e.g. a template that insists on a system message first
+        return None
     if not with_prompt.startswith(without) or with_prompt == without:
         return None
     return with_prompt[len(without) :]

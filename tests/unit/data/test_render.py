@@ -98,6 +98,9 @@ def test_a_conversation_rendered_whole_is_cut_where_example_ids_cuts_it(chat_tok
     assert prompt_ids == [BOS, *ids(chat_tokenizer, prompt)]
     assert response_ids == [*ids(chat_tokenizer, "6<|im_end|>"), EOS]
     assert cut_rendered("no assistant turn here", gen) is None and cut_rendered(full, None) is None
+    # a template that cannot render a lone user message has no generation prompt to cut at
+    chat_tokenizer.chat_template = "{{ raise_exception('a system message first') }}"
+    assert generation_prompt(chat_tokenizer) is None
 
 
 def test_a_template_whose_prompt_is_not_a_prefix_is_refused(chat_tokenizer):
