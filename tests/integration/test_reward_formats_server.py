@@ -14,6 +14,8 @@ import torch
 from procs import free_port
 
 from chatml import CHATML
+from openaligner.data.formats import PreferenceRecord
+from openaligner.data.preference import build_preference_pairs
 from openaligner.data.render import Renderer, SequenceLayout
 from openaligner.models.builders import TinySize, build_tiny_sequence_classifier
 from openaligner.models.reward import RewardModel
@@ -82,10 +84,10 @@ class Served:
         return float(self.model.infer(tokens, lengths)[0])
 
     def model_score_of_conversation(self, prompt: list[dict[str, str]], response: str) -> float:
-        prompt_ids, response_ids = Renderer(self.tokenizer, CHAT).example_ids(
-            tuple(prompt), {"role": "assistant", "content": response}
-        )
-        ids = prompt_ids + response_ids
+        """The model's score of the ids train-rm made of the conversation (its data path)."""
+        record = PreferenceRecord(tuple(prompt), *[{"role": "assistant", "content": response}] * 2, "test")
+        [pair] = build_preference_pairs([record], Renderer(self.tokenizer, CHAT), max_length=256)
+        ids = pair.chosen
         return float(self.model.infer(torch.tensor([ids]), torch.tensor([len(ids)]))[0])
 
     def rendered_prompt(self, question: str) -> str:
@@ -119,8 +121,11 @@ async def slime_reward(session: aiohttp.ClientSession, url: str, sample: dict[st
         return await response.json()
 
 
-async def verl_reward(session: aiohttp.ClientSession, url: str, text: str) -> float:
-    payload = {"model": "/models/my-rm", "input": text, "activation": False}
+async def verl_reward(session: aiohttp.ClientSession, url: str, text: str | list[dict[str, str]]) -> float:
+    """verl's reward loop: the rendered conversation as ``input`` (or, here, the conversation as
+    ``messages``), the raw score read from ``data[-1].probs[-1]``."""
+    sample = {"input": text} if isinstance(text, str) else {"messages": text}
+    payload = {"model": "/models/my-rm", **sample, "activation": False}
     async with session.post(url, json=payload) as response:
         response.raise_for_status()
         return (await response.json())["data"][-1]["probs"][-1]
@@ -158,11 +163,54 @@ def test_each_framework_gets_the_offline_score_of_the_text_laid_out_as_train_rm_
         expected(s, s.model_score_of_text(prompt + "4"), "4", "5"),
         # a conversation: rendered with the reward model's own template, as train-rm did
         expected(s, s.model_score_of_conversation(conversation, "4"), "4", "4"),
-        # a whole text: the function sees it as the response to an empty prompt
-        expected(s, s.model_score_of_text(verl_text), verl_text),
+        # a whole text: the model reads the conversation it renders as train-rm laid it out; the
+        # function sees the text as the response to an empty prompt
+        expected(s, s.model_score_of_conversation(conversation, "four"), verl_text),
     ]
     assert got == pytest.approx(want, abs=1e-4)
     assert len(set(got)) == 4  # the four cases differ, so each was read its own way
+
+
+def test_a_rendered_conversation_scores_as_train_rm_laid_it_out_in_every_format(served):
+    """verl posts the whole conversation rendered with the reward model's template (ChatML: it
+    ends ``<|im_end|>\\n``); the model must read train-rm's ids, ``[..., <|im_end|>, <eos>]``, not
+    ``[..., <|im_end|>, \\n, <eos>]`` — in ``/classify``'s ``input`` and ``messages`` and in
+    OpenRLHF's ``query`` alike."""
+    s = served
+    conversation = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+    ]
+    response = "six"
+    whole = [*conversation, {"role": "assistant", "content": response}]
+    text = s.tokenizer.apply_chat_template(whole, add_generation_prompt=False, tokenize=False)
+    assert text.endswith("<|im_end|>\n")
+    prompt = s.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+
+    async def ask() -> list[float]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            return list(
+                await asyncio.gather(
+                    verl_reward(session, s.url("/classify"), text),
+                    verl_reward(session, s.url("/v1/classify"), whole),
+                    openrlhf_reward(session, s.url("/get_reward"), text, prompt, "six"),
+                )
+            )
+
+    model = s.model_score_of_conversation(conversation, response)
+    tok = s.tokenizer
+    kept_newline = [tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    misread = float(s.model.infer(torch.tensor([kept_newline]), torch.tensor([len(kept_newline)]))[0])
+    assert abs(model - misread) > 1e-3  # the layout changes the score: the test can tell them apart
+    got = asyncio.run(ask())
+    want = [
+        expected(s, model, text),  # a whole text: the function reads it all
+        expected(s, model, response),  # a conversation: the function reads the response
+        expected(s, model, text[len(prompt) :], "six"),  # the query after its prompt
+    ]
+    assert got == pytest.approx(want, abs=1e-4)
 
 
 def test_32_one_sample_clients_of_every_format_are_batched_together_and_each_gets_its_own_score(served):

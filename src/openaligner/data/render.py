@@ -23,6 +23,12 @@ BOS when ``add_bos`` and the prompt's ids do not already start with it (template
 end with it (ChatML templates whose end-of-turn token is the EOS). Templates are rendered to text
 (``tokenize=False``), never tokenized by ``apply_chat_template``: its tokenized return type
 changed in transformers 5 (a ``BatchEncoding``, not a list of ids).
+
+A conversation that arrives already rendered whole (verl sends ``apply_chat_template(...,
+tokenize=False)``) is cut back into those two parts by :func:`cut_rendered`: the prompt part ends
+with the last generation prompt in the text, and the response part is the rest, without the
+whitespace after it — the same :func:`response_part` rule, so that it gets the very ids the
+conversation got in training.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from jinja2 import TemplateError
 
 from openaligner.data.formats import Message, Prompt
 
@@ -105,6 +113,69 @@ def with_bos(ids: Sequence[int], bos_id: int | None) -> list[int]:
 def with_eos(ids: Sequence[int], eos_id: int | None) -> list[int]:
     """``ids + [eos_id]``, unless ``eos_id`` is None or ``ids`` already end with it."""
     return list(ids) if eos_id is None or list(ids[-1:]) == [eos_id] else [*ids, eos_id]
+
+
+def response_part(rendered_turn: str) -> str:
+    """What the layout keeps of the rendered assistant turn (the text after the prompt part): all
+    but the whitespace the template writes after the turn (ChatML's and Zephyr's ``\\n``), since the
+    actor's response ends at its stop token."""
+    return rendered_turn.rstrip()
+
+
+def cut_rendered(text: str, generation_prompt: str | None) -> tuple[str, str] | None:
+    """``(prompt part, response part)`` of a conversation rendered whole with a chat template, cut
+    where :meth:`Renderer.example_ids` cuts the conversation: after the *last* ``generation_prompt``
+    in ``text`` (the assistant turn that ends the conversation), the response part by
+    :func:`response_part`. None when ``text`` holds no generation prompt (it renders no assistant
+    turn). A response whose own text holds the generation prompt is cut there instead: the layout
+    of such a text is ambiguous."""
+    if not generation_prompt:
+        return None
+    at = text.rfind(generation_prompt)
+    if at < 0:
+        return None
+    end = at + len(generation_prompt)
+    return text[:end], response_part(text[end:])
+
+
+def generation_prompt(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The text ``tokenizer``'s chat template adds for ``add_generation_prompt=True``
+    (``<|im_start|>assistant\\n`` in ChatML): where the prompt part of a rendered conversation ends.
+    None: no template, one that cannot render a lone user message, or one whose generation prompt
+    does not extend the conversation it follows (train-rm refuses such a template: see
+    :meth:`Renderer.example_ids`)."""
+    if not has_chat_template(tokenizer):
+        return None
+    probe = [{"role": "user", "content": "?"}]
+    try:
+        without = render_chat(tokenizer, probe, generation_prompt=False)
+        with_prompt = render_chat(tokenizer, probe, generation_prompt=True)
+    except (LayoutError, TemplateError):  # e.g. a template that insists on a system message first
+        return None
+    if not with_prompt.startswith(without) or with_prompt == without:
+        return None
+    return with_prompt[len(without) :]
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], generation_prompt: bool
+) -> str:
+    """``messages`` rendered to text with ``tokenizer``'s chat template.
+
+    Raises:
+        LayoutError: the template answered something else than the text.
+    """
+    out: Any = tokenizer.apply_chat_template(
+        [dict(m) for m in messages], tokenize=False, add_generation_prompt=generation_prompt
+    )
+    if isinstance(out, list) and len(out) == 1:
+        out = out[0]
+    if not isinstance(out, str):
+        raise LayoutError(
+            f"{tokenizer_name(tokenizer)}: apply_chat_template(tokenize=False) returned "
+            f"{type(out).__name__}, not the rendered text"
+        )
+    return out
 
 
 def check_chat_template_mode(value: str, key: str) -> str:
@@ -242,7 +313,7 @@ class Renderer:
             full = self._render([*self._conversation(prompt), response], generation_prompt=False)
             if not full.startswith(prompt_text):
                 raise LayoutError(self._prefix_problem(prompt_text, full))
-            response_text = full[len(prompt_text) :].rstrip()
+            response_text = response_part(full[len(prompt_text) :])
         else:
             response_text = str(response["content"])
         prompt_ids = with_bos(self._encode(prompt_text), self.bos_id)
@@ -270,17 +341,7 @@ class Renderer:
         return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
 
     def _render(self, messages: list[Message], generation_prompt: bool) -> str:
-        out: Any = self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=generation_prompt
-        )
-        if isinstance(out, list) and len(out) == 1:
-            out = out[0]
-        if not isinstance(out, str):
-            raise LayoutError(
-                f"{tokenizer_name(self.tokenizer)}: apply_chat_template(tokenize=False) returned "
-                f"{type(out).__name__}, not the rendered text"
-            )
-        return out
+        return render_chat(self.tokenizer, messages, generation_prompt)
 
     def _encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]

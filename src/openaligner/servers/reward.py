@@ -24,7 +24,16 @@ import numpy as np
 import torch
 
 from openaligner import distributed as dp
-from openaligner.data.render import LayoutError, Renderer, SequenceLayout, with_bos, with_eos
+from openaligner.data.render import (
+    LayoutError,
+    Renderer,
+    SequenceLayout,
+    cut_rendered,
+    generation_prompt,
+    response_part,
+    with_bos,
+    with_eos,
+)
 from openaligner.servers.batching import (
     split_rows,
 )
@@ -298,36 +307,65 @@ def make_tokenize_func(
     """A :data:`TokenizeFn` from a Hugging Face tokenizer that lays each text out as train-rm laid
     out its sequences (:class:`~openaligner.data.render.SequenceLayout`, by default train-rm's
     default: ``[BOS] + ids(text) + [EOS]``, each added when the tokenizer has it and the text's ids
-    do not already start / end with it), truncated to ``max_length`` tokens (the text's ids are cut,
-    BOS and EOS kept), right-padded with the tokenizer's pad id (0 when it has none). A text
-    without ids of its own gets length 0, whatever the layout adds, so that it is refused.
+    do not already start / end with it), right-padded with the tokenizer's pad id (0 when it has
+    none). A text without ids of its own gets length 0, whatever the layout adds, so that it is
+    refused.
 
-    ``layout`` is the one recorded next to the reward model (``SequenceLayout.load(model_dir)``);
-    a text is taken as the whole sequence between BOS and EOS, already rendered with the chat
-    template when ``layout.chat_template`` (the server renders nothing).
+    ``layout`` is the one recorded next to the reward model (``SequenceLayout.load(model_dir)``).
+    With ``layout.chat_template`` a text is a conversation already rendered with the reward model's
+    chat template (verl's ``/classify`` ``input``; the server renders nothing), and it gets the ids
+    train-rm gave that conversation: it is cut after its last generation prompt
+    (:func:`~openaligner.data.render.cut_rendered`) into the prompt part, ``[BOS] + ids(prompt)``,
+    and the response part without the whitespace the template writes after the turn,
+    ``ids(response) + [EOS]`` — tokenized apart, as in training, and never a second EOS. A text
+    with no generation prompt in it is the whole sequence between BOS and EOS, less its trailing
+    whitespace.
 
-    With ``max_length``, each text is first cut to ``max_length * max_chars_per_token``
+    With ``max_length``: a whole text's own ids are cut to fit, BOS and EOS kept; a cut
+    conversation keeps its first ``max_length - 1`` ids and its last (the EOS the reward is read
+    at), as a ``messages`` row does. Each text is first cut to ``max_length * max_chars_per_token``
     characters, so that a request costs what the server keeps, however long its texts. Calls are
     serialised (the HTTP front's workers and the served callable both validate): a fast tokenizer
-    sets its truncation on the one shared Rust object at each call and fails with "Already
-    borrowed" when another thread is encoding with it (huggingface/tokenizers#537).
+    fails with "Already borrowed" when another thread is encoding with it
+    (huggingface/tokenizers#537).
     """
-    bos_id, eos_id = (layout if layout is not None else SequenceLayout()).special_ids(tokenizer)
+    layout = layout if layout is not None else SequenceLayout()
+    bos_id, eos_id = layout.special_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     max_chars = max_length * max_chars_per_token if max_length is not None else None
     max_text = (
         None if max_length is None else max(1, max_length - (bos_id is not None) - (eos_id is not None))
     )
+    # where a rendered conversation's prompt part ends; None for raw text (nothing to cut)
+    cut_at = generation_prompt(tokenizer) if layout.chat_template else None
     lock = threading.Lock()
+
+    def parts(text: str) -> tuple[str, ...]:
+        """The text as train-rm's parts: (prompt, response), or the whole text alone."""
+        if not layout.chat_template:
+            return (text,)
+        cut = cut_rendered(text, cut_at)
+        return cut if cut is not None else (response_part(text),)
+
+    def laid_out(ids: list[list[int]]) -> list[int]:
+        if len(ids) == 2:  # a rendered conversation: the prompt part, then the response part
+            row = with_bos(ids[0], bos_id) + with_eos(ids[1], eos_id)
+            return row if max_length is None or len(row) <= max_length else row[: max_length - 1] + row[-1:]
+        body = ids[0][:max_text] if max_text is not None else ids[0]
+        return with_eos(with_bos(body, bos_id), eos_id) if body else []
 
     def tokenize(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         if max_chars is not None:
             texts = [t[:max_chars] for t in texts]
-        with lock:
-            ids = tokenizer(
-                texts, add_special_tokens=False, truncation=max_text is not None, max_length=max_text
+        pieces = [parts(t) for t in texts]
+        with lock:  # one call for every piece of every text: the fast tokenizer batches them
+            flat = tokenizer(
+                [p for ps in pieces for p in ps], add_special_tokens=False, truncation=False, max_length=None
             )["input_ids"]
-        rows = [with_eos(with_bos(row, bos_id), eos_id) if row else [] for row in ids]
+        rows, at = [], 0
+        for ps in pieces:
+            rows.append(laid_out([list(x) for x in flat[at : at + len(ps)]]))
+            at += len(ps)
         width = max(1, max(len(x) for x in rows))
         tokens = torch.full((len(rows), width), pad_id, dtype=torch.int64)
         for i, row in enumerate(rows):

@@ -21,12 +21,15 @@ prompt *string* with its response is, for a model trained on raw text, the user 
 response, laid out exactly as train-rm did (prompt and response tokenized apart, BOS/EOS added);
 for a model trained with a chat template, it is taken as already rendered — OpenRLHF and slime
 render prompts with the policy's template before generating — and the whole text ``prompt +
-response`` is read as the sequence between BOS and EOS (the ``sentences`` rule);
-``server.prompt_strings`` overrides that guess (:data:`~openaligner.servers.reward.PROMPT_STRINGS`).
-A whole text
-(``/classify``'s ``input``, or an OpenRLHF ``query`` that does not start with its prompt) is read by
-the ``sentences`` rule. A reward function gets ``(prompt, response, metadata)``: the prompt is ""
-for a whole text, and a sample's ``label`` arrives as ``metadata["label"]``.
+response`` is read by the ``sentences`` rule; ``server.prompt_strings`` overrides that guess
+(:data:`~openaligner.servers.reward.PROMPT_STRINGS`). A whole text (``/classify``'s ``input``, or an
+OpenRLHF ``query`` that does not start with its prompt) is read by the ``sentences`` rule too. That
+rule lives in one place, :func:`~openaligner.servers.reward.make_tokenize_func`: for a model trained
+with a chat template, a rendered conversation (verl's ``input``) gets exactly the ids train-rm gave
+the conversation — cut after its last generation prompt, the whitespace after its last turn
+dropped, EOS added once — so this module passes text through untouched. A reward function gets
+``(prompt, response, metadata)``: the prompt is "" for a whole text, and a sample's ``label``
+arrives as ``metadata["label"]``.
 
 ``/classify`` answers as vLLM does for a one-label model: ``probs`` is ``[sigmoid(reward)]``
 unless the request says ``"use_activation": false`` (older vLLM: ``"activation": false``), then

@@ -14,6 +14,8 @@ from openaligner.data.render import (
     Renderer,
     SequenceLayout,
     check_chat_template_mode,
+    cut_rendered,
+    generation_prompt,
     use_chat_template,
     with_bos,
     with_eos,
@@ -83,6 +85,22 @@ def test_an_end_of_turn_that_is_the_eos_is_not_added_again(chat_tokenizer):
 def test_bos_and_eos_helpers():
     assert with_bos([5, 6], 2) == [2, 5, 6] and with_bos([2, 5], 2) == [2, 5] and with_bos([5], None) == [5]
     assert with_eos([5, 6], 1) == [5, 6, 1] and with_eos([5, 1], 1) == [5, 1] and with_eos([], 1) == [1]
+
+
+def test_a_conversation_rendered_whole_is_cut_where_example_ids_cuts_it(chat_tokenizer, tiny):
+    gen = generation_prompt(chat_tokenizer)
+    assert gen == "<|im_start|>assistant\n" and generation_prompt(tiny.tokenizer) is None
+    talk = [USER, ANSWER, {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]
+    full = chat_tokenizer.apply_chat_template(talk, tokenize=False)
+    prompt = chat_tokenizer.apply_chat_template(talk[:-1], add_generation_prompt=True, tokenize=False)
+    assert cut_rendered(full, gen) == (prompt, "6<|im_end|>")  # the last assistant turn; no "\n"
+    prompt_ids, response_ids = Renderer(chat_tokenizer, CHAT).example_ids(tuple(talk[:-1]), talk[-1])
+    assert prompt_ids == [BOS, *ids(chat_tokenizer, prompt)]
+    assert response_ids == [*ids(chat_tokenizer, "6<|im_end|>"), EOS]
+    assert cut_rendered("no assistant turn here", gen) is None and cut_rendered(full, None) is None
+    # a template that cannot render a lone user message has no generation prompt to cut at
+    chat_tokenizer.chat_template = "{{ raise_exception('a system message first') }}"
+    assert generation_prompt(chat_tokenizer) is None
 
 
 def test_a_template_whose_prompt_is_not_a_prefix_is_refused(chat_tokenizer):
