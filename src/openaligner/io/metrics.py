@@ -122,14 +122,15 @@ class MetricsLogger:
             )
 
     def log_rollouts(self, records: Sequence[Mapping[str, Any]]) -> None:
-        """Append per-sample records (each with its ``step``) to ``rollouts.jsonl``, one JSON object a
-        line; JSONL only (a step's rollouts are too many for a TensorBoard text panel)."""
+        """Append per-sample records (flat, each with its ``step``) to ``rollouts.jsonl``, one JSON
+        object a line; non-finite floats are written as null (NaN is not JSON). JSONL only: a step's
+        rollouts are too many for a TensorBoard text panel."""
         if not self.enabled or not records:
             return
         if self._rollouts is None:
             self._rollouts = (self.log_dir / "rollouts.jsonl").open(self._mode)
-        # allow_nan=False: a NaN would make the line unreadable to strict JSON parsers (null instead)
-        self._rollouts.write("".join(json.dumps(r, allow_nan=False) + "\n" for r in records))
+        lines = (json.dumps({k: _finite_or_none(v) for k, v in r.items()}, allow_nan=False) for r in records)
+        self._rollouts.write("".join(line + "\n" for line in lines))
         self._rollouts.flush()
 
     def close(self) -> None:
@@ -143,6 +144,10 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _finite_or_none(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -10,8 +10,6 @@ nor ranks (the trainer passes each rank's offset in the step's global batch).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +54,7 @@ def rollout_records(
         limit: records per step over all ranks (the first ``limit`` global rows); None: all.
 
     Returns:
-        JSON-ready dicts (non-finite floats as None), in row order; the fields are documented in
+        Flat dicts of ints, bools, strings and floats, in row order; the fields are documented in
         docs/ppo.md. Per-sample KL, value, return and advantage are reduced over the response's
         tokens (``data.mask``): the KL summed (nats), the others averaged.
     """
@@ -96,6 +94,6 @@ def rollout_records(
     return records
 
 
-def _floats(values: torch.Tensor) -> Sequence[float | None]:
-    """[B] → Python floats at the tensor's full precision (no rounding); inf/NaN → None (JSON)."""
-    return [v if math.isfinite(v) else None for v in values.detach().double().cpu().tolist()]
+def _floats(values: torch.Tensor) -> list[float]:
+    """[B] → Python floats at the tensor's full precision (no rounding)."""
+    return [float(v) for v in values.detach().double().cpu().tolist()]
