@@ -117,6 +117,14 @@ def test_end_to_end_metrics_checkpoints_and_golden(tmp_path):
         server.stop()
     rows = read_jsonl(tmp_path / "run" / "logs" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # the rollout log: every response of each step, under the step's number, with the rewards the
+    # critic server returned (their mean is the step's rollout/rewards)
+    rollouts = read_jsonl(tmp_path / "run" / "logs" / "rollouts.jsonl")
+    assert [(r["step"], r["sample"]) for r in rollouts] == [(s, i) for s in (1, 2, 3) for i in range(16)]
+    for row in rows:
+        rewards = [r["reward"] for r in rollouts if r["step"] == row["step"]]
+        assert sum(rewards) / len(rewards) == pytest.approx(row["rollout/rewards"], rel=1e-6)
+    assert all(isinstance(r["response"], str) and "value" in r and "kl" in r for r in rollouts)
     for key in (
         "rollout/rewards",
         "rollout/init_policy_kl",

@@ -144,6 +144,15 @@ def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted
     resumed = read_jsonl(cut.out / "logs" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     _same_metrics(straight, resumed)
+    # the rollout log too: each step's 16 responses once, those of the uninterrupted run
+    ref_rollouts = read_jsonl(ref.out / "logs" / "rollouts.jsonl")
+    cut_rollouts = read_jsonl(cut.out / "logs" / "rollouts.jsonl")
+    every_response = [(s, i) for s in range(1, 7) for i in range(16)]
+    assert [(r["step"], r["sample"]) for r in cut_rollouts] == every_response
+    for a, b in zip(ref_rollouts, cut_rollouts, strict=True):
+        assert (a["prompt"], a["response"]) == (b["prompt"], b["response"]), (a["step"], a["sample"])
+        for key in ("reward", "kl", "value", "advantage"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), (a["step"], a["sample"], key)
     _same_weights(ref.out / "actor" / "model.safetensors", cut.out / "actor" / "model.safetensors")
     _same_weights(
         ref_server.ckpt_dir / "step_6" / "critic" / "model.safetensors",

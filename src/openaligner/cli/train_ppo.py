@@ -12,8 +12,9 @@ actor's gradients were inf/NaN too many steps in a row; 2 when the run is refuse
 before any weights load or a server is contacted (prompt files, too few prompts for one batch,
 ``data.seq_length`` beyond the actor's positions); 130 on SIGINT and
 143 on SIGTERM, which stop the run at once without saving — the next run of the same command
-resumes from the last checkpoint. Resuming also rewinds ``logs/metrics.jsonl`` and
-``logs/tables.jsonl`` to the checkpoint's step, so steps that are run again appear once.
+resumes from the last checkpoint. Resuming also rewinds ``logs/metrics.jsonl``,
+``logs/tables.jsonl`` and ``logs/rollouts.jsonl`` to the checkpoint's step, so steps that are run
+again appear once.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from openaligner.io.checkpoint import write_text_atomic
 
@@ -49,8 +49,8 @@ class MetricsLogger:
     """Writes scalar metrics and sample tables of one run.
 
     Args:
-        log_dir: run directory; ``metrics.jsonl`` and ``tables.jsonl`` go there, TensorBoard events
-            under ``tensorboard/``.
+        log_dir: run directory; ``metrics.jsonl``, ``tables.jsonl`` and (once rollouts are logged)
+            ``rollouts.jsonl`` go there, TensorBoard events under ``tensorboard/``.
         tensorboard: also write TensorBoard events.
         wandb_project: if set and ``wandb`` is importable, also log to W&B.
         enabled: ``False`` on non-zero data-parallel ranks so that only one process writes.
@@ -67,14 +67,15 @@ class MetricsLogger:
     ) -> None:
         self.enabled = enabled
         self.log_dir = Path(log_dir)
+        self._mode = "a" if append else "w"
+        self._rollouts: IO[str] | None = None  # opened by the first log_rollouts
         self._tb: Any = None
         self._wandb: Any = None
         if not enabled:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        mode = "a" if append else "w"
-        self._jsonl = (self.log_dir / "metrics.jsonl").open(mode)
-        self._tables = (self.log_dir / "tables.jsonl").open(mode)
+        self._jsonl = (self.log_dir / "metrics.jsonl").open(self._mode)
+        self._tables = (self.log_dir / "tables.jsonl").open(self._mode)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -120,15 +121,33 @@ class MetricsLogger:
                 {name: wandb.Table(columns=cols, data=[list(r.values()) for r in rows])}, step=step
             )
 
+    def log_rollouts(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """Append per-sample records (flat, each with its ``step``) to ``rollouts.jsonl``, one JSON
+        object a line; non-finite floats are written as null (NaN is not JSON). JSONL only: a step's
+        rollouts are too many for a TensorBoard text panel."""
+        if not self.enabled or not records:
+            return
+        if self._rollouts is None:
+            self._rollouts = (self.log_dir / "rollouts.jsonl").open(self._mode)
+        lines = (json.dumps({k: _finite_or_none(v) for k, v in r.items()}, allow_nan=False) for r in records)
+        self._rollouts.write("".join(line + "\n" for line in lines))
+        self._rollouts.flush()
+
     def close(self) -> None:
         if not self.enabled:
             return
         self._jsonl.close()
         self._tables.close()
+        if self._rollouts is not None:
+            self._rollouts.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _finite_or_none(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -137,14 +156,18 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+LOG_FILES = ("metrics.jsonl", "tables.jsonl", "rollouts.jsonl")
+"""The JSONL logs of a run, each line a record with its ``step``."""
+
+
 def rewind_logs(log_dir: Path, step: int) -> int:
-    """Keep only the records of steps ``<= step`` in ``metrics.jsonl`` and ``tables.jsonl``.
+    """Keep only the records of steps ``<= step`` in the :data:`LOG_FILES`.
 
     A run resumed from the checkpoint of ``step`` runs the later steps again; their old records,
     and a last line cut short by a crash, are dropped. Returns how many lines were dropped.
     """
     dropped = 0
-    for name in ("metrics.jsonl", "tables.jsonl"):
+    for name in LOG_FILES:
         path = log_dir / name
         if not path.is_file():
             continue

@@ -6,7 +6,8 @@ initial-policy log-probs; (3) wait for rewards and values; (4) advantages: KL-sh
 and global whitening for PPO, or a critic-free estimator (``trainer.advantage_estimator``:
 REINFORCE, RLOO, GRPO, Dr. GRPO, REINFORCE++, which talk to the reward server alone); (5) send the
 critic its training data (PPO only); (6) update the actor with the clipped surrogate loss (plus a
-KL term with ``kl_in=loss``); (7) log, validate, checkpoint.
+KL term with ``kl_in=loss``); (7) log (the step's metrics, then every rollout of the step to the
+rollout log), validate, checkpoint.
 
 Owns the loop, its state (step, consumed samples, optimisation steps) and exact resume. Knows
 the actor model and the server client only through their methods; the math comes from
@@ -49,6 +50,7 @@ from openaligner.trainer.optim_step import optimizer_step
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_critic_free_data, compute_ppo_data
 from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack, rollout_texts
+from openaligner.trainer.rollout_log import DecodedRollouts, rollout_records
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +138,7 @@ class RunOutputs:
     checkpoints: CheckpointManager | None = None  # the actor's checkpoints; None: none are written
     config_yaml: str = ""  # the resolved run config, stored in every checkpoint
     progress: bool = True  # a progress bar on rank 0
-    decode: Callable[[Sequence[int]], str] | None = None  # token ids → text, for sample tables
+    decode: Callable[[Sequence[int]], str] | None = None  # token ids → text (tables, rollout log)
     # (prompts, responses) → per-sample scores on decoded text (e.g. a task's gold scorer); its mean
     # is logged as rollout/score and val/score; needs decode
     response_scorer: Callable[[list[str], list[str]], list[float]] | None = None
@@ -222,6 +224,8 @@ class PPOTrainer:
         """How many optimizer steps one ``critic_train`` runs (the last answer's; recorded in
         checkpoints)."""
         self._train_iter: Iterator[list[Sequence[int]]] | None = None
+        self._step_rollouts: tuple[RolloutBatch, PPOData, DecodedRollouts | None] | None = None
+        """This rank's rollouts of the step being run and their training data, for the rollout log."""
         self._loss_kl_coef = self.kl_controller.value
         self.history: list[dict[str, float]] = []
 
@@ -250,6 +254,7 @@ class PPOTrainer:
                 if self._due(self.cfg.val_check_interval, is_last):
                     metrics |= self.run_validation()
                 self._log(metrics)
+                self._log_rollouts()
                 bar.update(1)
                 bar.set_postfix_str(_postfix(metrics), refresh=False)
                 if self._due(self.cfg.save_interval, is_last):
@@ -298,9 +303,12 @@ class PPOTrainer:
         n = self.cfg.samples_per_prompt
         # A prompt's responses are contiguous rows of this rank: the group its estimator compares.
         rows = [p for p in prompts for _ in range(n)]
-        batch, metrics = self._run_inference(rows, self.cfg.rollout_micro_batch_size, is_validation=False)
+        batch, metrics, decoded = self._run_inference(
+            rows, self.cfg.rollout_micro_batch_size, is_validation=False
+        )
         self.consumed_samples += self.cfg.num_rollout_samples
         data, ppo_metrics = self.generate_ppo_data(batch)
+        self._step_rollouts = (batch, data, decoded)  # the last one of a step is the step's (after warm-up)
         metrics |= ppo_metrics
         metrics["rollout/consumed_samples"] = float(self.consumed_samples)
         metrics["rollout/epoch"] = float(epoch + 1)
@@ -355,7 +363,9 @@ class PPOTrainer:
 
     def _run_inference(
         self, prompts: Sequence[Sequence[int]], micro_batch_size: int, is_validation: bool
-    ) -> tuple[RolloutBatch, dict[str, float]]:
+    ) -> tuple[RolloutBatch, dict[str, float], DecodedRollouts | None]:
+        """This rank's rollouts of ``prompts`` with their rewards and values, the rollout metrics
+        (``val/`` or ``rollout/``), and their texts and task scores (None without ``decode``)."""
         self._wait_critic_train()  # values must come from the critic after its last update
         outs: list[dict[str, torch.Tensor]] = []
         futures: list[RMCriticFuture] = []
@@ -400,9 +410,12 @@ class PPOTrainer:
             rewards=rewards,
             values=values,
         )
-        return batch, self._rollout_metrics(batch, "val" if is_validation else "rollout")
+        decoded = self._decode_rollouts(batch) if self.decode is not None else None
+        return batch, self._rollout_metrics(batch, "val" if is_validation else "rollout", decoded), decoded
 
-    def _rollout_metrics(self, b: RolloutBatch, prefix: str) -> dict[str, float]:
+    def _rollout_metrics(
+        self, b: RolloutBatch, prefix: str, decoded: DecodedRollouts | None
+    ) -> dict[str, float]:
         gen_len = (b.response_lengths - b.prompt_lengths).double()
         sums = dp.all_reduce_sum(
             torch.stack(
@@ -428,28 +441,32 @@ class PPOTrainer:
         }
         if prefix == "rollout":
             metrics["_tokens"] = float(sums[6])
-        texts = self._decode_rollouts(b) if self.decode is not None else None
-        if texts is not None and self.response_scorer is not None:
-            scores = self.response_scorer(texts[0], texts[1])
+        if decoded is not None and decoded.scores is not None:
+            scores = decoded.scores
             total = dp.all_reduce_sum(torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64))
             metrics[f"{prefix}/score"] = float(total[0] / total[1])
-        interval = self.cfg.sample_table_interval
-        wants_table = prefix == "val" or (interval > 0 and self.step % interval == 0)
-        if texts is not None and wants_table and dp.rank() == 0:
-            rows = [
-                {"prompt": p, "response": r, "reward": round(float(b.rewards[i]), 4)}
-                for i, (p, r) in enumerate(zip(texts[0][:4], texts[1][:4], strict=True))
-            ]
-            self.logger.log_table(f"table/{'val' if prefix == 'val' else 'train'}_rollouts", rows, self.step)
         return metrics
 
-    def _decode_rollouts(self, b: RolloutBatch) -> tuple[list[str], list[str]]:
-        """Prompt and response texts (see :func:`rollout_texts`)."""
+    def _decode_rollouts(self, b: RolloutBatch) -> DecodedRollouts:
+        """Prompt and response texts (see :func:`rollout_texts`) and the task's scores of them."""
         assert self.decode is not None
         stop_ids = self.model.sampling.stop_token_ids or ()
-        return rollout_texts(
+        prompts, responses = rollout_texts(
             b.response_tokens, b.prompt_lengths, b.response_lengths, b.is_end, stop_ids, self.decode
         )
+        scores = self.response_scorer(prompts, responses) if self.response_scorer is not None else None
+        return DecodedRollouts(prompts, responses, [float(s) for s in scores] if scores is not None else None)
+
+    def _log_table(self, name: str, b: RolloutBatch, decoded: DecodedRollouts | None) -> None:
+        """A preview of rank 0's first 4 rollouts (prompt, response, reward) in ``tables.jsonl`` and
+        TensorBoard, at the step just run (the rollout log has them all)."""
+        if decoded is None or dp.rank() != 0:
+            return
+        rows = [
+            {"prompt": p, "response": r, "reward": float(b.rewards[i])}
+            for i, (p, r) in enumerate(zip(decoded.prompts[:4], decoded.responses[:4], strict=True))
+        ]
+        self.logger.log_table(name, rows, self.step)
 
     def _generator(self, micro_batch: int, is_validation: bool) -> torch.Generator:
         # A fresh seed per (step, rank, micro-batch) makes sampling independent of history, so a
@@ -665,7 +682,10 @@ class PPOTrainer:
             return {}
         t0 = time.perf_counter()
         prompts = next(iter(self.prompts.val(0)))
-        _, metrics = self._run_inference(prompts, self.cfg.val_micro_batch_size, is_validation=True)
+        batch, metrics, decoded = self._run_inference(
+            prompts, self.cfg.val_micro_batch_size, is_validation=True
+        )
+        self._log_table("table/val_rollouts", batch, decoded)
         self._timer.pop()  # validation phases are reported as one figure below
         metrics["timing/validation_s"] = time.perf_counter() - t0
         return metrics
@@ -678,6 +698,30 @@ class PPOTrainer:
         metrics["step"] = float(self.step)
         self.history.append(metrics)
         self.logger.log(metrics, self.step)
+
+    def _log_rollouts(self) -> None:
+        """The step just run (``self.step``, as its metrics): every rank's rollouts, up to
+        ``rollout_log_rows``, to the rollout log, and a preview table every
+        ``sample_table_interval`` steps. Called on every rank (the records are gathered to rank 0)."""
+        assert self._step_rollouts is not None, "a step's rollouts are logged after the step"
+        (batch, data, decoded), self._step_rollouts = self._step_rollouts, None
+        c = self.cfg
+        if c.sample_table_interval > 0 and self.step % c.sample_table_interval == 0:
+            self._log_table("table/train_rollouts", batch, decoded)
+        if c.rollout_log_rows == 0:
+            return
+        records = rollout_records(
+            self.step,
+            batch,
+            data,
+            kl_kind=c.kl_kind,
+            group_size=c.samples_per_prompt,
+            with_values=c.uses_critic,
+            first_sample=dp.rank() * len(batch),  # ranks hold equal shares of the global batch
+            decoded=decoded,
+            limit=c.rollout_log_rows,
+        )
+        self.logger.log_rollouts([r for per_rank in dp.gather_objects(records) for r in per_rank])
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -54,7 +54,8 @@ class PPOConfig:
     max_time_per_run: str | None = None  # wall-clock limit "DD:HH:MM:SS"; the run saves and stops
     val_check_interval: int = 10  # validate every N steps (0 disables; also at the last step)
     save_interval: int = 10  # checkpoint every N steps (0 disables; also at the last step)
-    sample_table_interval: int = 1  # log a prompt/response/reward table every N steps
+    sample_table_interval: int = 1  # log a 4-row prompt/response/reward preview table every N steps
+    rollout_log_rows: int | None = None  # responses per step in logs/rollouts.jsonl; null = all, 0 = none
     seed: int = 1234  # seeds sampling, shuffling and minibatching (exact resume relies on it)
     # ---- algorithm (docs/algorithms.md)
     advantage_estimator: str = "gae"  # gae (PPO + critic) | reinforce | rloo | grpo | dr_grpo | reinforce_pp
@@ -358,6 +359,11 @@ def _check_ppo(c: PPOConfig) -> None:
             "global_batch_size",
             f"{rows} must be a multiple of global_batch_size={c.global_batch_size} so every actor step "
             "sees a full batch",
+        )
+    if c.rollout_log_rows is not None and c.rollout_log_rows < 0:
+        bad(
+            "rollout_log_rows",
+            f"must be ≥ 0 (0 = no rollout log) or null (every response), got {c.rollout_log_rows}",
         )
     if c.val_check_interval < 0 or c.save_interval < 0:
         bad("save_interval", "intervals must be ≥ 0 (0 disables)")

@@ -13,9 +13,12 @@ def test_rewind_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path)
     )
     tables = [{"step": s, "table": "table/train_rollouts", "rows": []} for s in (2, 3)]
     (tmp_path / "tables.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tables))
-    assert rewind_logs(tmp_path, 2) == 3
+    rollouts = [{"step": s, "sample": i, "reward": 0.1} for s in (1, 2, 3) for i in range(2)]
+    (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rollouts))
+    assert rewind_logs(tmp_path, 2) == 5
     assert read_jsonl(tmp_path / "metrics.jsonl") == metrics[:2]
     assert read_jsonl(tmp_path / "tables.jsonl") == tables[:1]
+    assert read_jsonl(tmp_path / "rollouts.jsonl") == rollouts[:4]
     assert rewind_logs(tmp_path, 2) == 0  # nothing more to drop
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from openaligner.io.metrics import read_jsonl
+
 WORKER = Path(__file__).with_name("ppo_dp_worker.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
@@ -124,3 +126,12 @@ def test_critic_free_estimators_on_two_ranks_match_one_process(tmp_path, estimat
     for name, total in one["weights"].items():
         assert two["weights"][name] == pytest.approx(total, rel=1e-5, abs=1e-6), name
     assert two["history"][1]["policy/ppo_ratio"] != 1.0  # it trained
+    # the rollout log holds every rank's responses once, in global (rank-major) order, as one process
+    one_rows, two_rows = (read_jsonl(tmp_path / f"{n}.logs" / "rollouts.jsonl") for n in ("one", "two"))
+    assert [(r["step"], r["sample"], r["group"]) for r in two_rows] == [
+        (step, i, i // 4) for step in (1, 2) for i in range(16)
+    ]
+    for r_two, r_one in zip(two_rows, one_rows, strict=True):
+        assert r_two["response_tokens"] == r_one["response_tokens"]
+        assert r_two["reward"] == pytest.approx(r_one["reward"], rel=1e-6)
+        assert r_two["advantage"] == pytest.approx(r_one["advantage"], rel=1e-4, abs=1e-5)
