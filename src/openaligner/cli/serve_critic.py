@@ -126,6 +126,7 @@ def run(cfg: ServeCriticConfig) -> int:
 
     log = serving.setup_logging(cfg.log_level, "openaligner.serve_critic")
     with serving.process_group(), ExitStack() as cleanup:
+        serving.check_batching(cfg.server, dp.world_size())
         device, precision = serving.prepare_runtime(cfg.runtime, cfg.threads, log)
         critic, reward_model, tokenizer = load_models(cfg, device, precision, log)
         critic = with_lora(critic, cfg.lora)

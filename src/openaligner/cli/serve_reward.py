@@ -78,6 +78,7 @@ def run(cfg: ServeRewardConfig) -> int:
     log = serving.setup_logging(cfg.log_level, "openaligner.serve_reward")
     has_model = cfg.model.path is not None or cfg.model.tiny is not None
     with serving.process_group():
+        serving.check_batching(cfg.server, dp.world_size())
         device, precision = serving.prepare_runtime(cfg.runtime, cfg.threads, log)
         runner = start_reward_function(cfg.reward) if dp.is_leader() else None
         try:

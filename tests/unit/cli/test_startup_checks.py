@@ -366,6 +366,52 @@ def test_servers_refuse_to_start_without_a_named_model_or_with_old_keys(capsys, 
     assert refused(capsys, command, *args).startswith(f"openaligner {command}: {says}")
 
 
+@pytest.mark.parametrize("command", ["serve-reward", "serve-critic"])
+def test_servers_refuse_a_max_batch_size_below_the_preferred_batch_size(capsys, command):
+    # Before: serve-critic started Triton, which crashed (glibc "double free or corruption") and
+    # timed out two minutes later; serve-reward failed with a traceback naming max_batch_size.
+    line = refused(capsys, command, "model.tiny=gpt2", "server.max_batch_size=2")
+    assert "server.max_batch_size=2 is below" in line and "server.inference_micro_batch_size=[4]" in line
+    assert "set server.max_batch_size=4 or more" in line
+
+
+@pytest.mark.parametrize("command", ["serve-reward", "serve-critic"])
+def test_servers_refuse_a_max_batch_size_below_micro_batch_times_ranks(capsys, monkeypatch, command):
+    # Under torchrun the preferred batch is one micro-batch per rank: [4] on 2 ranks prefers 8.
+    # Checked before any model loads, so a world size of 2 is all the command needs to be told.
+    from openaligner import distributed as dp
+
+    monkeypatch.setattr(dp, "world_size", lambda: 2)
+    line = refused(capsys, command, "model.tiny=gpt2", "server.max_batch_size=4")
+    assert "server.max_batch_size=4 is below" in line and "x 2 ranks" in line
+    assert "set server.max_batch_size=8 or more" in line
+
+
+def test_the_batching_check_takes_the_number_of_ranks():
+    from openaligner.cli.serving import check_batching
+    from openaligner.config import StartupError
+    from openaligner.servers.critic import CriticServerConfig
+
+    server = CriticServerConfig(inference_micro_batch_size=[2, 4], max_batch_size=8)
+    check_batching(server, world_size=2)  # prefers 4 and 8: both fit
+    says = r"server\.max_batch_size=8 is below .* 12 .*max_batch_size=12 or more"
+    with pytest.raises(StartupError, match=says):
+        check_batching(server, world_size=3)
+
+
+@pytest.mark.parametrize("command", ["serve-reward", "serve-critic"])
+@pytest.mark.parametrize(
+    "setting,says",
+    [
+        ("server.max_queue_delay_microseconds=-1", "server.max_queue_delay_microseconds must be >= 0"),
+        (f"server.max_batch_size={2**31}", "server.max_batch_size must be in 1..2147483647"),
+        ("server.max_batch_size=0", "server.max_batch_size must be in 1..2147483647"),
+    ],
+)
+def test_servers_refuse_batcher_settings_triton_cannot_take(capsys, command, setting, says):
+    assert says in refused(capsys, command, "model.tiny=gpt2", setting)
+
+
 @pytest.mark.parametrize("lr", ["0", "-1e-6"])
 def test_serve_critic_refuses_a_learning_rate_that_is_not_positive(capsys, lr):
     line = refused(capsys, "serve-critic", "model.tiny=gpt2", f"optim.lr={lr}")
