@@ -36,6 +36,7 @@ from openaligner.models.source import (
     TokenizerSourceConfig,
     find_tokenizer,
     pick_device,
+    tokenizer_id_count,
 )
 from openaligner.servers.config import ServingConfig
 from openaligner.servers.protocol import tokenizer_description
@@ -270,5 +271,5 @@ def install_signal_handlers(server: ServerLifecycle, log: logging.Logger) -> Non
 
 def loader_vocab_size(tokenizer: PreTrainedTokenizerBase | None) -> int:
     """The vocabulary a tiny model is built with: the tokenizer's (a tiny model always has one;
-    a model directory ignores it)."""
-    return len(tokenizer) if tokenizer is not None else 0
+    a model directory ignores it), every id it can emit."""
+    return tokenizer_id_count(tokenizer) if tokenizer is not None else 0

@@ -418,6 +418,79 @@ def test_serve_critic_refuses_a_learning_rate_that_is_not_positive(capsys, lr):
     assert "optim.lr" in line and "> 0" in line
 
 
+# ------------------------------------------------------------- a tokenizer past the embeddings: all
+@pytest.fixture
+def vocab_dirs(tmp_path: Path) -> dict[str, Path]:
+    """A 400-id tokenizer (the policy's) and models whose embedding tables have 384 rows (an SFT
+    model and a reward model with their own, smaller tokenizer) or 512 (padded past the tokenizer)."""
+    from openaligner.models.builders import TinySize, build_tiny_causal_lm, build_tiny_sequence_classifier
+    from openaligner.models.reward import RewardModel
+    from openaligner.models.tokenizers import build_word_tokenizer
+
+    dirs = {name: tmp_path / name for name in ("tok400", "sft384", "rm384", "sft512")}
+    build_word_tokenizer([f"w{i}" for i in range(396)]).save_pretrained(str(dirs["tok400"]))  # + 4 specials
+
+    def size(rows: int) -> TinySize:
+        return TinySize(vocab_size=rows, hidden_size=32, num_heads=2)
+
+    build_tiny_causal_lm("gpt2", size(384), seed=0).save_pretrained(str(dirs["sft384"]))
+    build_tiny_causal_lm("gpt2", size(512), seed=0).save_pretrained(str(dirs["sft512"]))
+    RewardModel(build_tiny_sequence_classifier("gpt2", size(384), seed=0)).save_pretrained(dirs["rm384"])
+    return dirs
+
+
+def embeds_too_few(line: str, key: str) -> bool:
+    return f"400 token ids (0..399) but {key} embeds only 384" in line and "ids 384..399" in line
+
+
+def test_serve_critic_refuses_the_policys_tokenizer_on_a_reward_models_embeddings(capsys, vocab_dirs):
+    # Before: the critic started, reading the policy's ids through the reward model's embeddings
+    # (and an id from 384 on would have indexed past them).
+    line = refused(
+        capsys,
+        "serve-critic",
+        f"model.path={vocab_dirs['rm384']}",
+        f"tokenizer.path={vocab_dirs['tok400']}",
+        "server.combine_rm_and_critic_server=false",
+    )
+    assert embeds_too_few(line, "model")
+    assert "serve-critic model.path=<the policy's SFT directory>" in line  # what works
+
+
+def test_serve_critic_refuses_a_combined_reward_model_that_cannot_embed_the_ids(capsys, vocab_dirs):
+    # the critic's 512 rows are fine (a table padded past the tokenizer); the reward model's 384 are not
+    line = refused(
+        capsys,
+        "serve-critic",
+        f"model.path={vocab_dirs['sft512']}",
+        f"tokenizer.path={vocab_dirs['tok400']}",
+        f"reward_model.path={vocab_dirs['rm384']}",
+    )
+    assert embeds_too_few(line, "reward_model") and "serve-reward model.path=<reward model>" in line
+
+
+def test_serve_reward_refuses_a_tokenizer_past_the_models_embeddings(capsys, vocab_dirs):
+    line = refused(
+        capsys, "serve-reward", f"model.path={vocab_dirs['rm384']}", f"tokenizer.path={vocab_dirs['tok400']}"
+    )
+    assert embeds_too_few(line, "model") and "use the tokenizer the model was trained with" in line
+
+
+def test_trainers_refuse_a_tokenizer_past_the_models_embeddings(capsys, vocab_dirs, ppo_args, supervised):
+    command, args, _ = supervised
+    model = vocab_dirs["sft384" if command == "train-sft" else "rm384"]
+    line = refused(capsys, command, *args, f"model.path={model}", f"tokenizer.path={vocab_dirs['tok400']}")
+    assert embeds_too_few(line, "model")
+    line = refused(
+        capsys,
+        "train-ppo",
+        *ppo_args,
+        f"actor.path={vocab_dirs['sft384']}",
+        f"tokenizer.path={vocab_dirs['tok400']}",
+    )
+    assert embeds_too_few(line, "actor")
+
+
 # ------------------------------------------------------------------------------------ --print-config
 @pytest.mark.parametrize("command", ["train-ppo", "train-sft", "train-rm"])
 def test_print_config_shows_missing_mandatory_values(capsys, command):
