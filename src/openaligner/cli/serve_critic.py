@@ -60,6 +60,22 @@ class CheckpointSettings:
             raise ValueError("checkpoint.resume_step needs checkpoint.dir and checkpoint.resume=true")
 
 
+CRITIC_VOCAB_FIX = (
+    "the critic reads the policy's token ids, so start it from the policy's model: serve-critic "
+    "model.path=<the policy's SFT directory> server.combine_rm_and_critic_server=false (a fresh value "
+    "head on the policy's backbone, with its tokenizer), and serve a reward model with its own "
+    "tokenizer apart (serve-reward model.path=<reward model>) so that it reads text"
+)
+"""What to do when the tokenizer has ids the critic cannot embed (e.g. ``tokenizer.path`` names
+the policy's tokenizer and ``model.path`` a reward model with its own, smaller one)."""
+
+COMBINED_RM_VOCAB_FIX = (
+    "a reward model with its own tokenizer cannot score the policy's ids: serve it apart (serve-reward "
+    "model.path=<reward model>; here server.combine_rm_and_critic_server=false) so that it reads text"
+)
+"""What to do when the tokenizer has ids the combined mode's reward model cannot embed."""
+
+
 def _train_defaults() -> CriticTrainConfig:
     return CriticTrainConfig(global_batch_size=64, micro_batch_size=8)
 
@@ -126,6 +142,7 @@ def run(cfg: ServeCriticConfig) -> int:
 
     log = serving.setup_logging(cfg.log_level, "openaligner.serve_critic")
     with serving.process_group(), ExitStack() as cleanup:
+        serving.check_batching(cfg.server, dp.world_size())
         device, precision = serving.prepare_runtime(cfg.runtime, cfg.threads, log)
         critic, reward_model, tokenizer = load_models(cfg, device, precision, log)
         critic = with_lora(critic, cfg.lora)
@@ -196,6 +213,31 @@ def with_lora(critic: CriticModel, cfg: LoraConfig) -> CriticModel:
         return add_lora(critic, cfg)
 
 
+def warn_of_a_borrowed_tokenizer(
+    model: ModelSourceConfig,
+    source: TokenizerSourceConfig,
+    tokenizer: PreTrainedTokenizerBase | None,
+    log: logging.Logger,
+) -> None:
+    """Warn when ``tokenizer.path`` lends the critic a vocabulary other than the one saved with
+    ``model.path``: the critic would read those ids through embeddings learnt for other tokens.
+    (Ids past the embedding table are refused outright, see
+    :func:`~openaligner.models.source.check_vocab`; ids within it still mean the wrong tokens.)"""
+    from openaligner.models.source import find_tokenizer
+
+    if tokenizer is None or source.path is None or model.path is None:
+        return
+    own = find_tokenizer(model, TokenizerSourceConfig())
+    if own is not None and own.get_vocab() != tokenizer.get_vocab():
+        log.warning(
+            "tokenizer.path=%s is not the tokenizer model.path=%s was trained with: the critic reads its "
+            "ids through embeddings learnt for other tokens; %s",
+            source.path,
+            model.path,
+            CRITIC_VOCAB_FIX,
+        )
+
+
 def load_models(
     cfg: ServeCriticConfig, device: torch.device, precision: Precision, log: logging.Logger
 ) -> tuple[CriticModel, RewardModel | None, PreTrainedTokenizerBase | None]:
@@ -203,16 +245,24 @@ def load_models(
     tokenizer of ``sentences`` requests (None when there is none). The reward model always comes
     from ``reward_model.path`` or the critic's source (the same seed for the tiny model), never
     from a critic checkpoint: it stays the original reward model. The critic is trained, so it
-    holds float32 masters; the reward model is cast to ``precision``'s inference dtype."""
+    holds float32 masters; the reward model is cast to ``precision``'s inference dtype.
+
+    Raises:
+        StartupError: the tokenizer emits ids the critic or the reward model has no embedding for.
+    """
     from openaligner.models.sharding import builds_skeleton
-    from openaligner.models.source import load_critic, load_reward_model
+    from openaligner.models.source import SourceError, check_vocab, load_critic, load_reward_model
 
     tokenizer = serving.serving_tokenizer(cfg.model, cfg.tokenizer, log)
+    warn_of_a_borrowed_tokenizer(cfg.model, cfg.tokenizer, tokenizer, log)
     vocab_size = serving.loader_vocab_size(tokenizer)
     standardization = cfg.runtime.standardization
     device = cfg.parallel.load_device(device)  # sharded: read on the CPU, shards go to the device
     skeleton = builds_skeleton(cfg.parallel)  # sharded: rank 0 alone reads, the others get shards
     critic = load_critic(cfg.model, vocab_size, device, standardization, skeleton=skeleton)
+    if tokenizer is not None:
+        with as_startup_error(SourceError):
+            check_vocab(tokenizer, critic.hf_model, fix=CRITIC_VOCAB_FIX)
     reward_model = None
     if cfg.server.combine_rm_and_critic_server:
         rm_path = cfg.reward_model.path
@@ -220,4 +270,8 @@ def load_models(
         reward_model = load_reward_model(
             source, vocab_size, device, standardization, dtype=precision.inference_dtype, skeleton=skeleton
         ).requires_grad_(False)
+        if tokenizer is not None:
+            key = "reward_model" if rm_path is not None else "model"
+            with as_startup_error(SourceError):
+                check_vocab(tokenizer, reward_model.hf_model, key=key, fix=COMBINED_RM_VOCAB_FIX)
     return critic, reward_model, tokenizer

@@ -78,6 +78,7 @@ def run(cfg: ServeRewardConfig) -> int:
     log = serving.setup_logging(cfg.log_level, "openaligner.serve_reward")
     has_model = cfg.model.path is not None or cfg.model.tiny is not None
     with serving.process_group():
+        serving.check_batching(cfg.server, dp.world_size())
         device, precision = serving.prepare_runtime(cfg.runtime, cfg.threads, log)
         runner = start_reward_function(cfg.reward) if dp.is_leader() else None
         try:
@@ -153,9 +154,13 @@ def load_model(
     cfg: ServeRewardConfig, device: torch.device, precision: Precision, log: logging.Logger
 ) -> tuple[RewardModel, PreTrainedTokenizerBase | None]:
     """The reward model (eval mode, frozen, on ``device``, backbone in the precision's inference
-    dtype) and the tokenizer of ``sentences`` requests (None when there is none)."""
+    dtype) and the tokenizer of ``sentences`` requests (None when there is none).
+
+    Raises:
+        StartupError: the tokenizer emits ids the model has no embedding for.
+    """
     from openaligner.models.sharding import builds_skeleton
-    from openaligner.models.source import load_reward_model
+    from openaligner.models.source import SourceError, check_vocab, load_reward_model
 
     tokenizer = serving.serving_tokenizer(cfg.model, cfg.tokenizer, log)
     model = load_reward_model(
@@ -166,4 +171,7 @@ def load_model(
         dtype=precision.inference_dtype,
         skeleton=builds_skeleton(cfg.parallel),  # sharded: rank 0 alone reads, the others get shards
     )
+    if tokenizer is not None:
+        with as_startup_error(SourceError):
+            check_vocab(tokenizer, model.hf_model)
     return model.requires_grad_(False), tokenizer

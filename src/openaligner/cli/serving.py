@@ -36,7 +36,9 @@ from openaligner.models.source import (
     TokenizerSourceConfig,
     find_tokenizer,
     pick_device,
+    tokenizer_id_count,
 )
+from openaligner.servers.config import ServingConfig
 from openaligner.servers.protocol import tokenizer_description
 from openaligner.servers.reward import make_render_func, make_tokenize_func
 from openaligner.servers.transport.lifecycle import STOP_WHILE_STARTING_S, ServerLifecycle
@@ -141,6 +143,20 @@ def process_group() -> Iterator[None]:
     finally:
         if joined_here and dist.is_initialized():
             dist.destroy_process_group()  # no barrier (dp.shutdown): after a failure peers may be gone
+
+
+def check_batching(server: ServingConfig, world_size: int) -> None:
+    """Refuse, before any model loads, a ``server`` section whose batcher Triton cannot load on
+    ``world_size`` ranks (the config loader checked one rank; see
+    :meth:`~openaligner.servers.config.ServingConfig.check_batching`).
+
+    Raises:
+        StartupError: naming ``server.max_batch_size`` and the smallest value that works.
+    """
+    try:
+        server.check_batching(world_size, key="server")
+    except ValueError as e:
+        raise StartupError(str(e)) from None
 
 
 def prepare_runtime(
@@ -255,5 +271,5 @@ def install_signal_handlers(server: ServerLifecycle, log: logging.Logger) -> Non
 
 def loader_vocab_size(tokenizer: PreTrainedTokenizerBase | None) -> int:
     """The vocabulary a tiny model is built with: the tokenizer's (a tiny model always has one;
-    a model directory ignores it)."""
-    return len(tokenizer) if tokenizer is not None else 0
+    a model directory ignores it), every id it can emit."""
+    return tokenizer_id_count(tokenizer) if tokenizer is not None else 0

@@ -201,10 +201,13 @@ def choose_reward_input(
         what = "the critic and reward model score" if combined else "the critic scores"
         raise TokenizerMismatchError(
             f"the critic server uses {critic.name}, which differs from the policy's {policy.name}: {what} "
-            "the policy's token ids, so they must share its tokenizer; serve a critic initialised with the "
-            "policy's tokenizer (serve-critic tokenizer.path)"
+            "the policy's token ids, so they must share its tokenizer and its embeddings; start the critic "
+            "from the policy's model: serve-critic model.path=<the policy's SFT directory> (a fresh value "
+            "head on the policy's backbone; tokenizer.path alone would read the policy's ids through "
+            "the other model's embeddings)"
             + (
-                ", or serve the reward model apart (remote.combine_rm_and_critic_server=false, "
+                ", with server.combine_rm_and_critic_server=false; and serve the reward model apart "
+                "(serve-reward model.path=<reward model>; here remote.combine_rm_and_critic_server=false, "
                 "remote.reward_input=auto) so that it reads text"
                 if combined
                 else ""

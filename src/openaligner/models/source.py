@@ -162,15 +162,39 @@ def find_tokenizer(
     return build_char_tokenizer()
 
 
-def check_vocab(tokenizer: PreTrainedTokenizerBase, model: nn.Module, key: str = "model") -> None:
-    """Refuse (:class:`SourceError`) a tokenizer whose ids ``model`` (a HF model, from the source
-    at ``key``) cannot embed."""
+def tokenizer_id_count(tokenizer: PreTrainedTokenizerBase) -> int:
+    """How many ids ``tokenizer`` can emit: one more than its highest id. ``len(tokenizer)`` counts
+    its tokens, which is the same for a vocabulary numbered without gaps; one with gaps emits ids
+    beyond it."""
+    highest = max(tokenizer.get_vocab().values(), default=-1)
+    return max(len(tokenizer), highest + 1)
+
+
+def check_vocab(
+    tokenizer: PreTrainedTokenizerBase, model: nn.Module, key: str = "model", fix: str | None = None
+) -> None:
+    """Refuse (:class:`SourceError`) a tokenizer that can emit an id ``model`` (a HF model, from the
+    source at ``key``) has no embedding row for: a forward on such an id would index past the
+    table (an IndexError on CPU, a device-side assert on CUDA) whenever it first turns up. An
+    embedding table larger than the tokenizer is fine (many models pad it to a multiple of 64 or
+    128). Call it before the model is sharded or given adapters.
+
+    Args:
+        key: the model's key, in the message (``model``, ``actor``, ``reward_model``).
+        fix: what to do instead, in the message; default: the model's own tokenizer, or for a
+            tiny model a ``{key}.tiny_vocab_size`` that covers the tokenizer.
+    """
     embedding = getattr(model, "get_input_embeddings")()  # noqa: B009 (untyped HF API)
-    model_vocab_size = int(embedding.weight.shape[0])
-    if len(tokenizer) > model_vocab_size:
+    rows = int(embedding.weight.shape[0])
+    ids = tokenizer_id_count(tokenizer)
+    if ids > rows:
+        fix = fix or (
+            f"use the tokenizer the model was trained with (a tiny model: raise {key}.tiny_vocab_size "
+            f"to at least {ids})"
+        )
         raise SourceError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {model_vocab_size}; "
-            f"use a matching tokenizer (or raise {key}.tiny_vocab_size)"
+            f"the tokenizer has {ids} token ids (0..{ids - 1}) but {key} embeds only {rows} "
+            f"(its embedding table's rows): ids {rows}..{ids - 1} have no embedding; {fix}"
         )
 
 

@@ -11,10 +11,14 @@ are, so the load-time messages write ``{section}`` where that key belongs (see
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from openaligner.servers.protocol import DEFAULT_HOST
 from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.transport.triton import Batching, TritonHost
+
+TRITON_MAX_BATCH_SIZE: Final = 2**31 - 1
+"""The largest batch size Triton's model config can hold (an int32 field)."""
 
 
 @dataclass(kw_only=True)
@@ -50,16 +54,47 @@ class ServingConfig:
             raise ValueError("{section}.model_forward_micro_batch_size must be >= 1")
         if self.strip_sequence_length_to_multiple is not None and self.strip_sequence_length_to_multiple < 1:
             raise ValueError("{section}.strip_sequence_length_to_multiple must be >= 1 or null")
-        if self.max_batch_size < 1:
-            raise ValueError("{section}.max_batch_size must be >= 1")
+        if not 1 <= self.max_batch_size <= TRITON_MAX_BATCH_SIZE:
+            raise ValueError(
+                f"{{section}}.max_batch_size must be in 1..{TRITON_MAX_BATCH_SIZE} (Triton's limit), "
+                f"got {self.max_batch_size}"
+            )
+        if self.max_queue_delay_microseconds < 0:
+            # PyTriton drops a negative delay from the model config without a word: Triton would
+            # then not wait at all, which is not what was asked for
+            raise ValueError(
+                "{section}.max_queue_delay_microseconds must be >= 0 (0: no wait), got "
+                f"{self.max_queue_delay_microseconds}"
+            )
         if self.heartbeat_s is not None and self.heartbeat_s <= 0:
             raise ValueError("{section}.heartbeat_s must be > 0 (or null: no heartbeat)")
         if self.max_request_bytes < 1:
             raise ValueError(f"{{section}}.max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        self.check_batching(world_size=1)  # more ranks: the commands check again once they know
 
     def preferred_batch_sizes(self, world_size: int) -> tuple[int, ...]:
         """Triton's preferred batch sizes: each ``inference_micro_batch_size`` times the ranks."""
         return tuple(int(s) * world_size for s in self.inference_micro_batch_size)
+
+    def check_batching(self, world_size: int, key: str = "{section}") -> None:
+        """Refuse batcher settings Triton cannot load on ``world_size`` ranks: a preferred batch size
+        (see :meth:`preferred_batch_sizes`) above ``max_batch_size``. Triton refuses such a model
+        config, and its python backend then crashes (glibc ``double free or corruption``) and the
+        start times out minutes later instead of saying why. ``key`` names this section in the
+        message.
+
+        Raises:
+            ValueError: naming ``{key}.max_batch_size`` and the smallest value that works.
+        """
+        largest = max(self.preferred_batch_sizes(world_size))
+        if largest > self.max_batch_size:
+            ranks = f" x {world_size} ranks" if world_size > 1 else ""
+            raise ValueError(
+                f"{key}.max_batch_size={self.max_batch_size} is below the batch size Triton is asked to "
+                f"prefer, {largest} ({key}.inference_micro_batch_size={list(self.inference_micro_batch_size)}"
+                f"{ranks}); set {key}.max_batch_size={largest} or more, or lower "
+                f"{key}.inference_micro_batch_size"
+            )
 
     def batching(self, world_size: int) -> Batching:
         """Triton's dynamic batcher for the batched endpoint, on ``world_size`` ranks."""

@@ -344,6 +344,10 @@ class CriticServerTrainer(ServerLifecycle):
         resume: load the trainer's latest complete checkpoint at construction.
         resume_step: with ``resume``, load the checkpoint of this critic step instead of the
             latest; construction fails, naming the steps held, when it is not complete.
+
+    Raises:
+        ValueError: the preferred batch sizes on this many ranks exceed ``cfg.max_batch_size``
+            (see :meth:`~openaligner.servers.config.ServingConfig.check_batching`).
     """
 
     _describe = "the critic server"
@@ -359,6 +363,7 @@ class CriticServerTrainer(ServerLifecycle):
         resume_step: int | None = None,
         tokenizer_info: Mapping[str, object] | None = None,
     ) -> None:
+        cfg.check_batching(dp.world_size(), key="server")  # Triton crashes on what it refuses
         self.cfg = cfg
         self.trainer = trainer
         self.combined = cfg.combine_rm_and_critic_server

@@ -187,13 +187,7 @@ class RewardModelServer(ServerLifecycle):
         **settings: Any,
     ) -> None:
         self.cfg = replace(cfg or RewardServerConfig(), **settings)
-        sizes = self.cfg.preferred_batch_sizes(dp.world_size())
-        if max(sizes) > self.cfg.max_batch_size:
-            raise ValueError(
-                f"preferred batch size {max(sizes)} (inference_micro_batch_size x "
-                f"{dp.world_size()} ranks) exceeds max_batch_size {self.cfg.max_batch_size}; "
-                f"raise max_batch_size"
-            )
+        self.cfg.check_batching(dp.world_size(), key="server")
         if infer_fn is None and reward_function is None:
             raise ValueError("a reward server needs a reward model (infer_fn), a reward function, or both")
         self._local_infer = (

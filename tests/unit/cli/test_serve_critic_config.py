@@ -125,3 +125,25 @@ def test_request_body_limit_default_is_the_servers():
     from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 
     assert CriticServerConfig().max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
+
+
+def test_a_tokenizer_lent_to_a_model_trained_with_another_is_warned_of(tmp_path, tiny, caplog):
+    """The ids fit the critic's embeddings, but they were learnt for other tokens."""
+    from openaligner.models.tokenizers import build_word_tokenizer
+
+    tiny.critic().hf_model.save_pretrained(str(tmp_path / "rm"))
+    tiny.tokenizer.save_pretrained(str(tmp_path / "rm"))  # the reward model's own: the char tokenizer
+    build_word_tokenizer([f"w{i}" for i in range(96)]).save_pretrained(
+        str(tmp_path / "policy")
+    )  # 100 ids too
+    tiny.tokenizer.save_pretrained(str(tmp_path / "same"))
+    overrides = [f"model.path={tmp_path / 'rm'}", "server.combine_rm_and_critic_server=false"]
+    with caplog.at_level(logging.WARNING, logger="test"):
+        cfg = load_config(SCHEMA, None, [*overrides, f"tokenizer.path={tmp_path / 'same'}"])
+        serve_critic.load_models(cfg, CPU, FP32, LOG)
+        assert not caplog.records  # the same vocabulary, from another directory
+        cfg = load_config(SCHEMA, None, [*overrides, f"tokenizer.path={tmp_path / 'policy'}"])
+        serve_critic.load_models(cfg, CPU, FP32, LOG)
+    (record,) = caplog.records
+    assert "not the tokenizer model.path=" in record.getMessage()
+    assert "serve-critic model.path=<the policy's SFT directory>" in record.getMessage()

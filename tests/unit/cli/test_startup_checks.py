@@ -366,10 +366,129 @@ def test_servers_refuse_to_start_without_a_named_model_or_with_old_keys(capsys, 
     assert refused(capsys, command, *args).startswith(f"openaligner {command}: {says}")
 
 
+@pytest.mark.parametrize("command", ["serve-reward", "serve-critic"])
+def test_servers_refuse_a_max_batch_size_below_the_preferred_batch_size(capsys, command):
+    # Before: serve-critic started Triton, which crashed (glibc "double free or corruption") and
+    # timed out two minutes later; serve-reward failed with a traceback naming max_batch_size.
+    line = refused(capsys, command, "model.tiny=gpt2", "server.max_batch_size=2")
+    assert "server.max_batch_size=2 is below" in line and "server.inference_micro_batch_size=[4]" in line
+    assert "set server.max_batch_size=4 or more" in line
+
+
+@pytest.mark.parametrize("command", ["serve-reward", "serve-critic"])
+def test_servers_refuse_a_max_batch_size_below_micro_batch_times_ranks(capsys, monkeypatch, command):
+    # Under torchrun the preferred batch is one micro-batch per rank: [4] on 2 ranks prefers 8.
+    # Checked before any model loads, so a world size of 2 is all the command needs to be told.
+    from openaligner import distributed as dp
+
+    monkeypatch.setattr(dp, "world_size", lambda: 2)
+    line = refused(capsys, command, "model.tiny=gpt2", "server.max_batch_size=4")
+    assert "server.max_batch_size=4 is below" in line and "x 2 ranks" in line
+    assert "set server.max_batch_size=8 or more" in line
+
+
+def test_the_batching_check_takes_the_number_of_ranks():
+    from openaligner.cli.serving import check_batching
+    from openaligner.config import StartupError
+    from openaligner.servers.critic import CriticServerConfig
+
+    server = CriticServerConfig(inference_micro_batch_size=[2, 4], max_batch_size=8)
+    check_batching(server, world_size=2)  # prefers 4 and 8: both fit
+    says = r"server\.max_batch_size=8 is below .* 12 .*max_batch_size=12 or more"
+    with pytest.raises(StartupError, match=says):
+        check_batching(server, world_size=3)
+
+
+@pytest.mark.parametrize("command", ["serve-reward", "serve-critic"])
+@pytest.mark.parametrize(
+    "setting,says",
+    [
+        ("server.max_queue_delay_microseconds=-1", "server.max_queue_delay_microseconds must be >= 0"),
+        (f"server.max_batch_size={2**31}", "server.max_batch_size must be in 1..2147483647"),
+        ("server.max_batch_size=0", "server.max_batch_size must be in 1..2147483647"),
+    ],
+)
+def test_servers_refuse_batcher_settings_triton_cannot_take(capsys, command, setting, says):
+    assert says in refused(capsys, command, "model.tiny=gpt2", setting)
+
+
 @pytest.mark.parametrize("lr", ["0", "-1e-6"])
 def test_serve_critic_refuses_a_learning_rate_that_is_not_positive(capsys, lr):
     line = refused(capsys, "serve-critic", "model.tiny=gpt2", f"optim.lr={lr}")
     assert "optim.lr" in line and "> 0" in line
+
+
+# ------------------------------------------------------------- a tokenizer past the embeddings: all
+@pytest.fixture
+def vocab_dirs(tmp_path: Path) -> dict[str, Path]:
+    """A 400-id tokenizer (the policy's) and models whose embedding tables have 384 rows (an SFT
+    model and a reward model with their own, smaller tokenizer) or 512 (padded past the tokenizer)."""
+    from openaligner.models.builders import TinySize, build_tiny_causal_lm, build_tiny_sequence_classifier
+    from openaligner.models.reward import RewardModel
+    from openaligner.models.tokenizers import build_word_tokenizer
+
+    dirs = {name: tmp_path / name for name in ("tok400", "sft384", "rm384", "sft512")}
+    build_word_tokenizer([f"w{i}" for i in range(396)]).save_pretrained(str(dirs["tok400"]))  # + 4 specials
+
+    def size(rows: int) -> TinySize:
+        return TinySize(vocab_size=rows, hidden_size=32, num_heads=2)
+
+    build_tiny_causal_lm("gpt2", size(384), seed=0).save_pretrained(str(dirs["sft384"]))
+    build_tiny_causal_lm("gpt2", size(512), seed=0).save_pretrained(str(dirs["sft512"]))
+    RewardModel(build_tiny_sequence_classifier("gpt2", size(384), seed=0)).save_pretrained(dirs["rm384"])
+    return dirs
+
+
+def embeds_too_few(line: str, key: str) -> bool:
+    return f"400 token ids (0..399) but {key} embeds only 384" in line and "ids 384..399" in line
+
+
+def test_serve_critic_refuses_the_policys_tokenizer_on_a_reward_models_embeddings(capsys, vocab_dirs):
+    # Before: the critic started, reading the policy's ids through the reward model's embeddings
+    # (and an id from 384 on would have indexed past them).
+    line = refused(
+        capsys,
+        "serve-critic",
+        f"model.path={vocab_dirs['rm384']}",
+        f"tokenizer.path={vocab_dirs['tok400']}",
+        "server.combine_rm_and_critic_server=false",
+    )
+    assert embeds_too_few(line, "model")
+    assert "serve-critic model.path=<the policy's SFT directory>" in line  # what works
+
+
+def test_serve_critic_refuses_a_combined_reward_model_that_cannot_embed_the_ids(capsys, vocab_dirs):
+    # the critic's 512 rows are fine (a table padded past the tokenizer); the reward model's 384 are not
+    line = refused(
+        capsys,
+        "serve-critic",
+        f"model.path={vocab_dirs['sft512']}",
+        f"tokenizer.path={vocab_dirs['tok400']}",
+        f"reward_model.path={vocab_dirs['rm384']}",
+    )
+    assert embeds_too_few(line, "reward_model") and "serve-reward model.path=<reward model>" in line
+
+
+def test_serve_reward_refuses_a_tokenizer_past_the_models_embeddings(capsys, vocab_dirs):
+    line = refused(
+        capsys, "serve-reward", f"model.path={vocab_dirs['rm384']}", f"tokenizer.path={vocab_dirs['tok400']}"
+    )
+    assert embeds_too_few(line, "model") and "use the tokenizer the model was trained with" in line
+
+
+def test_trainers_refuse_a_tokenizer_past_the_models_embeddings(capsys, vocab_dirs, ppo_args, supervised):
+    command, args, _ = supervised
+    model = vocab_dirs["sft384" if command == "train-sft" else "rm384"]
+    line = refused(capsys, command, *args, f"model.path={model}", f"tokenizer.path={vocab_dirs['tok400']}")
+    assert embeds_too_few(line, "model")
+    line = refused(
+        capsys,
+        "train-ppo",
+        *ppo_args,
+        f"actor.path={vocab_dirs['sft384']}",
+        f"tokenizer.path={vocab_dirs['tok400']}",
+    )
+    assert embeds_too_few(line, "actor")
 
 
 # ------------------------------------------------------------------------------------ --print-config

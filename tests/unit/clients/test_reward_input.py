@@ -43,6 +43,7 @@ def test_combined_with_a_reward_tokenizer_other_than_the_policys_is_refused_nami
         choose("auto", None, critic=OTHER, combined=True)
     assert "rm-B" in str(e.value) and "policy-A" in str(e.value)
     assert "combine_rm_and_critic_server=false" in str(e.value)
+    assert "serve-critic model.path=<the policy's SFT directory>" in str(e.value)
     with pytest.raises(TokenizerMismatchError, match="needs a separate reward model server"):
         choose("text", None, combined=True)
     assert choose("auto", None, critic=SAME, combined=True) == "tokens"
@@ -52,6 +53,10 @@ def test_a_critic_with_another_tokenizer_is_refused_naming_both():
     with pytest.raises(TokenizerMismatchError) as e:
         choose("auto", OTHER, critic=OTHER)
     assert "rm-B" in str(e.value) and "policy-A" in str(e.value) and "critic" in str(e.value)
+    # what works: the policy's backbone with a fresh value head, not the policy's tokenizer on
+    # another model's embeddings (serve-critic tokenizer.path=<policy>)
+    assert "serve-critic model.path=<the policy's SFT directory>" in str(e.value)
+    assert "serve-critic tokenizer.path" not in str(e.value)
     # the critic only needs the ids to mean the same: another layout or template is fine
     assert choose("auto", OTHER, critic=OTHER_LAYOUT) == "text"
     assert choose("auto", OTHER, critic=None) == "text"  # a critic that says nothing is not refused

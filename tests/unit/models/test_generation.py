@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -132,6 +134,21 @@ def test_greedy_tokens_are_the_argmax_of_a_full_forward_for_every_architecture(
             logits = model(input_ids=row).logits[0]
         p = PROMPT_LENGTHS[i]
         assert row[0, p:].tolist() == logits[p - 1 : n - 1].argmax(-1).tolist(), i
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_the_hf_decoder_hands_the_model_its_cache_by_the_current_name(tiny, arch, cache):
+    """transformers 5.24 renamed forward's ``past_key_values`` to ``cache`` and removes the old
+    name in 5.40, where a model would take it into ``**kwargs`` and decode without a cache. Passed
+    by the new name, nothing warns (the tokens are checked against a full forward above)."""
+    model = tiny.causal_lm(arch)
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    params = SamplingParams(greedy=True, max_new_tokens=3, stop_token_ids=())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(model, prompts, lengths, params, pad_id=0, cache=cache, fast_path=False)
+    assert not [str(w.message) for w in caught if "past_key_values" in str(w.message)]
 
 
 @pytest.mark.parametrize("cache", ["static", "dynamic"])

@@ -190,7 +190,7 @@ def test_loopback_detection():
 
 
 def test_server_config_checks():
-    with pytest.raises(ValueError, match="exceeds max_batch_size 8"):
+    with pytest.raises(ValueError, match=r"max_batch_size=8 is below .* 16 .*max_batch_size=16 or more"):
         RewardModelServer(infer_fn=toy_reward, inference_micro_batch_size=[4, 16], max_batch_size=8)
     srv = RewardModelServer(infer_fn=toy_reward, inference_micro_batch_size=[2, 8])
     assert srv.cfg.preferred_batch_sizes(world_size=1) == (2, 8)

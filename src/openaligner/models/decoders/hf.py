@@ -56,7 +56,7 @@ class HFDecoder:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=self.cache,
+            cache=self.cache,  # transformers 5.24's name; past_key_values is removed in 5.40
             use_cache=True,
             logits_to_keep=1,
             **self.extra,
