@@ -183,6 +183,24 @@ def rewards_of(answer: Any) -> list[float]:
     return list(rewards["data"])
 
 
+def merged_round(port: int, good: list[str], hostile: list[str]) -> dict[str, tuple[int, Any]]:
+    """Every request at once (Triton's 300 ms queue delay merges them): name → (status, answer)."""
+    results: dict[str, tuple[int, Any]] = {}
+    start = threading.Barrier(len(good) + len(hostile))
+
+    def ask(name: str, do: str | None) -> None:
+        start.wait()
+        results[name] = post(port, scored(name, do))
+
+    threads = [threading.Thread(target=ask, args=(n, None)) for n in good]
+    threads += [threading.Thread(target=ask, args=(do, do)) for do in hostile]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
 def test_plain_kserve_clients_merged_with_failing_calls_all_get_their_rewards(server):
     """No resend: curl and tritonclient cannot tell that a rejected request was valid, so every good
     request must be answered whatever Triton merged it with."""
@@ -191,20 +209,8 @@ def test_plain_kserve_clients_merged_with_failing_calls_all_get_their_rewards(se
         "exit": "worker process died during the call (exit code 7)",
     }
     good = ["a", "bb", "ccc", "dddd", "eeeee"]
-    for _ in range(2):  # two rounds: each merges (300 ms queue delay) every good request with both
-        results: dict[str, tuple[int, Any]] = {}
-        start = threading.Barrier(len(good) + len(hostile))
-
-        def ask(name: str, do: str | None) -> None:
-            start.wait()
-            results[name] = post(server, scored(name, do))
-
-        threads = [threading.Thread(target=ask, args=(n, None)) for n in good]
-        threads += [threading.Thread(target=ask, args=(do, do)) for do in hostile]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+    for _ in range(2):
+        results = merged_round(server, good, list(hostile))
         for name in good:
             assert results[name][0] == 200 and rewards_of(results[name][1]) == [len(name)], results[name]
         for do, needle in hostile.items():
