@@ -1,11 +1,14 @@
-"""A Python reward function served like a reward model: user code isolated in a worker process.
+"""A Python reward function served like a reward model: user code isolated in worker processes.
 
 Owns (1) :class:`FunctionRunner`, which loads ``module:callable`` (or ``path/to/file.py:callable``)
-in a worker process of its own and calls it one batch at a time, so that a function that raises,
-hangs past its timeout, returns the wrong thing or kills its process fails only that call — the
-worker is restarted and serving goes on; (2) :class:`RewardFunctionEndpoint`, the ``reward_model``
-endpoint that scores ``messages`` (with optional per-row ``metadata``) with the function, alone or
-combined with a reward model (``model_weight · model score + function_weight · function score``).
+in a small pool of worker processes and calls it, one call per worker at a time, so that a call
+that raises, hangs past its timeout, returns the wrong thing or kills its process fails only
+itself — a hung or dead worker is replaced while the others serve; (2)
+:class:`RewardFunctionEndpoint`, the ``reward_model`` endpoint that scores ``messages`` (with
+optional per-row ``metadata``) with the function, alone or combined with a reward model
+(``model_weight · model score + function_weight · function score``). The function is called once
+per request: behind the HTTP front, before the request reaches Triton (:meth:`~RewardFunctionEndpoint.admit`),
+so that a failing call is refused alone and Triton only ever merges requests already scored.
 Must not know HTTP or PyTriton (see :mod:`openaligner.servers.transport.triton`), nor what the
 function computes.
 

@@ -22,6 +22,11 @@ by the same check and sent to Triton as a KServe request — so they are batched
 client's — and turns Triton's answer back into the format's. A request that Triton rejected only
 because it was merged with a failing one is resent here, as the Python client would.
 
+A model may also *admit* each checked request (:data:`Admit`): work started before forwarding and
+awaited without holding a thread — a served reward function's call. A request whose admission
+fails is refused alone (400), like an invalid one, and one whose admission is slow holds only
+itself; Triton then merges only admitted requests.
+
 Must not know what an endpoint computes, nor how Triton is started.
 """
 
