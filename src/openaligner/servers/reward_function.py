@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
+import os
 import queue
 import secrets
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,7 +46,6 @@ from openaligner.servers.function_worker import (
     RewardFunctionError,
     RewardFunctionLoadError,
     split_spec,
-    worker_main,
 )
 from openaligner.servers.protocol import (
     MESSAGES,
@@ -70,6 +72,9 @@ from openaligner.servers.validation import (
 )
 
 LOGGER = logging.getLogger(__name__)
+
+WORKER_MODULE = "openaligner.servers.function_worker"
+"""What a worker process runs (``python -m``)."""
 
 MAX_METADATA_BYTES = 65536
 """Largest ``metadata`` object per row (UTF-8 bytes of its JSON)."""
@@ -110,9 +115,6 @@ class FunctionRunner:
         self.start_timeout_s = start_timeout_s
         self.restarts = 0
         """Workers started after the first ones (each after a timeout or a dead worker)."""
-        # forkserver: the server runs threads, so never fork it; a worker forked from the small
-        # fork server starts in milliseconds (spawn re-imports the server's main module each time)
-        self._context = multiprocessing.get_context("forkserver")
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closed = False
         self._count_lock = threading.Lock()
@@ -124,9 +126,7 @@ class FunctionRunner:
         except BaseException:
             for process, conn in launched:
                 conn.close()
-                if process.is_alive():
-                    process.kill()
-                process.join(5)
+                _end(process)
             raise
         self._threads = [
             threading.Thread(target=self._serve, args=(i,), name=f"openaligner-reward-fn-{i}", daemon=True)
@@ -140,28 +140,39 @@ class FunctionRunner:
         """How many worker processes serve calls."""
         return len(self._workers)
 
-    def _launch(self) -> tuple[Any, Connection]:
-        parent, child = self._context.Pipe()
-        process = self._context.Process(target=worker_main, args=(self.spec, child), daemon=True)
-        process.start()
-        child.close()
-        return process, parent
+    def _launch(self) -> tuple[subprocess.Popen[bytes], Connection]:
+        """Start a worker: a fresh interpreter running :mod:`~openaligner.servers.function_worker`
+        on one end of a socket pair. Not ``multiprocessing``: the server runs threads (never fork
+        it), and spawn and forkserver children re-run the server's main module (seconds when it
+        imports torch) before they start."""
+        parent, child = socket.socketpair()
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", WORKER_MODULE, str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+            )
+        finally:
+            child.close()
+        conn = Connection(parent.detach())
+        conn.send((self.spec, list(sys.path)))  # the function is imported as the server would
+        return process, conn
 
-    def _await_ready(self, process: Any, conn: Connection) -> _Worker:
+    def _await_ready(self, process: subprocess.Popen[bytes], conn: Connection) -> _Worker:
         if not conn.poll(self.start_timeout_s):
-            process.kill()
+            _end(process)
             raise RewardFunctionLoadError(
                 f"reward.function={self.spec!r}: the worker did not load it in {self.start_timeout_s:.0f} s"
             )
         try:
             kind, value = conn.recv()
         except EOFError:
-            process.join(5)
             raise RewardFunctionLoadError(
-                f"reward.function={self.spec!r}: the worker exited while loading it (code {process.exitcode})"
+                f"reward.function={self.spec!r}: the worker exited while loading it (code {_end(process)})"
             ) from None
         if kind == "load_error":
-            process.join(5)
+            _end(process)
             raise RewardFunctionLoadError(str(value))
         return _Worker(process, conn)
 
@@ -282,7 +293,7 @@ class _Lost(Exception):
 class _Worker:
     """One worker process and its pipe, owned by one thread of :class:`FunctionRunner`."""
 
-    def __init__(self, process: Any, conn: Connection) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], conn: Connection) -> None:
         self.process = process
         self.conn = conn
 
@@ -299,18 +310,27 @@ class _Worker:
                 outcome: tuple[str, Any] = self.conn.recv()
                 return outcome
         except (EOFError, OSError):
-            self.process.join(2)  # reap it, for its exit code
-            code = self.process.exitcode
-            self.stop()
-            raise _Lost(died=True, exit_code=code) from None
+            self.conn.close()
+            raise _Lost(died=True, exit_code=_end(self.process, grace_s=2.0)) from None
         self.stop()
         raise _Lost(died=False, exit_code=None)
 
     def stop(self) -> None:
         self.conn.close()
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(5)
+        _end(self.process)
+
+
+def _end(process: subprocess.Popen[bytes], grace_s: float = 0.0) -> int | None:
+    """Wait up to ``grace_s`` for ``process`` to exit, then kill it; its exit code (negative: the
+    signal that ended it; None: it outlived even the kill)."""
+    try:
+        return process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    try:
+        return process.wait(5)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 # -------------------------------------------------------------------------------- the endpoint
