@@ -112,6 +112,15 @@ def test_close_fails_queued_calls_instead_of_leaving_them_waiting():
             future.result(5)
 
 
+def test_workers_import_the_function_with_the_servers_sys_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(FUNCTIONS.parent))  # not in PYTHONPATH: only this process knows it
+    r = FunctionRunner("critic_free_rewards:letter_share", workers=1)
+    try:
+        assert r(["p"], ["aab"], [{"letter": "a"}]) == [2 / 3]
+    finally:
+        r.close()
+
+
 def test_a_two_argument_function_is_called_without_metadata():
     r = FunctionRunner(f"{FUNCTIONS}:two_arguments")
     try:
