@@ -85,7 +85,7 @@ class FunctionRunner:
 
     Each call goes to the first free worker (calls wait in a queue while every worker is busy), so
     a call that hangs holds one worker and the others serve on. A call that runs past ``timeout_s``
-    or kills its worker fails; that worker is killed and a new one forked in its place, and the
+    or kills its worker fails; that worker is killed and a new one started in its place, and the
     call's failure is reported only once the new worker is ready — so a client whose calls keep
     failing, one request at a time, holds at most one worker at any moment.
 

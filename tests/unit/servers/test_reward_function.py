@@ -90,7 +90,8 @@ def test_a_hanging_call_holds_one_worker_while_the_others_serve():
 
 
 def test_a_dead_worker_is_replaced_in_well_under_a_second():
-    """Workers fork from a fork server: a crash costs milliseconds, not a new interpreter."""
+    """A worker imports only the worker module and the function, never the server's main module
+    (pytest's here, a CLI's or a benchmark's importing torch elsewhere): a crash costs little."""
     r = FunctionRunner(f"{FUNCTIONS}:behave", timeout_s=5.0, workers=1)
     try:
         t0 = time.perf_counter()
