@@ -14,8 +14,9 @@ an error). Hostile clients: ``--hostile`` threads, client *i* sending ``raise``,
 be answered 400 naming the function's error). The two conditions are measured side by side:
 ``--rounds`` rounds, each ``--seconds`` of good clients alone ("quiet") then as long with the
 hostile ones ("hostile"); reported per condition: good requests answered, errors, p50/p99/max
-latency (medians over the rounds, and every round), the hostile answers by status, and the ratio
-of the hostile condition's p99 to the quiet one's.
+latency (medians over the rounds, and every round), the p99 of all rounds' latencies pooled, the
+hostile answers by status, and the ratio of the hostile condition's p99 to the quiet one's (medians
+over the rounds).
 
 Prints one JSON object. Usage:
 ``python benchmarks/bench_reward_function_hostile.py [--seconds 15] [--rounds 2] [--good 8]
@@ -80,6 +81,9 @@ if __name__ == "__main__":
         answer = conn.getresponse()
         return answer.status, json.loads(answer.read())
 
+    def percentile(ordered: list[float], q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
     class Phase:
         """One condition of one round: good latencies, good errors, hostile answers."""
 
@@ -91,13 +95,12 @@ if __name__ == "__main__":
 
         def summary(self) -> dict[str, Any]:
             ordered = sorted(self.latencies)
-            p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
             return {
                 "good_answered": len(ordered),
                 "good_errors": len(self.errors),
                 "first_errors": self.errors[:3],
                 "p50_s": round(statistics.median(ordered), 4) if ordered else None,
-                "p99_s": round(p99, 4),
+                "p99_s": round(percentile(ordered, 0.99), 4),
                 "max_s": round(ordered[-1], 4) if ordered else None,
                 "hostile_answers": dict(sorted(self.hostile.items())),
             }
@@ -140,7 +143,7 @@ if __name__ == "__main__":
                 phase.hostile[key] = phase.hostile.get(key, 0) + 1
         conn.close()
 
-    def measure(port: int, seconds: float, good: int, hostile: int) -> dict[str, Any]:
+    def measure(port: int, seconds: float, good: int, hostile: int) -> Phase:
         phase, stop = Phase(), threading.Event()
         threads = [threading.Thread(target=good_client, args=(port, i, phase, stop)) for i in range(good)]
         threads += [
@@ -152,7 +155,7 @@ if __name__ == "__main__":
         stop.set()
         for t in threads:  # a hostile client may still wait for its hanging call (≤ the timeout)
             t.join()
-        return phase.summary()
+        return phase
 
     def start_server(port: int, timeout_s: float) -> subprocess.Popen[str]:
         command = [
@@ -195,12 +198,15 @@ if __name__ == "__main__":
         port = free_port()
         server = start_server(port, args.timeout_s)
         rounds = []
+        pooled: dict[str, list[float]] = {"quiet": [], "hostile": []}
         try:
             measure(port, 1.0, args.good, 0)  # warm-up
             for _ in range(args.rounds):
                 quiet = measure(port, args.seconds, args.good, 0)
                 hostile = measure(port, args.seconds, args.good, args.hostile)
-                rounds.append({"quiet": quiet, "hostile": hostile})
+                rounds.append({"quiet": quiet.summary(), "hostile": hostile.summary()})
+                pooled["quiet"] += quiet.latencies
+                pooled["hostile"] += hostile.latencies
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(60)
@@ -214,6 +220,7 @@ if __name__ == "__main__":
             "quiet_p99_s": median_of("quiet", "p99_s"),
             "hostile_p50_s": median_of("hostile", "p50_s"),
             "hostile_p99_s": median_of("hostile", "p99_s"),
+            "pooled_p99_s": {c: round(percentile(sorted(v), 0.99), 4) for c, v in pooled.items()},
             "hostile_max_s": max(r["hostile"]["max_s"] or 0.0 for r in rounds),
             "good_errors": sum(r[c]["good_errors"] for r in rounds for c in ("quiet", "hostile")),
             "rounds": rounds,
