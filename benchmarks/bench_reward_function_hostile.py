@@ -9,8 +9,8 @@ the worker dies).
 Good clients: ``--good`` closed-loop threads (one keep-alive ``http.client.HTTPConnection`` each)
 sending plain KServe v2 JSON, as curl or ``tritonclient`` do — one conversation per request, no
 resend —, each answer checked (HTTP 200 and the reward ``len(response)``; anything else counts as
-an error). Hostile clients: ``--hostile`` threads, client *i* sending ``raise``, ``hang``,
-``exit`` in turn starting at kind *i*, the next request as soon as the last was answered (each must
+an error). Hostile clients: ``--hostile`` threads, client *i* sending the ``--kinds`` (``raise``,
+``hang``, ``exit``) in turn starting at kind *i*, the next request as soon as the last was answered (each must
 be answered 400 naming the function's error). The two conditions are measured side by side:
 ``--rounds`` rounds, each ``--seconds`` of good clients alone ("quiet") then as long with the
 hostile ones ("hostile"); reported per condition: good requests answered, errors, p50/p99/max
@@ -20,8 +20,8 @@ over the rounds).
 
 Prints one JSON object. Usage:
 ``python benchmarks/bench_reward_function_hostile.py [--seconds 15] [--rounds 2] [--good 8]
-[--hostile 4] [--timeout-s 5]``. Run it with another ``PYTHONPATH`` to measure another version
-(the server inherits the environment).
+[--hostile 4] [--timeout-s 5] [--kinds raise hang exit]``. Run it with another ``PYTHONPATH`` to
+measure another version (the server inherits the environment).
 """
 
 from __future__ import annotations
@@ -60,8 +60,6 @@ if __name__ == "__main__":
     import threading
     from importlib import metadata as package_metadata
     from pathlib import Path
-
-    KINDS = ("raise", "hang", "exit")
 
     def free_port() -> int:
         with socket.socket() as s:
@@ -126,11 +124,11 @@ if __name__ == "__main__":
                     phase.errors.append(f"{status}: {str(answer)[:300]}")
         conn.close()
 
-    def hostile_client(port: int, index: int, phase: Phase, stop: threading.Event) -> None:
+    def hostile_client(port: int, index: int, kinds: list[str], phase: Phase, stop: threading.Event) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
         n = index
         while not stop.is_set():
-            kind = KINDS[n % len(KINDS)]
+            kind = kinds[n % len(kinds)]
             n += 1
             try:
                 status, _ = post(conn, request_body("bad", kind))
@@ -143,11 +141,12 @@ if __name__ == "__main__":
                 phase.hostile[key] = phase.hostile.get(key, 0) + 1
         conn.close()
 
-    def measure(port: int, seconds: float, good: int, hostile: int) -> Phase:
+    def measure(port: int, seconds: float, good: int, hostile: int, kinds: list[str]) -> Phase:
         phase, stop = Phase(), threading.Event()
         threads = [threading.Thread(target=good_client, args=(port, i, phase, stop)) for i in range(good)]
         threads += [
-            threading.Thread(target=hostile_client, args=(port, i, phase, stop)) for i in range(hostile)
+            threading.Thread(target=hostile_client, args=(port, i, kinds, phase, stop))
+            for i in range(hostile)
         ]
         for t in threads:
             t.start()
@@ -194,16 +193,19 @@ if __name__ == "__main__":
         parser.add_argument("--good", type=int, default=8)
         parser.add_argument("--hostile", type=int, default=4)
         parser.add_argument("--timeout-s", type=float, default=5.0)
+        parser.add_argument(
+            "--kinds", nargs="+", choices=["raise", "hang", "exit"], default=["raise", "hang", "exit"]
+        )
         args = parser.parse_args()
         port = free_port()
         server = start_server(port, args.timeout_s)
         rounds = []
         pooled: dict[str, list[float]] = {"quiet": [], "hostile": []}
         try:
-            measure(port, 1.0, args.good, 0)  # warm-up
+            measure(port, 1.0, args.good, 0, args.kinds)  # warm-up
             for _ in range(args.rounds):
-                quiet = measure(port, args.seconds, args.good, 0)
-                hostile = measure(port, args.seconds, args.good, args.hostile)
+                quiet = measure(port, args.seconds, args.good, 0, args.kinds)
+                hostile = measure(port, args.seconds, args.good, args.hostile, args.kinds)
                 rounds.append({"quiet": quiet.summary(), "hostile": hostile.summary()})
                 pooled["quiet"] += quiet.latencies
                 pooled["hostile"] += hostile.latencies
