@@ -2,7 +2,7 @@
 
 For a trivial function (the length of each response) and for the built-in sorting gold reward, on
 batches of B rows: the median seconds of a direct in-process call, of a call through
-:class:`openaligner.servers.reward_function.FunctionRunner` (pickled over a pipe to the worker and
+:class:`openaligner.servers.reward_function.FunctionRunner` (pickled over a socket to a worker and
 back), and the worker's start and restart time (what a timeout or a crash costs). Prints one JSON
 object. Usage: ``python benchmarks/bench_reward_function.py [--rows 16 64] [--calls 200]``.
 """

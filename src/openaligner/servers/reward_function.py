@@ -103,7 +103,7 @@ class FunctionRunner:
     """
 
     def __init__(
-        self, spec: str, timeout_s: float = 60.0, workers: int = 4, start_timeout_s: float = 120.0
+        self, spec: str, timeout_s: float = 60.0, workers: int = 8, start_timeout_s: float = 120.0
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")

@@ -35,7 +35,7 @@ FUNCTIONS = Path(__file__).parents[2] / "integration" / "critic_free_rewards.py"
 
 @pytest.fixture(scope="module")
 def runner():
-    r = FunctionRunner(f"{FUNCTIONS}:behave", timeout_s=3.0)
+    r = FunctionRunner(f"{FUNCTIONS}:behave", timeout_s=3.0, workers=2)
     yield r
     r.close()
 
@@ -123,7 +123,7 @@ def test_workers_import_the_function_with_the_servers_sys_path(monkeypatch):
 
 
 def test_a_two_argument_function_is_called_without_metadata():
-    r = FunctionRunner(f"{FUNCTIONS}:two_arguments")
+    r = FunctionRunner(f"{FUNCTIONS}:two_arguments", workers=1)
     try:
         assert r(["abc", "a"], ["x", "y"], [{}, {}]) == [3.0, 1.0]
     finally:
@@ -141,7 +141,7 @@ def test_a_two_argument_function_is_called_without_metadata():
 )
 def test_a_function_that_cannot_load_is_refused_at_start(spec, needle):
     with pytest.raises(RewardFunctionLoadError, match=needle):
-        FunctionRunner(spec).close()
+        FunctionRunner(spec, workers=2).close()
 
 
 def messages(*rows):
