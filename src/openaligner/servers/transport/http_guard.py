@@ -65,9 +65,10 @@ INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 TOKENIZER_PATH = re.compile(r"^/v2/models/([^/]+)/tokenizer$")
 """:data:`~openaligner.servers.protocol.TOKENIZER_ROUTE`, answered by the guard itself."""
 
-RequestCheck = Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], None]
+RequestCheck = Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], Any]
 """Judges one decoded request — ``(inputs, request parameters)`` — before it is forwarded; raises
-:class:`RequestError` (answered 400) or :class:`UnauthorizedError` (answered 403) to refuse it."""
+:class:`RequestError` (answered 400) or :class:`UnauthorizedError` (answered 403) to refuse it.
+What it returns is handed to the model's :data:`Admit`, if any."""
 
 Admit = Callable[[Any], Future[dict[str, str]]]
 """Starts the work a checked request needs before it is forwarded (given what the check returned);
