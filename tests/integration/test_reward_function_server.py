@@ -1,6 +1,7 @@
 """`openaligner serve-reward reward.function=...` for real: a JSON request as curl sends it, a
-tokens request refused naming what to send, and a failing function that fails only its own client's
-request while other clients, merged into the same Triton call, get their rewards."""
+tokens request refused naming what to send, and function calls that raise, kill their worker or hang
+failing only their own client's request while plain KServe clients beside them, merged into the same
+Triton call, get their rewards without delay."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import signal
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -38,7 +40,8 @@ def server():
             f"server.port={port}",
             "server.max_queue_delay_microseconds=300000",  # hold requests so that they merge
             "server.inference_micro_batch_size=[8]",
-            "reward.timeout_s=5",
+            "reward.timeout_s=3",
+            "reward.workers=3",
             "threads=1",
         ]
     )
@@ -124,9 +127,9 @@ def test_a_raising_function_fails_only_its_own_request(server):
     assert results["a"] == [1.0] and results["bb"] == [2.0] and results["ccc"] == [3.0], results
     assert isinstance(results["bad"], BadRequestError)
     assert "behave raised ValueError: this response cannot be scored" in str(results["bad"])
-    # the requests were merged into one call, and the failing one was found alone
+    # the failing call was refused at the front, alone: no valid request was rejected with it
     output = LOGS["server"].output
-    assert "function failed on 1 of" in output, output[-2000:]
+    assert "reward_model: " in output and "Triton merged" not in output, output[-2000:]
     # and it serves on
     status, _ = post(
         server,
@@ -162,3 +165,76 @@ def test_other_frameworks_formats_reach_the_function_with_their_labels(server):
     # token ids cannot be read by a function: refused in vLLM's error shape, naming what to send
     status, got = post(server, {"input": [5, 6, 7]}, "/classify")
     assert status == 400 and got["error"]["code"] == 400 and "must be text" in got["error"]["message"]
+
+
+def scored(response: str, do: str | None = None) -> dict[str, Any]:
+    """A plain KServe v2 request (as curl or tritonclient send it) for one conversation."""
+    conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": response}]
+    return {
+        "inputs": [
+            {"name": "messages", "datatype": "BYTES", "shape": [1, 1], "data": [json.dumps(conversation)]},
+            {"name": "metadata", "datatype": "BYTES", "shape": [1, 1], "data": [json.dumps({"do": do})]},
+        ]
+    }
+
+
+def rewards_of(answer: Any) -> list[float]:
+    (rewards,) = [o for o in answer["outputs"] if o["name"] == "rewards"]
+    return list(rewards["data"])
+
+
+def merged_round(port: int, good: list[str], hostile: list[str]) -> dict[str, tuple[int, Any]]:
+    """Every request at once (Triton's 300 ms queue delay merges them): name → (status, answer)."""
+    results: dict[str, tuple[int, Any]] = {}
+    start = threading.Barrier(len(good) + len(hostile))
+
+    def ask(name: str, do: str | None) -> None:
+        start.wait()
+        results[name] = post(port, scored(name, do))
+
+    threads = [threading.Thread(target=ask, args=(n, None)) for n in good]
+    threads += [threading.Thread(target=ask, args=(do, do)) for do in hostile]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_plain_kserve_clients_merged_with_failing_calls_all_get_their_rewards(server):
+    """No resend: curl and tritonclient cannot tell that a rejected request was valid, so every good
+    request must be answered whatever Triton merged it with."""
+    hostile = {
+        "raise": "behave raised ValueError: this response cannot be scored",
+        "exit": "worker process died during the call (exit code 7)",
+    }
+    good = ["a", "bb", "ccc", "dddd", "eeeee"]
+    for _ in range(2):
+        results = merged_round(server, good, list(hostile))
+        for name in good:
+            assert results[name][0] == 200 and rewards_of(results[name][1]) == [len(name)], results[name]
+        for do, needle in hostile.items():
+            status, answer = results[do]
+            assert status == 400 and needle in answer["error"], (do, status, answer)
+
+
+def test_a_hanging_call_does_not_hold_other_requests(server):
+    hung: dict[str, Any] = {}
+
+    def hang() -> None:
+        hung["answer"] = post(server, scored("zz", "hang"))
+
+    thread = threading.Thread(target=hang)
+    thread.start()
+    time.sleep(0.1)  # it is being served: the requests below arrive while it hangs
+    latencies = []
+    while thread.is_alive() and len(latencies) < 20:
+        t0 = time.perf_counter()
+        status, answer = post(server, scored("abc"))
+        latencies.append(time.perf_counter() - t0)
+        assert status == 200 and rewards_of(answer) == [3.0], answer
+    thread.join(30)
+    status, answer = hung["answer"]
+    assert status == 400 and "did not answer within reward.timeout_s=3 s" in answer["error"], answer
+    # each waits for Triton's queue delay (0.3 s), never for the hanging call (3 s)
+    assert len(latencies) >= 2 and max(latencies) < 1.5, latencies

@@ -2,7 +2,7 @@
 reward function, or both, over HTTP.
 
 Loads the reward model the config names (a Hugging Face directory, or the tiny seeded test model
-when asked for) and/or the reward function ``reward.function`` (in a worker process of its own, see
+when asked for) and/or the reward function ``reward.function`` (in worker processes of its own, see
 :mod:`openaligner.servers.reward_function`), starts
 :class:`openaligner.servers.reward.RewardModelServer` and serves until SIGINT or SIGTERM. Under
 ``torchrun`` every rank loads the model and computes a share of each batch (the function runs on
@@ -43,10 +43,13 @@ class RewardFunctionConfig:
     )
     function_weight: float = 1.0  # weight of the function's score
     timeout_s: float = 60.0  # a call still running after this long fails; its worker is restarted
+    workers: int = 8  # worker processes calling the function; up to workers-1 hanging calls delay no other
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ValueError(f"{{section}}.timeout_s must be > 0, got {self.timeout_s}")
+        if self.workers < 1:
+            raise ValueError(f"{{section}}.workers must be >= 1, e.g. 8; got {self.workers}")
 
 
 @dataclass
@@ -137,7 +140,7 @@ def run(cfg: ServeRewardConfig) -> int:
 
 
 def start_reward_function(cfg: RewardFunctionConfig) -> FunctionRunner | None:
-    """The worker process of ``reward.function`` (None without one), once it has loaded it.
+    """The worker processes of ``reward.function`` (None without one), once they have loaded it.
 
     Raises:
         StartupError: the function cannot be imported, or is not callable.
@@ -147,7 +150,7 @@ def start_reward_function(cfg: RewardFunctionConfig) -> FunctionRunner | None:
     from openaligner.servers.reward_function import FunctionRunner, RewardFunctionLoadError
 
     with as_startup_error(RewardFunctionLoadError):
-        return FunctionRunner(cfg.function, timeout_s=cfg.timeout_s)
+        return FunctionRunner(cfg.function, timeout_s=cfg.timeout_s, workers=cfg.workers)
 
 
 def load_model(

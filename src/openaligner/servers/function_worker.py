@@ -1,6 +1,7 @@
 """What runs inside a reward function's worker process: loading ``module:callable`` and answering
 calls. Standard library only, so that a worker starts in a fraction of a second (it imports no
-torch); :class:`~openaligner.servers.reward_function.FunctionRunner` starts and feeds it.
+torch); :class:`~openaligner.servers.reward_function.FunctionRunner` starts it
+(``python -m openaligner.servers.function_worker FD``, FD its end of a socket pair) and feeds it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import importlib.util
 import inspect
 import math
 import signal
+import sys
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -133,3 +135,16 @@ def worker_main(spec: str, conn: Connection) -> None:
             conn.send(("error", str(e)))
         except BaseException as e:  # the user's code: report whatever it raised, keep serving
             conn.send(("error", f"{spec} raised {type(e).__name__}: {e}"))
+
+
+def main(argv: Sequence[str]) -> None:
+    """``python -m openaligner.servers.function_worker FD``: receive ``(spec, sys.path)`` on the
+    connection FD, then serve as :func:`worker_main`."""
+    conn = Connection(int(argv[0]))
+    spec, path = conn.recv()
+    sys.path[:] = path
+    worker_main(spec, conn)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

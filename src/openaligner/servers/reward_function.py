@@ -1,11 +1,14 @@
-"""A Python reward function served like a reward model: user code isolated in a worker process.
+"""A Python reward function served like a reward model: user code isolated in worker processes.
 
 Owns (1) :class:`FunctionRunner`, which loads ``module:callable`` (or ``path/to/file.py:callable``)
-in a worker process of its own and calls it one batch at a time, so that a function that raises,
-hangs past its timeout, returns the wrong thing or kills its process fails only that call — the
-worker is restarted and serving goes on; (2) :class:`RewardFunctionEndpoint`, the ``reward_model``
-endpoint that scores ``messages`` (with optional per-row ``metadata``) with the function, alone or
-combined with a reward model (``model_weight · model score + function_weight · function score``).
+in a small pool of worker processes and calls it, one call per worker at a time, so that a call
+that raises, hangs past its timeout, returns the wrong thing or kills its process fails only
+itself — a hung or dead worker is replaced while the others serve; (2)
+:class:`RewardFunctionEndpoint`, the ``reward_model`` endpoint that scores ``messages`` (with
+optional per-row ``metadata``) with the function, alone or combined with a reward model
+(``model_weight · model score + function_weight · function score``). The function is called once
+per request: behind the HTTP front, before the request reaches Triton (:meth:`~RewardFunctionEndpoint.admit`),
+so that a failing call is refused alone and Triton only ever merges requests already scored.
 Must not know HTTP or PyTriton (see :mod:`openaligner.servers.transport.triton`), nor what the
 function computes.
 
@@ -21,10 +24,17 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
+import os
+import queue
+import secrets
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -36,7 +46,6 @@ from openaligner.servers.function_worker import (
     RewardFunctionError,
     RewardFunctionLoadError,
     split_spec,
-    worker_main,
 )
 from openaligner.servers.protocol import (
     MESSAGES,
@@ -64,111 +73,264 @@ from openaligner.servers.validation import (
 
 LOGGER = logging.getLogger(__name__)
 
+WORKER_MODULE = "openaligner.servers.function_worker"
+"""What a worker process runs (``python -m``)."""
+
 MAX_METADATA_BYTES = 65536
 """Largest ``metadata`` object per row (UTF-8 bytes of its JSON)."""
 
 
 class FunctionRunner:
-    """Calls the reward function ``spec`` in a worker process, one call at a time.
+    """Calls the reward function ``spec`` in a pool of ``workers`` worker processes.
+
+    Each call goes to the first free worker (calls wait in a queue while every worker is busy), so
+    a call that hangs holds one worker and the others serve on. A call that runs past ``timeout_s``
+    or kills its worker fails; that worker is killed and a new one started in its place, and the
+    call's failure is reported only once the new worker is ready — so a client whose calls keep
+    failing, one request at a time, holds at most one worker at any moment.
 
     Args:
-        spec: ``module:callable`` or ``path/to/file.py:callable``; imported by the worker (the
+        spec: ``module:callable`` or ``path/to/file.py:callable``; imported by each worker (the
             server's ``sys.path`` and working directory), never by the calling process.
-        timeout_s: a call that has not answered after this long fails; its worker is killed and a
-            new one started.
-        start_timeout_s: how long the worker may take to import the function.
+        timeout_s: a call that has not answered after this long (from when a worker takes it)
+            fails; its worker is killed and a new one started.
+        workers: worker processes; up to ``workers - 1`` calls may hang at once without delaying
+            the others.
+        start_timeout_s: how long a worker may take to import the function.
 
     Raises:
-        RewardFunctionLoadError: at construction, when the worker cannot load the function.
+        RewardFunctionLoadError: at construction, when a worker cannot load the function.
     """
 
-    def __init__(self, spec: str, timeout_s: float = 60.0, start_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, spec: str, timeout_s: float = 60.0, workers: int = 8, start_timeout_s: float = 120.0
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
+        if workers < 1:
+            raise ValueError(f"reward.workers must be >= 1, got {workers}")
         split_spec(spec)  # a malformed spec is refused before any process starts
         self.spec = spec
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.restarts = 0
-        """Workers started after the first (each after a timeout or a dead worker)."""
-        self._lock = threading.Lock()
-        self._context = multiprocessing.get_context("spawn")  # the server runs threads: never fork it
-        self._process: Any = None
-        self._conn: Connection | None = None
-        self._start()
+        """Workers started after the first ones (each after a timeout or a dead worker)."""
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = False
+        self._count_lock = threading.Lock()
+        launched = [self._launch() for _ in range(workers)]  # all load at once
+        self._workers: list[_Worker | None] = []
+        try:
+            for process, conn in launched:
+                self._workers.append(self._await_ready(process, conn))
+        except BaseException:
+            for process, conn in launched:
+                conn.close()
+                _end(process)
+            raise
+        self._threads = [
+            threading.Thread(target=self._serve, args=(i,), name=f"openaligner-reward-fn-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    def _start(self) -> None:
-        parent, child = self._context.Pipe()
-        process = self._context.Process(target=worker_main, args=(self.spec, child), daemon=True)
-        process.start()
-        child.close()
-        if not parent.poll(self.start_timeout_s):
-            process.kill()
+    @property
+    def workers(self) -> int:
+        """How many worker processes serve calls."""
+        return len(self._workers)
+
+    def _launch(self) -> tuple[subprocess.Popen[bytes], Connection]:
+        """Start a worker: a fresh interpreter running :mod:`~openaligner.servers.function_worker`
+        on one end of a socket pair. Not ``multiprocessing``: the server runs threads (never fork
+        it), and spawn and forkserver children re-run the server's main module (seconds when it
+        imports torch) before they start."""
+        parent, child = socket.socketpair()
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", WORKER_MODULE, str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+            )
+        finally:
+            child.close()
+        conn = Connection(parent.detach())
+        conn.send((self.spec, list(sys.path)))  # the function is imported as the server would
+        return process, conn
+
+    def _await_ready(self, process: subprocess.Popen[bytes], conn: Connection) -> _Worker:
+        if not conn.poll(self.start_timeout_s):
+            _end(process)
             raise RewardFunctionLoadError(
                 f"reward.function={self.spec!r}: the worker did not load it in {self.start_timeout_s:.0f} s"
             )
         try:
-            kind, value = parent.recv()
+            kind, value = conn.recv()
         except EOFError:
-            process.join(5)
             raise RewardFunctionLoadError(
-                f"reward.function={self.spec!r}: the worker exited while loading it (code {process.exitcode})"
+                f"reward.function={self.spec!r}: the worker exited while loading it (code {_end(process)})"
             ) from None
         if kind == "load_error":
-            process.join(5)
+            _end(process)
             raise RewardFunctionLoadError(str(value))
-        self._process, self._conn = process, parent
+        return _Worker(process, conn)
 
-    def _restart(self) -> None:
-        self.close()
-        self.restarts += 1
-        self._start()
+    def submit(
+        self, prompts: list[str], responses: list[str], metadata: list[dict[str, Any]]
+    ) -> Future[list[float]]:
+        """Start a call on ``len(prompts)`` rows; its future resolves to their scores.
+
+        The future fails with :class:`RewardFunctionError` when the function raised, returned a
+        wrong value, timed out (``reward.timeout_s``) or its worker died.
+        """
+        future: Future[list[float]] = Future()
+        if self._closed:
+            future.set_exception(RewardFunctionError(f"{self.spec}: the server is stopping"))
+        else:
+            self._jobs.put(_Job(future, (prompts, responses, metadata)))
+        return future
 
     def __call__(
         self, prompts: list[str], responses: list[str], metadata: list[dict[str, Any]]
     ) -> list[float]:
-        """Scores of ``len(prompts)`` rows.
+        """Scores of ``len(prompts)`` rows (:meth:`submit`, waited for).
 
         Raises:
-            RewardFunctionError: the function raised, returned a wrong value, timed out
-                (``reward.timeout_s``) or its worker died; the worker is ready again afterwards.
+            RewardFunctionError: see :meth:`submit`.
         """
-        with self._lock:
-            assert self._conn is not None
+        return self.submit(prompts, responses, metadata).result()
+
+    def _serve(self, slot: int) -> None:
+        """One worker's thread: take a call, run it on the worker, replace the worker if it hung or
+        died."""
+        while (job := self._jobs.get()) is not None:
+            if not job.future.set_running_or_notify_cancel():
+                continue
             try:
-                self._conn.send((prompts, responses, metadata))
-                answered = self._conn.poll(self.timeout_s)
-                outcome = self._conn.recv() if answered else None
-            except (EOFError, OSError, BrokenPipeError):
-                code = None
-                if self._process is not None:
-                    self._process.join(2)  # reap it, for its exit code
-                    code = self._process.exitcode
-                self._restart()
-                raise RewardFunctionError(
-                    f"{self.spec}: its worker process died during the call (exit code {code}); restarted"
-                ) from None
-            if outcome is None:
-                self._restart()
-                raise RewardFunctionError(
-                    f"{self.spec} did not answer within reward.timeout_s={self.timeout_s:g} s; its worker "
-                    "was killed and restarted"
-                )
-        kind, value = outcome
-        if kind != "ok":
-            raise RewardFunctionError(str(value))
-        return list(value)
+                kind, value = self._call(slot, job.args)
+            except RewardFunctionError as e:
+                job.future.set_exception(e)
+                continue
+            if kind == "ok":
+                job.future.set_result(list(value))
+            else:
+                job.future.set_exception(RewardFunctionError(str(value)))
+
+    def _call(self, slot: int, args: tuple[Any, ...]) -> tuple[str, Any]:
+        """One call on ``slot``'s worker; a worker that hung or died is replaced before the call
+        fails.
+
+        Raises:
+            RewardFunctionError: the call timed out or its worker died (or cannot be replaced).
+        """
+        worker = self._workers[slot]
+        if worker is None:  # its replacement failed to load last time: try again
+            worker = self._replace(slot)
+        try:
+            return worker.call(args, self.timeout_s)
+        except _Lost as lost:
+            code = lost.exit_code
+            why = (
+                f"{self.spec}: its worker process died during the call (exit code {code}); restarted"
+                if lost.died
+                else f"{self.spec} did not answer within reward.timeout_s={self.timeout_s:g} s; its worker "
+                "was killed and restarted"
+            )
+        self._replace(slot)
+        raise RewardFunctionError(why)
+
+    def _replace(self, slot: int) -> _Worker:
+        """A new worker in ``slot`` (the old one is gone).
+
+        Raises:
+            RewardFunctionError: the server is stopping, or the function no longer loads.
+        """
+        self._workers[slot] = None
+        if self._closed:
+            raise RewardFunctionError(f"{self.spec}: the server is stopping")
+        with self._count_lock:
+            self.restarts += 1
+        try:
+            worker = self._await_ready(*self._launch())
+        except RewardFunctionLoadError as e:
+            LOGGER.error("could not restart a worker of the reward function: %s", e)
+            raise RewardFunctionError(f"{self.spec}: its worker could not be restarted ({e})") from None
+        self._workers[slot] = worker
+        return worker
 
     def close(self) -> None:
-        """Stop the worker (killed if it does not exit at once)."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        if self._process is not None:
-            if self._process.is_alive():
-                self._process.kill()
-            self._process.join(5)
-            self._process = None
+        """Stop every worker (killed if it does not exit at once); calls still queued fail."""
+        self._closed = True
+        for _ in self._threads:
+            self._jobs.put(None)
+        for worker in self._workers:
+            if worker is not None:
+                worker.stop()
+        for thread in self._threads:
+            thread.join(5)
+        while not self._jobs.empty():
+            job = self._jobs.get_nowait()
+            if job is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(RewardFunctionError(f"{self.spec}: the server is stopping"))
+
+
+@dataclass(frozen=True)
+class _Job:
+    future: Future[list[float]]
+    args: tuple[list[str], list[str], list[dict[str, Any]]]
+
+
+class _Lost(Exception):
+    """A worker that died during a call (``died``), or did not answer in time."""
+
+    def __init__(self, died: bool, exit_code: int | None) -> None:
+        super().__init__("died" if died else "timed out")
+        self.died = died
+        self.exit_code = exit_code
+
+
+class _Worker:
+    """One worker process and its pipe, owned by one thread of :class:`FunctionRunner`."""
+
+    def __init__(self, process: subprocess.Popen[bytes], conn: Connection) -> None:
+        self.process = process
+        self.conn = conn
+
+    def call(self, args: tuple[Any, ...], timeout_s: float) -> tuple[str, Any]:
+        """``("ok", scores)`` or ``("error", message)`` from the worker.
+
+        Raises:
+            _Lost: no answer within ``timeout_s``, or the worker died; the worker is then stopped
+                and must be replaced.
+        """
+        try:
+            self.conn.send(args)
+            if self.conn.poll(timeout_s):
+                outcome: tuple[str, Any] = self.conn.recv()
+                return outcome
+        except (EOFError, OSError):
+            self.conn.close()
+            raise _Lost(died=True, exit_code=_end(self.process, grace_s=2.0)) from None
+        self.stop()
+        raise _Lost(died=False, exit_code=None)
+
+    def stop(self) -> None:
+        self.conn.close()
+        _end(self.process)
+
+
+def _end(process: subprocess.Popen[bytes], grace_s: float = 0.0) -> int | None:
+    """Wait up to ``grace_s`` for ``process`` to exit, then kill it; its exit code (negative: the
+    signal that ended it; None: it outlived even the kill)."""
+    try:
+        return process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    try:
+        return process.wait(5)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 # -------------------------------------------------------------------------------- the endpoint
@@ -216,10 +378,49 @@ def decode_metadata(array: np.ndarray, rows: int) -> list[dict[str, Any]]:
 
 
 ScoreTexts = Callable[[list[str], list[str], list[dict[str, Any]]], Sequence[float]]
-"""``(prompts, responses, metadata) -> scores``, one per row (a :class:`FunctionRunner`)."""
+"""``(prompts, responses, metadata) -> scores``, one per row: a :class:`FunctionRunner` (whose
+``submit`` starts a call without waiting for it), or any callable, called in place."""
 
 ShapeBatch = Callable[[Sequence[SequenceRequest]], tuple[torch.Tensor, torch.Tensor]]
 """Requests' model rows → ``(tokens [B', S'], lengths [B'])`` with their rows first (padded after)."""
+
+SCORES_PARAMETER = "openaligner_function_scores"
+"""Request parameter the HTTP front forwards with a request whose function call it awaited: the
+ticket under which :meth:`RewardFunctionEndpoint.resume` finds the call's scores."""
+
+
+class ScoreTickets:
+    """Function scores computed before a request reached Triton, kept until its call takes them.
+
+    Args:
+        max_age_s: a ticket not taken after this long is dropped (its request never reached the
+            model: e.g. Triton stopped).
+    """
+
+    def __init__(self, max_age_s: float = 600.0) -> None:
+        self.max_age_s = max_age_s
+        self._scores: dict[str, tuple[float, list[float]]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, scores: list[float]) -> str:
+        """A new, unguessable ticket for ``scores``."""
+        ticket = secrets.token_hex(16)
+        now = time.monotonic()
+        with self._lock:
+            stale = [t for t, (at, _) in self._scores.items() if now - at > self.max_age_s]
+            for t in stale:
+                del self._scores[t]
+            self._scores[ticket] = (now, scores)
+        return ticket
+
+    def take(self, ticket: str) -> list[float] | None:
+        """The scores of ``ticket``, once (None: unknown, taken or dropped)."""
+        with self._lock:
+            kept = self._scores.pop(ticket, None)
+        return kept[1] if kept is not None else None
+
+    def __len__(self) -> int:
+        return len(self._scores)
 
 
 @dataclass(frozen=True)
@@ -231,6 +432,7 @@ class TextRequest:
     responses: list[str]
     metadata: list[dict[str, Any]]
     sequences: SequenceRequest | None  # tokens [b, S] and lengths [b] for the model; None: no model
+    scores: tuple[float, ...] | None = None  # [b] the function's scores, when computed at admission
 
     @property
     def rows(self) -> int:
@@ -239,6 +441,11 @@ class TextRequest:
 
 class RewardFunctionEndpoint:
     """The ``reward_model`` endpoint scoring text with a reward function (and, optionally, a model).
+
+    The function is called once per request, never on several clients' requests at once, so that a
+    call that fails fails only its own request. Behind the HTTP front the call is made before the
+    request reaches Triton (:meth:`admit`): a failing call is refused like an invalid request, a
+    hanging one holds only its own request, and Triton merges only requests already scored.
 
     Args:
         function: ``(prompts, responses, metadata) -> scores`` (usually a :class:`FunctionRunner`).
@@ -292,7 +499,9 @@ class RewardFunctionEndpoint:
         self.max_batch_size = max_batch_size
         self.max_sequence_length = max_sequence_length
         self.failed_calls = 0
-        """Calls of the function that failed (each failed its requests only)."""
+        """Calls of the function that failed (each failed its own request only)."""
+        self.tickets = ScoreTickets()
+        """Scores of admitted requests, until their Triton call takes them."""
 
     def validate(self, inputs: Mapping[str, np.ndarray]) -> TextRequest:
         """Check one request: ``messages`` (and optional ``metadata``; with a model, optional
@@ -347,13 +556,43 @@ class RewardFunctionEndpoint:
             max_batch_size=self.max_batch_size,
         )
 
+    def admit(self, request: TextRequest) -> Future[dict[str, str]]:
+        """Start the function's call on one checked request before it is sent to Triton (the HTTP
+        front awaits it, holding no thread). Resolves to the request parameters that let
+        :meth:`resume` find the scores in Triton's call; fails with :class:`RequestError` naming
+        the function's error, so that the request is refused alone, never merged with others."""
+        admitted: Future[dict[str, str]] = Future()
+
+        def done(call: Future[list[float]]) -> None:
+            try:
+                scores = call.result()
+            except RewardFunctionError as e:
+                self.failed_calls += 1
+                admitted.set_exception(RequestError(str(e)))
+            except BaseException as e:  # e.g. cancelled: the front answers 500, it must not wait
+                admitted.set_exception(e)
+            else:
+                admitted.set_result({SCORES_PARAMETER: self.tickets.put(scores)})
+
+        self._submit(request).add_done_callback(done)
+        return admitted
+
+    def resume(self, request: TextRequest, parameters: Mapping[str, Any]) -> TextRequest:
+        """``request`` with the scores :meth:`admit` computed for it, found by its parameters
+        (unchanged when it has none: sent to Triton directly, or resent after being taken)."""
+        ticket = parameters.get(SCORES_PARAMETER)
+        scores = self.tickets.take(ticket) if isinstance(ticket, str) else None
+        if scores is None or len(scores) != request.rows:
+            return request
+        return replace(request, scores=tuple(scores))
+
     def run(self, requests: Sequence[TextRequest]) -> list[dict[str, np.ndarray]]:
-        """Score a formed batch. When the function fails on it, each request is scored alone so that
-        only the failing ones fail: the answer then names them, and the others are listed as
-        valid, to be resent by their clients (Triton gives every request of a call one answer).
+        """Score a formed batch: the function's scores of each request (computed at admission, or
+        now, one call per request at once), combined with the model's when there is one.
 
         Raises:
-            RequestsFailed: the function failed on some requests (their positions → why).
+            RequestsFailed: the function failed on some requests (their positions → why); only
+                requests that reached Triton without admission can fail here.
         """
         scores = self._function_scores(requests)
         rewards = self.function_weight * torch.tensor(scores, dtype=torch.float64)
@@ -367,30 +606,30 @@ class RewardFunctionEndpoint:
         pieces = split_rows(rewards.to(torch.float32), [r.rows for r in requests])
         return [{"rewards": p.reshape(-1, 1).numpy()} for p in pieces]
 
-    def _function_scores(self, requests: Sequence[TextRequest]) -> list[float]:
-        def call(rs: Sequence[TextRequest]) -> list[float]:
-            return list(
-                self.function(
-                    [p for r in rs for p in r.prompts],
-                    [x for r in rs for x in r.responses],
-                    [m for r in rs for m in r.metadata],
-                )
-            )
-
+    def _submit(self, request: TextRequest) -> Future[list[float]]:
+        """The function's call on one request (running in a worker, or already done in place)."""
+        submit = getattr(self.function, "submit", None)
+        if submit is not None:
+            started: Future[list[float]] = submit(request.prompts, request.responses, request.metadata)
+            return started
+        done: Future[list[float]] = Future()
         try:
-            return call(requests)
+            done.set_result(list(self.function(request.prompts, request.responses, request.metadata)))
         except RewardFunctionError as e:
-            self.failed_calls += 1
-            first_error = str(e)
-        if len(requests) > 1:  # Triton merged several clients' requests: find the failing ones alone
-            failed: dict[int, str] = {}
-            for i, r in enumerate(requests):
-                try:
-                    call([r])
-                except RewardFunctionError as e:
-                    failed[i] = str(e)
-            if failed:
-                LOGGER.warning("function failed on %d of %d merged requests", len(failed), len(requests))
-                raise RequestsFailed(failed)
-        # one request, or it failed only when merged (e.g. a flaky function): fail the call as one
-        raise RequestsFailed(dict.fromkeys(range(len(requests)), first_error))
+            done.set_exception(e)
+        return done
+
+    def _function_scores(self, requests: Sequence[TextRequest]) -> list[float]:
+        calls = {i: self._submit(r) for i, r in enumerate(requests) if r.scores is None}
+        scores: list[float] = []
+        failed: dict[int, str] = {}
+        for i, r in enumerate(requests):
+            try:
+                scores.extend(r.scores if r.scores is not None else calls[i].result())
+            except RewardFunctionError as e:
+                failed[i] = str(e)
+        if failed:
+            self.failed_calls += len(failed)
+            LOGGER.warning("function failed on %d of %d merged requests", len(failed), len(requests))
+            raise RequestsFailed(failed)
+        return scores

@@ -56,6 +56,7 @@ def test_sections_are_the_components_own_configs_not_copies():
         (["model.tiny=gpt2", "server.max_request_bytes=0"], "server.max_request_bytes must be >= 1"),
         (["model.tiny=gpt2", "server.heartbeat_s=0"], "server.heartbeat_s must be > 0"),
         (["model.tiny=bert"], "model.tiny must be one of"),
+        (["reward.function=m:f", "reward.workers=0"], "reward.workers must be >= 1, e.g. 8; got 0"),
         (["model.tiny=gpt2", "parallel.strategy=zero3"], "parallel.strategy='zero3' is not one of ddp, fsdp"),
         (
             ["model.tiny=gpt2", "parallel.strategy=fsdp", "parallel.offload_init_policy=true"],

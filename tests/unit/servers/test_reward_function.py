@@ -5,6 +5,7 @@ model), the client's choice of text, and the built-in functions."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 from openaligner.clients.critic import TokenizerIdentity, TokenizerMismatchError, choose_reward_input
 from openaligner.servers.protocol import reads_text, text_reader, tokenizer_description
 from openaligner.servers.reward_function import (
+    SCORES_PARAMETER,
     FunctionRunner,
     RewardFunctionEndpoint,
     RewardFunctionError,
@@ -33,7 +35,7 @@ FUNCTIONS = Path(__file__).parents[2] / "integration" / "critic_free_rewards.py"
 
 @pytest.fixture(scope="module")
 def runner():
-    r = FunctionRunner(f"{FUNCTIONS}:behave", timeout_s=3.0)
+    r = FunctionRunner(f"{FUNCTIONS}:behave", timeout_s=3.0, workers=2)
     yield r
     r.close()
 
@@ -69,8 +71,59 @@ def test_the_worker_restarts_only_when_it_had_to(runner):
     assert runner.restarts == before + 1
 
 
+def test_a_hanging_call_holds_one_worker_while_the_others_serve():
+    r = FunctionRunner(f"{FUNCTIONS}:behave", timeout_s=2.0, workers=2)
+    try:
+        hung = r.submit(["p"], ["x"], [{"do": "hang"}])
+        time.sleep(0.2)  # a worker has taken it
+        t0 = time.perf_counter()
+        assert [r(["p"], ["ab"], [{}]) for _ in range(5)] == [[2.0]] * 5
+        assert time.perf_counter() - t0 < 1.0 and not hung.done()
+        with pytest.raises(RewardFunctionError, match=r"did not answer within reward\.timeout_s=2 s"):
+            hung.result(10)
+        # reported once its replacement was ready: both workers serve again
+        assert r.restarts == 1 and all(w is not None and w.process.poll() is None for w in r._workers)
+        calls = [r.submit(["p"], ["abc"], [{}]) for _ in range(4)]
+        assert [c.result(5) for c in calls] == [[3.0]] * 4
+    finally:
+        r.close()
+
+
+def test_a_dead_worker_is_replaced_in_well_under_a_second():
+    """A worker imports only the worker module and the function, never the server's main module
+    (pytest's here, a CLI's or a benchmark's importing torch elsewhere): a crash costs little."""
+    r = FunctionRunner(f"{FUNCTIONS}:behave", timeout_s=5.0, workers=1)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(RewardFunctionError, match="exit code 7"):
+            call(r, "exit")
+        assert time.perf_counter() - t0 < 1.0 and call(r) == [2.0, 4.0]
+    finally:
+        r.close()
+
+
+def test_close_fails_queued_calls_instead_of_leaving_them_waiting():
+    r = FunctionRunner(f"{FUNCTIONS}:behave", timeout_s=30.0, workers=1)
+    hung = r.submit(["p"], ["x"], [{"do": "hang"}])
+    queued = r.submit(["p"], ["x"], [{}])
+    time.sleep(0.2)
+    r.close()
+    for future in (hung, queued):
+        with pytest.raises(RewardFunctionError, match="stopping"):
+            future.result(5)
+
+
+def test_workers_import_the_function_with_the_servers_sys_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(FUNCTIONS.parent))  # not in PYTHONPATH: only this process knows it
+    r = FunctionRunner("critic_free_rewards:letter_share", workers=1)
+    try:
+        assert r(["p"], ["aab"], [{"letter": "a"}]) == [2 / 3]
+    finally:
+        r.close()
+
+
 def test_a_two_argument_function_is_called_without_metadata():
-    r = FunctionRunner(f"{FUNCTIONS}:two_arguments")
+    r = FunctionRunner(f"{FUNCTIONS}:two_arguments", workers=1)
     try:
         assert r(["abc", "a"], ["x", "y"], [{}, {}]) == [3.0, 1.0]
     finally:
@@ -88,7 +141,7 @@ def test_a_two_argument_function_is_called_without_metadata():
 )
 def test_a_function_that_cannot_load_is_refused_at_start(spec, needle):
     with pytest.raises(RewardFunctionLoadError, match=needle):
-        FunctionRunner(spec).close()
+        FunctionRunner(spec, workers=2).close()
 
 
 def messages(*rows):
@@ -129,7 +182,8 @@ def test_endpoint_passes_prompts_responses_and_metadata_and_splits_answers():
     b = ep.validate({"messages": messages(("q3", "c"))})
     out = ep.run([a, b])
     assert [o["rewards"].reshape(-1).tolist() for o in out] == [[12.0, 3.0], [1.0]]
-    assert fn.calls == [(["q1", "q2", "q3"], ["aa", "bbb", "c"], [{"bonus": 10}, {}, {}])]
+    # one call per request: a call that fails fails only its own request
+    assert fn.calls == [(["q1", "q2"], ["aa", "bbb"], [{"bonus": 10}, {}]), (["q3"], ["c"], [{}])]
     assert reads_text(ep.tokenizer_info)
 
 
@@ -144,6 +198,23 @@ def test_only_the_failing_request_of_a_merged_batch_fails():
     with pytest.raises(RequestsFailed) as alone:
         ep.run([bad])
     assert alone.value.failed == {0: "cannot score 'bad'"}
+
+
+def test_admission_scores_a_request_before_triton_and_refuses_a_failing_one_alone():
+    fn = Recorder()
+    ep = RewardFunctionEndpoint(fn, name="recorder")
+    good = ep.validate({"messages": messages(("q", "fine"), ("q", "ok"))})
+    bad = ep.validate({"messages": messages(("q", "bad"))})
+    with pytest.raises(RequestError, match="cannot score 'bad'"):
+        ep.admit(bad).result()
+    parameters = ep.admit(good).result()
+    calls = len(fn.calls)
+    resumed = ep.resume(good, parameters)
+    assert resumed.scores == (4.0, 2.0) and len(ep.tickets) == 0  # taken once
+    out = ep.run([resumed, ep.resume(good, {})])  # the second was never admitted: scored now
+    assert [o["rewards"].reshape(-1).tolist() for o in out] == [[4.0, 2.0], [4.0, 2.0]]
+    assert len(fn.calls) == calls + 1
+    assert ep.resume(good, {SCORES_PARAMETER: "forged"}).scores is None
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,11 @@ by the same check and sent to Triton as a KServe request — so they are batched
 client's — and turns Triton's answer back into the format's. A request that Triton rejected only
 because it was merged with a failing one is resent here, as the Python client would.
 
+A model may also *admit* each checked request (:data:`Admit`): work started before forwarding and
+awaited without holding a thread — a served reward function's call. A request whose admission
+fails is refused alone (400), like an invalid one, and one whose admission is slow holds only
+itself; Triton then merges only admitted requests.
+
 Must not know what an endpoint computes, nor how Triton is started.
 """
 
@@ -35,7 +40,7 @@ import re
 import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 from urllib.parse import quote
 
@@ -60,9 +65,17 @@ INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 TOKENIZER_PATH = re.compile(r"^/v2/models/([^/]+)/tokenizer$")
 """:data:`~openaligner.servers.protocol.TOKENIZER_ROUTE`, answered by the guard itself."""
 
-RequestCheck = Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], None]
+RequestCheck = Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], Any]
 """Judges one decoded request — ``(inputs, request parameters)`` — before it is forwarded; raises
-:class:`RequestError` (answered 400) or :class:`UnauthorizedError` (answered 403) to refuse it."""
+:class:`RequestError` (answered 400) or :class:`UnauthorizedError` (answered 403) to refuse it.
+What it returns is handed to the model's :data:`Admit`, if any."""
+
+Admit = Callable[[Any], Future[dict[str, str]]]
+"""Starts the work a checked request needs before it is forwarded (given what the check returned);
+the front awaits the future without holding a thread. It resolves to request parameters forwarded
+with the request, or fails with :class:`RequestError` (answered 400): e.g. a served reward
+function's call, so that a call that fails or hangs costs only its own request (see
+:class:`openaligner.servers.transport.triton.Admitting`)."""
 
 RESENDS_ON_REJECTED_BATCH = 5
 """How often a foreign route's request is resent when Triton merged it with a failing one."""
@@ -174,6 +187,7 @@ class HTTPGuard:
         upstream_port: Triton's HTTP port on 127.0.0.1.
         max_request_bytes: largest accepted request body.
         checks: model name -> its :data:`RequestCheck`; requests for other models are only parsed.
+        admissions: model name -> its :data:`Admit`, awaited after the check, before forwarding.
         workers: threads that parse and check requests.
         tokenizers: model name -> what ``GET /v2/models/<name>/tokenizer`` answers (JSON), for
             the models that have such a route.
@@ -188,6 +202,7 @@ class HTTPGuard:
         *,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         checks: Mapping[str, RequestCheck] | None = None,
+        admissions: Mapping[str, Admit] | None = None,
         workers: int = 4,
         tokenizers: Mapping[str, Mapping[str, object]] | None = None,
         routes: Sequence[ForeignRoute] = (),
@@ -198,6 +213,7 @@ class HTTPGuard:
         self.upstream = f"http://127.0.0.1:{upstream_port}"
         self.max_request_bytes = max_request_bytes
         self.checks = dict(checks or {})
+        self.admissions = dict(admissions or {})
         self.tokenizers = {name: json.dumps(info).encode() for name, info in (tokenizers or {}).items()}
         self.routes = {path: route for route in routes for path in route.paths}
         self.refused = 0
@@ -313,9 +329,13 @@ class HTTPGuard:
         model, version = match.group(1), match.group(2)
         loop = asyncio.get_running_loop()
         try:
-            payload, header_length = await loop.run_in_executor(
+            parsed, admission = await loop.run_in_executor(
                 self._executor, self._prepare, model, body, request.headers.get(HEADER_LENGTH)
             )
+            if admission is not None:
+                admitted: dict[str, str] = await asyncio.wrap_future(admission)
+                parsed.parameters.update(admitted)
+            payload, header_length = await loop.run_in_executor(self._executor, parsed.encode)
         except UnauthorizedError as e:
             return self._refuse(403, f"{model}: {e}")
         except RequestError as e:
@@ -362,9 +382,16 @@ class HTTPGuard:
         rid = f"{route.title.lower()}-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         try:
-            translation, checked, payload, header_length = await loop.run_in_executor(
+            translation, checked, infer, admission = await loop.run_in_executor(
                 self._executor, self._prepare_foreign, route, body, rid
             )
+            if admission is not None:
+                try:
+                    admitted: dict[str, str] = await asyncio.wrap_future(admission)
+                    infer.parameters.update(admitted)
+                except RequestError as e:
+                    raise RequestError(translation.explain(str(e))) from None
+            payload, header_length = await loop.run_in_executor(self._executor, infer.encode)
         except UnauthorizedError as e:
             return self._refuse_as(route, 403, f"{route.model}: {e}")
         except RequestError as e:
@@ -397,18 +424,18 @@ class HTTPGuard:
 
     def _prepare_foreign(
         self, route: ForeignRoute, body: bytes, rid: str
-    ) -> tuple[Translation, Any, bytes, int]:
-        """Translate and judge one foreign request, and encode it for Triton (on a worker thread)."""
+    ) -> tuple[Translation, Any, InferRequest, Future[dict[str, str]] | None]:
+        """Translate and judge one foreign request, and start its admission if the model has one
+        (on a worker thread)."""
         translation = route.translate(body)
         check = self.checks.get(route.model)
         try:
             checked = check(translation.inputs, {}) if check is not None else None
         except RequestError as e:
             raise RequestError(translation.explain(str(e))) from None
-        payload, header_length = InferRequest.from_arrays(
-            translation.inputs, {REQUEST_ID_PARAMETER: rid}
-        ).encode()
-        return translation, checked, payload, header_length
+        infer = InferRequest.from_arrays(translation.inputs, {REQUEST_ID_PARAMETER: rid})
+        admit = self.admissions.get(route.model)
+        return translation, checked, infer, admit(checked) if admit is not None else None
 
     async def _post_upstream(self, target: str, payload: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         import aiohttp
@@ -446,13 +473,16 @@ class HTTPGuard:
         body = json.dumps(route.error(status, message)).encode()
         return web.Response(status=status, body=body, content_type="application/json")
 
-    def _prepare(self, model: str, body: bytes, header_length: str | None) -> tuple[bytes, int]:
-        """Parse, judge and re-encode one request (on a worker thread)."""
+    def _prepare(
+        self, model: str, body: bytes, header_length: str | None
+    ) -> tuple[InferRequest, Future[dict[str, str]] | None]:
+        """Parse and judge one request, and start its admission if the model has one (on a worker
+        thread)."""
         parsed = parse_infer_request(body, header_length)
         check = self.checks.get(model)
-        if check is not None:
-            check(parsed.arrays(), parsed.parameters)
-        return parsed.encode()
+        checked = check(parsed.arrays(), parsed.parameters) if check is not None else None
+        admit = self.admissions.get(model)
+        return parsed, admit(checked) if admit is not None else None
 
     def _too_large_text(self, size: int | None) -> str:
         size_text = f"{size} bytes" if size is not None else f"more than {self.max_request_bytes} bytes"

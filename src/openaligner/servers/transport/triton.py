@@ -28,15 +28,17 @@ import sysconfig
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from openaligner.servers.protocol import DEFAULT_HOST, REQUEST_ID_PARAMETER, ErrorEnvelope, TensorSpec
 from openaligner.servers.transport.http_guard import (
     DEFAULT_MAX_REQUEST_BYTES,
+    Admit,
     ForeignRoute,
     HTTPGuard,
     RequestCheck,
@@ -71,6 +73,24 @@ class Endpoint(Protocol):
 
     def run(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
         """Answer validated requests (the values ``validate`` returned), one dict per request."""
+        ...
+
+
+@runtime_checkable
+class Admitting(Protocol):
+    """An endpoint that starts work on each checked request before Triton sees it (optional).
+
+    The HTTP front awaits ``admit`` after the check; a request whose admission fails with
+    :class:`RequestError` is refused alone (400), like an invalid one, and Triton never merges it
+    with others. Triton's call then gives each request to ``resume`` with its parameters.
+    """
+
+    def admit(self, checked: Any) -> Future[dict[str, str]]:
+        """Start the work on what ``validate`` returned; resolves to request parameters to forward."""
+        ...
+
+    def resume(self, checked: Any, parameters: Mapping[str, Any]) -> Any:
+        """What ``run`` is given for the request: ``checked`` with the admitted work's result."""
         ...
 
 
@@ -169,6 +189,7 @@ class TritonCallable:
         """Calls refused because at least one of their requests was invalid."""
         self.rejected_valid_requests = 0
         """Valid requests refused only because Triton merged them with an invalid one."""
+        self._resume = endpoint.resume if isinstance(endpoint, Admitting) else None
 
     @property
     def busy(self) -> bool:
@@ -203,8 +224,10 @@ class TritonCallable:
         invalid: dict[str, str] = {}
         unauthorized: dict[str, str] = {}
         for (rid, inputs), request in zip(decoded, requests, strict=True):
+            parameters = getattr(request, "parameters", None) or {}
             try:
-                parsed.append(self.check(inputs, getattr(request, "parameters", None) or {}))
+                checked = self.check(inputs, parameters)
+                parsed.append(self._resume(checked, parameters) if self._resume is not None else checked)
             except UnauthorizedError as e:
                 unauthorized[rid] = str(e)
             except RequestError as e:
@@ -416,6 +439,7 @@ class TritonHost:
         triton = Triton(config=config, workspace=workspace.triton_dir, triton_lifecycle_policy=local_store)
         self._triton = triton
         checks: dict[str, RequestCheck] = {}
+        admissions: dict[str, Admit] = {}
         tokenizers: dict[str, Mapping[str, object]] = {}
         for endpoint, batching, lock, authorize in self._bindings:
             if batching is None:
@@ -432,6 +456,8 @@ class TritonHost:
             call = TritonCallable(endpoint, lock, authorize)
             self._callables.append(call)
             checks[endpoint.model_name] = call.check
+            if isinstance(endpoint, Admitting):
+                admissions[endpoint.model_name] = endpoint.admit
             info = getattr(endpoint, "tokenizer_info", None)
             if info is not None:
                 tokenizers[endpoint.model_name] = info
@@ -451,6 +477,7 @@ class TritonHost:
             self.triton_port,
             max_request_bytes=self.max_request_bytes,
             checks=checks,
+            admissions=admissions,
             tokenizers=tokenizers,
             routes=self._routes,
         )

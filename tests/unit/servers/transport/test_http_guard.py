@@ -5,6 +5,8 @@ import http.client
 import json
 import socket
 import threading
+import time
+from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -355,3 +357,67 @@ def test_foreign_refusals_and_failures_come_in_the_formats_error_shape(
 def test_the_405_for_unknown_routes_lists_the_foreign_ones(foreign):
     status, _, answer = request(foreign, "POST", "/nowhere", b"{}")
     assert status == 405 and "POST on /score (score)" in json.loads(answer)["error"]
+
+
+# ---------------------------------------------------------------------------- admissions
+def admit_tokens(checked):
+    """A stand-in admission (e.g. a reward function's call): first token 9 fails, 8 takes 1 s,
+    others pass at once; resolves to a parameter naming the first token."""
+    first = int(checked["tokens"][0, 0])
+    future = Future()
+    if first == 9:
+        future.set_exception(RequestError("the function raised ValueError: no 9s"))
+    elif first == 8:
+        threading.Timer(1.0, future.set_result, [{"ticket": "t8"}]).start()
+    else:
+        future.set_result({"ticket": f"t{first}"})
+    return future
+
+
+@pytest.fixture(scope="module")
+def admitting():
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    guard = HTTPGuard(
+        "127.0.0.1",
+        free_port(),
+        upstream.server_address[1],
+        checks={"m": lambda inputs, parameters: inputs},
+        admissions={"m": admit_tokens},
+    )
+    guard.start()
+    yield guard
+    guard.stop()
+    upstream.shutdown()
+    upstream.server_close()
+
+
+def test_an_admission_runs_before_forwarding_and_its_parameters_go_with_the_request(admitting):
+    status, _, answer = request(admitting, "POST", "/v2/models/m/infer", body(tensor(data=(5, 6, 7))))
+    assert status == 200
+    forwarded = json.loads(answer)
+    raw = bytes.fromhex(forwarded["body"])
+    parsed = parse_infer_request(raw, forwarded["header_length"])
+    assert parsed.parameters == {"ticket": "t5"}
+
+
+def test_a_failing_admission_refuses_its_request_alone_and_a_slow_one_holds_only_its_own(admitting):
+    status, _, answer = request(admitting, "POST", "/v2/models/m/infer", body(tensor(data=(9, 6, 7))))
+    assert status == 400 and json.loads(answer)["error"] == "m: the function raised ValueError: no 9s"
+    slow: dict[str, float] = {}
+
+    def ask_slow():
+        t0 = time.perf_counter()
+        request(admitting, "POST", "/v2/models/m/infer", body(tensor(data=(8, 6, 7))))
+        slow["s"] = time.perf_counter() - t0
+
+    threads = [threading.Thread(target=ask_slow) for _ in range(6)]  # more than the front's threads
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    t0 = time.perf_counter()
+    status, _, _ = request(admitting, "POST", "/v2/models/m/infer", body(tensor(data=(5, 6, 7))))
+    assert status == 200 and time.perf_counter() - t0 < 0.5
+    for t in threads:
+        t.join(10)
+    assert slow["s"] >= 0.9
