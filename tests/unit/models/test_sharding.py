@@ -113,11 +113,13 @@ def test_two_ranks_shards_hold_about_half_every_way_trains_alike_and_rank0_alone
     replica (exactly half plus each tensor's padding to a multiple of 2 rows). Shards, shards in
     CPU memory and shards with activation checkpointing compute the same two steps as replicas:
     the same float32 weights are gathered and the same gradients summed, so losses and weights
-    agree to the rounding of the gradient norm (rel 1e-6; clipping at 1.0 is active here, so the
-    norm's summation order over shards reaches the weights). Weights are compared with abs 1e-4:
-    AdamW divides each coordinate's step by its own gradient scale, so a coordinate whose gradient
-    is near zero can turn a rounding-level difference into a visible one (bounded by lr = 1e-3 per
-    step)."""
+    agree to the rounding of the gradient norm (clipping at 1.0 is active here, so the norm's
+    summation order over shards reaches the weights). Losses and gradient norms: rel 1e-5, i.e.
+    ≤ 160 float32 ulps (the third step's loss runs on weights AdamW moved apart by up to the
+    tolerance below; measured ≤ 3.5 ulps, a fifth of the rel 1e-6 used before). Weights are
+    compared with abs 1e-4: AdamW divides each coordinate's step by its own gradient scale, so a
+    coordinate whose gradient is near zero can turn a rounding-level difference into a visible one
+    (bounded by lr = 1e-3 per step)."""
     prefix = tmp_path / "out"
     subprocess.run([*TORCHRUN, str(WORKER), str(prefix)], check=True, timeout=300)
     ranks = [json.loads(Path(f"{prefix}.rank{r}").read_text()) for r in range(2)]
@@ -136,8 +138,8 @@ def test_two_ranks_shards_hold_about_half_every_way_trains_alike_and_rank0_alone
     assert ddp["grad_norms"][0] > 1.0  # clipping acts
     for way in ("fsdp", "fsdp_offload", "fsdp_checkpointing"):
         got = rank0[way]
-        assert got["losses"] == pytest.approx(ddp["losses"], rel=1e-6), way
-        assert got["grad_norms"] == pytest.approx(ddp["grad_norms"], rel=1e-6), way
+        assert got["losses"] == pytest.approx(ddp["losses"], rel=1e-5), way
+        assert got["grad_norms"] == pytest.approx(ddp["grad_norms"], rel=1e-5), way
         assert got["weights"].keys() == ddp["weights"].keys()
         for name, total in ddp["weights"].items():
             assert got["weights"][name] == pytest.approx(total, rel=1e-5, abs=1e-4), (way, name)

@@ -14,6 +14,7 @@ resumes from the newest one there, as train-ppo does; ``STEPS`` is ``max_steps``
 checkpoint) instead of plain SGD. ``EXPORT=<dir>`` writes the final actor there as train-ppo does
 (``CausalLMActor.save_pretrained``, on every rank when sharded). ``ESTIMATOR=grpo`` (or another
 critic-free estimator) samples 4 prompts × 4 responses a step instead of 16 × 1 and trains no critic.
+Rank 0 also writes the final weights, every element, to ``OUT`` with the suffix ``.pt``.
 """
 
 import json
@@ -163,6 +164,7 @@ def main(out: Path, fail_at: int | None = None) -> None:
     if dp.rank() == 0:
         assert state is not None
         weights = {k: float(v.double().sum()) for k, v in state.items()}
+        torch.save(state, out.with_suffix(".pt"))  # every element, for the equivalence tests
         out.write_text(json.dumps({"history": history, "weights": weights, "betas": betas}))
     dp.shutdown()
 
