@@ -16,10 +16,9 @@ WORDS = ["sort", ":", *[str(d) for d in range(10)], "yes", "no", "q", "?", "!", 
 
 def tiny_bert_tokenizer(directory: Path) -> BertTokenizerFast:
     """A WordPiece tokenizer with BERT's special tokens, saved in ``directory``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab = directory / "vocab.txt"
-    vocab.write_text("\n".join(SPECIALS + WORDS) + "\n")
-    tok = BertTokenizerFast(vocab_file=str(vocab), do_lower_case=True)
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    tok = BertTokenizerFast(vocab=vocab, do_lower_case=True)
+    assert len(tok) == len(vocab)
     tok.save_pretrained(str(directory))
     return tok
 
@@ -35,6 +34,8 @@ def tiny_bert_classifier(vocab_size: int, seed: int = 0, *, pad_id: int = 0) -> 
         max_position_embeddings=64,
         num_labels=1,
         pad_token_id=pad_id,
+        hidden_dropout_prob=0.0,  # deterministic: a test model learns its few pairs in a few steps
+        attention_probs_dropout_prob=0.0,
     )
     torch.manual_seed(seed)
     return BertForSequenceClassification(config).eval()
