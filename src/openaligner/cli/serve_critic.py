@@ -31,7 +31,7 @@ from openaligner.models.lora import LoraConfig, LoraError, add_lora
 from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
 from openaligner.models.sharding import ParallelConfig
-from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig, check_model_dir
+from openaligner.models.source import ModelSourceConfig, SourceError, TokenizerSourceConfig, check_model_dir
 from openaligner.servers.critic import CriticServerConfig
 from openaligner.trainer.critic import CriticTrainConfig
 from openaligner.trainer.optim import OptimConfig
@@ -212,12 +212,19 @@ def load_models(
     standardization = cfg.runtime.standardization
     device = cfg.parallel.load_device(device)  # sharded: read on the CPU, shards go to the device
     skeleton = builds_skeleton(cfg.parallel)  # sharded: rank 0 alone reads, the others get shards
-    critic = load_critic(cfg.model, vocab_size, device, standardization, skeleton=skeleton)
+    with as_startup_error(SourceError):
+        critic = load_critic(cfg.model, vocab_size, device, standardization, skeleton=skeleton)
     reward_model = None
     if cfg.server.combine_rm_and_critic_server:
         rm_path = cfg.reward_model.path
         source = cfg.model if rm_path is None else replace(cfg.model, path=rm_path)
-        reward_model = load_reward_model(
-            source, vocab_size, device, standardization, dtype=precision.inference_dtype, skeleton=skeleton
-        ).requires_grad_(False)
+        with as_startup_error(SourceError):
+            reward_model = load_reward_model(
+                source,
+                vocab_size,
+                device,
+                standardization,
+                dtype=precision.inference_dtype,
+                skeleton=skeleton,
+            ).requires_grad_(False)
     return critic, reward_model, tokenizer

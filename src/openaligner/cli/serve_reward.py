@@ -26,7 +26,7 @@ from openaligner.config import StartupError, as_startup_error
 from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
 from openaligner.models.sharding import ParallelConfig
-from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
+from openaligner.models.source import ModelSourceConfig, SourceError, TokenizerSourceConfig
 from openaligner.servers.reward import RewardServerConfig
 
 if TYPE_CHECKING:
@@ -158,12 +158,13 @@ def load_model(
     from openaligner.models.source import load_reward_model
 
     tokenizer = serving.serving_tokenizer(cfg.model, cfg.tokenizer, log)
-    model = load_reward_model(
-        cfg.model,
-        serving.loader_vocab_size(tokenizer),
-        cfg.parallel.load_device(device),  # sharded: read on the CPU, shards go to the device
-        cfg.runtime.standardization,
-        dtype=precision.inference_dtype,
-        skeleton=builds_skeleton(cfg.parallel),  # sharded: rank 0 alone reads, the others get shards
-    )
+    with as_startup_error(SourceError):
+        model = load_reward_model(
+            cfg.model,
+            serving.loader_vocab_size(tokenizer),
+            cfg.parallel.load_device(device),  # sharded: read on the CPU, shards go to the device
+            cfg.runtime.standardization,
+            dtype=precision.inference_dtype,
+            skeleton=builds_skeleton(cfg.parallel),  # sharded: rank 0 alone reads, the others get shards
+        )
     return model.requires_grad_(False), tokenizer
