@@ -72,9 +72,14 @@ def test_train_rm_trains_an_encoder_with_its_own_tokenizer_layout(tmp_path, caps
     assert ours[0] > ours[1]
 
 
-def test_an_encoder_reward_model_is_refused_as_the_critics_start(tmp_path):
+def test_an_encoder_reward_model_is_refused_as_the_critics_start(tmp_path, capsys):
+    bert = tiny_bert_dir(tmp_path / "bert")
     with pytest.raises(ValueError, match="cannot be a critic"):
-        CriticModel.from_pretrained(tiny_bert_dir(tmp_path / "bert"))
+        CriticModel.from_pretrained(bert)
+    # serve-critic: one line and exit code 2 before any server starts, not a traceback
+    assert main(["serve-critic", f"model.path={bert}", "runtime.device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be a critic" in err and "Traceback" not in err
 
 
 def test_lora_on_an_encoder_trains_adapters_and_its_classifier(tmp_path):
