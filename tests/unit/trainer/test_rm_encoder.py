@@ -100,3 +100,21 @@ def test_lora_on_an_encoder_trains_adapters_and_its_classifier(tmp_path):
     merged = RewardModel.from_pretrained(tmp_path / "rm" / "merged")
     tokens, lengths = torch.tensor([[2, 5, 6, 3, 0]]), torch.tensor([4])
     torch.testing.assert_close(merged.infer(tokens, lengths), module.infer(tokens, lengths))
+
+
+def test_serve_critic_refuses_a_combined_reward_model_with_other_token_ids(tmp_path, capsys):
+    """The combined server scores the critic's ids with the reward model too: a BERT reward model
+    beside a critic with the char tokenizer would read char ids as WordPiece ids."""
+    from openaligner.models.builders import TinySize, build_tiny_sequence_classifier
+    from openaligner.models.tokenizers import build_char_tokenizer
+
+    char = build_char_tokenizer()
+    critic = tmp_path / "critic"
+    build_tiny_sequence_classifier("gpt2", TinySize(vocab_size=len(char)), 0).save_pretrained(str(critic))
+    char.save_pretrained(str(critic))
+    bert = tiny_bert_dir(tmp_path / "bert")
+    assert (
+        main(["serve-critic", f"model.path={critic}", f"reward_model.path={bert}", "runtime.device=cpu"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "has its own tokenizer" in err and "serve-reward" in err and "Traceback" not in err
