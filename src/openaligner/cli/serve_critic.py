@@ -25,13 +25,13 @@ from transformers import PreTrainedTokenizerBase
 
 from openaligner.cli import serving
 from openaligner.cli.serving import RuntimeConfig
-from openaligner.config import as_startup_error
+from openaligner.config import StartupError, as_startup_error
 from openaligner.models.critic import CriticModel
 from openaligner.models.lora import LoraConfig, LoraError, add_lora
 from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
 from openaligner.models.sharding import ParallelConfig
-from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig, check_model_dir
+from openaligner.models.source import ModelSourceConfig, SourceError, TokenizerSourceConfig, check_model_dir
 from openaligner.servers.critic import CriticServerConfig
 from openaligner.trainer.critic import CriticTrainConfig
 from openaligner.trainer.optim import OptimConfig
@@ -259,7 +259,8 @@ def load_models(
     standardization = cfg.runtime.standardization
     device = cfg.parallel.load_device(device)  # sharded: read on the CPU, shards go to the device
     skeleton = builds_skeleton(cfg.parallel)  # sharded: rank 0 alone reads, the others get shards
-    critic = load_critic(cfg.model, vocab_size, device, standardization, skeleton=skeleton)
+    with as_startup_error(SourceError):
+        critic = load_critic(cfg.model, vocab_size, device, standardization, skeleton=skeleton)
     if tokenizer is not None:
         with as_startup_error(SourceError):
             check_vocab(tokenizer, critic.hf_model, fix=CRITIC_VOCAB_FIX)
@@ -267,11 +268,48 @@ def load_models(
     if cfg.server.combine_rm_and_critic_server:
         rm_path = cfg.reward_model.path
         source = cfg.model if rm_path is None else replace(cfg.model, path=rm_path)
-        reward_model = load_reward_model(
-            source, vocab_size, device, standardization, dtype=precision.inference_dtype, skeleton=skeleton
-        ).requires_grad_(False)
+        if rm_path is not None:
+            check_shared_tokenizer(tokenizer, rm_path)
+        with as_startup_error(SourceError):
+            reward_model = load_reward_model(
+                source,
+                vocab_size,
+                device,
+                standardization,
+                dtype=precision.inference_dtype,
+                skeleton=skeleton,
+            ).requires_grad_(False)
         if tokenizer is not None:
             key = "reward_model" if rm_path is not None else "model"
             with as_startup_error(SourceError):
                 check_vocab(tokenizer, reward_model.hf_model, key=key, fix=COMBINED_RM_VOCAB_FIX)
     return critic, reward_model, tokenizer
+
+
+def check_shared_tokenizer(critic_tokenizer: PreTrainedTokenizerBase | None, rm_path: str) -> None:
+    """Refuse a combined reward model whose directory holds a tokenizer with other ids than the
+    critic's: the combined server scores the critic's token ids with both models, so such a reward
+    model (e.g. an encoder with its own WordPiece tokenizer) would read ids that mean other tokens.
+
+    Raises:
+        StartupError: naming both tokenizers and the fix (serve it apart, where it reads text).
+    """
+    from openaligner.data.render import tokenizer_fingerprint, tokenizer_name
+    from openaligner.models.source import find_tokenizer
+
+    if critic_tokenizer is None:
+        return
+    with as_startup_error(SourceError):
+        rm_tokenizer = find_tokenizer(ModelSourceConfig(path=rm_path), TokenizerSourceConfig())
+    if rm_tokenizer is None:
+        return
+    if tokenizer_fingerprint(rm_tokenizer, template=False) != tokenizer_fingerprint(
+        critic_tokenizer, template=False
+    ):
+        raise StartupError(
+            f"reward_model.path={rm_path!r} has its own tokenizer ({tokenizer_name(rm_tokenizer)}), unlike "
+            f"the critic's ({tokenizer_name(critic_tokenizer)}); the combined server would score the "
+            "critic's token ids with it. Serve it with serve-reward, where it reads text "
+            "(server.combine_rm_and_critic_server=false here, remote.combine_rm_and_critic_server=false "
+            "in train-ppo), or use a critic with the reward model's tokenizer (tokenizer.path)"
+        )

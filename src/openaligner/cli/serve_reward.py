@@ -26,7 +26,7 @@ from openaligner.config import StartupError, as_startup_error
 from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
 from openaligner.models.sharding import ParallelConfig
-from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
+from openaligner.models.source import ModelSourceConfig, SourceError, TokenizerSourceConfig
 from openaligner.servers.reward import RewardServerConfig
 
 if TYPE_CHECKING:
@@ -163,17 +163,18 @@ def load_model(
         StartupError: the tokenizer emits ids the model has no embedding for.
     """
     from openaligner.models.sharding import builds_skeleton
-    from openaligner.models.source import SourceError, check_vocab, load_reward_model
+    from openaligner.models.source import check_vocab, load_reward_model
 
     tokenizer = serving.serving_tokenizer(cfg.model, cfg.tokenizer, log)
-    model = load_reward_model(
-        cfg.model,
-        serving.loader_vocab_size(tokenizer),
-        cfg.parallel.load_device(device),  # sharded: read on the CPU, shards go to the device
-        cfg.runtime.standardization,
-        dtype=precision.inference_dtype,
-        skeleton=builds_skeleton(cfg.parallel),  # sharded: rank 0 alone reads, the others get shards
-    )
+    with as_startup_error(SourceError):
+        model = load_reward_model(
+            cfg.model,
+            serving.loader_vocab_size(tokenizer),
+            cfg.parallel.load_device(device),  # sharded: read on the CPU, shards go to the device
+            cfg.runtime.standardization,
+            dtype=precision.inference_dtype,
+            skeleton=builds_skeleton(cfg.parallel),  # sharded: rank 0 alone reads, the others get shards
+        )
     if tokenizer is not None:
         with as_startup_error(SourceError):
             check_vocab(tokenizer, model.hf_model)

@@ -9,7 +9,9 @@ tokenizers; nothing of models, configs or training.
 
 The layout of one prompt + response sequence (a PPO prompt is its first part):
 
-* **raw text** (no chat template): ``[BOS] + ids(prompt) | ids(response) + [EOS]``.
+* **raw text** (no chat template): ``[BOS] + ids(prompt) | ids(response) + [EOS]``; for a
+  tokenizer without BOS / EOS but with CLS / SEP (BERT's), ``[CLS] … [SEP]``
+  (:meth:`SequenceLayout.special_ids`).
 * **chat template**: the prompt part is the template's rendering of the conversation so far with
   the generation prompt (``<|im_start|>assistant\\n`` and the like); the response part is the rest
   of the rendering of the whole conversation (the assistant turn with the template's end-of-turn
@@ -70,10 +72,17 @@ class SequenceLayout:
     chat_template: bool = False  # conversations rendered with the tokenizer's chat template
 
     def special_ids(self, tokenizer: PreTrainedTokenizerBase) -> tuple[int | None, int | None]:
-        """``(bos_id, eos_id)`` this layout adds with ``tokenizer``; None where it adds none."""
-        bos = getattr(tokenizer, "bos_token_id", None) if self.add_bos else None
-        eos = getattr(tokenizer, "eos_token_id", None) if self.add_eos else None
-        return (None if bos is None else int(bos)), (None if eos is None else int(eos))
+        """``(bos_id, eos_id)`` this layout adds with ``tokenizer``; None where it adds none.
+
+        The start and end tokens are the tokenizer's BOS and EOS; a tokenizer without a BOS (EOS)
+        that has a CLS (SEP) token — BERT's WordPiece family: BERT, MiniLM, ELECTRA, ... — uses that
+        instead: the ``[CLS] text [SEP]`` its encoders were trained on and its own ``tokenizer(text)``
+        writes (DeBERTa's and RoBERTa's tokenizers name those tokens BOS and EOS already).
+        """
+        return (
+            _special_id(tokenizer, "bos", "cls") if self.add_bos else None,
+            _special_id(tokenizer, "eos", "sep") if self.add_eos else None,
+        )
 
     def save(self, directory: str | Path) -> None:
         """Write ``directory/sequence_layout.json``."""
@@ -103,6 +112,15 @@ class SequenceLayout:
                 f"{path} must be a JSON object with the booleans {sorted(names)}, got {fields!r}"
             )
         return cls(**fields)
+
+
+def _special_id(tokenizer: PreTrainedTokenizerBase, name: str, encoder_name: str) -> int | None:
+    """``tokenizer``'s ``<name>_token_id``, else its ``<encoder_name>_token_id`` (see
+    :meth:`SequenceLayout.special_ids`); None when it has neither."""
+    value = getattr(tokenizer, f"{name}_token_id", None)
+    if value is None:
+        value = getattr(tokenizer, f"{encoder_name}_token_id", None)
+    return None if value is None else int(value)
 
 
 def with_bos(ids: Sequence[int], bos_id: int | None) -> list[int]:
@@ -292,7 +310,9 @@ class Renderer:
         self.bos_id, self.eos_id = layout.special_ids(tokenizer)
         if layout.add_eos and self.eos_id is None:
             name = tokenizer_name(tokenizer)
-            raise LayoutError(f"data.add_eos is true but {name} has no EOS token; set data.add_eos=false")
+            raise LayoutError(
+                f"data.add_eos is true but {name} has no EOS token (nor a SEP token); set data.add_eos=false"
+            )
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The ids of a prompt, ending where the response starts: ``[BOS] + ids(text)``, or the

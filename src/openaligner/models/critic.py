@@ -9,12 +9,27 @@ value loss, GAE, training or serving: those live in ``algorithms``, ``trainer`` 
 from __future__ import annotations
 
 import torch
+from transformers import PreTrainedModel
 
-from openaligner.models.reward import ScalarHeadModel, check_scalar_inputs
+from openaligner.models.reward import LAST_TOKEN, ScalarHeadModel, Standardization, check_scalar_inputs
 
 
 class CriticModel(ScalarHeadModel):
-    """Backbone + scalar head at every position: values [B, S]."""
+    """Backbone + scalar head at every position: values [B, S].
+
+    Raises:
+        ValueError: ``hf_model`` is an encoder classifier (BERT, DeBERTa, ...): its head reads the
+            pooled sequence, so it has no value per position.
+    """
+
+    def __init__(self, hf_model: PreTrainedModel, standardization: Standardization | None = None) -> None:
+        super().__init__(hf_model, standardization)
+        if self.readout != LAST_TOKEN:
+            raise ValueError(
+                f"{type(hf_model).__name__} is an encoder classifier (its head reads the sequence pooled at "
+                "the first token), so it has no value per position and cannot be a critic; initialise the "
+                "critic from a decoder (a causal LM or a decoder reward model)"
+            )
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Differentiable values.

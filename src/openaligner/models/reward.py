@@ -1,20 +1,28 @@
-"""Scalar-head models over a Hugging Face decoder backbone: the reward model (and the critic's base).
+"""Scalar-head models over a Hugging Face backbone: the reward model (and the critic's base).
 
 Owns the head layout on disk and the read-out rules:
 
 * A model is stored as a plain Hugging Face ``AutoModelForSequenceClassification`` directory
-  (``config.json`` with ``num_labels=1`` + ``model.safetensors``): backbone weights under the
-  architecture's base-model prefix (``transformer.`` for GPT-2, ``model.`` for Llama) and the head
-  as ``score.weight`` [1, H] (no bias). Any such directory saved by ``transformers`` loads here, and
-  what is saved here loads in ``transformers``. The head is kept and computed in float32.
-* The reward of a sequence is the head applied to the last valid token's hidden state
-  (index ``length - 1``); the critic (``critic.py``) applies the same head at every position.
+  (``config.json`` with ``num_labels=1`` + ``model.safetensors``). Any such directory saved by
+  ``transformers`` loads here, and what is saved here loads in ``transformers``. The output layer
+  (the one-output ``nn.Linear``) is kept and computed in float32. Two kinds of classifier, told
+  apart by the model itself (:func:`scalar_readout`):
+
+  - **last token** (decoders: GPT-2, Llama, Mistral, Qwen2, ...): backbone weights under the
+    architecture's base-model prefix (``transformer.`` for GPT-2, ``model.`` for Llama) and the
+    head as ``score.weight`` [1, H]; the reward of a sequence is the head applied to the last valid
+    token's hidden state (index ``length - 1``); the critic (``critic.py``) applies the same head
+    at every position.
+  - **first token** (encoders: BERT, MiniLM, DeBERTa, RoBERTa, ...): the classifier's own pooler
+    and head (``classifier``) read the whole sequence, pooled at its first token ([CLS]); the
+    reward is exactly what the Hugging Face model's forward returns as its one logit. Such a model
+    has no value per position, so it cannot be a critic.
 * With LoRA (:func:`openaligner.models.lora.add_lora`) ``hf_model`` is a ``peft`` model wrapping
   the classifier: the backbone's layers carry the adapters, the head is trained in full, and
   ``save_pretrained`` writes the adapter directory (adapters and head).
 * Inputs are right-padded: ``tokens`` [B, S] int64 with ``lengths`` [B] valid tokens per row.
-  Under the causal mask, padding after a row's length cannot change any valid position; the
-  padding is also masked out of attention (``attention_mask`` built from ``lengths``).
+  The padding is masked out of attention (``attention_mask`` built from ``lengths``), so it cannot
+  change any valid position (under the causal mask it could not anyway).
 
 Must not know about serving, PPO or training loops; those call ``forward`` / ``infer``.
 """
@@ -36,17 +44,92 @@ from openaligner.models.sharding import compute_device
 Standardization = tuple[float, float]
 """Fixed ``(mean, std)``: ``infer`` returns ``(r - mean) / std``."""
 
+LAST_TOKEN = "last-token"
+"""A decoder classifier: the ``score`` head at the last valid token (and at every position)."""
+FIRST_TOKEN = "first-token"
+"""An encoder classifier: its own pooler and ``classifier`` head, pooled at the first token."""
+
 _M = TypeVar("_M", bound="ScalarHeadModel")
 
 
+class Float32Linear(nn.Linear):
+    """An ``nn.Linear`` computed in float32 with autocast off, whatever its input's dtype: the
+    output layer of an encoder classifier, whose own forward calls it (its class is swapped in
+    place, so its weights, names and saved keys are those of the ``nn.Linear`` it was)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.float() if self.bias is not None else None
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float(), bias)
+
+
+def is_encoder_classifier(config: Any) -> bool:
+    """Whether ``config`` (a Hugging Face model config) is a bidirectional encoder, pretrained as a
+    masked LM (BERT, RoBERTa, DeBERTa, ELECTRA, ...), whose sequence classifier pools the sequence
+    itself; encoder-decoders (BART, T5) are not."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return (
+        getattr(config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        and not getattr(config, "is_encoder_decoder", False)
+        and not getattr(config, "is_decoder", False)
+    )
+
+
+def _active(module: Any) -> Any:
+    """The trained copy of a head ``peft`` keeps (``ModulesToSaveWrapper``), or ``module`` itself."""
+    copies = getattr(module, "modules_to_save", None)
+    return copies[module.active_adapters[0]] if copies is not None else module
+
+
+def scalar_readout(hf_model: nn.Module) -> str:
+    """How ``hf_model`` (a one-label ``*ForSequenceClassification``, maybe inside a ``peft`` model)
+    turns a sequence into one score: :data:`LAST_TOKEN` for a linear ``score`` head (decoders),
+    :data:`FIRST_TOKEN` for an encoder's own ``classifier`` (see :func:`is_encoder_classifier`).
+
+    Raises:
+        ValueError: neither, naming the class and the two kinds supported.
+    """
+    base: Any = unwrap(hf_model)
+    if isinstance(_active(getattr(base, "score", None)), nn.Linear):
+        return LAST_TOKEN
+    if getattr(base, "classifier", None) is not None and is_encoder_classifier(base.config):
+        return FIRST_TOKEN
+    raise ValueError(
+        f"{type(base).__name__} is not supported as a reward model: expected a decoder classifier with a "
+        "linear `score` head (GPT-2, Llama, Qwen2, ...) or an encoder classifier with its own "
+        "`classifier` head (BERT, MiniLM, DeBERTa, RoBERTa, ...)"
+    )
+
+
+def _output_layer(hf_model: nn.Module, readout: str) -> nn.Linear:
+    """The one-output ``nn.Linear`` that gives the score: ``score``, or the last layer of an
+    encoder's ``classifier`` (itself for BERT and DeBERTa, ``classifier.out_proj`` for RoBERTa)."""
+    base: Any = unwrap(hf_model)
+    module = _active(base.score if readout == LAST_TOKEN else base.classifier)
+    if isinstance(module, nn.Linear):
+        return module
+    found = [m for m in module.modules() if isinstance(m, nn.Linear) and m.out_features == 1]
+    if len(found) != 1:
+        raise ValueError(
+            f"{type(base).__name__}'s classifier has {len(found)} one-output linear layers; expected one"
+        )
+    return found[0]
+
+
 class ScalarHeadModel(nn.Module):
-    """A decoder backbone plus a linear scalar head, stored as a ``*ForSequenceClassification``.
+    """A backbone plus a scalar head, stored as a ``*ForSequenceClassification``.
 
     Args:
-        hf_model: a Hugging Face sequence-classification model with ``num_labels == 1`` and a
-            ``score`` head (GPT-2, Llama, Mistral, Qwen2, ... all use that name).
+        hf_model: a Hugging Face sequence-classification model with ``num_labels == 1``: a decoder
+            with a ``score`` head (GPT-2, Llama, Mistral, Qwen2, ... all use that name) or an
+            encoder with its own pooler and ``classifier`` (BERT, DeBERTa, ...), see
+            :func:`scalar_readout`.
         standardization: optional fixed ``(mean, std)`` applied by ``infer`` (not by
             ``forward``); not stored on disk, the serving config supplies it.
+
+    Raises:
+        ValueError: ``num_labels`` is not 1, the classifier is of neither kind, or ``std <= 0``.
     """
 
     def __init__(self, hf_model: PreTrainedModel, standardization: Standardization | None = None) -> None:
@@ -56,49 +139,60 @@ class ScalarHeadModel(nn.Module):
                 f"expected a sequence-classification model with num_labels=1, got "
                 f"num_labels={getattr(hf_model.config, 'num_labels', None)}"
             )
-        head = getattr(hf_model, "score", None)
-        if not isinstance(head, nn.Linear):
-            raise ValueError(f"{type(hf_model).__name__} has no linear `score` head; it is not supported")
+        self.readout = scalar_readout(hf_model)
+        """:data:`LAST_TOKEN` or :data:`FIRST_TOKEN`."""
         if standardization is not None and standardization[1] <= 0:
             raise ValueError(f"standardization std must be > 0, got {standardization[1]}")
+        head = _output_layer(hf_model, self.readout)
         head.float()
+        if self.readout == FIRST_TOKEN:
+            # the model's own forward calls this layer: computed in float32 there too, so that the
+            # reward is not rounded to an autocast compute dtype (what apply_head does for `score`)
+            head.__class__ = Float32Linear
         self.hf_model = hf_model
         self.standardization = standardization
 
     @property
     def backbone(self) -> nn.Module:
-        """The decoder without the head (e.g. ``GPT2Model``, ``LlamaModel``; with LoRA, the same
-        decoder, whose layers carry the adapters)."""
+        """The model without the head (e.g. ``GPT2Model``, ``LlamaModel``, ``BertModel``; with LoRA,
+        the same model, whose layers carry the adapters)."""
         module = unwrap(self.hf_model).base_model
         assert isinstance(module, nn.Module)
         return module
 
     @property
     def head(self) -> nn.Linear:
-        """The float32 scalar head, weight [1, H] (with LoRA, the trained copy ``peft`` keeps)."""
-        head: Any = unwrap(self.hf_model).score
-        if not isinstance(head, nn.Linear):  # peft's ModulesToSaveWrapper: the active adapter's copy
-            head = head.modules_to_save[head.active_adapters[0]]
-        assert isinstance(head, nn.Linear)
-        return head
+        """The float32 output layer, weight [1, H] (with LoRA, the trained copy ``peft`` keeps)."""
+        return _output_layer(self.hf_model, self.readout)
 
     @property
     def device(self) -> torch.device:
         """Where the model computes (a sharded model's shards may live in CPU memory)."""
         return compute_device(self)
 
+    @staticmethod
+    def attention_mask(tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+        """[B, S] int64, 1 on the first ``lengths`` positions of each row (all ones without lengths)."""
+        if lengths is None:
+            return torch.ones_like(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return (positions < lengths.to(tokens.device).unsqueeze(-1)).long()
+
     def hidden_states(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Last-layer hidden states of right-padded ``tokens`` [B, S] (``lengths`` [B]) → [B, S, H]."""
-        if lengths is None:
-            mask = torch.ones_like(tokens)
-        else:
-            mask = torch.arange(tokens.shape[1], device=tokens.device) < lengths.to(tokens.device).unsqueeze(
-                -1
-            )
-        out = self.backbone(input_ids=tokens, attention_mask=mask.long(), use_cache=False)
+        mask = self.attention_mask(tokens, lengths)
+        out = self.backbone(input_ids=tokens, attention_mask=mask, use_cache=False)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         assert isinstance(hidden, torch.Tensor)
         return hidden
+
+    def pooled_scores(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """An encoder classifier's own forward (pooler + ``classifier``) on right-padded ``tokens``
+        [B, S] with ``lengths`` [B] → [B] float32: its one logit per row."""
+        out = self.hf_model(input_ids=tokens, attention_mask=self.attention_mask(tokens, lengths))
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        assert isinstance(logits, torch.Tensor)
+        return logits.float().reshape(-1)
 
     def apply_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head in float32: [..., H] → [...], also inside an autocast region (which would
@@ -133,9 +227,10 @@ class ScalarHeadModel(nn.Module):
     ) -> _M:
         """Load from a local Hugging Face directory (offline).
 
-        The directory may hold a ``*ForSequenceClassification`` with one label (its ``score``
-        head is loaded) or a plain causal LM / backbone (the head is then freshly initialised by
-        ``transformers``, e.g. to start reward-model training from an SFT model).
+        The directory may hold a ``*ForSequenceClassification`` with one label (its head is
+        loaded) or a plain causal LM / backbone (the head is then freshly initialised by
+        ``transformers``, e.g. to start reward-model training from an SFT model, or from an
+        encoder such as a sentence-transformers ``BertModel``).
 
         Args:
             dtype: backbone dtype (default: as stored); the head stays float32.
@@ -155,10 +250,12 @@ class ScalarHeadModel(nn.Module):
 
 
 class RewardModel(ScalarHeadModel):
-    """Backbone + scalar head read at the last valid token: one reward per sequence."""
+    """Backbone + scalar head read at the last valid token (decoders) or pooled at the first
+    (encoders): one reward per sequence."""
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Differentiable rewards.
+        """Differentiable rewards: the head at the last valid token, or an encoder's own pooled
+        score (see the module docstring).
 
         Args:
             tokens: [B, S] int64, right-padded.
@@ -167,6 +264,8 @@ class RewardModel(ScalarHeadModel):
         Returns:
             [B] float32 rewards (no standardization).
         """
+        if self.readout == FIRST_TOKEN:
+            return self.pooled_scores(tokens, lengths)
         hidden = self.hidden_states(tokens, lengths)
         index = (lengths.to(hidden.device).long() - 1).clamp(min=0)
         last = hidden[torch.arange(hidden.shape[0], device=hidden.device), index]

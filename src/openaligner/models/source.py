@@ -308,14 +308,23 @@ def _scalar_head_model(
     dtype: torch.dtype,
     skeleton: bool,
 ) -> _S:
-    """A reward model or critic from ``src``, eval mode (see :func:`load_causal_lm` for ``skeleton``)."""
+    """A reward model or critic from ``src``, eval mode (see :func:`load_causal_lm` for ``skeleton``).
+
+    Raises:
+        SourceError: ``src.path`` holds a classifier that cannot be this model (e.g. an encoder as
+            the critic, or a classifier with neither a ``score`` head nor an encoder's own).
+    """
     with torch.device("meta") if skeleton else nullcontext():
-        if src.path is not None and skeleton:
-            config = AutoConfig.from_pretrained(src.path, local_files_only=True, num_labels=1)
-            hf = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
-            model = cls(hf, standardization=standardization)
-        elif src.path is not None:
-            model = cls.from_pretrained(src.path, dtype=dtype, standardization=standardization)
+        if src.path is not None:
+            try:
+                if skeleton:
+                    config = AutoConfig.from_pretrained(src.path, local_files_only=True, num_labels=1)
+                    hf = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+                    model = cls(hf, standardization=standardization)
+                else:
+                    model = cls.from_pretrained(src.path, dtype=dtype, standardization=standardization)
+            except ValueError as e:  # what the model classes refuse, as a start-up refusal
+                raise SourceError(f"{src.path}: {e}") from None
         else:
             hf = build_tiny_sequence_classifier(src.tiny_arch, src.tiny_size(vocab_size), seed=src.tiny_seed)
             model = cls(nn.Module.to(hf, dtype=dtype), standardization=standardization)

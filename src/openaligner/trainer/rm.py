@@ -146,8 +146,10 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
     device = pick_device(cfg.device)
     # sharded: rank 0 alone reads the weights, the other ranks receive their shards from it
     load_device, skeleton = cfg.parallel.load_device(device), builds_skeleton(cfg.parallel)
-    model = load_reward_model(cfg.model, len(tokenizer), load_device, dtype=MASTER_DTYPE, skeleton=skeleton)
     with as_startup_error(SourceError):
+        model = load_reward_model(
+            cfg.model, len(tokenizer), load_device, dtype=MASTER_DTYPE, skeleton=skeleton
+        )
         check_vocab(tokenizer, model.hf_model)
     with as_startup_error(LoraError):
         model = add_lora(model, cfg.lora)  # adapters on the backbone, the head trained in full
