@@ -165,7 +165,11 @@ print(resident_mib() - before)
 
 def _resident_after_frees(mode: str) -> float:
     out = subprocess.run(
-        [sys.executable, "-c", _FREE_AND_MEASURE, mode], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-c", _FREE_AND_MEASURE, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     )
     return float(out.stdout.split()[-1])
 
