@@ -145,8 +145,7 @@ def test_two_ranks_shards_hold_about_half_every_way_trains_alike_and_rank0_alone
 
 _FREE_AND_MEASURE = """
 import sys, torch
-from openaligner.models.builders import build_tiny_causal_lm
-from openaligner.models.sharding import ParallelConfig, shard, return_large_frees_to_os
+from openaligner.models.sharding import return_large_frees_to_os
 
 def resident_mib():
     for line in open("/proc/self/status"):
