@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
 from openaligner.models.builders import TinySize, build_tiny_causal_lm, build_tiny_critic
@@ -61,7 +62,12 @@ def test_every_rank_writes_its_shards_and_one_process_reads_them_back_exactly(ru
         "state.json",
         "manifest.json",
     }
-    assert {p.name for p in (step / "model.dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert {p.name for p in (step / "model.dcp").iterdir()} == {
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "config.json",  # the model's, for an export
+    }
     assert report["reloaded"]  # 2 ranks read it back into a fresh sharded model
     # 1 process (no process group, nothing sharded): DCP puts the two ranks' shards together
     model = build_tiny_causal_lm("gpt2", SIZE, seed=1)
@@ -159,6 +165,46 @@ def test_the_critic_checkpoint_of_every_rank_resumes_sharded_and_on_one_process_
     exported = CriticModel.from_pretrained(out / "critic_export")
     for name, tensor in exported.state_dict().items():
         assert torch.equal(tensor, report["critic"][name]), name
+
+
+def stored_model_keys(directory: Path) -> set[str]:
+    """The model's keys in a sharded checkpoint's DCP directory (without DCP's ``model.``)."""
+    stored = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model.") for k in stored if k.startswith("model.")}
+
+
+@pytest.mark.slow
+def test_the_critic_checkpoint_is_keyed_by_hugging_face_names_as_the_actors_is(run):
+    out, _ = run
+    critic = stored_model_keys(out / "critic" / "step_1" / "critic.dcp")
+    actor = stored_model_keys(out / "checkpoints" / "step_1" / "model.dcp")
+    assert not any("hf_model" in k for k in critic)
+    # the same backbone under the same names; the heads are each model's own (score / tied lm_head)
+    assert critic - {"score.weight"} == {k for k in actor if k.startswith("transformer.")}
+    assert "score.weight" in critic
+    # the Hugging Face config comes with the shards (what an export needs besides the weights)
+    config = AutoConfig.from_pretrained(out / "critic" / "step_1" / "critic.dcp")
+    assert config.num_labels == 1 and config.n_layer == SIZE.num_layers
+
+
+@pytest.mark.slow
+def test_a_critic_checkpoint_with_the_old_hf_model_prefix_still_resumes(run):
+    out, report = run
+    assert all(
+        k.startswith("hf_model.") for k in stored_model_keys(out / "critic_old" / "step_1" / "critic.dcp")
+    )
+    critic = build_tiny_critic("gpt2", SIZE, seed=1)
+    trainer = CriticTrainer(
+        CriticTrainConfig(global_batch_size=2),
+        critic,
+        torch.optim.AdamW(critic.parameters(), lr=0.05),
+        checkpoints=CheckpointManager(out / "critic_old"),
+    )
+    trainer.resume()
+    assert trainer.step == 1
+    for name, tensor in critic.state_dict().items():
+        assert torch.equal(tensor, report["critic"][name]), name
+    assert trainer.optimizer.state  # AdamW's moments came back too
 
 
 @pytest.mark.slow
