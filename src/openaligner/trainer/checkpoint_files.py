@@ -36,7 +36,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from openaligner import distributed as dp
 from openaligner.io.checkpoint import CheckpointManager, file_entry, set_rng_state
@@ -169,6 +175,29 @@ class TrainingFiles:
         if scheduler is not None and (directory / SCHEDULER_FILE).is_file():
             scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE))
         return self.read_state(directory)
+
+    def read_weights(self, directory: Path, model: nn.Module) -> None:
+        """Load only the model's weights from a checkpoint :meth:`write` wrote, into ``model`` (one
+        process, not sharded; for an export): from ``<model_dir>.dcp`` (written by any number of
+        ranks, either key naming, see :func:`keyed_by_wrapper`) or else ``<model_dir>/``.
+
+        Raises:
+            ValueError: the checkpoint does not hold ``model``'s trainable weights (another model,
+                or LoRA adapters for a model without them).
+        """
+        sharded = directory / self.sharded_dir
+        if not sharded.is_dir():
+            load_weights_into(model, directory / self.model_dir)
+            return
+        keyed = model if keyed_by_wrapper(sharded) else hugging_face_module(model)
+        state: dict[str, Any] = {"model": get_model_state_dict(keyed, options=_SAVE_OPTIONS)}
+        try:
+            dcp.load(state, checkpoint_id=sharded, no_dist=True)
+        except dcp.CheckpointException as e:
+            raise ValueError(
+                f"cannot load the weights of {sharded} into the {type(model).__name__}: {_failures(e)}"
+            ) from e
+        set_model_state_dict(keyed, state["model"], options=_LOAD_OPTIONS)
 
     def restore_rng(self, directory: Path, rank: int) -> None:
         """Set this process's RNGs to those rank ``rank`` saved (a rank the checkpoint does not
