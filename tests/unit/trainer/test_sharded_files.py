@@ -4,6 +4,9 @@ export is a plain Hugging Face directory in several files that loads with ``from
 gives the trained logits; LoRA writes its adapter and merged model; a checkpoint of a model that
 was not sharded is refused with the fix.
 
+``openaligner export-critic`` writes the sharded critic's checkpoint (either key naming) as a
+Hugging Face directory with its values.
+
 Tolerances: none where the same float32 values travel (checkpoints, the float32 export, the
 bfloat16 export against the gathered weights cast to bfloat16): DCP and safetensors copy bytes.
 The merged LoRA model differs from the adapted one by the rounding of ``W + s·BA`` (atol 1e-5).
@@ -19,8 +22,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from openaligner.cli.main import main
 from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
 from openaligner.models.builders import TinySize, build_tiny_causal_lm, build_tiny_critic
 from openaligner.models.critic import CriticModel
@@ -214,3 +218,29 @@ def test_a_checkpoint_of_a_model_that_was_not_sharded_is_refused_on_every_rank_w
         assert message is not None
         assert "parallel.strategy=ddp" in message and "parallel.strategy=fsdp" in message
         assert "model.dcp/" in message and "as the model path" in message
+
+
+def critic_values(hf_model, tokens=TOKENS):
+    with torch.no_grad():
+        return CriticModel(hf_model).eval()(tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("written", ["critic", "critic_old"])
+def test_export_critic_writes_the_sharded_critic_as_a_hugging_face_directory(run, tmp_path, written):
+    """``openaligner export-critic`` on the checkpoint every rank wrote (and on one keyed the old way,
+    which carries no config.json: the model directory supplies it): the directory loads with
+    ``AutoModelForSequenceClassification`` and gives the trained critic's values, exactly."""
+    out, report = run
+    trained = build_tiny_critic("gpt2", SIZE, seed=1)
+    trained.load_state_dict(report["critic"])
+    args = ["export-critic", str(out / written / "step_1"), str(tmp_path / "hf")]
+    if written == "critic_old":
+        assert main(args) == 2  # no config.json with those shards: refused, naming the option
+        args += ["--config-dir", str(out / "critic_export")]
+    assert main(args) == 0
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    assert torch.equal(critic_values(loaded), critic_values(trained.hf_model))
+    with torch.no_grad():  # Hugging Face's own read-out: the head at the last token
+        last = loaded(TOKENS[:1]).logits[0, 0]
+    assert torch.equal(last, critic_values(trained.hf_model)[0, -1])
