@@ -11,7 +11,8 @@ Owns:
   rest (embeddings, final norm, head), optionally with the shards, gradients and optimizer state
   on the CPU, and activation checkpointing per decoder layer (also for replicas).
 * :func:`builds_skeleton`, :func:`state_to_share`, :func:`fill_from_leader` — rank 0 alone reads
-  a model that will be sharded; the others build a skeleton and receive their shards.
+  a model that will be sharded; the others build a skeleton and receive their shards;
+  :func:`meta_copy` — a second model (the PPO initial policy) filled the same way, on rank 0 too.
 * :func:`gathered` — whole weights on every rank for a stretch of forwards (generation).
 * :func:`full_state_dict` — the whole weights on rank 0 (for a Hugging Face export).
 * :func:`is_sharded`, :func:`compute_device`, and what the optimizer step needs
@@ -41,6 +42,7 @@ Must not know about trainers, optimizers' configs, servers or checkpoints' layou
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import logging
@@ -305,12 +307,14 @@ def fill_from_leader(
     """Give every rank its shards of rank 0's weights (a collective when ``parallel`` shards; call
     right after :func:`shard`; a no-op otherwise).
 
-    Rank 0 passes :func:`state_to_share`'s dict and already holds its shards; every other rank
-    built ``model`` as a skeleton (:func:`builds_skeleton`) and passes None: its shards are
-    allocated on the collective device (the CPU with ``offload``) and receive their part of rank
-    0's tensors, then every buffer (rotary frequencies and others a state dict leaves out) is sent
-    whole from rank 0. Tied weights stay tied. When rank 0 passes None too, every rank built its
-    whole model itself and nothing is sent.
+    Rank 0 passes :func:`state_to_share`'s dict and holds its shards, or parameters on the meta
+    device (a copy made by :func:`meta_copy`, receiving its shards from ``state`` like the other
+    ranks, its buffers kept); every other rank built ``model`` as a skeleton
+    (:func:`builds_skeleton`) and passes None. Shards on the meta device are allocated on the
+    collective device (the CPU with ``offload``) and receive their part of rank 0's tensors, then
+    every buffer (rotary frequencies and others a state dict leaves out) is sent whole from rank
+    0. Tied weights stay tied. When rank 0 passes None too, every rank built its whole model
+    itself and nothing is sent.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -319,8 +323,14 @@ def fill_from_leader(
     # Rank 0 decides: no state there means every rank built the whole model itself (nothing to send).
     if not dp.broadcast_int(int(state is not None) if dp.is_leader() else None):
         return
-    if not dp.is_leader():
+    # rank 0's buffers are real also in a meta copy; allocating its parameters must not lose them
+    kept = {n: b.detach().clone() for n, b in model.named_buffers()} if dp.is_leader() else {}
+    if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=torch.device("cpu") if offload else dp.collective_device())
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name in kept:
+                    buffer.copy_(kept[name].to(buffer.device))
     full: dict[str, Any] = dict(state) if dp.is_leader() and state is not None else {}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
@@ -328,6 +338,19 @@ def fill_from_leader(
         received = dp.broadcast_tensor(buffer if dp.is_leader() else None)
         if not dp.is_leader():
             buffer.copy_(received.to(buffer.device))
+
+
+def meta_copy(model: M) -> M:
+    """A deep copy of ``model`` whose parameters are on the meta device (no memory; shapes, dtypes,
+    ``requires_grad`` and ties kept) and whose buffers are real copies: a second model that
+    :func:`fill_from_leader` fills from rank 0's state, without a second whole copy of the weights
+    on rank 0."""
+    memo: dict[int, Any] = {}
+    for param in model.parameters():  # each once: tied weights stay one parameter
+        memo[id(param)] = nn.Parameter(
+            torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
+        )
+    return copy.deepcopy(model, memo)
 
 
 def _checkpoint_activations(layer: nn.Module) -> None:

@@ -18,6 +18,7 @@ from openaligner.models.sharding import (
     ShardingError,
     decoder_layers,
     is_sharded,
+    meta_copy,
     shard,
     training_state_bytes,
 )
@@ -131,6 +132,10 @@ def test_two_ranks_shards_hold_about_half_every_way_trains_alike_and_rank0_alone
     assert [r["loaded_from_rank0"]["lm_on_meta"] for r in ranks] == [False, True]
     for r in ranks:  # (the sharded reward model's forward rounds its last digit differently, on rank 0 too)
         assert r["loaded_from_rank0"]["lm_equal"] and r["loaded_from_rank0"]["rm_diff"] < 1e-6
+    # the initial policy: no rank held a whole second copy of the weights, and it is the same model
+    for r in ranks:
+        assert r["loaded_from_rank0"]["init_policy_on_meta_when_sharded"]
+        assert r["loaded_from_rank0"]["init_equal"]
     rank0 = ranks[0]
     ddp = rank0["ddp"]
     assert ddp["grad_norms"][0] > 1.0  # clipping acts
@@ -193,3 +198,21 @@ def test_sharding_sets_the_allocator_policy(monkeypatch):
     assert calls == []
     shard(build_tiny_causal_lm("llama"), ParallelConfig(strategy="fsdp"))
     assert calls == [1]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_meta_copy_holds_no_weights_and_keeps_ties_flags_and_buffers(arch):
+    model = build_tiny_causal_lm(arch, seed=0)
+    model.get_input_embeddings().weight.requires_grad_(False)
+    copied = meta_copy(model)
+    assert all(p.is_meta for p in copied.parameters())
+    assert [
+        (n, p.shape, p.dtype, p.requires_grad) for n, p in copied.named_parameters(remove_duplicate=False)
+    ] == [(n, p.shape, p.dtype, p.requires_grad) for n, p in model.named_parameters(remove_duplicate=False)]
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert (copied.get_output_embeddings().weight is copied.get_input_embeddings().weight) == tied
+    buffers = dict(model.named_buffers())
+    for name, buffer in copied.named_buffers():  # real copies (rotary frequencies), not shared
+        assert not buffer.is_meta and torch.equal(buffer, buffers[name])
+        assert buffer.data_ptr() != buffers[name].data_ptr()
+    assert not any(p.is_meta for p in model.parameters())  # the original is untouched
