@@ -323,9 +323,9 @@ def fill_from_leader(
     # Rank 0 decides: no state there means every rank built the whole model itself (nothing to send).
     if not dp.broadcast_int(int(state is not None) if dp.is_leader() else None):
         return
-    # rank 0's buffers are real also in a meta copy; allocating its parameters must not lose them
-    kept = {n: b.detach().clone() for n, b in model.named_buffers()} if dp.is_leader() else {}
     if any(p.is_meta for p in model.parameters()):
+        # rank 0's buffers are real also in a meta copy; allocating its parameters must not lose them
+        kept = {n: b.detach().clone() for n, b in model.named_buffers()} if dp.is_leader() else {}
         model.to_empty(device=torch.device("cpu") if offload else dp.collective_device())
         with torch.no_grad():
             for name, buffer in model.named_buffers():
