@@ -1,7 +1,9 @@
 """``openaligner <command> [CONFIG.yaml] [key=value ...]``: dispatch to one module per command.
 
-Each command module exposes ``SCHEMA`` (its config dataclass) and ``run(cfg) -> int``. Modules are
-imported lazily so that ``openaligner --help`` stays fast and a command only loads what it uses.
+Each command module exposes ``SCHEMA`` (its config dataclass) and ``run(cfg) -> int``; a tool
+(:data:`TOOLS`, e.g. ``export-critic CHECKPOINT OUT``) takes its own arguments instead and exposes
+``main(argv) -> int``. Modules are imported lazily so that ``openaligner --help`` stays fast and a
+command only loads what it uses.
 
 A run that cannot work is refused in one place: a ``ConfigError`` from loading the config, or a
 ``StartupError`` from the command's own start-up checks (data files, the model's position limit,
@@ -26,6 +28,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-ppo": ("openaligner.cli.train_ppo", "PPO actor training against the served critic and RM"),
     "train-rm": ("openaligner.cli.train_rm", "Bradley-Terry reward-model training on preference JSONL"),
 }
+# name -> (module, one-line help): commands with their own arguments (no config file)
+TOOLS: dict[str, tuple[str, str]] = {
+    "export-critic": (
+        "openaligner.cli.export_critic",
+        "write a critic checkpoint (either layout) as a Hugging Face directory",
+    ),
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
             help="optional YAML config file, then dotted overrides",
         )
         sp.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    for name, (_, help_text) in TOOLS.items():  # listed here; main() hands them their arguments
+        sub.add_parser(name, help=help_text, description=help_text)
     return p
 
 
@@ -54,6 +65,9 @@ def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in TOOLS:
+        return _run_tool(args[0], args[1:])
     parser = _parser()
     ns = parser.parse_args(argv)
     if ns.command is None:
@@ -69,6 +83,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(module.run(cfg) or 0)
     except ConfigError as e:  # StartupError included
         print(f"openaligner {ns.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_tool(name: str, args: Sequence[str]) -> int:
+    """Run tool ``name`` on its own arguments; a refusal is one line and exit code 2."""
+    _quiet_libraries()
+    try:
+        return int(importlib.import_module(TOOLS[name][0]).main(args))
+    except ConfigError as e:  # StartupError included
+        print(f"openaligner {name}: {e}", file=sys.stderr)
         return 2
 
 

@@ -11,13 +11,16 @@ Owns:
   rest (embeddings, final norm, head), optionally with the shards, gradients and optimizer state
   on the CPU, and activation checkpointing per decoder layer (also for replicas).
 * :func:`builds_skeleton`, :func:`state_to_share`, :func:`fill_from_leader` — rank 0 alone reads
-  a model that will be sharded; the others build a skeleton and receive their shards.
+  a model that will be sharded; the others build a skeleton and receive their shards;
+  :func:`meta_copy` — a second model (the PPO initial policy) filled the same way, on rank 0 too.
 * :func:`gathered` — whole weights on every rank for a stretch of forwards (generation).
 * :func:`full_state_dict` — the whole weights on rank 0 (for a Hugging Face export).
 * :func:`is_sharded`, :func:`compute_device`, and what the optimizer step needs
   (:func:`has_sharded_params`, :func:`grad_norm_value`).
 * :func:`training_state_bytes` — what this rank's parameters, gradients and optimizer state
   occupy (the figure sharding divides).
+* :func:`return_large_frees_to_os` — the C allocator policy a sharded process runs under, so that
+  the layers it gathers and frees in every forward and backward leave no resident memory behind.
 
 Conventions, chosen so that sharded training is the same math as replicas:
 
@@ -39,6 +42,8 @@ Must not know about trainers, optimizers' configs, servers or checkpoints' layou
 
 from __future__ import annotations
 
+import copy
+import ctypes
 import functools
 import logging
 from collections.abc import Iterable, Iterator, Mapping
@@ -186,7 +191,8 @@ def shard(
 
     Call after the model is on its device and after LoRA adapters are added, and before an
     optimizer is built over its parameters (sharding replaces them). Without sharding
-    (:attr:`ParallelConfig.sharded` false) only activation checkpointing applies.
+    (:attr:`ParallelConfig.sharded` false) only activation checkpointing applies. Sharding also
+    sets this process's allocator policy (:func:`return_large_frees_to_os`).
 
     Args:
         offload: whether the shards live in CPU memory (default ``cfg.offload``; the initial
@@ -212,6 +218,7 @@ def shard(
             f"parallel.strategy=fsdp: the {name} ({type(model).__name__}) names no decoder-layer class in "
             "_no_split_modules, so it cannot be sharded layer by layer; use parallel.strategy=ddp"
         )
+    return_large_frees_to_os()
     use_offload = cfg.offload if offload is None else offload
     policy: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if use_offload else OffloadPolicy()
@@ -234,6 +241,31 @@ def shard(
         ", shards on the CPU" if use_offload else "",
     )
     return model
+
+
+# glibc's mallopt parameter number of M_MMAP_THRESHOLD (malloc.h), and the value set: glibc's own default.
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def return_large_frees_to_os() -> bool:
+    """Make every allocation of at least 128 KiB a mapping of its own, returned to the OS when it is
+    freed, for the rest of this process (glibc's ``mallopt(M_MMAP_THRESHOLD)``); whether it was set.
+
+    Why: a sharded rank allocates and frees whole layers in every forward and backward (the
+    all-gathered weights, the unsharded gradients before their reduce-scatter). glibc's default
+    threshold is dynamic: once a mapped block of a layer's size is freed, it raises the threshold
+    to that size (up to 32 MiB), so later layers come from the heap, where freed blocks stay
+    resident and fragment. Measured at 74 M parameters on 2 CPU ranks, that kept ~0.5 GiB per rank
+    above the live tensors (``benchmarks/bench_sharding_memory.py``; docs/benchmarks.md). A fixed
+    threshold turns the dynamic rule off. Only the C allocator's host memory is concerned; CUDA
+    memory has its own caching allocator. Without glibc (no ``mallopt``) nothing changes: False.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES))
 
 
 def distribute(model: M, parallel: ParallelConfig, seed: int, name: str = "model") -> M:
@@ -275,12 +307,14 @@ def fill_from_leader(
     """Give every rank its shards of rank 0's weights (a collective when ``parallel`` shards; call
     right after :func:`shard`; a no-op otherwise).
 
-    Rank 0 passes :func:`state_to_share`'s dict and already holds its shards; every other rank
-    built ``model`` as a skeleton (:func:`builds_skeleton`) and passes None: its shards are
-    allocated on the collective device (the CPU with ``offload``) and receive their part of rank
-    0's tensors, then every buffer (rotary frequencies and others a state dict leaves out) is sent
-    whole from rank 0. Tied weights stay tied. When rank 0 passes None too, every rank built its
-    whole model itself and nothing is sent.
+    Rank 0 passes :func:`state_to_share`'s dict and holds its shards, or parameters on the meta
+    device (a copy made by :func:`meta_copy`, receiving its shards from ``state`` like the other
+    ranks, its buffers kept); every other rank built ``model`` as a skeleton
+    (:func:`builds_skeleton`) and passes None. Shards on the meta device are allocated on the
+    collective device (the CPU with ``offload``) and receive their part of rank 0's tensors, then
+    every buffer (rotary frequencies and others a state dict leaves out) is sent whole from rank
+    0. Tied weights stay tied. When rank 0 passes None too, every rank built its whole model
+    itself and nothing is sent.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -289,8 +323,14 @@ def fill_from_leader(
     # Rank 0 decides: no state there means every rank built the whole model itself (nothing to send).
     if not dp.broadcast_int(int(state is not None) if dp.is_leader() else None):
         return
-    if not dp.is_leader():
+    if any(p.is_meta for p in model.parameters()):
+        # rank 0's buffers are real also in a meta copy; allocating its parameters must not lose them
+        kept = {n: b.detach().clone() for n, b in model.named_buffers()} if dp.is_leader() else {}
         model.to_empty(device=torch.device("cpu") if offload else dp.collective_device())
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name in kept:
+                    buffer.copy_(kept[name].to(buffer.device))
     full: dict[str, Any] = dict(state) if dp.is_leader() and state is not None else {}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
@@ -298,6 +338,19 @@ def fill_from_leader(
         received = dp.broadcast_tensor(buffer if dp.is_leader() else None)
         if not dp.is_leader():
             buffer.copy_(received.to(buffer.device))
+
+
+def meta_copy(model: M) -> M:
+    """A deep copy of ``model`` whose parameters are on the meta device (no memory; shapes, dtypes,
+    ``requires_grad`` and ties kept) and whose buffers are real copies: a second model that
+    :func:`fill_from_leader` fills from rank 0's state, without a second whole copy of the weights
+    on rank 0."""
+    memo: dict[int, Any] = {}
+    for param in model.parameters():  # each once: tied weights stay one parameter
+        memo[id(param)] = nn.Parameter(
+            torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
+        )
+    return copy.deepcopy(model, memo)
 
 
 def _checkpoint_activations(layer: nn.Module) -> None:

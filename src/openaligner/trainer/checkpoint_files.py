@@ -9,8 +9,14 @@ Two layouts, picked by the model (:func:`openaligner.models.sharding.is_sharded`
 * **sharded** (``parallel.strategy=fsdp`` under torchrun): ``<model_dir>.dcp/`` the model's
   trainable weights and the optimizer state as a ``torch.distributed.checkpoint`` (DCP) directory,
   keyed by the model's parameter names, every rank writing the pieces of its own shards in
-  parallel (``__<rank>_0.distcp``, plus ``.metadata``); rank 0 writes the rest. DCP reshards on
-  load, so any number of ranks, sharded or not, resumes from it.
+  parallel (``__<rank>_0.distcp``, plus ``.metadata``); rank 0 writes the rest, and the model's
+  Hugging Face ``config.json`` into the same directory (what an export needs besides the
+  weights). DCP reshards on load, so any number of ranks, sharded or not, resumes from it.
+
+Keys are the Hugging Face model's own parameter names for every trainer: a scalar-head wrapper
+(the critic, which holds its Hugging Face model as ``hf_model``) is keyed by the model it wraps, as
+the actor is (``model.layers.0.mlp.up_proj.weight``, ``score.weight``). Critic checkpoints written
+before that carry an ``hf_model.`` prefix; they are recognised and still load.
 
 Both hold ``scheduler.pt``, ``rng.pt`` (every rank's RNG states) and the trainer's state file.
 Where the directory lives, how it is published atomically and verified is
@@ -30,7 +36,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from openaligner import distributed as dp
 from openaligner.io.checkpoint import CheckpointManager, file_entry, set_rng_state
@@ -42,6 +54,10 @@ SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
 SHARDED_SUFFIX = ".dcp"
 """A sharded checkpoint's model and optimizer: ``<model_dir>.dcp/`` (see the module docstring)."""
+CONFIG_FILE = "config.json"
+"""A sharded checkpoint's Hugging Face config, inside ``<model_dir>.dcp/``."""
+WRAPPED_MODEL = "hf_model"
+"""The attribute under which a scalar-head wrapper holds its Hugging Face model."""
 
 # Frozen parameters (a LoRA model's base) are left out, as the whole layout's adapter directory
 # leaves them out: they never change, and the run rebuilds them from its model source.
@@ -95,9 +111,13 @@ class TrainingFiles:
         """
         module = _sharded_module(model)
         if module is not None:
-            save_sharded_state(directory / self.sharded_dir, module, optimizer)
+            keyed = hugging_face_module(module)
+            save_sharded_state(directory / self.sharded_dir, keyed, optimizer)
             if not dp.is_leader():
                 return
+            config = getattr(keyed, "config", None)
+            if config is not None and hasattr(config, "to_json_file"):
+                config.to_json_file(directory / self.sharded_dir / CONFIG_FILE)
         else:
             model.save_pretrained(directory / self.model_dir)
             torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
@@ -137,7 +157,9 @@ class TrainingFiles:
                 ``model`` is sharded — naming the directory and the fix.
         """
         if (directory / self.sharded_dir).is_dir():
-            load_sharded_state(directory / self.sharded_dir, model, optimizer)
+            sharded = directory / self.sharded_dir
+            keyed = model if keyed_by_wrapper(sharded) else hugging_face_module(model)
+            load_sharded_state(sharded, keyed, optimizer)
         elif is_sharded(model):
             raise ValueError(
                 f"{directory} was written by a model that was not sharded (parallel.strategy=ddp, or one "
@@ -153,6 +175,29 @@ class TrainingFiles:
         if scheduler is not None and (directory / SCHEDULER_FILE).is_file():
             scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE))
         return self.read_state(directory)
+
+    def read_weights(self, directory: Path, model: nn.Module) -> None:
+        """Load only the model's weights from a checkpoint :meth:`write` wrote, into ``model`` (one
+        process, not sharded; for an export): from ``<model_dir>.dcp`` (written by any number of
+        ranks, either key naming, see :func:`keyed_by_wrapper`) or else ``<model_dir>/``.
+
+        Raises:
+            ValueError: the checkpoint does not hold ``model``'s trainable weights (another model,
+                or LoRA adapters for a model without them).
+        """
+        sharded = directory / self.sharded_dir
+        if not sharded.is_dir():
+            load_weights_into(model, directory / self.model_dir)
+            return
+        keyed = model if keyed_by_wrapper(sharded) else hugging_face_module(model)
+        state: dict[str, Any] = {"model": get_model_state_dict(keyed, options=_SAVE_OPTIONS)}
+        try:
+            dcp.load(state, checkpoint_id=sharded, no_dist=True)
+        except dcp.CheckpointException as e:
+            raise ValueError(
+                f"cannot load the weights of {sharded} into the {type(model).__name__}: {_failures(e)}"
+            ) from e
+        set_model_state_dict(keyed, state["model"], options=_LOAD_OPTIONS)
 
     def restore_rng(self, directory: Path, rank: int) -> None:
         """Set this process's RNGs to those rank ``rank`` saved (a rank the checkpoint does not
@@ -170,6 +215,22 @@ def _sharded_module(model: SavesPretrained | nn.Module) -> nn.Module | None:
     not sharded."""
     module = model if isinstance(model, nn.Module) else getattr(model, "model", None)
     return module if isinstance(module, nn.Module) and is_sharded(module) else None
+
+
+def hugging_face_module(module: nn.Module) -> nn.Module:
+    """The module whose parameter names key ``module``'s sharded checkpoint: the Hugging Face model a
+    scalar-head wrapper holds as ``hf_model`` (the critic), else ``module`` itself (the actor's
+    Hugging Face model, with or without a ``peft`` wrapper)."""
+    wrapped = getattr(module, WRAPPED_MODEL, None)
+    return wrapped if isinstance(wrapped, nn.Module) else module
+
+
+def keyed_by_wrapper(directory: Path) -> bool:
+    """Whether the sharded checkpoint in ``directory`` was keyed by a scalar-head wrapper's own names
+    (``hf_model.``-prefixed: critic checkpoints written before keys became the Hugging Face
+    model's); reads DCP's ``.metadata`` only."""
+    stored = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return any(key.startswith(f"model.{WRAPPED_MODEL}.") for key in stored)
 
 
 # ----------------------------------------------------------------------------- sharded (DCP)

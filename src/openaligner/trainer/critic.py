@@ -3,7 +3,8 @@ data-parallel ranks, and its checkpoints.
 
 Owns :class:`CriticTrainer` — the critic, its optimizer, LR schedule and loss scaler, and its
 step count — with one training pass over a batch (:meth:`CriticTrainer.train_pass`) and writing,
-checking and loading its checkpoints (resume at start-up, going back to a named step). The value
+checking and loading its checkpoints (resume at start-up, going back to a named step); and
+:func:`export_checkpoint`, a critic checkpoint of either layout as a Hugging Face directory. The value
 loss comes from :mod:`openaligner.algorithms`; the optimizer step and the checkpoint files are
 those the actor's trainer uses (:mod:`~openaligner.trainer.optim_step`,
 :mod:`~openaligner.trainer.checkpoint_files`); collectives from :mod:`openaligner.distributed`.
@@ -46,6 +47,62 @@ CRITIC_DIR = "critic"
 """Checkpoint sub-directory holding the critic as a Hugging Face directory (safetensors)."""
 STATE_FILE = "critic_state.json"
 CRITIC_FILES = TrainingFiles(model_dir=CRITIC_DIR, state_file=STATE_FILE)
+
+
+def export_checkpoint(
+    checkpoint: Path, out: Path, dtype: torch.dtype | None = None, config_dir: Path | None = None
+) -> None:
+    """Write the critic of ``checkpoint`` (a ``step_<N>`` directory :meth:`CriticTrainer.write_checkpoint`
+    wrote, by one process or by every rank of a sharded critic) to ``out`` as a Hugging Face
+    ``*ForSequenceClassification`` directory (``config.json`` with one label + safetensors), its
+    weights as ``dtype`` (None: as stored, the float32 masters). One process, on the CPU; it holds
+    the whole float32 critic.
+
+    The architecture comes from the checkpoint (``critic/config.json``, or the ``config.json``
+    sharded checkpoints carry beside their shards); ``config_dir`` (the model directory the critic
+    server started from) supplies it for sharded checkpoints written before they carried one.
+
+    Raises:
+        ValueError: ``checkpoint`` holds no critic, its architecture is unknown, or it holds LoRA
+            adapters only (export the adapters' directory instead, or merge them first) — naming
+            what was found and the fix.
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from openaligner.trainer.checkpoint_files import CONFIG_FILE
+
+    whole, sharded = checkpoint / CRITIC_FILES.model_dir, checkpoint / CRITIC_FILES.sharded_dir
+    if not whole.is_dir() and not sharded.is_dir():
+        raise ValueError(
+            f"{checkpoint} holds no critic: neither {CRITIC_FILES.model_dir}/ nor "
+            f"{CRITIC_FILES.sharded_dir}/ (name a step_<N> directory under the critic server's "
+            "checkpoint.dir)"
+        )
+    lora = (whole / "adapter_config.json").is_file() or (sharded.is_dir() and _holds_adapters(sharded))
+    if lora:
+        raise ValueError(
+            f"{checkpoint} is a LoRA critic's checkpoint: it holds the adapters and the head, not the "
+            "base weights, so it is no standalone model; load the base model with the adapters (peft)"
+        )
+    source = whole if not sharded.is_dir() else (config_dir or sharded)
+    if not (source / CONFIG_FILE).is_file():
+        raise ValueError(
+            f"{sharded} carries no {CONFIG_FILE} (written before sharded checkpoints carried one): pass "
+            "the model directory the critic server started from (its model.path) as the config directory"
+        )
+    config = AutoConfig.from_pretrained(str(source), local_files_only=True)
+    config.num_labels = 1
+    hf_model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    critic = CriticModel(hf_model)
+    CRITIC_FILES.read_weights(checkpoint, critic)
+    critic.save_pretrained(out, dtype=dtype)
+
+
+def _holds_adapters(sharded: Path) -> bool:
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(sharded)).read_metadata().state_dict_metadata
+    return any("lora_" in key for key in stored)
 
 
 @dataclass

@@ -44,6 +44,7 @@ from openaligner.models.sharding import (
     distribute,
     fill_from_leader,
     is_sharded,
+    meta_copy,
     shard,
     state_to_share,
 )
@@ -191,7 +192,9 @@ def initial_policy(
     default)."""
     if is_peft_model(model):
         return None
-    frozen = copy.deepcopy(model)
+    # rank 0 sharing its weights: a copy without weights, filled from ``state`` as the other ranks'
+    # skeletons are (a whole second float32 copy there would be rank 0's peak at start-up)
+    frozen = meta_copy(model) if state is not None else copy.deepcopy(model)
     frozen.requires_grad_(False)
     frozen.eval()
     with as_startup_error(ShardingError):

@@ -14,7 +14,13 @@ import torch
 
 from openaligner import distributed as dp
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
-from openaligner.models.sharding import ParallelConfig, full_state_dict, shard, training_state_bytes
+from openaligner.models.sharding import (
+    ActorParallelConfig,
+    ParallelConfig,
+    full_state_dict,
+    shard,
+    training_state_bytes,
+)
 from openaligner.trainer.optim_step import optimizer_step
 
 ARCH = os.environ.get("ARCH", "llama")
@@ -58,9 +64,12 @@ def one_way(parallel: ParallelConfig) -> dict:
 
 def loaded_from_rank0(directory: Path) -> dict:
     """Rank 0 reads saved models (a tied GPT-2 causal LM, a Llama reward model), the other rank
-    builds skeletons and receives its shards: every rank's logits / rewards equal the saved models'."""
+    builds skeletons and receives its shards: every rank's logits / rewards equal the saved models'.
+    The causal LM's PPO initial policy is sharded from a copy without weights on every rank (rank 0
+    included) and gives the same logits."""
     from openaligner.models.sharding import builds_skeleton, fill_from_leader, state_to_share
     from openaligner.models.source import ModelSourceConfig, load_causal_lm, load_reward_model
+    from openaligner.trainer import ppo_recipe
 
     parallel = ParallelConfig(strategy="fsdp")
     tokens = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(3))
@@ -74,11 +83,23 @@ def loaded_from_rank0(directory: Path) -> dict:
     )
     result["lm_on_meta"] = next(lm.parameters()).device.type == "meta"
     state = state_to_share(lm, parallel)
+    # the PPO initial policy, as train-ppo builds it: never whole on any rank before it is sharded
+    seen = []
+
+    def recording_shard(model, cfg, **kwargs):
+        seen.append(all(p.is_meta for p in model.parameters()))
+        return shard(model, cfg, **kwargs)
+
+    ppo_recipe.shard = recording_shard
+    init = ppo_recipe.initial_policy(lm, ActorParallelConfig(strategy="fsdp"), state)
+    ppo_recipe.shard = shard
+    result["init_policy_on_meta_when_sharded"] = seen == [True]
     lm = shard(lm, parallel)
     fill_from_leader(lm, state, parallel, offload=False)
     plain = load_causal_lm(ModelSourceConfig(path=str(directory / "lm")), 0, torch.device("cpu"))
     with torch.no_grad():
         result["lm_equal"] = torch.equal(lm(input_ids=tokens).logits, plain(input_ids=tokens).logits)
+        result["init_equal"] = torch.equal(init(input_ids=tokens).logits, plain(input_ids=tokens).logits)
     rm_src = ModelSourceConfig(path=str(directory / "rm"))
     rm = load_reward_model(rm_src, 0, torch.device("cpu"), skeleton=builds_skeleton(parallel))
     state = state_to_share(rm, parallel)

@@ -18,6 +18,7 @@ from openaligner.models.sharding import (
     ShardingError,
     decoder_layers,
     is_sharded,
+    meta_copy,
     shard,
     training_state_bytes,
 )
@@ -133,6 +134,10 @@ def test_two_ranks_shards_hold_about_half_every_way_trains_alike_and_rank0_alone
     assert [r["loaded_from_rank0"]["lm_on_meta"] for r in ranks] == [False, True]
     for r in ranks:  # (the sharded reward model's forward rounds its last digit differently, on rank 0 too)
         assert r["loaded_from_rank0"]["lm_equal"] and r["loaded_from_rank0"]["rm_diff"] < 1e-6
+    # the initial policy: no rank held a whole second copy of the weights, and it is the same model
+    for r in ranks:
+        assert r["loaded_from_rank0"]["init_policy_on_meta_when_sharded"]
+        assert r["loaded_from_rank0"]["init_equal"]
     rank0 = ranks[0]
     ddp = rank0["ddp"]
     assert ddp["grad_norms"][0] > 1.0  # clipping acts
@@ -143,3 +148,73 @@ def test_two_ranks_shards_hold_about_half_every_way_trains_alike_and_rank0_alone
         assert got["weights"].keys() == ddp["weights"].keys()
         for name, total in ddp["weights"].items():
             assert got["weights"][name] == pytest.approx(total, rel=1e-5, abs=1e-4), (way, name)
+
+
+_FREE_AND_MEASURE = """
+import sys, torch
+from openaligner.models.sharding import return_large_frees_to_os
+
+def resident_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+
+if sys.argv[1] == "policy":
+    assert return_large_frees_to_os()
+before = resident_mib()
+for _ in range(3):  # what a sharded rank does per layer: gather 16 MiB, compute, free it
+    layer = torch.ones(4 * 2**20)
+    del layer
+print(resident_mib() - before)
+"""
+
+
+def _resident_after_frees(mode: str) -> float:
+    out = subprocess.run(
+        [sys.executable, "-c", _FREE_AND_MEASURE, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    return float(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS from /proc")
+def test_a_sharded_process_returns_freed_layers_to_the_os():
+    """The mechanism behind sharded ranks' resident memory: glibc's dynamic mmap threshold keeps a
+    freed layer-sized block resident in the heap; with the policy a sharded process runs under
+    (:func:`return_large_frees_to_os`, set by ``shard``) the freed blocks go back to the OS."""
+    if _resident_after_frees("default") < 12:  # the C library already returns them: nothing to show
+        pytest.skip("this C library returns freed 16 MiB blocks by default")
+    assert _resident_after_frees("policy") < 4
+
+
+def test_sharding_sets_the_allocator_policy(monkeypatch):
+    calls = []
+    monkeypatch.setattr("openaligner.models.sharding.return_large_frees_to_os", lambda: calls.append(1))
+    monkeypatch.setattr(ParallelConfig, "sharded", property(lambda self: self.strategy == "fsdp"))
+    monkeypatch.setattr("openaligner.models.sharding.fully_shard", lambda module, **kwargs: module)
+    monkeypatch.setattr("openaligner.models.sharding._fsdp_modules", lambda model: [])
+    shard(build_tiny_causal_lm("llama"), ParallelConfig(strategy="ddp"))
+    assert calls == []
+    shard(build_tiny_causal_lm("llama"), ParallelConfig(strategy="fsdp"))
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_meta_copy_holds_no_weights_and_keeps_ties_flags_and_buffers(arch):
+    model = build_tiny_causal_lm(arch, seed=0)
+    model.get_input_embeddings().weight.requires_grad_(False)
+    copied = meta_copy(model)
+    assert all(p.is_meta for p in copied.parameters())
+    assert [
+        (n, p.shape, p.dtype, p.requires_grad) for n, p in copied.named_parameters(remove_duplicate=False)
+    ] == [(n, p.shape, p.dtype, p.requires_grad) for n, p in model.named_parameters(remove_duplicate=False)]
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert (copied.get_output_embeddings().weight is copied.get_input_embeddings().weight) == tied
+    buffers = dict(model.named_buffers())
+    for name, buffer in copied.named_buffers():  # real copies (rotary frequencies), not shared
+        assert not buffer.is_meta and torch.equal(buffer, buffers[name])
+        assert buffer.data_ptr() != buffers[name].data_ptr()
+    assert not any(p.is_meta for p in model.parameters())  # the original is untouched

@@ -6,7 +6,8 @@ every rank takes part in: a sharded checkpoint (``OUT/checkpoints/step_1``) and 
 rank 1 (step 2); exports in float32
 and bfloat16 with a small ``max_shard_size`` (``OUT/export_fp32``, ``OUT/export_bf16``); a LoRA
 model's checkpoint (``OUT/lora_checkpoints/step_1``), adapter and merged exports (``OUT/adapter``,
-``OUT/merged``); a sharded critic's checkpoint (``OUT/critic/step_1``) and export
+``OUT/merged``); a sharded critic's checkpoint (``OUT/critic/step_1``), the same written with
+the critic's keys of old (``hf_model.``-prefixed, ``OUT/critic_old/step_1``) and its export
 (``OUT/critic_export``); reloading both checkpoints into fresh sharded models; and a refused
 resume from a checkpoint of a model that was not sharded. Rank 0 writes what the test compares
 against to ``OUT/rank0.pt``: the gathered weights and optimizer state, and what each reload and
@@ -26,8 +27,8 @@ from openaligner.models.builders import TinySize, build_tiny_causal_lm, build_ti
 from openaligner.models.lora import LoraConfig, add_lora
 from openaligner.models.precision import save_pretrained_as
 from openaligner.models.sharding import ParallelConfig, full_state_dict, shard
-from openaligner.trainer.checkpoint_files import TrainingFiles, save_collective
-from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
+from openaligner.trainer.checkpoint_files import TrainingFiles, save_collective, save_sharded_state
+from openaligner.trainer.critic import CRITIC_FILES, CriticTrainConfig, CriticTrainer
 
 FILES = TrainingFiles(model_dir="model", state_file="state.json")
 SIZE = TinySize(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2)
@@ -118,6 +119,13 @@ def main(out: Path) -> None:
     trainer.write_checkpoint()
     report["critic"] = full_state_dict(critic)
     critic.save_pretrained(out / "critic_export")  # a collective, as train-rm's export would be
+
+    def write_old_critic(d: Path) -> None:  # as critic checkpoints were written: the wrapper's keys
+        save_sharded_state(d / CRITIC_FILES.sharded_dir, critic, critic_opt)
+        if dp.is_leader():
+            CRITIC_FILES.write_state(d, {"step": 1})
+
+    save_collective(CheckpointManager(out / "critic_old"), 1, write_old_critic)
     fresh_critic = shard(build_tiny_critic("gpt2", SIZE, seed=1), FSDP)
     fresh_trainer = CriticTrainer(
         CriticTrainConfig(global_batch_size=2),

@@ -4,6 +4,9 @@ export is a plain Hugging Face directory in several files that loads with ``from
 gives the trained logits; LoRA writes its adapter and merged model; a checkpoint of a model that
 was not sharded is refused with the fix.
 
+``openaligner export-critic`` writes the sharded critic's checkpoint (either key naming) as a
+Hugging Face directory with its values.
+
 Tolerances: none where the same float32 values travel (checkpoints, the float32 export, the
 bfloat16 export against the gathered weights cast to bfloat16): DCP and safetensors copy bytes.
 The merged LoRA model differs from the adapted one by the rounding of ``W + s·BA`` (atol 1e-5).
@@ -16,10 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from openaligner.cli.main import main
 from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
 from openaligner.models.builders import TinySize, build_tiny_causal_lm, build_tiny_critic
 from openaligner.models.critic import CriticModel
@@ -61,7 +66,12 @@ def test_every_rank_writes_its_shards_and_one_process_reads_them_back_exactly(ru
         "state.json",
         "manifest.json",
     }
-    assert {p.name for p in (step / "model.dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert {p.name for p in (step / "model.dcp").iterdir()} == {
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "config.json",  # the model's, for an export
+    }
     assert report["reloaded"]  # 2 ranks read it back into a fresh sharded model
     # 1 process (no process group, nothing sharded): DCP puts the two ranks' shards together
     model = build_tiny_causal_lm("gpt2", SIZE, seed=1)
@@ -161,6 +171,46 @@ def test_the_critic_checkpoint_of_every_rank_resumes_sharded_and_on_one_process_
         assert torch.equal(tensor, report["critic"][name]), name
 
 
+def stored_model_keys(directory: Path) -> set[str]:
+    """The model's keys in a sharded checkpoint's DCP directory (without DCP's ``model.``)."""
+    stored = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model.") for k in stored if k.startswith("model.")}
+
+
+@pytest.mark.slow
+def test_the_critic_checkpoint_is_keyed_by_hugging_face_names_as_the_actors_is(run):
+    out, _ = run
+    critic = stored_model_keys(out / "critic" / "step_1" / "critic.dcp")
+    actor = stored_model_keys(out / "checkpoints" / "step_1" / "model.dcp")
+    assert not any("hf_model" in k for k in critic)
+    # the same backbone under the same names; the heads are each model's own (score / tied lm_head)
+    assert critic - {"score.weight"} == {k for k in actor if k.startswith("transformer.")}
+    assert "score.weight" in critic
+    # the Hugging Face config comes with the shards (what an export needs besides the weights)
+    config = AutoConfig.from_pretrained(out / "critic" / "step_1" / "critic.dcp")
+    assert config.num_labels == 1 and config.n_layer == SIZE.num_layers
+
+
+@pytest.mark.slow
+def test_a_critic_checkpoint_with_the_old_hf_model_prefix_still_resumes(run):
+    out, report = run
+    assert all(
+        k.startswith("hf_model.") for k in stored_model_keys(out / "critic_old" / "step_1" / "critic.dcp")
+    )
+    critic = build_tiny_critic("gpt2", SIZE, seed=1)
+    trainer = CriticTrainer(
+        CriticTrainConfig(global_batch_size=2),
+        critic,
+        torch.optim.AdamW(critic.parameters(), lr=0.05),
+        checkpoints=CheckpointManager(out / "critic_old"),
+    )
+    trainer.resume()
+    assert trainer.step == 1
+    for name, tensor in critic.state_dict().items():
+        assert torch.equal(tensor, report["critic"][name]), name
+    assert trainer.optimizer.state  # AdamW's moments came back too
+
+
 @pytest.mark.slow
 def test_a_checkpoint_of_a_model_that_was_not_sharded_is_refused_on_every_rank_with_the_fix(run):
     _, report = run
@@ -168,3 +218,29 @@ def test_a_checkpoint_of_a_model_that_was_not_sharded_is_refused_on_every_rank_w
         assert message is not None
         assert "parallel.strategy=ddp" in message and "parallel.strategy=fsdp" in message
         assert "model.dcp/" in message and "as the model path" in message
+
+
+def critic_values(hf_model, tokens=TOKENS):
+    with torch.no_grad():
+        return CriticModel(hf_model).eval()(tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("written", ["critic", "critic_old"])
+def test_export_critic_writes_the_sharded_critic_as_a_hugging_face_directory(run, tmp_path, written):
+    """``openaligner export-critic`` on the checkpoint every rank wrote (and on one keyed the old way,
+    which carries no config.json: the model directory supplies it): the directory loads with
+    ``AutoModelForSequenceClassification`` and gives the trained critic's values, exactly."""
+    out, report = run
+    trained = build_tiny_critic("gpt2", SIZE, seed=1)
+    trained.load_state_dict(report["critic"])
+    args = ["export-critic", str(out / written / "step_1"), str(tmp_path / "hf")]
+    if written == "critic_old":
+        assert main(args) == 2  # no config.json with those shards: refused, naming the option
+        args += ["--config-dir", str(out / "critic_export")]
+    assert main(args) == 0
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    assert torch.equal(critic_values(loaded), critic_values(trained.hf_model))
+    with torch.no_grad():  # Hugging Face's own read-out: the head at the last token
+        last = loaded(TOKENS[:1]).logits[0, 0]
+    assert torch.equal(last, critic_values(trained.hf_model)[0, -1])
