@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from openaligner.io.metrics import read_jsonl
 
@@ -33,6 +34,13 @@ KEYS = (
 )
 
 
+# SGD (lr 0.5) with the gradient norm clipped to 1: w = w₀ − lr·Σ g over 4 optimizer steps, every
+# gradient element ≤ 1 after clipping; a step's gradient is a sum of ≤ 8 float32 terms in another
+# order (u = 2⁻²⁴): |δw| ≤ 4 × 0.5 × 8u × 1 ≈ 1e-6, plus a rounding of w (|w| < 4: 2.4e-7).
+# Measured: 1.2e-7 (ddp vs 1 × 8).
+WEIGHTS_ATOL = 2e-6
+
+
 def run_worker(
     out: Path,
     ranks: int,
@@ -41,8 +49,10 @@ def run_worker(
     generation: str = "gathered",
     offload: bool = False,
     estimator: str = "",
+    micro_batch: int = 2,
 ) -> dict:
     env = os.environ | {
+        "MICRO_BATCH": str(micro_batch),
         "STRATEGY": strategy,
         "ARCH": arch,
         "GENERATION": generation,
@@ -83,8 +93,15 @@ def test_two_ranks_sharded_or_replicated_match_one_process(tmp_path, arch):
     is the rounding of the two places that differ: the gradient norm is a sum of squares over
     shards (then over ranks) instead of over whole tensors, and with 2 micro-batches per rank the
     reduce-scatter after each backward associates the sums differently ((a1+b1)+(a2+b2) instead of
-    (a1+a2)+(b1+b2)). One process differs from both by the same kind of rounding (rel 1e-4 above)."""
+    (a1+a2)+(b1+b2)). One process differs from both by the same kind of rounding (rel 1e-4 above).
+
+    Micro-batch and rank invariance: one process training each minibatch of 8 in one micro-batch
+    (1 × 8) matches 2 ranks × 2 micro-batches of 2 — the loss of a step is normalised over its
+    whole minibatch, not per micro-batch (responses here are 1 to 5 tokens; before, policy/loss
+    was 4e-2 apart). Tolerances: metrics rel 1e-6 with abs 1e-7 for a policy loss that cancels to
+    ~1e-2 (measured ≤ 1e-7 absolute); weights :data:`WEIGHTS_ATOL`."""
     one = run_worker(tmp_path / "one.json", 1, arch=arch)
+    whole = run_worker(tmp_path / "whole.json", 1, arch=arch, micro_batch=8)
     ddp = run_worker(tmp_path / "ddp.json", 2, "ddp", arch)
     # gpt2 (tied embeddings) generates layer by layer; llama on gathered weights, with its shards,
     # gradients, AdamW state and initial policy in CPU memory (parallel.offload[_init_policy])
@@ -104,6 +121,14 @@ def test_two_ranks_sharded_or_replicated_match_one_process(tmp_path, arch):
     for name, total in one["weights"].items():
         assert ddp["weights"][name] == pytest.approx(total, rel=1e-5, abs=1e-6), name
     assert fsdp["history"][1]["policy/ppo_ratio"] != 1.0  # it trained
+    for m_whole, m_ddp, m_fsdp in zip(whole["history"], ddp["history"], fsdp["history"], strict=True):
+        for key in KEYS:
+            assert m_ddp[key] == pytest.approx(m_whole[key], rel=1e-6, abs=1e-7), key
+            assert m_fsdp[key] == pytest.approx(m_whole[key], rel=1e-6, abs=1e-7), key
+    w_whole = torch.load(tmp_path / "whole.pt")
+    for name in ("ddp", "fsdp"):
+        for key, tensor in torch.load(tmp_path / f"{name}.pt").items():
+            torch.testing.assert_close(tensor, w_whole[key], rtol=0, atol=WEIGHTS_ATOL, msg=f"{name} {key}")
     # adaptive KL: every rank holds the same β, the one a single process computes, and β moved
     assert ddp["betas"][0] == ddp["betas"][1] == pytest.approx(one["betas"][0], rel=1e-6)
     assert fsdp["betas"][0] == fsdp["betas"][1] == pytest.approx(ddp["betas"][0], rel=1e-6)
