@@ -97,9 +97,11 @@ def test_two_ranks_sharded_or_replicated_match_one_process(tmp_path, arch):
 
     Micro-batch and rank invariance: one process training each minibatch of 8 in one micro-batch
     (1 × 8) matches 2 ranks × 2 micro-batches of 2 — the loss of a step is normalised over its
-    whole minibatch, not per micro-batch (responses here are 1 to 5 tokens; before, policy/loss
-    was 4e-2 apart). Tolerances: metrics rel 1e-6 with abs 1e-7 for a policy loss that cancels to
-    ~1e-2 (measured ≤ 1e-7 absolute); weights :data:`WEIGHTS_ATOL`."""
+    whole minibatch, not per micro-batch (responses here are 1 to 5 tokens; with per-micro-batch
+    means, measured: policy/loss 62% apart, weights 4.8e-2). Tolerances: metrics rel 1e-6, abs
+    1e-7 — 1e-6 for the policy loss, a mean of per-token terms of size ~1 (whitened advantages)
+    that cancels to ~1e-2, so its rounding is relative to the terms (8 × 2⁻²⁴ ≈ 5e-7; measured
+    1.2e-7); weights :data:`WEIGHTS_ATOL`."""
     one = run_worker(tmp_path / "one.json", 1, arch=arch)
     whole = run_worker(tmp_path / "whole.json", 1, arch=arch, micro_batch=8)
     ddp = run_worker(tmp_path / "ddp.json", 2, "ddp", arch)
@@ -123,8 +125,9 @@ def test_two_ranks_sharded_or_replicated_match_one_process(tmp_path, arch):
     assert fsdp["history"][1]["policy/ppo_ratio"] != 1.0  # it trained
     for m_whole, m_ddp, m_fsdp in zip(whole["history"], ddp["history"], fsdp["history"], strict=True):
         for key in KEYS:
-            assert m_ddp[key] == pytest.approx(m_whole[key], rel=1e-6, abs=1e-7), key
-            assert m_fsdp[key] == pytest.approx(m_whole[key], rel=1e-6, abs=1e-7), key
+            tol = {"rel": 1e-6, "abs": 1e-6 if key == "policy/loss" else 1e-7}
+            assert m_ddp[key] == pytest.approx(m_whole[key], **tol), key
+            assert m_fsdp[key] == pytest.approx(m_whole[key], **tol), key
     w_whole = torch.load(tmp_path / "whole.pt")
     for name in ("ddp", "fsdp"):
         for key, tensor in torch.load(tmp_path / f"{name}.pt").items():
