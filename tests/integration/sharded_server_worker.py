@@ -2,7 +2,8 @@
 
 Used by test_sharded_servers.py: ``python sharded_server_worker.py OUT`` (one process) or
 ``torchrun --nproc_per_node 2 sharded_server_worker.py OUT``; ``STRATEGY`` (ddp | fsdp) in the
-environment lays the models over the ranks (``parallel.strategy``). Rank 0 leads with a
+environment lays the models over the ranks (``parallel.strategy``), ``MICRO_BATCH`` is the critic's
+``train.micro_batch_size`` (default 1; global batches of 4 rows). Rank 0 leads with a
 :class:`Rank0Dispatcher` as ``start()`` would, minus Triton, and sends the requests through the
 servers' own entry points (validation first, then every rank's opcode); the other ranks follow in
 ``run_server()``. Rank 0 writes OUT (``torch.save``): the critic's answers before and after three
@@ -64,7 +65,8 @@ def critic_server(parallel: ParallelConfig, checkpoints: Path, resume: bool = Fa
     # SGD with momentum: optimizer state (sharded too) without Adam's sign-like first steps, so
     # the comparison sees gradient differences at their own size
     optimizer = torch.optim.SGD(critic.parameters(), lr=0.05, momentum=0.9)
-    train_cfg = CriticTrainConfig(global_batch_size=4, micro_batch_size=1)
+    micro_batch_size = int(os.environ.get("MICRO_BATCH", "1"))
+    train_cfg = CriticTrainConfig(global_batch_size=4, micro_batch_size=micro_batch_size)
     trainer = CriticTrainer(train_cfg, critic, optimizer, checkpoints=CheckpointManager(checkpoints))
     cfg = CriticServerConfig(inference_micro_batch_size=[2], model_forward_micro_batch_size=2)
     return CriticServerTrainer(cfg, trainer, None, reward_model=reward_model, resume=resume)

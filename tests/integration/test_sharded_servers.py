@@ -28,8 +28,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 TRAIN_KEYS = ("loss_mean", "clip_fraction", "explained_variance", "grad_norm", "lr")
 
 
-def run_worker(out: Path, ranks: int, strategy: str) -> dict:
-    env = os.environ | {"STRATEGY": strategy, "OMP_NUM_THREADS": "1"}
+def run_worker(out: Path, ranks: int, strategy: str, micro_batch: int = 1) -> dict:
+    env = os.environ | {"STRATEGY": strategy, "OMP_NUM_THREADS": "1", "MICRO_BATCH": str(micro_batch)}
     command = [*TORCHRUN, str(WORKER), str(out)] if ranks == 2 else [sys.executable, str(WORKER), str(out)]
     subprocess.run(command, check=True, timeout=240, env=env, capture_output=True)
     return torch.load(out, weights_only=False)
@@ -56,12 +56,14 @@ def test_sharded_servers_answer_and_train_as_replicas_and_one_process(tmp_path):
     sums (a1+b1)+(a2+b2) where replicas all-reduce (a1+a2)+(b1+b2), and the gradient norm is
     summed over shards. Measured after 5 SGD-with-momentum steps: weights within 8e-9 (absolute;
     they are ~0.02-1), train results within 3e-7 absolute (1.5e-6 relative), values after training
-    within 1.2e-7; the tolerances are 5x-10x that. One process differs from both by the same kind
-    of rounding (its micro-batches are the same rows, summed in another order). Inference before
+    within 1.2e-7; the tolerances are 5x-10x that. One process trains each global batch of 4 rows
+    in one micro-batch, against 2 ranks × 2 micro-batches of 1 row: the value loss is a token mean
+    over the whole global batch, so it differs from both by the same kind of rounding only (the
+    same rows in other forward shapes, their gradients summed in another order). Inference before
     training and the reward server's rewards are bitwise equal: the same weights, the same rows
     per micro-batch."""
     runs = {
-        "one": run_worker(tmp_path / "one.pt", 1, "ddp"),
+        "one": run_worker(tmp_path / "one.pt", 1, "ddp", micro_batch=4),
         "ddp": run_worker(tmp_path / "ddp.pt", 2, "ddp"),
         "fsdp": run_worker(tmp_path / "fsdp.pt", 2, "fsdp"),
     }

@@ -30,6 +30,8 @@ class PolicyLossStats:
     entropy: torch.Tensor  # mean per-token entropy (0 when none was given)
     pg_loss: torch.Tensor  # the policy-gradient part, before the entropy bonus
     kl_loss: torch.Tensor  # the KL term before its coefficient (0 when there is none)
+    tokens: torch.Tensor  # valid tokens: the weight of the token means above when combining batches
+    negative_tokens: torch.Tensor  # valid tokens with a negative advantage: dual_clip_fraction's weight
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,34 @@ class ValueLossStats:
     returns_mean: torch.Tensor
 
 
-def aggregate(
-    loss: torch.Tensor, mask: torch.Tensor, aggregation: str, norm_length: int | None = None
-) -> torch.Tensor:
-    """Reduce a per-token loss [B, S-1] to a scalar.
+def aggregation_units(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """What ``aggregation`` divides by, counted in ``mask`` [B, S-1] (a 0-d tensor of ``mask``'s
+    float dtype, float32 for an integer or bool mask).
 
-    ``token_mean``: every valid token weighs the same (NeMo-Aligner, PPO2).
+    ``token_mean``: the valid tokens. ``seq_mean_token_mean`` and ``seq_mean_token_sum_norm``: the
+    samples that have a valid token. Counts add up: the units of a batch are the sum of its
+    micro-batches' (and ranks') units, which is what makes a step's loss independent of how the
+    step is split (:func:`aggregate` with ``units``).
+    """
+    m = mask if mask.is_floating_point() else mask.to(torch.float32)
+    if aggregation == "token_mean":
+        return (m != 0).to(m.dtype).sum()
+    if aggregation in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
+        return (m != 0).any(dim=-1).to(m.dtype).sum()
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {LOSS_AGGREGATIONS}")
+
+
+def aggregate(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: str,
+    norm_length: int | None = None,
+    units: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss [B, S-1] to a scalar: a sum over the batch divided by ``units``.
+
+    ``token_mean``: every valid token weighs the same (NeMo-Aligner, PPO2): the sum of the valid
+    tokens' losses over the number of valid tokens.
     ``seq_mean_token_mean``: mean per sample, then mean over samples that have a valid token
     (each sample weighs the same regardless of length; GRPO).
     ``seq_mean_token_sum_norm``: each sample's token *sum* divided by the constant
@@ -55,19 +79,28 @@ def aggregate(
     (Dr. GRPO, Liu et al. 2025: a token weighs the same in a long and a short response, without
     ``token_mean``'s dependence on the batch's total length). Example: losses [[1, 1, 0], [2, 0,
     0]], mask [[1, 1, 0], [1, 0, 0]], norm_length 4 → (2/4 + 2/4) / 2 = 0.5.
+
+    ``units`` is the denominator: ``None`` counts it in this batch (:func:`aggregation_units`),
+    so the result is the batch's own mean. A trainer that splits one optimizer step's batch into
+    micro-batches (and ranks) passes the units of the *whole* step instead: each micro-batch then
+    returns its share of the step's loss, and the shares sum to the loss — and their gradients to
+    the gradient — of the step's batch in one piece, whatever the split. Example: token losses
+    [1, 1, 1, 1] (one sample of 4 tokens) and [5] (one of 1), token_mean: alone they give 1 and
+    5, whose mean is 3; with ``units`` = 5 they give 4/5 and 5/5, which sum to 9/5, the mean of
+    the five tokens.
     """
     if aggregation == "token_mean":
-        return masked_mean(loss, mask)
-    if aggregation in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
-        if aggregation == "seq_mean_token_mean":
-            per_sample = masked_mean(loss, mask, dim=-1)
-        else:
-            if norm_length is None or norm_length < 1:
-                raise ValueError(f"seq_mean_token_sum_norm needs norm_length >= 1, got {norm_length}")
-            per_sample = masked_sum(loss, mask, dim=-1) / norm_length
-        has_tokens = (mask.sum(dim=-1) > 0).to(loss.dtype)
-        return masked_mean(per_sample, has_tokens)
-    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {LOSS_AGGREGATIONS}")
+        total = masked_sum(loss, mask)
+    elif aggregation == "seq_mean_token_mean":
+        total = masked_mean(loss, mask, dim=-1).sum()  # a sample without valid tokens adds 0
+    elif aggregation == "seq_mean_token_sum_norm":
+        if norm_length is None or norm_length < 1:
+            raise ValueError(f"seq_mean_token_sum_norm needs norm_length >= 1, got {norm_length}")
+        total = masked_sum(loss, mask, dim=-1).sum() / norm_length
+    else:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {LOSS_AGGREGATIONS}")
+    count = aggregation_units(mask, aggregation) if units is None else units
+    return total / torch.as_tensor(count, dtype=total.dtype, device=total.device).clamp_min(1.0)
 
 
 def ppo_policy_loss(
@@ -87,6 +120,7 @@ def ppo_policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
+    units: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """Clipped surrogate objective of PPO (Schulman et al. 2017, eq. 7), as a loss to minimise.
 
@@ -112,9 +146,17 @@ def ppo_policy_loss(
             ``kl_coef`` > 0, ``kl_coef · aggregate(KL_kind(logprobs, ref_logprobs))`` is added to the
             loss: the KL as a loss term (GRPO, DeepSeekMath eq. 4, with ``k3``), its gradient
             through ``logprobs`` only.
+        units: the denominator of the policy-gradient term, the entropy bonus and the KL term
+            (see :func:`aggregate`): ``None`` is this batch's own count, so the loss is this
+            batch's mean; a trainer passes the :func:`aggregation_units` of the whole optimizer
+            step's batch (with the ``is_end`` gating, all micro-batches and ranks together), and
+            the loss — ``pg_loss``, ``entropy`` and ``kl_loss`` in the stats too — is then this
+            micro-batch's share of the step's, to be summed.
 
     Returns:
-        ``(loss, stats)``. With no valid token the loss is 0 with zero gradient. Values outside
+        ``(loss, stats)``. With no valid token the loss is 0 with zero gradient. The other stats
+        are means over this batch's valid tokens, whatever ``units``; ``tokens`` and
+        ``negative_tokens`` weigh them when combining batches. Values outside
         the mask (even inf/NaN log-probs or advantages) change neither the loss, its gradient
         nor the stats: they are selected away before any arithmetic.
     """
@@ -135,16 +177,16 @@ def ppo_policy_loss(
         dual_capped = (advantages < 0) & (pg > cap)
         pg = torch.where(advantages < 0, torch.minimum(pg, cap), pg)
 
-    pg_loss = aggregate(pg, loss_mask, aggregation, norm_length)
+    pg_loss = aggregate(pg, loss_mask, aggregation, norm_length, units)
     loss = pg_loss
     entropy_mean = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     if entropy is not None:
-        entropy_mean = aggregate(select_valid(entropy, m), loss_mask, aggregation, norm_length)
+        entropy_mean = aggregate(select_valid(entropy, m), loss_mask, aggregation, norm_length, units)
         loss = loss - entropy_coef * entropy_mean
     kl_term = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     if ref_logprobs is not None and kl_coef > 0:
         per_token = kl_penalty(select_valid(logprobs, m), select_valid(ref_logprobs, m), kl_kind)
-        kl_term = aggregate(select_valid(per_token, m), loss_mask, aggregation, norm_length)
+        kl_term = aggregate(select_valid(per_token, m), loss_mask, aggregation, norm_length, units)
         loss = loss + kl_coef * kl_term
 
     with torch.no_grad():
@@ -159,6 +201,8 @@ def ppo_policy_loss(
             entropy=entropy_mean.detach(),
             pg_loss=pg_loss.detach(),
             kl_loss=kl_term.detach(),
+            tokens=m.sum(),
+            negative_tokens=negative.sum(),
         )
     return loss, stats
 
@@ -185,6 +229,7 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip: float | None,
+    units: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, ValueLossStats]:
     """Clipped value loss of PPO2: ``0.5·masked_mean(max((V_clip − R)², (V − R)²))``.
 
@@ -196,10 +241,14 @@ def value_loss(
         old_values: [B, S-1] values at rollout time.
         returns: [B, S-1] GAE returns (targets).
         mask: [B, S-1].
+        units: the token count the loss divides by (see :func:`aggregate`, ``token_mean``):
+            ``None`` counts this batch's valid tokens; a trainer passes those of the whole
+            optimizer step, and the loss is then this micro-batch's share of the step's.
 
     Returns:
-        ``(loss, stats)``. Positions outside the mask never change the loss, its gradient or
-        the stats (selected away first, so inf/NaN there stays harmless).
+        ``(loss, stats)``; the stats are this batch's own. Positions outside the mask never
+        change the loss, its gradient or the stats (selected away first, so inf/NaN there stays
+        harmless).
     """
     values = select_valid(values, mask)
     old_values = select_valid(old_values, mask)
@@ -210,7 +259,7 @@ def value_loss(
         per_token = torch.maximum((clipped_values - returns).square(), unclipped)
     else:
         per_token = unclipped
-    loss = 0.5 * masked_mean(per_token, mask)
+    loss = 0.5 * aggregate(per_token, mask, "token_mean", units=units)
     with torch.no_grad():
         moved = (
             (values - old_values).abs() > clip if clip is not None and clip > 0 else torch.zeros_like(mask)

@@ -341,13 +341,20 @@ class CausalLMActor:
                 ``response_lengths`` [B] for the attention mask; ``prompt_lengths`` [B], required
                 when the sampling has ``min_new_tokens`` > 0 (see :meth:`get_inference_log_probs`);
                 optional ``ref_logprobs`` [B, S-1] (initial-policy log-probs) with ``kl_coef`` (a
-                0-d tensor β): adds ``β·KL`` of ``kl_loss_kind`` to the loss (GRPO's KL term).
+                0-d tensor β): adds ``β·KL`` of ``kl_loss_kind`` to the loss (GRPO's KL term);
+                optional ``loss_units`` (a 0-d tensor): the denominator of the whole optimizer
+                step's loss (:func:`~openaligner.algorithms.aggregation_units` of every
+                micro-batch and rank of the step, ``is_end``-gated), which makes the loss this
+                micro-batch's share of the step's; without it the loss is this batch's own mean.
 
         Returns:
             ``(loss, metrics)``: a scalar loss tensor and floats ``loss``, ``pg_loss``,
-            ``ppo_ratio``, ``ppo_ratio_clamped``, ``clip_fraction``, ``dual_clip_fraction``,
-            ``approx_kl``, ``entropy`` (mean per-token entropy over the ``is_end`` mask), ``kl_loss``
-            (the KL term before β; 0 without one).
+            ``entropy`` (per-token entropy over the ``is_end`` mask, aggregated as the loss),
+            ``kl_loss`` (the KL term before β; 0 without one) — shares of the step's with
+            ``loss_units``, so they sum over micro-batches —; ``ppo_ratio``,
+            ``ppo_ratio_clamped``, ``clip_fraction``, ``approx_kl`` (means over this batch's
+            ``response_tokens``) and ``dual_clip_fraction`` (over its ``negative_tokens``, those
+            with a negative advantage), with those two counts as their weights.
         """
         tokens = batch["response_tokens"].to(self.device)
         mask = batch["mask"].to(self.device)
@@ -377,6 +384,7 @@ class CausalLMActor:
             ref_logprobs=ref[:, first:].to(logprobs) if ref is not None else None,
             kl_coef=float(batch["kl_coef"]) if ref is not None else 0.0,
             kl_kind=self.kl_loss_kind,
+            units=batch.get("loss_units"),
         )
         metrics = {
             "loss": loss.detach(),
@@ -388,6 +396,8 @@ class CausalLMActor:
             "approx_kl": stats.approx_kl,
             "entropy": stats.entropy,
             "kl_loss": stats.kl_loss,
+            "response_tokens": stats.tokens,
+            "negative_tokens": stats.negative_tokens,
         }
         values = torch.stack([v.float() for v in metrics.values()]).tolist()  # one device sync
         return loss, dict(zip(metrics, values, strict=True))

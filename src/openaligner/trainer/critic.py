@@ -224,10 +224,11 @@ class CriticTrainer:
 
         The batch is padded to a multiple of ``gbs`` with mask-0 rows. Within a step, each rank
         takes an equal contiguous share of the ``gbs`` rows and accumulates gradients over
-        micro-batches of ``micro_batch_size`` rows; each micro-batch's loss is weighted by its
-        share of the step's valid tokens, so the summed gradient — after the sum over ranks — is
-        the gradient of the token-mean loss over the whole global batch, whatever the number of
-        ranks and the micro-batch size. Then the shared optimizer step (clip, skip if inf/NaN,
+        micro-batches of ``micro_batch_size`` rows; each micro-batch's loss is its share of the
+        step's token mean (its token sum over the valid tokens of the whole ``gbs`` rows, every
+        rank's), so the summed gradient — after the sum over ranks — is the gradient of the
+        token-mean loss over the whole global batch, and the logged loss that loss, whatever the
+        number of ranks and the micro-batch size. Then the shared optimizer step (clip, skip if inf/NaN,
         optimizer and scheduler step). Every rank runs the same number of micro-batches per step
         (a sharded critic's forwards and backwards are collectives): a micro-batch of padding rows
         only trains nothing, and a sharded critic still runs it (see :meth:`_join_shards`).
@@ -318,12 +319,15 @@ class CriticTrainer:
             # values at tokens 0..width-1 = critic(tokens)[:, :-1] restricted to those positions
             with self.precision.autocast():
                 values = self.model.standardize(self.model(local.tokens[i : i + mbs, :width]))
-                loss, stats = value_loss(values, prev, returns, mask, self.cfg.loss_clip_val)
+                # this micro-batch's share of the step's token mean
+                loss, stats = value_loss(
+                    values, prev, returns, mask, self.cfg.loss_clip_val, units=weight_denominator
+                )
             tokens = mask.sum().to(torch.float64)
-            self.scaler.scale(loss * (tokens / weight_denominator).to(loss.dtype)).backward()
+            self.scaler.scale(loss).backward()
             sums += torch.stack(
                 [
-                    loss.detach().to(torch.float64).cpu() * tokens.cpu() / weight_denominator.cpu(),
+                    loss.detach().to(torch.float64).cpu(),
                     stats.clip_fraction.detach().to(torch.float64).cpu() * tokens.cpu(),
                     tokens.cpu(),
                 ]

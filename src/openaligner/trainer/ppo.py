@@ -40,7 +40,12 @@ from typing import Any, Protocol
 import torch
 
 from openaligner import distributed as dp
-from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance
+from openaligner.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    aggregation_units,
+    explained_variance,
+)
 from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
@@ -579,47 +584,51 @@ class PPOTrainer:
 
         ``data`` is the global batch (the same on every rank). Each minibatch of
         ``global_batch_size`` rows is drawn from one global permutation; rank r takes its r-th
-        contiguous share, so the averaged gradient equals the one-process gradient.
+        contiguous share. The loss of an optimizer step is normalised over the whole minibatch:
+        its denominator (:func:`~openaligner.algorithms.aggregation_units` — valid tokens for
+        ``token_mean``, samples for the ``seq_mean_*`` aggregations) is counted over every rank's
+        share once per step, each micro-batch's loss is its share of the step's, and the ranks'
+        gradients are summed. So the gradient, and every ``policy/`` metric, is that of the
+        minibatch in one piece, whatever ``micro_batch_size`` and the number of ranks.
+
+        Returns:
+            ``policy/*`` metrics, each the mean over this call's optimizer steps of the step's
+            value: ``loss``, ``pg_loss``, ``entropy``, ``kl_loss`` as the step's loss is
+            aggregated; ``ppo_ratio``, ``ppo_ratio_clamped``, ``clip_fraction``, ``approx_kl`` as
+            means over the step's response tokens, ``dual_clip_fraction`` over those with a
+            negative advantage; ``grad_norm``, ``lr`` (and ``loss_scale``); ``skipped_steps`` (a
+            count) and ``optim_step``.
         """
         c = self.cfg
         world, rank = dp.world_size(), dp.rank()
         local_gbs = c.global_batch_size // world
         n_micro = local_gbs // c.micro_batch_size
         params = self.model.parameters()
-        sums: dict[str, float] = defaultdict(float)
+        step_sums: list[torch.Tensor] = []  # this rank's _STEP_SUMS of every optimizer step
+        same_on_ranks: dict[str, float] = defaultdict(float)  # sums over steps of rank-equal values
         count = 0
         for ppo_epoch in range(c.ppo_epochs):
             g = torch.Generator().manual_seed(derive_seed(c.seed, 2, self.step, ppo_epoch))
             order = torch.randperm(len(data), generator=g)
             for global_start in range(0, len(data), c.global_batch_size):
-                start = global_start + rank * local_gbs
+                mine = order[global_start + rank * local_gbs : global_start + (rank + 1) * local_gbs]
+                # the step's denominator: every rank's units, summed once
+                units = dp.all_reduce_sum(self._loss_units(data.select(mine)).reshape(1))[0]
                 self.optimizer.zero_grad(set_to_none=True)
-                step_metrics: dict[str, float] = defaultdict(float)
+                sums = torch.zeros(len(_STEP_SUMS), dtype=torch.float64)
                 for m in range(n_micro):
-                    idx = order[start + m * c.micro_batch_size : start + (m + 1) * c.micro_batch_size]
-                    mb = data.select(idx)
-                    batch = {
-                        "response_tokens": mb.response_tokens,
-                        "prompt_lengths": mb.prompt_lengths,
-                        "advantages": mb.advantages,
-                        "mask": mb.mask,
-                        "prev_logprobs": mb.prev_logprobs,
-                        "is_end": mb.is_end if c.gate_unfinished else torch.ones_like(mb.is_end),
-                    }
-                    if mb.ref_logprobs is not None:  # the KL as a loss term
-                        batch["ref_logprobs"] = mb.ref_logprobs
-                        batch["kl_coef"] = torch.tensor(self._loss_kl_coef, dtype=torch.float64)
-                    loss, metrics = self.model.get_loss_and_metrics(batch)
-                    self.grad_scaler.scale(loss / n_micro).backward()
-                    for k, v in metrics.items():
-                        step_metrics[k] += v / n_micro
+                    mb = data.select(mine[m * c.micro_batch_size : (m + 1) * c.micro_batch_size])
+                    loss, metrics = self.model.get_loss_and_metrics(self._loss_batch(mb, units))
+                    self.grad_scaler.scale(loss).backward()  # this micro-batch's share of the step
+                    sums += _step_sums(metrics)
+                step_sums.append(sums)
                 outcome = optimizer_step(
                     params,
                     self.optimizer,
                     self.scheduler,
                     self.grad_scaler,
                     max_grad_norm=c.gradient_clip_val,
-                    gradients="mean",  # each rank's loss is a mean over its own rows
+                    gradients="sum",  # each rank's loss is its rows' share of the minibatch's
                 )
                 grad_norm = outcome.grad_norm
                 if outcome.stepped:
@@ -627,23 +636,44 @@ class PPOTrainer:
                     self.nonfinite_in_a_row = 0
                 else:
                     self._skip_nonfinite_step(grad_norm, outcome.loss_scale)
-                    step_metrics["skipped_steps"] += 1.0
-                step_metrics["grad_norm"] = grad_norm
-                step_metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+                    same_on_ranks["skipped_steps"] += 1.0
+                same_on_ranks["grad_norm"] += grad_norm
+                same_on_ranks["lr"] += float(self.optimizer.param_groups[0]["lr"])
                 if self.grad_scaler.is_enabled():
-                    step_metrics["loss_scale"] = float(self.grad_scaler.get_scale())
-                for k, v in step_metrics.items():
-                    sums[k] += v
+                    same_on_ranks["loss_scale"] += float(self.grad_scaler.get_scale())
                 count += 1
         self.optimizer.zero_grad(set_to_none=True)
-        sums.setdefault("skipped_steps", 0.0)
-        averaged = (
-            dp.all_reduce_sum(torch.tensor([sums[k] for k in sorted(sums)], dtype=torch.float64)) / world
-        )
-        out = {f"policy/{k}": float(v) / count for k, v in zip(sorted(sums), averaged, strict=True)}
-        out["policy/skipped_steps"] = sums["skipped_steps"]  # a count, not a mean
+        per_step = _step_metrics(dp.all_reduce_sum(torch.stack(step_sums)))  # one collective
+        out = {f"policy/{k}": float(v.mean()) for k, v in per_step.items()}
+        out |= {f"policy/{k}": v / count for k, v in same_on_ranks.items()}
+        out["policy/skipped_steps"] = same_on_ranks.get("skipped_steps", 0.0)  # a count, not a mean
         out["policy/optim_step"] = float(self.ppo_optimization_step)
         return out
+
+    def _gate(self, rows: PPOData) -> torch.Tensor:
+        """[B] bool: the rows whose tokens the loss trains on (``gate_unfinished``: those that ended)."""
+        return rows.is_end if self.cfg.gate_unfinished else torch.ones_like(rows.is_end)
+
+    def _loss_units(self, rows: PPOData) -> torch.Tensor:
+        """The units (tokens or samples) ``rows`` add to the denominator of the step's loss."""
+        loss_mask = rows.mask * self._gate(rows).to(rows.mask.dtype).unsqueeze(-1)
+        return aggregation_units(loss_mask, self.cfg.aggregation).to(torch.float64)
+
+    def _loss_batch(self, mb: PPOData, units: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The actor's loss inputs for micro-batch ``mb`` of a step whose loss divides by ``units``."""
+        batch = {
+            "response_tokens": mb.response_tokens,
+            "prompt_lengths": mb.prompt_lengths,
+            "advantages": mb.advantages,
+            "mask": mb.mask,
+            "prev_logprobs": mb.prev_logprobs,
+            "is_end": self._gate(mb),
+            "loss_units": units,
+        }
+        if mb.ref_logprobs is not None:  # the KL as a loss term
+            batch["ref_logprobs"] = mb.ref_logprobs
+            batch["kl_coef"] = torch.tensor(self._loss_kl_coef, dtype=torch.float64)
+        return batch
 
     def _skip_nonfinite_step(self, grad_norm: float, loss_scale: float) -> None:
         """Leave the weights, optimizer and schedule as they are; stop after too many in a row.
@@ -910,6 +940,33 @@ def on_rank0_shared(fn: Callable[[], Any], what: str) -> Any:
 def _monitored(metrics: dict[str, float]) -> dict[str, float]:
     """The metrics a checkpoint's manifest records (validation ones, for the best checkpoint)."""
     return {k.replace("/", "_"): v for k, v in metrics.items() if k.startswith("val/")}
+
+
+_SHARES = ("loss", "pg_loss", "entropy", "kl_loss")
+"""Actor metrics that are a micro-batch's share of its step's loss terms: they add up."""
+_TOKEN_MEANS = ("ppo_ratio", "ppo_ratio_clamped", "clip_fraction", "approx_kl")
+"""Actor metrics that are means over a micro-batch's ``response_tokens``."""
+_STEP_SUMS = (*_SHARES, *_TOKEN_MEANS, "dual_clip_fraction", "response_tokens", "negative_tokens")
+"""What a rank sums over a step's micro-batches: shares, and the token means times their weight."""
+
+
+def _step_sums(metrics: dict[str, float]) -> torch.Tensor:
+    """One micro-batch's contribution to its step's :data:`_STEP_SUMS` (float64 [len(_STEP_SUMS)])."""
+    tokens, negative = metrics["response_tokens"], metrics["negative_tokens"]
+    weighted = {k: metrics[k] * tokens for k in _TOKEN_MEANS}
+    weighted["dual_clip_fraction"] = metrics["dual_clip_fraction"] * negative
+    counts = {"response_tokens": tokens, "negative_tokens": negative}
+    values = {k: metrics[k] for k in _SHARES} | weighted | counts
+    return torch.tensor([values[k] for k in _STEP_SUMS], dtype=torch.float64)
+
+
+def _step_metrics(sums: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each step's metrics ([steps] per name) from its :data:`_STEP_SUMS` over every rank [steps, K]."""
+    col = {k: sums[:, i] for i, k in enumerate(_STEP_SUMS)}
+    out = {k: col[k] for k in _SHARES}
+    out |= {k: col[k] / col["response_tokens"].clamp_min(1.0) for k in _TOKEN_MEANS}
+    out["dual_clip_fraction"] = col["dual_clip_fraction"] / col["negative_tokens"].clamp_min(1.0)
+    return out
 
 
 def derive_seed(*parts: int) -> int:

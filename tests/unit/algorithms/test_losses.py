@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -5,7 +6,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openaligner.algorithms import aggregate, explained_variance, ppo_policy_loss, value_loss
+from openaligner.algorithms import (
+    LOSS_AGGREGATIONS,
+    aggregate,
+    aggregation_units,
+    explained_variance,
+    ppo_policy_loss,
+    value_loss,
+)
 
 
 def test_policy_loss_worked_example():
@@ -170,3 +178,93 @@ def test_nonfinite_values_at_masked_positions_leave_loss_gradient_and_stats_fini
     v.backward()
     assert torch.isfinite(v) and torch.isfinite(values.grad).all()
     assert torch.isfinite(vs.explained_variance) and torch.isfinite(vs.returns_mean)
+
+
+def test_units_make_micro_batch_losses_shares_of_the_whole_batch_worked_example():
+    # one sample of 4 tokens with loss 1 each, one of 1 token with loss 5 (token_mean)
+    long, short = torch.tensor([[1.0, 1, 1, 1]]), torch.tensor([[5.0, 0, 0, 0]])
+    long_mask, short_mask = torch.ones(1, 4), torch.tensor([[1.0, 0, 0, 0]])
+    # alone, each is its own mean: 1 and 5; averaging those (3) weighs the short one's token 4×
+    assert aggregate(long, long_mask, "token_mean").item() == 1.0
+    assert aggregate(short, short_mask, "token_mean").item() == 5.0
+    # with the whole batch's 5 tokens as units: 4/5 + 5/5 = 9/5, the mean of all five tokens
+    units = aggregation_units(torch.cat([long_mask, short_mask]), "token_mean")
+    assert units.item() == 5.0
+    shares = aggregate(long, long_mask, "token_mean", units=units) + aggregate(
+        short, short_mask, "token_mean", units=units
+    )
+    assert shares.item() == pytest.approx(9 / 5)
+    # the seq_mean_* aggregations count samples that have a valid token: here 2 of 3
+    mask = torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 0, 0]])
+    assert aggregation_units(mask, "seq_mean_token_mean").item() == 2.0
+    assert aggregation_units(mask, "seq_mean_token_sum_norm").item() == 2.0
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregation_units(mask, "sum")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    aggregation=st.sampled_from(LOSS_AGGREGATIONS),
+    cuts=st.lists(st.integers(1, 7), min_size=0, max_size=3, unique=True),
+    seed=st.integers(0, 2**16),
+)
+def test_shares_over_any_split_sum_to_the_whole_batch_loss_and_gradient(aggregation, cuts, seed):
+    """Split 8 rows of very different lengths anywhere: the micro-batches' losses with the whole
+    batch's units add up to the whole batch's loss, and so do their gradients (float64, so the
+    only difference is the summation order: rel 1e-12)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, width = 8, 12
+    lengths = torch.tensor([1, 12, 2, 9, 0, 5, 12, 3])[torch.randperm(rows, generator=g)]
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).double()
+    new = torch.randn(rows, width, generator=g, dtype=torch.float64)
+    old = new.detach() + 0.3 * torch.randn(rows, width, generator=g, dtype=torch.float64)
+    ref = new.detach() + 0.2 * torch.randn(rows, width, generator=g, dtype=torch.float64)
+    adv = torch.randn(rows, width, generator=g, dtype=torch.float64)
+    is_end = torch.rand(rows, generator=g) > 0.25
+    loss_mask = mask * is_end.double()[:, None]
+
+    def loss(lo: int, hi: int, params: torch.Tensor, units) -> tuple[torch.Tensor, object]:
+        return ppo_policy_loss(
+            params[lo:hi],
+            old[lo:hi],
+            adv[lo:hi],
+            mask[lo:hi],
+            0.2,
+            aggregation=aggregation,
+            norm_length=width,
+            is_end=is_end[lo:hi],
+            entropy=params[lo:hi].abs(),
+            entropy_coef=0.1,
+            ref_logprobs=ref[lo:hi],
+            kl_coef=0.05,
+            units=units,
+        )
+
+    whole_params = new.clone().requires_grad_(True)
+    whole, whole_stats = loss(0, rows, whole_params, None)
+    whole.backward()
+    units = aggregation_units(loss_mask, aggregation)
+    split_params = new.clone().requires_grad_(True)
+    bounds = [0, *sorted(cuts), rows]
+    parts = [loss(lo, hi, split_params, units) for lo, hi in itertools.pairwise(bounds)]
+    total = sum(p for p, _ in parts)
+    total.backward()
+    assert total.item() == pytest.approx(whole.item(), rel=1e-12, abs=1e-15)
+    torch.testing.assert_close(split_params.grad, whole_params.grad, rtol=1e-12, atol=1e-15)
+    for field in ("pg_loss", "entropy", "kl_loss"):
+        summed = sum(getattr(s, field).item() for _, s in parts)
+        assert summed == pytest.approx(getattr(whole_stats, field).item(), rel=1e-12, abs=1e-15), field
+    # token means weighted by their token counts combine to the whole batch's
+    tokens = sum(s.tokens.item() for _, s in parts)
+    assert tokens == whole_stats.tokens.item() == mask.sum().item()
+    ratio = sum(s.ratio_mean.item() * s.tokens.item() for _, s in parts) / tokens
+    assert ratio == pytest.approx(whole_stats.ratio_mean.item(), rel=1e-12)
+    # the value loss: the same with the whole batch's token count
+    values = new.clone().requires_grad_(True)
+    v_whole, _ = value_loss(values, old, adv, mask, 0.2)
+    v_units = aggregation_units(mask, "token_mean")
+    v_split = sum(
+        value_loss(new[lo:hi], old[lo:hi], adv[lo:hi], mask[lo:hi], 0.2, units=v_units)[0]
+        for lo, hi in itertools.pairwise(bounds)
+    )
+    assert float(v_split) == pytest.approx(v_whole.item(), rel=1e-12, abs=1e-15)

@@ -14,7 +14,8 @@ resumes from the newest one there, as train-ppo does; ``STEPS`` is ``max_steps``
 checkpoint) instead of plain SGD. ``EXPORT=<dir>`` writes the final actor there as train-ppo does
 (``CausalLMActor.save_pretrained``, on every rank when sharded). ``ESTIMATOR=grpo`` (or another
 critic-free estimator) samples 4 prompts × 4 responses a step instead of 16 × 1 and trains no critic.
-Rank 0 also writes the final weights, every element, to ``OUT`` with the suffix ``.pt``.
+``MICRO_BATCH`` is ``trainer.micro_batch_size`` (default 2). Rank 0 also writes the final weights
+to ``OUT`` with the suffix ``.pt`` (a state dict) for an element-wise comparison.
 """
 
 import json
@@ -88,7 +89,7 @@ def main(out: Path, fail_at: int | None = None) -> None:
             "num_rollout_samples=16",
             "rollout_micro_batch_size=4",
             "global_batch_size=8",
-            "micro_batch_size=2",
+            f"micro_batch_size={os.environ.get('MICRO_BATCH', '2')}",
             "length.max_length=5",
             "val_check_interval=0",
             f"save_interval={1 if checkpoint_dir else 0}",
@@ -164,7 +165,7 @@ def main(out: Path, fail_at: int | None = None) -> None:
     if dp.rank() == 0:
         assert state is not None
         weights = {k: float(v.double().sum()) for k, v in state.items()}
-        torch.save(state, out.with_suffix(".pt"))  # every element, for the equivalence tests
+        torch.save(state, out.with_suffix(".pt"))
         out.write_text(json.dumps({"history": history, "weights": weights, "betas": betas}))
     dp.shutdown()
 

@@ -97,9 +97,10 @@ def make_trainer(
     arch="gpt2",
     lora_rank=0,
     grad_scaler=None,
+    sgd_lr=None,
 ):
     """A PPOTrainer on a tiny ``arch`` actor (LoRA adapters of ``lora_rank`` when > 0, via peft),
-    or on ``actor`` when given."""
+    or on ``actor`` when given; trained with AdamW, or plain SGD at ``sgd_lr`` when given."""
     torch.manual_seed(seed)
     if actor is None:
         model = build_tiny_causal_lm(arch, SIZE, seed=seed)
@@ -116,7 +117,10 @@ def make_trainer(
         )
     if prompts is None:
         prompts = [[3 + (i % 20), 4 + (i % 7), 5] for i in range(32)]
-    opt = torch.optim.AdamW(actor.parameters(), lr=3e-3)
+    if sgd_lr is None:
+        opt = torch.optim.AdamW(actor.parameters(), lr=3e-3)
+    else:
+        opt = torch.optim.SGD(actor.parameters(), lr=sgd_lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return PPOTrainer(
         cfg,

@@ -7,6 +7,7 @@ import torch
 
 from openaligner.algorithms import value_loss
 from openaligner.io.checkpoint import CheckpointManager
+from openaligner.trainer import critic as critic_module
 from openaligner.trainer.critic import (
     CriticBatch,
     CriticTrainConfig,
@@ -123,3 +124,57 @@ def test_a_lora_critic_trains_adapters_and_head_and_resumes_from_its_adapter_che
     resumed.train_pass(a_batch())
     for k, v in resumed.model.state_dict().items():
         assert torch.equal(v, straight.model.state_dict()[k]), k
+
+
+def uneven_batch(rows=8, width=14):
+    """Rows with valid lengths from 1 to 13 positions, short and long in each global batch of 4."""
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([1, 13, 2, 11, 13, 1, 3, 12])[:rows]
+    mask = (torch.arange(width - 1)[None, :] < lengths[:, None]).float()
+    tokens = torch.randint(3, 100, (rows, width), generator=g)
+    returns = 2.0 * torch.randn(rows, width - 1, generator=g)
+    return CriticBatch(tokens, returns, 0.1 * torch.randn(rows, width - 1, generator=g), mask)
+
+
+# 1 × 4 vs 4 × 1, two SGD steps, no gradient clipping: w₂ = w₀ − lr·(g₁ + g₂), linear in the
+# gradients, so the runs differ only by float32 rounding (u = 2⁻²⁴ ≈ 6e-8): the forwards of 1 row
+# vs 4 rows round a few ulps differently per value, and a step's gradient is a sum of 4 shares
+# instead of one sum (≤ 4u relative). Loss and gradient norm: rel 1e-6. Weights: |g| elements
+# ≤ the gradient norms (< 10 here) → |δw| ≤ 2 steps × lr 0.05 × 4u × 10 ≈ 2.4e-7, plus a rounding
+# of w (|w| < 4: 2.4e-7) → atol 1e-6; the two steps move the weights by > 1e-2 (checked).
+CRITIC_ATOL = 1e-6
+
+
+def two_sgd_steps(tiny, micro_batch_size):
+    critic = tiny.critic()
+    before = {k: v.clone() for k, v in critic.state_dict().items()}
+    optimizer = torch.optim.SGD(critic.parameters(), lr=0.05)
+    cfg = CriticTrainConfig(global_batch_size=4, micro_batch_size=micro_batch_size, gradient_clip_val=0)
+    trainer = CriticTrainer(cfg, critic, optimizer)
+    result = trainer.train_pass(uneven_batch())
+    assert result.optimizer_steps == 2
+    return result, before, trainer.model.state_dict()
+
+
+def test_critic_train_in_micro_batches_of_one_equals_one_micro_batch_of_the_global_batch(tiny, monkeypatch):
+    """The value loss is a token mean over each step's whole global batch (every micro-batch and
+    rank), so rows of 1 and 13 valid positions weigh per token, not per micro-batch."""
+    whole, before, w_whole = two_sgd_steps(tiny, 4)
+    ones, _, w_ones = two_sgd_steps(tiny, 1)
+    assert ones.loss_mean == pytest.approx(whole.loss_mean, rel=1e-6)
+    assert ones.grad_norm == pytest.approx(whole.grad_norm, rel=1e-6)
+    assert ones.clip_fraction == pytest.approx(whole.clip_fraction, rel=1e-6)
+    assert max((w_whole[k] - v).abs().max().item() for k, v in before.items()) > 1e-2  # it trained
+    for name, tensor in w_whole.items():
+        torch.testing.assert_close(w_ones[name], tensor, rtol=0, atol=CRITIC_ATOL, msg=name)
+
+    # the comparison catches the defect it exists for: each micro-batch's loss a token mean over
+    # its own tokens, divided by the micro-batch count (4 per step)
+    def per_micro_batch_mean(values, old, returns, mask, clip, units=None):
+        return value_loss(values, old, returns, mask, clip, units=4 * mask.sum())
+
+    monkeypatch.setattr(critic_module, "value_loss", per_micro_batch_mean)
+    defect, _, w_defect = two_sgd_steps(tiny, 1)
+    assert defect.loss_mean != pytest.approx(whole.loss_mean, rel=1e-3)
+    worst = max((w_defect[k] - v).abs().max().item() for k, v in w_whole.items())
+    assert worst > 1000 * CRITIC_ATOL

@@ -124,8 +124,14 @@ def test_two_ranks_sharded_or_replicated_match_one_process(tmp_path, objective, 
     micro-batches on one rank: another summation order. Metrics: rel 1e-5 (float32 ulps are 6e-8;
     measured ≤ 2e-7). Weights: :data:`ATOL`, derived above. The RM case also runs the replicas with
     a defect (gradients summed over ranks, not averaged) and shows the weight check fails on it.
+
+    Micro-batch size: one process training each global batch in one micro-batch of 8 (1 × 8)
+    matches the 2 ranks' 2 micro-batches of 2 each, with the same tolerances (one sum of 8 rows'
+    gradients instead of 4 sums: fewer rounded additions than the bound above counts): the SFT
+    NLL is a token mean, the RM loss a pair mean, over the whole global batch.
     """
     one = sgd_run(tmp_path, "one", 1, objective, f"model.tiny={arch}")
+    whole = sgd_run(tmp_path, "whole", 1, objective, f"model.tiny={arch}", "trainer.micro_batch_size=8")
     ddp = sgd_run(tmp_path, "ddp", 2, objective, f"model.tiny={arch}", "parallel.strategy=ddp")
     fsdp = sgd_run(tmp_path, "fsdp", 2, objective, f"model.tiny={arch}", "parallel.strategy=fsdp")
     assert [m["step"] for m in fsdp["metrics"]] == [1, 2, 3]
@@ -140,6 +146,14 @@ def test_two_ranks_sharded_or_replicated_match_one_process(tmp_path, objective, 
     assert one["weights"].keys() == ddp["weights"].keys() == fsdp["weights"].keys()
     assert_weights_close(fsdp["weights"], ddp["weights"])
     assert_weights_close(ddp["weights"], one["weights"])
+    for m_whole, m_ddp, m_fsdp in zip(whole["metrics"], ddp["metrics"], fsdp["metrics"], strict=True):
+        for key in KEYS[objective]:
+            if key in m_whole:
+                assert m_ddp[key] == pytest.approx(m_whole[key], rel=1e-5, abs=1e-7), key
+                assert m_fsdp[key] == pytest.approx(m_whole[key], rel=1e-5, abs=1e-7), key
+    assert_weights_close(ddp["weights"], whole["weights"])
+    assert_weights_close(fsdp["weights"], whole["weights"])
+    assert whole["forwards"] == [{"train": 3, "val": 3}]  # one micro-batch per step
     # every rank ran the same forwards: 3 steps × 2 micro-batches, and 2 validation forwards each
     assert one["forwards"] == [{"train": 12, "val": 3}]
     assert ddp["forwards"] == fsdp["forwards"] == [{"train": 6, "val": 2}] * 2
