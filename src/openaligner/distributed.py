@@ -18,9 +18,12 @@ must not know about training, serving, models or HTTP.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -90,9 +93,37 @@ def shutdown() -> None:
     destructors ("terminate called without an active exception", SIGABRT) after a run that
     otherwise succeeded.
     """
+    global _LEFT_GROUP
     if is_distributed():
         dist.barrier()
         dist.destroy_process_group()
+        _LEFT_GROUP = True
+
+
+_LEFT_GROUP = False  # this process left a process group (see finish)
+
+
+def finish(code: int) -> int:
+    """End a process after its command returned ``code``: a process that was a rank of a process
+    group (it called :func:`shutdown`) runs its ``atexit`` handlers, flushes logging and the
+    standard streams, and leaves with ``os._exit(code)``; any other process just gets ``code``
+    back to exit with as usual.
+
+    Why: a rank whose work is done and written still holds objects that reference the destroyed
+    group (a sharded model's DTensors keep their device mesh, and the mesh its gloo/NCCL group);
+    they are finalised while the interpreter tears down, where a library thread destroyed while
+    still joinable aborts the process ("terminate called without an active exception", SIGABRT),
+    and torchrun then reports a successful run as failed. Nothing after the command needs those
+    finalisers: files are closed by the trainers, and Python-level exit handlers still run here.
+    """
+    if not _LEFT_GROUP:
+        return code
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed or gone: nothing left to flush
+            stream.flush()
+    os._exit(code)
 
 
 def collective_device() -> torch.device:

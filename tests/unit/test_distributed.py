@@ -94,3 +94,37 @@ def test_two_gloo_ranks(tmp_path):
         assert r["sum_of_means"].tolist() == [5.0, 8.0]
         assert "the step failed on rank(s) [1] (rank 1: RuntimeError: simulated)" in r["guarded"]  # on both
     assert r0["x"].tolist() == [1.0, 5.0]  # the reductions leave their input alone
+
+
+FINISH_SCRIPT = """
+import atexit, sys
+import torch.distributed as dist
+from openaligner import distributed as dp
+store = dist.FileStore(sys.argv[1], 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+atexit.register(lambda: open(sys.argv[2], "w").write("ran"))
+dp.shutdown()
+print("done", flush=False)  # buffered: finish must flush it
+sys.exit(dp.finish(3))
+raise AssertionError("finish returned in a process that left a group")
+"""
+
+
+def test_finish_ends_a_rank_with_its_code_after_exit_handlers_and_returns_it_elsewhere(tmp_path):
+    """A rank that left its group ends in ``finish`` with the command's code, its atexit handlers
+    run and its output flushed (interpreter teardown, where library threads can abort a finished
+    run, is skipped); a process that never joined a group gets its code back."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "atexit"
+    run = subprocess.run(
+        [sys.executable, "-c", FINISH_SCRIPT, str(tmp_path / "store"), str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 3, run.stderr
+    assert run.stdout.strip() == "done"
+    assert marker.read_text() == "ran"
+    assert dp.finish(5) == 5  # this test process never left a group

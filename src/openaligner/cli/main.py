@@ -117,5 +117,13 @@ def _quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
 
 
+def entry() -> int:
+    """The ``openaligner`` console command: :func:`main`, then the process ends as
+    :func:`openaligner.distributed.finish` says (a torchrun rank skips interpreter teardown)."""
+    from openaligner import distributed as dp
+
+    return dp.finish(main())
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry())

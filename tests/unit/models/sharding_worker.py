@@ -130,3 +130,4 @@ def main(prefix: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    sys.exit(dp.finish(0))  # a rank skips interpreter teardown (distributed.finish says why)

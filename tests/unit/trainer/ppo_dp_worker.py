@@ -172,3 +172,4 @@ def main(out: Path, fail_at: int | None = None) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    sys.exit(dp.finish(0))  # a rank skips interpreter teardown (distributed.finish says why)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from openaligner import distributed as dp
 from openaligner.cli.main import main
 from openaligner.trainer import supervised
 from openaligner.trainer.rm import RMObjective
@@ -102,4 +103,5 @@ def run(out: Path, data: Path, overrides: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]))
+    # a rank skips interpreter teardown (distributed.finish says why)
+    sys.exit(dp.finish(run(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])))
