@@ -137,7 +137,11 @@ def test_two_ranks_sharded_or_replicated_match_one_process(tmp_path, arch):
     assert fsdp["history"][1]["policy/ppo_ratio"] != 1.0  # it trained
     for m_whole, m_ddp, m_fsdp in zip(whole["history"], ddp["history"], fsdp["history"], strict=True):
         for key in KEYS:
-            tol = {"rel": 1e-6, "abs": 1e-6 if key == "policy/loss" else 1e-7}
+            # the policy loss and explained variance (1 − a ratio of variances) cancel: their
+            # rounding is relative to their terms, not to the result (measured up to 0.33 of
+            # rel 1e-6 + abs 1e-7 on explained variance); every other key at rel 1e-6
+            cancels = key in ("policy/loss", "value/explained_variance")
+            tol = {"rel": 1e-6, "abs": 1e-6 if cancels else 1e-7}
             assert m_ddp[key] == pytest.approx(m_whole[key], **tol), key
             assert m_fsdp[key] == pytest.approx(m_whole[key], **tol), key
     w_whole = torch.load(tmp_path / "whole.pt")
