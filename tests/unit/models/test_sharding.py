@@ -161,6 +161,7 @@ def resident_mib():
 
 if sys.argv[1] == "policy":
     assert return_large_frees_to_os()
+torch.ones(1024).add_(1).sum()  # torch's lazy start-up (thread pools, kernels) before measuring
 before = resident_mib()
 for _ in range(3):  # what a sharded rank does per layer: gather 16 MiB, compute, free it
     layer = torch.ones(4 * 2**20)
@@ -187,7 +188,10 @@ def test_a_sharded_process_returns_freed_layers_to_the_os():
     (:func:`return_large_frees_to_os`, set by ``shard``) the freed blocks go back to the OS."""
     if _resident_after_frees("default") < 12:  # the C library already returns them: nothing to show
         pytest.skip("this C library returns freed 16 MiB blocks by default")
-    assert _resident_after_frees("policy") < 4
+    # Freed blocks are 16 MiB: a C library keeping even one resident stays at 16 MiB or more;
+    # under the policy what remains is other allocations' noise (measured 0.04 MiB after the
+    # warm-up, 5.4 MiB without it, when torch's lazy start-up fell inside the measurement).
+    assert _resident_after_frees("policy") < 8
 
 
 def test_sharding_sets_the_allocator_policy(monkeypatch):
