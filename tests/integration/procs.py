@@ -1,9 +1,11 @@
 """Process helpers shared by the integration tests: free ports, process trees, liveness, CLI servers."""
 
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -12,9 +14,40 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from openaligner.servers.transport.triton import free_loopback_port
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+_pick = random.Random(os.getpid() ^ time.time_ns())
 
-free_port = free_loopback_port  # one free-port helper, in src (the demo uses it too)
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds now, below the system's ephemeral range, and never
+    the same twice in this process.
+
+    A test picks a port, then a server binds it seconds later, after loading its model. Ports the
+    system hands out meanwhile (a bind to port 0, as every server does for its Triton, or an outgoing
+    connection) come from the ephemeral range: a port below it cannot be handed to a neighbouring
+    server in that window. (CI once failed when the critic's Triton took the reward server's port.)
+    Where a test can, it starts the server with port 0 and reads the port it took instead.
+    """
+    low = int(_EPHEMERAL.read_text().split()[0]) if _EPHEMERAL.is_file() else 32768
+    first = max(1024, low - 12000)
+    for _ in range(1000):
+        port = _pick.randrange(first, low)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {first}..{low - 1}")
+
+
+def port_of(url: str) -> int:
+    """The port of ``http://host:port``."""
+    return int(url.rsplit(":", 1)[1].split("/")[0])
 
 
 @contextmanager

@@ -4,13 +4,14 @@ One server for the whole module (Triton takes ~3 s to start). Its batcher waits 
 requests to merge, so concurrent requests really are served together.
 """
 
+import socket
 import threading
 
 import numpy as np
 import pytest
 import torch
 import tritonclient.http as triton_http
-from procs import alive, free_port, short_tmp_dir
+from procs import alive, free_port, port_of, short_tmp_dir
 from tritonclient.utils import InferenceServerException
 
 from openaligner.clients.errors import BadRequestError, ServerTimeoutError
@@ -275,11 +276,13 @@ def short_dir():
 
 def test_stop_is_quick_and_leaves_no_process_or_files(short_dir):
     """Everything of a server lives under its workspace_dir (no model copies in /tmp), and a stop
-    removes it all: no process, no file."""
+    removes it all: no process, no file. (Port 0: the server takes a free port and its url names it.)"""
     tmp_path = short_dir
     copies = _model_copies()
-    server = RewardModelServer(infer_fn=lambda t, n: n.float(), port=free_port(), workspace_dir=str(tmp_path))
+    server = RewardModelServer(infer_fn=lambda t, n: n.float(), port=0, workspace_dir=str(tmp_path))
     server.start()
+    port = port_of(server.url)
+    assert port != 0
     assert server.triton is not None and server.triton.workspace_path is not None
     own = server.triton.workspace_path
     assert own.parent == tmp_path and server.triton.log_path.parent == own
@@ -287,13 +290,45 @@ def test_stop_is_quick_and_leaves_no_process_or_files(short_dir):
     assert processes, "expected tritonserver and its python backend to run from the workspace"
     new_copies = [c for c in _model_copies() - copies if str(tmp_path) in (c / "config.pbtxt").read_text()]
     assert not new_copies, new_copies
-    keepalive = triton_http.InferenceServerClient(f"127.0.0.1:{server.cfg.port}")
+    keepalive = triton_http.InferenceServerClient(f"127.0.0.1:{port}")
     assert keepalive.is_model_ready("reward_model")  # an open keep-alive connection used to cost 30 s
     server.stop()
     keepalive.close()
     assert server.triton.stop_time_s is not None and server.triton.stop_time_s < 3.0
     assert not _processes_under(str(own)) and not any(alive(p) for p in processes)
     assert not own.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_port_is_held_from_the_start_so_a_neighbouring_triton_cannot_take_it(monkeypatch):
+    """While the server starts, its port is bound: when Triton picks its own port (a neighbouring
+    server's Triton does the same with the system's free ports), the server's port is not free.
+    Checked and released, then bound once Triton was up, it could be taken in between (it was: CI
+    failed with 'address already in use' when two servers started side by side)."""
+    from openaligner.servers.transport import triton as transport
+
+    port = free_port()
+    pick_triton_port = transport.free_loopback_port
+    bindable: list[bool] = []
+
+    def pick() -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                bindable.append(True)
+            except OSError:
+                bindable.append(False)
+        return pick_triton_port()
+
+    monkeypatch.setattr(transport, "free_loopback_port", pick)
+    server = RewardModelServer(infer_fn=lambda t, n: n.float(), port=port)
+    try:
+        server.start()
+        assert bindable == [False]
+        assert port_of(server.url) == port
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # and the front listens on the very socket that held it
+    finally:
+        server.stop()
 
 
 def test_a_workspace_dir_too_deep_for_tritons_sockets_is_refused_at_once(tmp_path):

@@ -21,7 +21,7 @@ import pytest
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "integration"))  # procs.py: free ports, process trees, CLI servers
 
-from procs import Served, free_port  # noqa: E402  (importable once the path above is set)
+from procs import Served, port_of  # noqa: E402  (importable once the path above is set)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -65,15 +65,13 @@ class CLIServers:
 
 @pytest.fixture(scope="session")
 def cli_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CLIServers]:
-    """Both CLI servers on free loopback ports, started together (the critic takes its token from
-    ``$OPENALIGNER_TOKEN``) and stopped with SIGINT at the end of the session."""
+    """Both CLI servers, started together with ``server.port=0`` (each takes a free port and names it
+    when ready; the critic takes its token from ``$OPENALIGNER_TOKEN``) and stopped with SIGINT at
+    the end of the session."""
     token = "cli-reliability-token"
     ckpt = tmp_path_factory.mktemp("cli_critic_ckpt")
-    reward_port, critic_port = free_port(), free_port()
     common = ["model.tiny=gpt2", "threads=1"]
-    reward = Served(
-        [sys.executable, "-m", "openaligner", "serve-reward", *common, f"server.port={reward_port}"]
-    )
+    reward = Served([sys.executable, "-m", "openaligner", "serve-reward", *common, "server.port=0"])
     critic = Served(
         [
             sys.executable,
@@ -81,7 +79,7 @@ def cli_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CLIServers
             "openaligner",
             "serve-critic",
             *common,
-            f"server.port={critic_port}",
+            "server.port=0",
             f"checkpoint.dir={ckpt}",
             "train.global_batch_size=4",
             "train.micro_batch_size=2",
@@ -89,8 +87,8 @@ def cli_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CLIServers
         env={"OPENALIGNER_TOKEN": token},
     )
     try:
-        reward.wait_ready()
-        critic.wait_ready()
+        reward_port = port_of(reward.wait_ready())
+        critic_port = port_of(critic.wait_ready())
         yield CLIServers(reward, reward_port, critic, critic_port, ckpt, token)
     finally:
         for served in (reward, critic):

@@ -26,7 +26,7 @@ class ServingConfig:
     """How a server serves; every key as the ``server`` section of its command."""
 
     host: str = DEFAULT_HOST  # address to bind; anything but loopback is logged as a warning
-    port: int  # HTTP port (each server's config sets its default)
+    port: int  # HTTP port (each server's config sets its default); 0: any free port, named when ready
     inference_micro_batch_size: list[int] = field(default_factory=lambda: [4])  # preferred rows per rank
     model_forward_micro_batch_size: int = 4  # rows per forward pass on one rank
     strip_sequence_length_to_multiple: int | None = None  # compute width multiple (null: longest row)
@@ -43,8 +43,8 @@ class ServingConfig:
         # {section}: the key this section has in the command's schema (server), see the docstring
         if isinstance(self.inference_micro_batch_size, int):  # the seed API's int form
             self.inference_micro_batch_size = [self.inference_micro_batch_size]
-        if not 0 < self.port < 65536:
-            raise ValueError(f"{{section}}.port must be in 1..65535, got {self.port}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"{{section}}.port must be in 0..65535 (0: any free port), got {self.port}")
         if not self.inference_micro_batch_size or min(self.inference_micro_batch_size) < 1:
             raise ValueError(
                 "{section}.inference_micro_batch_size must be a list of sizes >= 1, e.g. [4], "

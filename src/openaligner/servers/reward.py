@@ -239,8 +239,9 @@ class RewardModelServer(ServerLifecycle):
 
     @property
     def url(self) -> str:
-        """``http://host:port`` of the HTTP endpoint."""
-        return f"http://{self.cfg.host}:{self.cfg.port}"
+        """``http://host:port`` of the HTTP endpoint (with ``port=0``, the port picked at start once
+        started)."""
+        return self._host.url if self._host is not None else f"http://{self.cfg.host}:{self.cfg.port}"
 
     def handlers(self) -> dict[int, Callable[[Any], Any]]:
         """The opcode table every rank runs (the critic server adds TRAIN and SAVE)."""

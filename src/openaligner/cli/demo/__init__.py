@@ -48,7 +48,6 @@ from openaligner.cli.demo.report import (
     write_report,
 )
 from openaligner.cli.demo.stages import make_data, reuse_problem, run_command, write_config
-from openaligner.servers.transport.triton import free_loopback_port
 
 
 @dataclass
@@ -148,31 +147,25 @@ def run(cfg: DemoConfig) -> int:
             served = "the gold scorer as a reward function" if cfg.reward == "gold" else "reward model"
             where = " and critic in their own processes" if variant.uses_critic else " in its own process"
             banner(console, 4, f"serving: {served}{where}")
-            rm_port = free_loopback_port()
             reward_yaml = write_config(
                 configs / f"serve_reward{tag}.yaml",
                 "serve-reward",
-                serve_reward_overrides(run_dir, cfg.host, rm_port, cfg.reward),
+                serve_reward_overrides(run_dir, cfg.host, 0, cfg.reward),
             )
-            critic_port = free_loopback_port() if variant.uses_critic else None
             with times("server_start"):
-                servers.start(
-                    "serve-reward", reward_yaml, rm_port, "reward_model", logs / f"serve_reward{tag}.log"
-                )
-                if critic_port is not None:
+                servers.start("serve-reward", reward_yaml, "reward_model", logs / f"serve_reward{tag}.log")
+                if variant.uses_critic:
                     critic_yaml = write_config(
                         configs / f"serve_critic{tag}.yaml",
                         "serve-critic",
-                        serve_critic_overrides(run_dir, cfg.host, critic_port, variant),
+                        serve_critic_overrides(run_dir, cfg.host, 0, variant),
                     )
                     servers.start(
-                        "serve-critic",
-                        critic_yaml,
-                        critic_port,
-                        "critic_infer",
-                        logs / f"serve_critic{tag}.log",
+                        "serve-critic", critic_yaml, "critic_infer", logs / f"serve_critic{tag}.log"
                     )
-                servers.wait_ready()
+                ports = servers.wait_ready()
+            rm_port = ports[0]
+            critic_port = ports[1] if variant.uses_critic else None
             critic_url = f"   critic  http://{cfg.host}:{critic_port}" if critic_port is not None else ""
             console.print(f"  reward  http://{cfg.host}:{rm_port}{critic_url}")
 

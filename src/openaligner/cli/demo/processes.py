@@ -1,30 +1,33 @@
 """The demo's servers as child processes: started, awaited until ready, stopped (Ctrl-C and SIGTERM too).
 
 Owns the server processes of one run (each in a session of its own, output to a log file) and
-their orderly stop. Knows a server only by its command, port and the model whose readiness it
-reports (the KServe v2 ``ready`` route); nothing of what it serves.
+their orderly stop. Knows a server only by its command, the model it serves and the line it prints
+once ready, which names the port it took (each is started with ``server.port=0``); nothing of what
+it serves.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+READY_LINE = re.compile(r"server ready at http://\S+:(\d+)")
+"""What a ``serve-*`` command prints once it answers; the group is the port it took."""
+
 
 @dataclass(frozen=True)
 class _Server:
     proc: subprocess.Popen[bytes]
-    port: int
-    model: str  # the served model whose ready route says the server answers
+    model: str  # the served model, for messages
     log_path: Path
 
 
@@ -41,8 +44,10 @@ class ServerProcesses:
         self.ready_timeout_s = ready_timeout_s
         self._servers: list[_Server] = []
 
-    def start(self, command: str, yaml_path: Path, port: int, model: str, log_path: Path) -> None:
-        """Start ``openaligner <command> <yaml_path>``, which serves ``model`` on ``port``."""
+    def start(self, command: str, yaml_path: Path, model: str, log_path: Path) -> None:
+        """Start ``openaligner <command> <yaml_path>``, which serves ``model`` on the port it picks
+        (the config says ``server.port=0``: ports picked here and bound later could be taken by
+        then, even by the other server's Triton)."""
         # A session of its own: Ctrl-C in the terminal reaches the demo, which then stops the servers
         # in order, instead of hitting every process at once.
         with log_path.open("wb") as log:
@@ -53,17 +58,17 @@ class ServerProcesses:
                 start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
-        self._servers.append(_Server(proc, port, model, log_path))
+        self._servers.append(_Server(proc, model, log_path))
 
-    def wait_ready(self) -> None:
-        """Wait until every started server answers ready, each for up to ``ready_timeout_s``.
+    def wait_ready(self) -> list[int]:
+        """Wait until every started server says it is ready, each for up to ``ready_timeout_s``;
+        returns their ports, in the order they were started.
 
         Raises:
             RuntimeError: a server exited (the message holds the tail of its log).
             TimeoutError: a server was not ready in time.
         """
-        for server in self._servers:
-            self._wait_ready(server)
+        return [self._wait_ready(server) for server in self._servers]
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to every server still running; SIGKILL to the session of any still there after
@@ -79,24 +84,24 @@ class ServerProcesses:
                 os.killpg(server.proc.pid, signal.SIGKILL)
                 server.proc.wait()
 
-    def _wait_ready(self, server: _Server) -> None:
-        url = f"http://{self.host}:{server.port}/v2/models/{server.model}/ready"
+    def _wait_ready(self, server: _Server) -> int:
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
+            # the line is printed once the server answers (after its start returned)
+            ready = READY_LINE.search(server.log_path.read_text(errors="replace"))
+            if ready:
+                return int(ready.group(1))
             if server.proc.poll() is not None:
                 tail = server.log_path.read_text(errors="replace")[-2000:]
                 raise RuntimeError(
                     f"the server for {server.model} exited with code {server.proc.returncode}; "
                     f"log {server.log_path}:\n{tail}"
                 )
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
             time.sleep(0.5)
-        raise TimeoutError(f"{url} was not ready after {self.ready_timeout_s:.0f} s; see {server.log_path}")
+        raise TimeoutError(
+            f"the server for {server.model} was not ready after {self.ready_timeout_s:.0f} s; "
+            f"see {server.log_path}"
+        )
 
 
 @contextmanager

@@ -37,6 +37,7 @@ import itertools
 import json
 import logging
 import re
+import socket
 import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -192,6 +193,9 @@ class HTTPGuard:
         tokenizers: model name -> what ``GET /v2/models/<name>/tokenizer`` answers (JSON), for
             the models that have such a route.
         routes: other wire formats answered on their own paths (see :class:`ForeignRoute`).
+        sock: a socket already bound to ``host:port`` (see
+            :func:`~openaligner.servers.transport.triton.claim_port`), listened on instead of binding
+            anew; the guard owns it from here on.
     """
 
     def __init__(
@@ -206,6 +210,7 @@ class HTTPGuard:
         workers: int = 4,
         tokenizers: Mapping[str, Mapping[str, object]] | None = None,
         routes: Sequence[ForeignRoute] = (),
+        sock: socket.socket | None = None,
     ) -> None:
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
@@ -228,6 +233,7 @@ class HTTPGuard:
         self._started = threading.Event()
         self._error: BaseException | None = None
         self._session: Any = None
+        self._sock = sock
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Listen on ``host:port``; returns once connections are accepted.
@@ -255,6 +261,8 @@ class HTTPGuard:
         if loop is not None and stop is not None and thread is not None and thread.is_alive():
             loop.call_soon_threadsafe(stop.set)
             thread.join(timeout_s)
+        if self._sock is not None:  # never listened on (a start that failed), or already closed
+            self._sock.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
@@ -288,7 +296,11 @@ class HTTPGuard:
         )
         await runner.setup()
         try:
-            site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+            site: web.BaseSite
+            if self._sock is not None:
+                site = web.SockSite(runner, self._sock)
+            else:
+                site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
             await site.start()
         except BaseException:
             await runner.cleanup()

@@ -145,18 +145,31 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Fail early, with a useful message, when ``host:port`` cannot be bound."""
+def claim_port(host: str, port: int) -> socket.socket:
+    """Bind ``host:port`` (0: a free port the system picks) and return the bound, not yet listening
+    socket, which holds the port until the HTTP front listens on it.
+
+    Held from the start of a server's start-up, the port is never handed to another process: a
+    Triton started meanwhile by a neighbouring server picks its own port with
+    :func:`free_loopback_port`, which skips bound ports. Checking the port and binding it later
+    left that window open, and two servers started side by side then took each other's port.
+
+    Raises:
+        OSError: the port is taken (the message names it and the key to change).
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Triton does: TIME_WAIT is no conflict
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise OSError(
-                f"cannot bind {host}:{port} ({e.strerror}); another server is probably running there: "
-                f"stop it or choose another server.port"
-            ) from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Triton does: TIME_WAIT is no conflict
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(
+            e.errno,
+            f"cannot bind {host}:{port} ({e.strerror}); another server is probably running there: "
+            f"stop it or choose another server.port (0: any free port)",
+        ) from None
+    return sock
 
 
 def free_loopback_port() -> int:
@@ -304,7 +317,8 @@ class TritonHost:
     Args:
         host: address to bind; loopback by default. Any other address is logged as a warning:
             the server has no authentication on its inference routes.
-        port: HTTP port.
+        port: HTTP port; 0: a free port, picked at :meth:`start` (then :attr:`port` and
+            :attr:`url` say which).
         max_request_bytes: largest request body accepted (HTTP 413 above it).
         exit_timeout_s: at stop, how long calls already being served may take to finish.
             Triton's own exit timeout is set to 0: it otherwise waits its full length on every
@@ -345,6 +359,7 @@ class TritonHost:
         self.triton_port: int | None = None
         """Triton's own HTTP port on 127.0.0.1 (behind the guard), once started."""
         self.guard: HTTPGuard | None = None
+        self._front: socket.socket | None = None  # the claimed port, until the guard listens on it
         self._bindings: list[
             tuple[Endpoint, Batching | None, threading.Lock | threading.RLock, Authorize | None]
         ] = []
@@ -396,7 +411,8 @@ class TritonHost:
             raise RuntimeError("already started")
         _pass_interrupts_quietly()
         started = time.perf_counter()
-        check_port_free(self.host, self.port)
+        self._front = claim_port(self.host, self.port)
+        self.port = int(self._front.getsockname()[1])
         try:
             self._start()
         except Exception as e:
@@ -471,10 +487,12 @@ class TritonHost:
         triton.run()
         workspace.started()
         # After Triton is ready: until then clients see a refused connection, as before.
+        front, self._front = self._front, None
         self.guard = HTTPGuard(
             self.host,
             self.port,
             self.triton_port,
+            sock=front,
             max_request_bytes=self.max_request_bytes,
             checks=checks,
             admissions=admissions,
@@ -532,6 +550,9 @@ class TritonHost:
                 time.sleep(0.25)
         if self.guard is not None:
             self.guard.stop()
+        if self._front is not None:  # a start that failed before the guard took the port
+            self._front.close()
+            self._front = None
         if triton is not None:
             noise = logging.getLogger("pytriton.server.triton_server")
             expected_exit = _DropMessage("exited with failure")  # a stop we asked for is no failure
