@@ -40,18 +40,14 @@ from typing import Any, Protocol
 import torch
 
 from openaligner import distributed as dp
-from openaligner.algorithms import (
-    AdaptiveKLController,
-    FixedKLController,
-    aggregation_units,
-    explained_variance,
-)
+from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance
 from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.sharding import is_sharded
 from openaligner.trainer.checkpoint_files import TrainingFiles, checksums_collective, stage_collective
 from openaligner.trainer.optim_step import optimizer_step
+from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_critic_free_data, compute_ppo_data
 from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack, rollout_texts
@@ -160,6 +156,8 @@ class PPOTrainer:
         prompts: training and validation prompts.
         rm_critic: the reward/critic client (:class:`RMCritic`).
         outputs: metrics, checkpoints and sample decoding.
+        loss: the actor's policy loss (default: :class:`PolicyLoss` of ``cfg``'s loss settings,
+            as the recipe builds it).
         run_timer: the run's wall-clock limit (default: none).
         server_overlap_threads: torch threads for the actor's log-prob passes while reward/critic
             requests are in flight and for its update while the critic trains, or ``None`` to
@@ -177,6 +175,7 @@ class PPOTrainer:
         rm_critic: RMCritic,
         outputs: RunOutputs,
         *,
+        loss: PolicyLoss | None = None,
         run_timer: RunTimer | None = None,
         server_overlap_threads: int | None = None,
     ) -> None:
@@ -188,6 +187,7 @@ class PPOTrainer:
         self.grad_scaler = optim.grad_scaler or torch.amp.GradScaler(enabled=False)
         self.prompts = prompts
         self.rm_critic = rm_critic
+        self.loss = loss or PolicyLoss(PolicyLossConfig.from_ppo(cfg))
         self.logger = outputs.logger
         self.checkpoints = outputs.checkpoints
         self.config_yaml = outputs.config_yaml
@@ -613,12 +613,13 @@ class PPOTrainer:
             for global_start in range(0, len(data), c.global_batch_size):
                 mine = order[global_start + rank * local_gbs : global_start + (rank + 1) * local_gbs]
                 # the step's denominator: every rank's units, summed once
-                units = dp.all_reduce_sum(self._loss_units(data.select(mine)).reshape(1))[0]
+                rows = data.select(mine)
+                units = dp.all_reduce_sum(self.loss.units(rows.mask, rows.is_end).reshape(1))[0]
                 self.optimizer.zero_grad(set_to_none=True)
                 sums = torch.zeros(len(_STEP_SUMS), dtype=torch.float64)
                 for m in range(n_micro):
                     mb = data.select(mine[m * c.micro_batch_size : (m + 1) * c.micro_batch_size])
-                    loss, metrics = self.model.get_loss_and_metrics(self._loss_batch(mb, units))
+                    loss, metrics = self.loss(self.model, self._loss_batch(mb, units))
                     self.grad_scaler.scale(loss).backward()  # this micro-batch's share of the step
                     sums += _step_sums(metrics)
                 step_sums.append(sums)
@@ -650,24 +651,15 @@ class PPOTrainer:
         out["policy/optim_step"] = float(self.ppo_optimization_step)
         return out
 
-    def _gate(self, rows: PPOData) -> torch.Tensor:
-        """[B] bool: the rows whose tokens the loss trains on (``gate_unfinished``: those that ended)."""
-        return rows.is_end if self.cfg.gate_unfinished else torch.ones_like(rows.is_end)
-
-    def _loss_units(self, rows: PPOData) -> torch.Tensor:
-        """The units (tokens or samples) ``rows`` add to the denominator of the step's loss."""
-        loss_mask = rows.mask * self._gate(rows).to(rows.mask.dtype).unsqueeze(-1)
-        return aggregation_units(loss_mask, self.cfg.aggregation).to(torch.float64)
-
     def _loss_batch(self, mb: PPOData, units: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The actor's loss inputs for micro-batch ``mb`` of a step whose loss divides by ``units``."""
+        """The policy loss's inputs for micro-batch ``mb`` of a step whose loss divides by ``units``."""
         batch = {
             "response_tokens": mb.response_tokens,
             "prompt_lengths": mb.prompt_lengths,
             "advantages": mb.advantages,
             "mask": mb.mask,
             "prev_logprobs": mb.prev_logprobs,
-            "is_end": self._gate(mb),
+            "is_end": mb.is_end,
             "loss_units": units,
         }
         if mb.ref_logprobs is not None:  # the KL as a loss term

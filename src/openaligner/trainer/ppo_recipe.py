@@ -59,6 +59,7 @@ from openaligner.models.source import (
 )
 from openaligner.tasks import task_scorer
 from openaligner.trainer.optim import build_optimizer
+from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
 from openaligner.trainer.ppo import (
     ActorOptim,
     PPOTrainer,
@@ -81,6 +82,7 @@ class PPORun:
 
     cfg: TrainPPOConfig
     actor: CausalLMActor
+    loss: PolicyLoss  # the actor's policy loss, built from the trainer section's loss settings
     optim: ActorOptim
     prompts: Prompts
     decode: Callable[[Sequence[int]], str]  # token ids → text (special tokens skipped)
@@ -123,7 +125,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         decode,
         train_set.metadata + val_set.metadata,
     )
-    # 2. the actor: float32 masters, computing in the precision's dtype
+    # 2. the actor (float32 masters, computing in the precision's dtype) and its policy loss
     device = pick_device(cfg.device)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -146,17 +148,11 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         model,
         tokenizer,
         forward_micro_batch_size=c.forward_micro_batch_size or c.rollout_micro_batch_size,
-        clip_eps=c.ratio_eps,
-        clip_eps_high=c.ratio_eps_high,
-        dual_clip=c.dual_clip,
-        entropy_coef=c.entropy_bonus,
-        loss_aggregation=c.aggregation,
-        loss_norm_length=c.length.max_length,
-        kl_loss_kind=c.kl_kind,
         init_policy=init_policy,
         precision=precision,
         gather_for_generation=cfg.parallel.generation == "gathered",
     )
+    loss = PolicyLoss(PolicyLossConfig.from_ppo(c))
     # 3. prompts: this rank's share of every global batch
     train_loader = PromptLoader(train_prompts, c.num_rollout_samples, c.seed, True, rank, world)
     val_loader = None
@@ -176,7 +172,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     save_dtype = resolve_save_dtype(cfg.exp.save_dtype, cfg.actor.path)
     identity = TokenizerIdentity(*tokenizer_identity(tokenizer, layout))
     return PPORun(
-        cfg, actor, optim, prompts, decode, checkpoints, save_dtype, layout, identity, conversations
+        cfg, actor, loss, optim, prompts, decode, checkpoints, save_dtype, layout, identity, conversations
     )
 
 
@@ -233,6 +229,7 @@ def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer],
             run.prompts,
             rm_critic,
             outputs,
+            loss=run.loss,
             run_timer=RunTimer(max_time_s(cfg.trainer)),
             server_overlap_threads=cfg.exp.server_overlap_threads,
         )
