@@ -55,7 +55,7 @@ from openaligner.models.generation import (
 )
 from openaligner.models.lora import is_peft_model, merged_export_copy
 from openaligner.models.precision import Precision, save_pretrained_as
-from openaligner.models.sharding import any_rank_going, compute_device, gathered, is_sharded
+from openaligner.models.sharding import any_rank_going, compute_device, full_state_dict, gathered, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,17 @@ class CausalLMActor:
         save_pretrained_as(merged, directory, dtype)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(directory))
+
+    def inference_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The policy's whole weights as a plain causal LM of its architecture holds them, for a
+        rollout engine that owns its weights: a LoRA policy's adapters merged in (a copy), a
+        sharded policy's shards gathered (a collective: every rank calls it; rank 0 gets the
+        dict, the others None). Tied weights appear under each of their names. Otherwise the
+        live tensors: copy them before the next optimizer step changes them."""
+        if is_peft_model(self.model):
+            merged = merged_export_copy(self.model)
+            return None if merged is None else merged.state_dict()
+        return full_state_dict(self.model)
 
     def _writes(self) -> bool:
         """Whether this process writes the policy's files: rank 0 of a sharded policy, else any."""

@@ -44,6 +44,7 @@ from openaligner.algorithms import AdaptiveKLController, FixedKLController, expl
 from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
+from openaligner.models.rollout_engine import HFRolloutEngine, RolloutEngine, RolloutRequest, row_seeds
 from openaligner.models.sharding import is_sharded
 from openaligner.trainer.checkpoint_files import TrainingFiles, checksums_collective, stage_collective
 from openaligner.trainer.optim_step import optimizer_step
@@ -158,6 +159,8 @@ class PPOTrainer:
         outputs: metrics, checkpoints and sample decoding.
         loss: the actor's policy loss (default: :class:`PolicyLoss` of ``cfg``'s loss settings,
             as the recipe builds it).
+        engine: what generates the rollouts (default: the ``hf`` engine over ``model``); started
+            and closed by the caller. It gets the new weights after every optimizer step.
         run_timer: the run's wall-clock limit (default: none).
         server_overlap_threads: torch threads for the actor's log-prob passes while reward/critic
             requests are in flight and for its update while the critic trains, or ``None`` to
@@ -176,6 +179,7 @@ class PPOTrainer:
         outputs: RunOutputs,
         *,
         loss: PolicyLoss | None = None,
+        engine: RolloutEngine | None = None,
         run_timer: RunTimer | None = None,
         server_overlap_threads: int | None = None,
     ) -> None:
@@ -188,6 +192,7 @@ class PPOTrainer:
         self.prompts = prompts
         self.rm_critic = rm_critic
         self.loss = loss or PolicyLoss(PolicyLossConfig.from_ppo(cfg))
+        self.engine = engine or HFRolloutEngine(model)
         self.logger = outputs.logger
         self.checkpoints = outputs.checkpoints
         self.config_yaml = outputs.config_yaml
@@ -377,9 +382,19 @@ class PPOTrainer:
         with self._timer("validation" if is_validation else "generate"):
             micro_batches = self.prompts.micro_batches(prompts, micro_batch_size, self.prompts.collate)
             for i, mb in enumerate(micro_batches):
-                gen = self._generator(i, is_validation)
-                out = self.model.infer({k: v.to(self.model.device) for k, v in mb.items()}, generator=gen)
-                out = {k: v.cpu() for k, v in out.items()}
+                request = RolloutRequest(
+                    mb["text"],
+                    mb["length"],
+                    self.model.sampling,
+                    self._seeds(i, len(mb["length"]), is_validation),
+                )
+                generation = self.engine.generate(request)
+                out = {
+                    "response_tokens": generation.tokens,
+                    "response_lengths": generation.response_lengths,
+                    "prompt_lengths": generation.prompt_lengths,
+                    "is_end": generation.is_end,
+                }
                 futures.append(self.rm_critic.infer_rm_critic(out))  # overlaps the next generation
                 outs.append(out)
         eos = int(self.model.pad_id)
@@ -473,7 +488,8 @@ class PPOTrainer:
         ]
         self.logger.log_table(name, rows, self.step)
 
-    def _generator(self, micro_batch: int, is_validation: bool) -> torch.Generator:
+    def _seeds(self, micro_batch: int, rows: int, is_validation: bool) -> torch.Tensor:
+        """[rows] int64 per-row seeds of one generation request: consecutive from its micro-batch's."""
         # A fresh seed per (step, rank, micro-batch) makes sampling independent of history, so a
         # resumed run draws exactly the tokens an uninterrupted one would.
         # The index is global (rank-major), so N ranks draw what one process would on the same batch.
@@ -481,7 +497,7 @@ class PPOTrainer:
         samples = self.cfg.val_samples if is_validation else self.cfg.rollout_rows
         index = dp.rank() * (samples // dp.world_size() // mbs) + micro_batch
         seed = derive_seed(self.cfg.seed, int(is_validation), self.step, self.consumed_samples, index)
-        return torch.Generator(device=self.model.device).manual_seed(seed)
+        return row_seeds(seed, rows)
 
     # ------------------------------------------------------------------ (5) critic
     def _gather_global(self, data: PPOData) -> PPOData:
@@ -635,6 +651,8 @@ class PPOTrainer:
                 if outcome.stepped:
                     self.ppo_optimization_step += 1
                     self.nonfinite_in_a_row = 0
+                    # the rollout engine samples the next rollouts from these weights
+                    self.engine.update_weights(self.model, self.ppo_optimization_step)
                 else:
                     self._skip_nonfinite_step(grad_norm, outcome.loss_scale)
                     same_on_ranks["skipped_steps"] += 1.0
@@ -851,6 +869,7 @@ class PPOTrainer:
         self.critic_step = state.get("critic_step")
         self.critic_steps_per_train = state.get("critic_steps_per_train")
         ACTOR_FILES.restore_rng(path, dp.rank())
+        self.engine.update_weights(self.model, self.ppo_optimization_step)  # the restored weights
         log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed_samples)
 
 

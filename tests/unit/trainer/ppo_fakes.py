@@ -99,6 +99,7 @@ def make_trainer(
     grad_scaler=None,
     sgd_lr=None,
     loss=None,
+    engine=None,
 ):
     """A PPOTrainer on a tiny ``arch`` actor (LoRA adapters of ``lora_rank`` when > 0, via peft),
     or on ``actor`` when given; trained with AdamW, or plain SGD at ``sgd_lr`` when given."""
@@ -135,6 +136,7 @@ def make_trainer(
             response_scorer=scorer,
         ),
         loss=loss,
+        engine=engine,
     )
 
 
