@@ -1,17 +1,18 @@
 """PPOTrainer: the actor-side PPO loop that drives the reward model and critic servers.
 
-One step, as a recipe: (1) generate rollouts in micro-batches (``n_samples_per_prompt`` responses
-per prompt), sending each micro-batch to the reward/critic servers asynchronously; (2) policy and
-initial-policy log-probs; (3) wait for rewards and values; (4) advantages: KL-shaped rewards, GAE
-and global whitening for PPO, or a critic-free estimator (``trainer.advantage_estimator``:
-REINFORCE, RLOO, GRPO, Dr. GRPO, REINFORCE++, which talk to the reward server alone); (5) send the
-critic its training data (PPO only); (6) update the actor with the clipped surrogate loss (plus a
-KL term with ``kl_in=loss``); (7) log (the step's metrics, then every rollout of the step to the
-rollout log), validate, checkpoint.
+One step, as a recipe: (1) generate rollouts in micro-batches through the rollout engine
+(``n_samples_per_prompt`` responses per prompt), sending each micro-batch to the reward/critic
+servers asynchronously; (2) policy and initial-policy log-probs; (3) wait for rewards and values;
+(4) advantages: KL-shaped rewards, GAE and global whitening for PPO, or a critic-free estimator
+(``trainer.advantage_estimator``: REINFORCE, RLOO, GRPO, Dr. GRPO, REINFORCE++, which talk to the
+reward server alone); (5) send the critic its training data (PPO only); (6) update the actor with
+the policy loss (plus a KL term with ``kl_in=loss``), handing the engine the new weights after
+each optimizer step; (7) log (the step's metrics, then every rollout of the step to the rollout
+log), validate, checkpoint.
 
-Owns the loop, its state (step, consumed samples, optimisation steps) and exact resume. Knows
-the actor model and the server client only through their methods; the math comes from
-:mod:`openaligner.algorithms` via :mod:`openaligner.trainer.ppo_data`.
+Owns the loop, its state (step, consumed samples, optimisation steps) and exact resume. Knows the
+actor, the policy loss, the rollout engine and the server client only through their methods; the
+math comes from :mod:`openaligner.algorithms` via :mod:`openaligner.trainer.ppo_data`.
 
 A checkpoint has two halves: the critic, saved by the critic server (``critic_save``, possibly on
 another host), and the actor's ``step_<N>``, which records the critic step the server saved. The
