@@ -1,13 +1,13 @@
-"""The PPO actor: a Hugging Face causal LM that generates rollouts, scores tokens and computes the
-clipped policy loss; plus its frozen initial policy for the KL penalty.
+"""The PPO actor as a policy: a Hugging Face causal LM that generates rollouts and scores tokens
+(log-probs, entropy); plus its frozen initial policy for the KL penalty.
 
-Owns the actor's model-facing interface (NeMo-Aligner's ``MegatronGPTActorModel`` contract):
-``infer`` (rollouts), ``get_inference_log_probs``, ``get_init_policy_logprobs`` and
-``get_loss_and_metrics``. The math (log-probs, entropy, PPO loss) comes from
+Owns the actor's model-facing interface (NeMo-Aligner's ``MegatronGPTActorModel`` contract, less
+the loss): ``infer`` (rollouts), ``get_inference_log_probs``, ``get_init_policy_logprobs`` and
+``training_logprobs`` (the loss's forward, with gradient). The math (log-probs, entropy) comes from
 :mod:`openaligner.algorithms`; sampling from :mod:`openaligner.models.generation`; the speed
-trick of the scoring forward from :mod:`openaligner.models.fast_paths`. Must not know about
-rewards, critics, servers, optimizers or configs: the trainer owns backward, optimizer steps,
-micro-batching of the loss and gradient accumulation.
+trick of the scoring forward from :mod:`openaligner.models.fast_paths`. Must not know about the
+loss, rewards, critics, servers, optimizers or configs: the trainer owns the policy loss (a
+component of its own), backward, optimizer steps, micro-batching and gradient accumulation.
 
 Conventions:
 
@@ -43,7 +43,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from openaligner import distributed as dp
-from openaligner.algorithms import entropy_from_logits, next_token_logprobs, ppo_policy_loss
+from openaligner.algorithms import entropy_from_logits, next_token_logprobs
 from openaligner.models.decoders.base import CacheKind
 from openaligner.models.fast_paths import scoring_forward
 from openaligner.models.generation import (
@@ -55,7 +55,7 @@ from openaligner.models.generation import (
 )
 from openaligner.models.lora import is_peft_model, merged_export_copy
 from openaligner.models.precision import Precision, save_pretrained_as
-from openaligner.models.sharding import any_rank_going, compute_device, gathered, is_sharded
+from openaligner.models.sharding import any_rank_going, compute_device, full_state_dict, gathered, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +76,6 @@ class CausalLMActor:
             NeMo-Aligner does), else 0.
         forward_micro_batch_size: rows per forward pass in the no-grad log-prob passes
             (default: the whole batch).
-        clip_eps: PPO ratio clip ε (NeMo-Aligner's ``ratio_eps``).
-        clip_eps_high: upper ε for asymmetric clipping (default ``clip_eps``).
-        dual_clip: dual-clip constant c > 1, or ``None``.
-        entropy_coef: weight of the entropy bonus in the loss (NeMo-Aligner's ``entropy_bonus``).
-        loss_aggregation: ``token_mean``, ``seq_mean_token_mean`` or ``seq_mean_token_sum_norm``
-            (see :func:`~openaligner.algorithms.aggregate`).
-        loss_norm_length: the fixed token count ``seq_mean_token_sum_norm`` divides by (the
-            generation budget).
-        kl_loss_kind: the KL estimator of the KL loss term, added when a batch carries
-            ``ref_logprobs`` and ``kl_coef`` (see :meth:`get_loss_and_metrics`).
         init_policy: the frozen initial policy for the KL penalty. ``None`` deep-copies ``model``
             (or, for a LoRA (``peft``) model, uses ``model`` itself with its adapters disabled: no
             second copy, see :mod:`openaligner.models.lora`); ``False`` keeps no
@@ -110,13 +100,6 @@ class CausalLMActor:
         *,
         pad_id: int | None = None,
         forward_micro_batch_size: int | None = None,
-        clip_eps: float = 0.2,
-        clip_eps_high: float | None = None,
-        dual_clip: float | None = None,
-        entropy_coef: float = 0.0,
-        loss_aggregation: str = "token_mean",
-        loss_norm_length: int | None = None,
-        kl_loss_kind: str = "k3",
         init_policy: PreTrainedModel | bool | None = None,
         cache: CacheKind = "static",
         precision: Precision | None = None,
@@ -136,13 +119,6 @@ class CausalLMActor:
         self.set_sampling(sampling or SamplingParams())
         self.pad_id = pad_id if pad_id is not None else (self.eos_id if self.eos_id is not None else 0)
         self.forward_micro_batch_size = forward_micro_batch_size
-        self.clip_eps = clip_eps
-        self.clip_eps_high = clip_eps_high
-        self.dual_clip = dual_clip
-        self.entropy_coef = entropy_coef
-        self.loss_aggregation = loss_aggregation
-        self.loss_norm_length = loss_norm_length
-        self.kl_loss_kind = kl_loss_kind
         self.cache: CacheKind = cache
         self.precision = precision if precision is not None else Precision()
         self.gather_for_generation = gather_for_generation
@@ -194,6 +170,17 @@ class CausalLMActor:
         save_pretrained_as(merged, directory, dtype)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(directory))
+
+    def inference_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The policy's whole weights as a plain causal LM of its architecture holds them, for a
+        rollout engine that owns its weights: a LoRA policy's adapters merged in (a copy), a
+        sharded policy's shards gathered (a collective: every rank calls it; rank 0 gets the
+        dict, the others None). Tied weights appear under each of their names. Otherwise the
+        live tensors: copy them before the next optimizer step changes them."""
+        if is_peft_model(self.model):
+            merged = merged_export_copy(self.model)
+            return None if merged is None else merged.state_dict()
+        return full_state_dict(self.model)
 
     def _writes(self) -> bool:
         """Whether this process writes the policy's files: rank 0 of a sharded policy, else any."""
@@ -325,82 +312,41 @@ class CausalLMActor:
                 self.init_policy, response_tokens, response_lengths, forward_micro_batch_size, prompt_lengths
             )
 
-    # ------------------------------------------------------------------ loss
-    def get_loss_and_metrics(
-        self, batch: Mapping[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The clipped PPO loss of one (micro-)batch, with gradient, and its diagnostics.
-
-        One forward pass over the whole batch; the caller splits minibatches into micro-batches,
-        scales and accumulates the losses, and steps the optimizer.
+    # ------------------------------------------------------------------ training forward
+    def training_logprobs(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor | None = None,
+        prompt_lengths: torch.Tensor | None = None,
+        *,
+        first_position: int = 0,
+        entropy_grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of the policy for a loss, with gradient: one forward over the
+        whole batch (the caller, the trainer's policy loss, splits micro-batches).
 
         Args:
-            batch: ``response_tokens`` [B, S] int64, ``advantages`` [B, S-1], ``mask`` [B, S-1]
-                (1 on response positions), ``prev_logprobs`` [B, S-1] (rollout-time log-probs),
-                ``is_end`` [B] bool (samples that did not end get no policy gradient); optional
-                ``response_lengths`` [B] for the attention mask; ``prompt_lengths`` [B], required
-                when the sampling has ``min_new_tokens`` > 0 (see :meth:`get_inference_log_probs`);
-                optional ``ref_logprobs`` [B, S-1] (initial-policy log-probs) with ``kl_coef`` (a
-                0-d tensor β): adds ``β·KL`` of ``kl_loss_kind`` to the loss (GRPO's KL term);
-                optional ``loss_units`` (a 0-d tensor): the denominator of the whole optimizer
-                step's loss (:func:`~openaligner.algorithms.aggregation_units` of every
-                micro-batch and rank of the step, ``is_end``-gated), which makes the loss this
-                micro-batch's share of the step's; without it the loss is this batch's own mean.
+            tokens: [B, S] int64, right-padded.
+            lengths: [B] valid tokens per row, for the attention mask (default: all S).
+            prompt_lengths: [B]; required when ``min_new_tokens`` > 0 (with stop ids), as for
+                :meth:`get_inference_log_probs`.
+            first_position: skip the next-token positions before it (no row scores them): the
+                output head and log-softmax run on the last ``S - first_position`` positions only.
+            entropy_grad: whether the entropies carry gradient (an entropy bonus); otherwise
+                they are computed under ``no_grad``, for the diagnostics.
 
         Returns:
-            ``(loss, metrics)``: a scalar loss tensor and floats ``loss``, ``pg_loss``,
-            ``entropy`` (per-token entropy over the ``is_end`` mask, aggregated as the loss),
-            ``kl_loss`` (the KL term before β; 0 without one) — shares of the step's with
-            ``loss_units``, so they sum over micro-batches —; ``ppo_ratio``,
-            ``ppo_ratio_clamped``, ``clip_fraction``, ``approx_kl`` (means over this batch's
-            ``response_tokens``) and ``dual_clip_fraction`` (over its ``negative_tokens``, those
-            with a negative advantage), with those two counts as their weights.
+            ``(logprobs, entropy)``, both [B, S-1-first_position] float32: column ``j`` scores
+            token ``first_position + j + 1`` at the sampling temperature (stop ids banned before
+            ``min_new_tokens`` as sampling banned them), and the entropy of that distribution.
         """
-        tokens = batch["response_tokens"].to(self.device)
-        mask = batch["mask"].to(self.device)
-        # Positions before the first one any row scores (the shortest prompt) add nothing to the
-        # loss; the output head and log-softmax skip them.
-        first = _first_scored_position(mask)
-        logits = self._logits(self.model, tokens, batch.get("response_lengths"), keep=tokens.shape[1] - first)
-        logits = self._sampled_distribution(logits, first, batch.get("prompt_lengths"))
+        logits = self._logits(self.model, tokens, lengths, keep=tokens.shape[1] - first_position)
+        logits = self._sampled_distribution(logits, first_position, prompt_lengths)
         temperature = self.sampling.logprob_temperature
-        logprobs = next_token_logprobs(logits, tokens[:, first:], temperature)  # [B, S-1-first]
-        with nullcontext() if self.entropy_coef > 0 else torch.no_grad():
+        logprobs = next_token_logprobs(logits, tokens[:, first_position:], temperature)
+        with nullcontext() if entropy_grad else torch.no_grad():
             entropy = entropy_from_logits(logits[:, :-1], temperature)
-        ref = batch.get("ref_logprobs")
-        loss, stats = ppo_policy_loss(
-            logprobs,
-            batch["prev_logprobs"][:, first:].to(logprobs),
-            batch["advantages"][:, first:].to(logprobs),
-            mask[:, first:].to(logprobs),
-            self.clip_eps,
-            clip_eps_high=self.clip_eps_high,
-            dual_clip=self.dual_clip,
-            aggregation=self.loss_aggregation,
-            norm_length=self.loss_norm_length,
-            is_end=batch["is_end"].to(self.device),
-            entropy=entropy,
-            entropy_coef=self.entropy_coef,
-            ref_logprobs=ref[:, first:].to(logprobs) if ref is not None else None,
-            kl_coef=float(batch["kl_coef"]) if ref is not None else 0.0,
-            kl_kind=self.kl_loss_kind,
-            units=batch.get("loss_units"),
-        )
-        metrics = {
-            "loss": loss.detach(),
-            "pg_loss": stats.pg_loss,
-            "ppo_ratio": stats.ratio_mean,
-            "ppo_ratio_clamped": stats.ratio_clamped_mean,
-            "clip_fraction": stats.clip_fraction,
-            "dual_clip_fraction": stats.dual_clip_fraction,
-            "approx_kl": stats.approx_kl,
-            "entropy": stats.entropy,
-            "kl_loss": stats.kl_loss,
-            "response_tokens": stats.tokens,
-            "negative_tokens": stats.negative_tokens,
-        }
-        values = torch.stack([v.float() for v in metrics.values()]).tolist()  # one device sync
-        return loss, dict(zip(metrics, values, strict=True))
+        return logprobs, entropy
 
     # ------------------------------------------------------------------ internals
     def _make_init_policy(self, init_policy: PreTrainedModel | bool | None) -> PreTrainedModel | None:
@@ -480,12 +426,6 @@ class CausalLMActor:
 
 GPTActorModel = CausalLMActor
 """The actor's name in NeMo-Aligner's vocabulary (``MegatronGPTActorModel``); it wraps any causal LM."""
-
-
-def _first_scored_position(mask: torch.Tensor) -> int:
-    """The first column of ``mask`` [B, S-1] that is non-zero in some row (0 if none is)."""
-    scored = mask.ne(0).any(dim=0).nonzero()
-    return int(scored[0]) if scored.numel() else 0
 
 
 def _warn_if_eos_differs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> None:

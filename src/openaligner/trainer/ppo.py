@@ -1,17 +1,18 @@
 """PPOTrainer: the actor-side PPO loop that drives the reward model and critic servers.
 
-One step, as a recipe: (1) generate rollouts in micro-batches (``n_samples_per_prompt`` responses
-per prompt), sending each micro-batch to the reward/critic servers asynchronously; (2) policy and
-initial-policy log-probs; (3) wait for rewards and values; (4) advantages: KL-shaped rewards, GAE
-and global whitening for PPO, or a critic-free estimator (``trainer.advantage_estimator``:
-REINFORCE, RLOO, GRPO, Dr. GRPO, REINFORCE++, which talk to the reward server alone); (5) send the
-critic its training data (PPO only); (6) update the actor with the clipped surrogate loss (plus a
-KL term with ``kl_in=loss``); (7) log (the step's metrics, then every rollout of the step to the
-rollout log), validate, checkpoint.
+One step, as a recipe: (1) generate rollouts in micro-batches through the rollout engine
+(``n_samples_per_prompt`` responses per prompt), sending each micro-batch to the reward/critic
+servers asynchronously; (2) policy and initial-policy log-probs; (3) wait for rewards and values;
+(4) advantages: KL-shaped rewards, GAE and global whitening for PPO, or a critic-free estimator
+(``trainer.advantage_estimator``: REINFORCE, RLOO, GRPO, Dr. GRPO, REINFORCE++, which talk to the
+reward server alone); (5) send the critic its training data (PPO only); (6) update the actor with
+the policy loss (plus a KL term with ``kl_in=loss``), handing the engine the new weights after
+each optimizer step; (7) log (the step's metrics, then every rollout of the step to the rollout
+log), validate, checkpoint.
 
-Owns the loop, its state (step, consumed samples, optimisation steps) and exact resume. Knows
-the actor model and the server client only through their methods; the math comes from
-:mod:`openaligner.algorithms` via :mod:`openaligner.trainer.ppo_data`.
+Owns the loop, its state (step, consumed samples, optimisation steps) and exact resume. Knows the
+actor, the policy loss, the rollout engine and the server client only through their methods; the
+math comes from :mod:`openaligner.algorithms` via :mod:`openaligner.trainer.ppo_data`.
 
 A checkpoint has two halves: the critic, saved by the critic server (``critic_save``, possibly on
 another host), and the actor's ``step_<N>``, which records the critic step the server saved. The
@@ -40,18 +41,15 @@ from typing import Any, Protocol
 import torch
 
 from openaligner import distributed as dp
-from openaligner.algorithms import (
-    AdaptiveKLController,
-    FixedKLController,
-    aggregation_units,
-    explained_variance,
-)
+from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance
 from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
+from openaligner.models.rollout_engine import HFRolloutEngine, RolloutEngine, RolloutRequest, row_seeds
 from openaligner.models.sharding import is_sharded
 from openaligner.trainer.checkpoint_files import TrainingFiles, checksums_collective, stage_collective
 from openaligner.trainer.optim_step import optimizer_step
+from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_critic_free_data, compute_ppo_data
 from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack, rollout_texts
@@ -160,6 +158,10 @@ class PPOTrainer:
         prompts: training and validation prompts.
         rm_critic: the reward/critic client (:class:`RMCritic`).
         outputs: metrics, checkpoints and sample decoding.
+        loss: the actor's policy loss (default: :class:`PolicyLoss` of ``cfg``'s loss settings,
+            as the recipe builds it).
+        engine: what generates the rollouts (default: the ``hf`` engine over ``model``); started
+            and closed by the caller. It gets the new weights after every optimizer step.
         run_timer: the run's wall-clock limit (default: none).
         server_overlap_threads: torch threads for the actor's log-prob passes while reward/critic
             requests are in flight and for its update while the critic trains, or ``None`` to
@@ -177,6 +179,8 @@ class PPOTrainer:
         rm_critic: RMCritic,
         outputs: RunOutputs,
         *,
+        loss: PolicyLoss | None = None,
+        engine: RolloutEngine | None = None,
         run_timer: RunTimer | None = None,
         server_overlap_threads: int | None = None,
     ) -> None:
@@ -188,6 +192,8 @@ class PPOTrainer:
         self.grad_scaler = optim.grad_scaler or torch.amp.GradScaler(enabled=False)
         self.prompts = prompts
         self.rm_critic = rm_critic
+        self.loss = loss or PolicyLoss(PolicyLossConfig.from_ppo(cfg))
+        self.engine = engine or HFRolloutEngine(model)
         self.logger = outputs.logger
         self.checkpoints = outputs.checkpoints
         self.config_yaml = outputs.config_yaml
@@ -377,9 +383,19 @@ class PPOTrainer:
         with self._timer("validation" if is_validation else "generate"):
             micro_batches = self.prompts.micro_batches(prompts, micro_batch_size, self.prompts.collate)
             for i, mb in enumerate(micro_batches):
-                gen = self._generator(i, is_validation)
-                out = self.model.infer({k: v.to(self.model.device) for k, v in mb.items()}, generator=gen)
-                out = {k: v.cpu() for k, v in out.items()}
+                request = RolloutRequest(
+                    mb["text"],
+                    mb["length"],
+                    self.model.sampling,
+                    self._seeds(i, len(mb["length"]), is_validation),
+                )
+                generation = self.engine.generate(request)
+                out = {
+                    "response_tokens": generation.tokens,
+                    "response_lengths": generation.response_lengths,
+                    "prompt_lengths": generation.prompt_lengths,
+                    "is_end": generation.is_end,
+                }
                 futures.append(self.rm_critic.infer_rm_critic(out))  # overlaps the next generation
                 outs.append(out)
         eos = int(self.model.pad_id)
@@ -473,7 +489,8 @@ class PPOTrainer:
         ]
         self.logger.log_table(name, rows, self.step)
 
-    def _generator(self, micro_batch: int, is_validation: bool) -> torch.Generator:
+    def _seeds(self, micro_batch: int, rows: int, is_validation: bool) -> torch.Tensor:
+        """[rows] int64 per-row seeds of one generation request: consecutive from its micro-batch's."""
         # A fresh seed per (step, rank, micro-batch) makes sampling independent of history, so a
         # resumed run draws exactly the tokens an uninterrupted one would.
         # The index is global (rank-major), so N ranks draw what one process would on the same batch.
@@ -481,7 +498,7 @@ class PPOTrainer:
         samples = self.cfg.val_samples if is_validation else self.cfg.rollout_rows
         index = dp.rank() * (samples // dp.world_size() // mbs) + micro_batch
         seed = derive_seed(self.cfg.seed, int(is_validation), self.step, self.consumed_samples, index)
-        return torch.Generator(device=self.model.device).manual_seed(seed)
+        return row_seeds(seed, rows)
 
     # ------------------------------------------------------------------ (5) critic
     def _gather_global(self, data: PPOData) -> PPOData:
@@ -613,12 +630,13 @@ class PPOTrainer:
             for global_start in range(0, len(data), c.global_batch_size):
                 mine = order[global_start + rank * local_gbs : global_start + (rank + 1) * local_gbs]
                 # the step's denominator: every rank's units, summed once
-                units = dp.all_reduce_sum(self._loss_units(data.select(mine)).reshape(1))[0]
+                rows = data.select(mine)
+                units = dp.all_reduce_sum(self.loss.units(rows.mask, rows.is_end).reshape(1))[0]
                 self.optimizer.zero_grad(set_to_none=True)
                 sums = torch.zeros(len(_STEP_SUMS), dtype=torch.float64)
                 for m in range(n_micro):
                     mb = data.select(mine[m * c.micro_batch_size : (m + 1) * c.micro_batch_size])
-                    loss, metrics = self.model.get_loss_and_metrics(self._loss_batch(mb, units))
+                    loss, metrics = self.loss(self.model, self._loss_batch(mb, units))
                     self.grad_scaler.scale(loss).backward()  # this micro-batch's share of the step
                     sums += _step_sums(metrics)
                 step_sums.append(sums)
@@ -634,6 +652,8 @@ class PPOTrainer:
                 if outcome.stepped:
                     self.ppo_optimization_step += 1
                     self.nonfinite_in_a_row = 0
+                    # the rollout engine samples the next rollouts from these weights
+                    self.engine.update_weights(self.model, self.ppo_optimization_step)
                 else:
                     self._skip_nonfinite_step(grad_norm, outcome.loss_scale)
                     same_on_ranks["skipped_steps"] += 1.0
@@ -650,24 +670,15 @@ class PPOTrainer:
         out["policy/optim_step"] = float(self.ppo_optimization_step)
         return out
 
-    def _gate(self, rows: PPOData) -> torch.Tensor:
-        """[B] bool: the rows whose tokens the loss trains on (``gate_unfinished``: those that ended)."""
-        return rows.is_end if self.cfg.gate_unfinished else torch.ones_like(rows.is_end)
-
-    def _loss_units(self, rows: PPOData) -> torch.Tensor:
-        """The units (tokens or samples) ``rows`` add to the denominator of the step's loss."""
-        loss_mask = rows.mask * self._gate(rows).to(rows.mask.dtype).unsqueeze(-1)
-        return aggregation_units(loss_mask, self.cfg.aggregation).to(torch.float64)
-
     def _loss_batch(self, mb: PPOData, units: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The actor's loss inputs for micro-batch ``mb`` of a step whose loss divides by ``units``."""
+        """The policy loss's inputs for micro-batch ``mb`` of a step whose loss divides by ``units``."""
         batch = {
             "response_tokens": mb.response_tokens,
             "prompt_lengths": mb.prompt_lengths,
             "advantages": mb.advantages,
             "mask": mb.mask,
             "prev_logprobs": mb.prev_logprobs,
-            "is_end": self._gate(mb),
+            "is_end": mb.is_end,
             "loss_units": units,
         }
         if mb.ref_logprobs is not None:  # the KL as a loss term
@@ -859,6 +870,7 @@ class PPOTrainer:
         self.critic_step = state.get("critic_step")
         self.critic_steps_per_train = state.get("critic_steps_per_train")
         ACTOR_FILES.restore_rng(path, dp.rank())
+        self.engine.update_weights(self.model, self.ppo_optimization_step)  # the restored weights
         log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed_samples)
 
 

@@ -17,6 +17,7 @@ from openaligner.clients.critic import RemoteCriticConfig
 from openaligner.data.render import check_chat_template_mode
 from openaligner.models.lora import LoraConfig
 from openaligner.models.precision import check_precision, check_save_dtype
+from openaligner.models.rollout_engine import RolloutConfig
 from openaligner.models.sharding import ActorParallelConfig
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
 from openaligner.trainer.optim import OptimConfig
@@ -249,6 +250,7 @@ class TrainPPOConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, betas=[0.9, 0.95]))
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA actor; initial policy = adapters disabled
     parallel: ActorParallelConfig = field(default_factory=ActorParallelConfig)  # ddp replicas or fsdp shards
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # what generates the rollouts
     data: DataConfig = field(default_factory=DataConfig)
     remote: RemoteCriticConfig = field(default_factory=RemoteCriticConfig)
     exp: ExpConfig = field(default_factory=ExpConfig)

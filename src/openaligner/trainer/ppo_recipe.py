@@ -37,6 +37,7 @@ from openaligner.io.metrics import MetricsLogger, rewind_logs
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.lora import MERGED_DIR, LoraError, add_lora, is_peft_model
 from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
+from openaligner.models.rollout_engine import RolloutEngine, build_rollout_engine
 from openaligner.models.sharding import (
     ActorParallelConfig,
     ShardingError,
@@ -59,6 +60,7 @@ from openaligner.models.source import (
 )
 from openaligner.tasks import task_scorer
 from openaligner.trainer.optim import build_optimizer
+from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
 from openaligner.trainer.ppo import (
     ActorOptim,
     PPOTrainer,
@@ -81,6 +83,8 @@ class PPORun:
 
     cfg: TrainPPOConfig
     actor: CausalLMActor
+    loss: PolicyLoss  # the actor's policy loss, built from the trainer section's loss settings
+    engine: RolloutEngine  # generates the rollouts (rollout.engine); started and closed by run_ppo
     optim: ActorOptim
     prompts: Prompts
     decode: Callable[[Sequence[int]], str]  # token ids → text (special tokens skipped)
@@ -123,7 +127,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         decode,
         train_set.metadata + val_set.metadata,
     )
-    # 2. the actor: float32 masters, computing in the precision's dtype
+    # 2. the actor (float32 masters, computing in the precision's dtype) and its policy loss
     device = pick_device(cfg.device)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -146,17 +150,12 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         model,
         tokenizer,
         forward_micro_batch_size=c.forward_micro_batch_size or c.rollout_micro_batch_size,
-        clip_eps=c.ratio_eps,
-        clip_eps_high=c.ratio_eps_high,
-        dual_clip=c.dual_clip,
-        entropy_coef=c.entropy_bonus,
-        loss_aggregation=c.aggregation,
-        loss_norm_length=c.length.max_length,
-        kl_loss_kind=c.kl_kind,
         init_policy=init_policy,
         precision=precision,
         gather_for_generation=cfg.parallel.generation == "gathered",
     )
+    loss = PolicyLoss(PolicyLossConfig.from_ppo(c))
+    engine = build_rollout_engine(cfg.rollout, actor)
     # 3. prompts: this rank's share of every global batch
     train_loader = PromptLoader(train_prompts, c.num_rollout_samples, c.seed, True, rank, world)
     val_loader = None
@@ -176,7 +175,18 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     save_dtype = resolve_save_dtype(cfg.exp.save_dtype, cfg.actor.path)
     identity = TokenizerIdentity(*tokenizer_identity(tokenizer, layout))
     return PPORun(
-        cfg, actor, optim, prompts, decode, checkpoints, save_dtype, layout, identity, conversations
+        cfg,
+        actor,
+        loss,
+        engine,
+        optim,
+        prompts,
+        decode,
+        checkpoints,
+        save_dtype,
+        layout,
+        identity,
+        conversations,
     )
 
 
@@ -218,6 +228,7 @@ def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer],
     # 2. the trainer, restored from that checkpoint
     logger = MetricsLogger(out / "logs", cfg.exp.tensorboard, cfg.exp.wandb_project, enabled=rank == 0)
     try:
+        run.engine.start()  # before the checkpoint: a restored actor's weights go to the engine
         outputs = RunOutputs(
             logger=logger,
             checkpoints=run.checkpoints,
@@ -233,6 +244,8 @@ def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer],
             run.prompts,
             rm_critic,
             outputs,
+            loss=run.loss,
+            engine=run.engine,
             run_timer=RunTimer(max_time_s(cfg.trainer)),
             server_overlap_threads=cfg.exp.server_overlap_threads,
         )
@@ -249,6 +262,7 @@ def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer],
         # 3. train
         trainer.fit()
     finally:
+        run.engine.close()
         logger.close()
     # 4. the final actor, in the documented dtype (with LoRA: its adapter, and the merged actor if
     #    asked); a sharded actor is gathered to rank 0 by every rank, and rank 0 writes

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from openaligner.cli.main import main
 from openaligner.cli.train_ppo import SCHEMA
 from openaligner.config import ConfigError, load_config
 
@@ -18,3 +19,12 @@ def test_server_overlap_threads_is_read_and_checked():
     )
     with pytest.raises(ConfigError, match=r"exp\.server_overlap_threads must be >= 1"):
         load_config(SCHEMA, YAML, [*REQUIRED, "exp.server_overlap_threads=0"])
+
+
+def test_rollout_engine_is_read_and_an_unknown_one_is_refused_in_one_line(tmp_path, capsys):
+    assert load_config(SCHEMA, YAML, [*REQUIRED]).rollout.engine == "hf"
+    with pytest.raises(ConfigError, match=r"rollout\.engine must be one of hf, got 'vllm'"):
+        load_config(SCHEMA, YAML, [*REQUIRED, "rollout.engine=vllm"])
+    assert main(["train-ppo", str(YAML), *REQUIRED, "rollout.engine=vllm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "rollout.engine" in err and "hf" in err and len(err.splitlines()) == 1

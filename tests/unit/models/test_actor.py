@@ -1,4 +1,5 @@
-"""CausalLMActor: rollouts, log-probs vs a slow reference, initial policy, PPO loss, alignment, I/O."""
+"""CausalLMActor: rollouts, log-probs vs a slow reference, the training forward, initial policy,
+alignment, I/O."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from openaligner.algorithms import masked_mean, response_mask
+from openaligner.algorithms import response_mask
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.generation import SamplingParams
 
@@ -102,8 +103,8 @@ def test_init_policy_is_a_frozen_copy(actor, tiny):
     assert not init_ids & {id(p) for p in actor.parameters()}
 
     opt = torch.optim.SGD(actor.parameters(), lr=1.0)
-    loss, _ = actor.get_loss_and_metrics(_ppo_batch(out, before))
-    loss.backward()
+    logprobs, _ = actor.training_logprobs(tokens, lengths)
+    logprobs.sum().backward()
     opt.step()
     assert not torch.allclose(actor.get_inference_log_probs(tokens, lengths), before)
     assert torch.equal(actor.get_init_policy_logprobs(tokens, lengths), before)
@@ -113,59 +114,6 @@ def test_no_init_policy_when_disabled(tiny):
     actor = CausalLMActor(tiny.causal_lm(), init_policy=False)
     with pytest.raises(RuntimeError, match="initial policy"):
         actor.get_init_policy_logprobs(torch.ones(1, 3, dtype=torch.long))
-
-
-def _ppo_batch(out, prev_logprobs, advantages=None):
-    width = out["response_tokens"].shape[1] - 1
-    mask = response_mask(out["prompt_lengths"], out["response_lengths"], width)
-    if advantages is None:
-        advantages = torch.linspace(-1, 2, width).expand(len(mask), width).clone()
-    return {
-        "response_tokens": out["response_tokens"],
-        "response_lengths": out["response_lengths"],
-        "advantages": advantages,
-        "mask": mask,
-        "prev_logprobs": prev_logprobs,
-        "is_end": torch.tensor([True, True, False, True]),
-    }
-
-
-def test_loss_at_ratio_one_is_minus_mean_advantage(actor, tiny):
-    out = _rollout(actor, tiny.size.vocab_size)
-    prev = actor.get_inference_log_probs(out["response_tokens"], out["response_lengths"])
-    batch = _ppo_batch(out, prev)
-    loss, metrics = actor.get_loss_and_metrics(batch)
-    gated = batch["mask"] * batch["is_end"].float().unsqueeze(-1)
-    expected = -masked_mean(batch["advantages"], gated)
-    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
-    assert metrics["ppo_ratio"] == pytest.approx(1.0, abs=1e-5)
-    assert metrics["clip_fraction"] == 0.0
-    assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-6)
-    assert metrics["entropy"] > 0
-    assert {"loss", "pg_loss", "ppo_ratio_clamped", "dual_clip_fraction"} <= set(metrics)
-    assert all(isinstance(v, float) for v in metrics.values())
-    loss.backward()
-    grads = [p.grad for p in actor.parameters() if p.grad is not None]
-    assert grads and sum(float(g.abs().sum()) for g in grads) > 0
-
-
-def test_far_off_policy_tokens_are_clipped(actor, tiny):
-    out = _rollout(actor, tiny.size.vocab_size)
-    prev = actor.get_inference_log_probs(out["response_tokens"], out["response_lengths"])
-    _, metrics = actor.get_loss_and_metrics(_ppo_batch(out, prev + 1.0))  # ratio = e^-1 < 1 - 0.2
-    assert metrics["clip_fraction"] == pytest.approx(1.0)
-    assert metrics["ppo_ratio"] == pytest.approx(float(torch.exp(torch.tensor(-1.0))), rel=1e-4)
-    assert metrics["ppo_ratio_clamped"] == pytest.approx(0.8, rel=1e-5)
-
-
-def test_entropy_bonus_lowers_the_loss(tiny, actor):
-    out = _rollout(actor, tiny.size.vocab_size)
-    prev = actor.get_inference_log_probs(out["response_tokens"], out["response_lengths"])
-    batch = _ppo_batch(out, prev)
-    plain, m = actor.get_loss_and_metrics(batch)
-    actor.entropy_coef = 0.1
-    bonus, _ = actor.get_loss_and_metrics(batch)
-    torch.testing.assert_close(bonus.detach(), plain.detach() - 0.1 * m["entropy"], rtol=1e-5, atol=1e-6)
 
 
 def test_alignment_conventions_on_a_real_rollout(actor, tiny):
@@ -198,12 +146,28 @@ def test_dropout_stays_off_during_training(tiny):
             module.p = 0.5
     actor = CausalLMActor(model, sampling=SamplingParams(max_new_tokens=4), init_policy=False)
     out = _rollout(actor, tiny.size.vocab_size)
-    prev = actor.get_inference_log_probs(out["response_tokens"], out["response_lengths"])
-    loss_a, metrics = actor.get_loss_and_metrics(_ppo_batch(out, prev))
-    loss_b, _ = actor.get_loss_and_metrics(_ppo_batch(out, prev))
+    tokens, lengths = out["response_tokens"], out["response_lengths"]
+    a, _ = actor.training_logprobs(tokens, lengths)
+    b, _ = actor.training_logprobs(tokens, lengths)
     assert not actor.model.training
-    assert torch.equal(loss_a, loss_b)
-    assert metrics["ppo_ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert torch.equal(a, b)
+    valid = torch.arange(tokens.shape[1] - 1) < (lengths - 1).unsqueeze(-1)
+    torch.testing.assert_close(a.detach()[valid], actor.get_inference_log_probs(tokens, lengths)[valid])
+
+
+def test_training_logprobs_skip_leading_positions_and_carry_gradient(actor, tiny):
+    """``first_position`` drops the leading columns without changing the others; the log-probs
+    carry gradient, the entropies only with ``entropy_grad``."""
+    out = _rollout(actor, tiny.size.vocab_size)
+    tokens, lengths = out["response_tokens"], out["response_lengths"]
+    full, entropy = actor.training_logprobs(tokens, lengths)
+    assert full.shape == entropy.shape == (4, tokens.shape[1] - 1)
+    assert full.requires_grad and not entropy.requires_grad
+    part, part_entropy = actor.training_logprobs(tokens, lengths, first_position=2, entropy_grad=True)
+    assert part.shape == (4, tokens.shape[1] - 3) and part_entropy.requires_grad
+    valid = (torch.arange(tokens.shape[1] - 1) < (lengths - 1).unsqueeze(-1))[:, 2:]
+    torch.testing.assert_close(part[valid], full[:, 2:][valid], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(part_entropy[valid], entropy[:, 2:][valid], rtol=1e-5, atol=1e-6)
 
 
 def test_save_load_round_trip_is_bitwise(actor, tiny, tmp_path):

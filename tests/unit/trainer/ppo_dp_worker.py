@@ -119,9 +119,6 @@ def main(out: Path, fail_at: int | None = None) -> None:
         shard(model, parallel),
         init_policy=init,
         gather_for_generation=parallel.generation == "gathered",
-        loss_aggregation=cfg.aggregation,
-        loss_norm_length=cfg.length.max_length,
-        kl_loss_kind=cfg.kl_kind,
     )
     prompts = [[3 + (i % 20), 4 + (i % 7), 5][: 1 + i % 3] for i in range(32)]
     scheduler = None

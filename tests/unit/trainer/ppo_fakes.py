@@ -98,6 +98,8 @@ def make_trainer(
     lora_rank=0,
     grad_scaler=None,
     sgd_lr=None,
+    loss=None,
+    engine=None,
 ):
     """A PPOTrainer on a tiny ``arch`` actor (LoRA adapters of ``lora_rank`` when > 0, via peft),
     or on ``actor`` when given; trained with AdamW, or plain SGD at ``sgd_lr`` when given."""
@@ -108,13 +110,7 @@ def make_trainer(
             peft = pytest.importorskip("peft")
             lora = peft.LoraConfig(r=lora_rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
             model = peft.get_peft_model(model, lora)
-        actor = CausalLMActor(
-            model,
-            clip_eps=cfg.ratio_eps,
-            loss_aggregation=cfg.aggregation,
-            loss_norm_length=cfg.length.max_length,
-            kl_loss_kind=cfg.kl_kind,
-        )
+        actor = CausalLMActor(model)
     if prompts is None:
         prompts = [[3 + (i % 20), 4 + (i % 7), 5] for i in range(32)]
     if sgd_lr is None:
@@ -139,6 +135,8 @@ def make_trainer(
             decode=lambda ids: " ".join(map(str, ids)),
             response_scorer=scorer,
         ),
+        loss=loss,
+        engine=engine,
     )
 
 

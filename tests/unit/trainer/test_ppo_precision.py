@@ -60,7 +60,7 @@ def share_changed_by_ppo(path, tmp_path, precision=None):
         ],
     )
     extra = {} if precision is None else {"precision": precision}
-    actor = CausalLMActor(model, clip_eps=cfg.ratio_eps, **extra)
+    actor = CausalLMActor(model, **extra)
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5, fused=True)
     prompts = [[3 + (i % 20), 4 + (i % 7), 5] for i in range(32)]
     trainer = PPOTrainer(

@@ -16,6 +16,7 @@ from openaligner.config import ConfigError
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.tokenizers import build_char_tokenizer
+from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
 from openaligner.trainer.ppo import NonFiniteTrainingError
 
 
@@ -172,27 +173,33 @@ def test_configured_stop_ids_add_to_the_tokenizer_eos():
     assert cfg.sampling_params([1]).stop_token_ids == (1, 5, 9)
 
 
-class NaNLossActor(CausalLMActor):
+class NaNLoss(PolicyLoss):
     """The loss is NaN in the micro-batches listed in ``nan_micro_batches`` (0-based, in call order)."""
 
     nan_micro_batches: set[int]
     seen = 0
 
-    def get_loss_and_metrics(self, batch):
-        loss, metrics = super().get_loss_and_metrics(batch)
+    def __call__(self, policy, batch):
+        loss, metrics = super().__call__(policy, batch)
         index, self.seen = self.seen, self.seen + 1
         return (loss * float("nan") if index in self.nan_micro_batches else loss), metrics
+
+
+def nan_loss(cfg, micro_batches) -> NaNLoss:
+    loss = NaNLoss(PolicyLossConfig.from_ppo(cfg))
+    loss.nan_micro_batches = set(micro_batches)
+    return loss
 
 
 def test_inf_nan_gradients_skip_the_optimizer_step(tmp_path):
     # (gate_unfinished=False: a micro-batch whose samples are all gated has an exactly-zero
     # gradient even under a NaN loss, as masked positions are selected away)
     # 16 rollouts / global batch 8 = 2 optimizer steps per PPO step, 2 micro-batches each
-    actor = NaNLossActor(build_tiny_causal_lm("gpt2", SIZE, seed=0))
-    actor.nan_micro_batches = {0, 3}  # a NaN micro-batch in each optimizer step of PPO step 1
+    actor = CausalLMActor(build_tiny_causal_lm("gpt2", SIZE, seed=0))
     before = [p.detach().clone() for p in actor.parameters()]
     cfg = ppo_cfg(max_steps=1, val_check_interval=0, save_interval=0, gate_unfinished=False)
-    trainer = make_trainer(tmp_path, cfg, actor=actor)
+    # a NaN micro-batch in each optimizer step of PPO step 1
+    trainer = make_trainer(tmp_path, cfg, actor=actor, loss=nan_loss(cfg, {0, 3}))
     (m,) = trainer.fit()
     assert m["policy/skipped_steps"] == 2.0 and m["policy/optim_step"] == 0.0
     for a, b in zip(before, actor.parameters(), strict=True):
@@ -202,31 +209,28 @@ def test_inf_nan_gradients_skip_the_optimizer_step(tmp_path):
 
 
 def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path):
-    actor = NaNLossActor(build_tiny_causal_lm("gpt2", SIZE, seed=0))
-    actor.nan_micro_batches = set(range(100))
     cfg = ppo_cfg(max_steps=3, max_epochs=2, val_check_interval=0, save_interval=0, gate_unfinished=False)
-    trainer = make_trainer(tmp_path, cfg, actor=actor)
+    loss = nan_loss(cfg, set(range(100)))
+    trainer = make_trainer(tmp_path, cfg, loss=loss)
     with pytest.raises(NonFiniteTrainingError, match="3 optimizer steps in a row"):
         trainer.fit()
     assert trainer.step == 1  # stopped in the second PPO step, at its first skipped step (3rd in a row)
 
 
 def test_a_finite_step_resets_the_count(tmp_path):
-    actor = NaNLossActor(build_tiny_causal_lm("gpt2", SIZE, seed=0))
-    actor.nan_micro_batches = {0, 2, 6, 8}  # optimizer steps 1, 2, 4, 5 of 6: never 3 in a row
     cfg = ppo_cfg(max_steps=3, max_epochs=2, val_check_interval=0, save_interval=0, gate_unfinished=False)
-    history = make_trainer(tmp_path, cfg, actor=actor).fit()
+    loss = nan_loss(cfg, {0, 2, 6, 8})  # optimizer steps 1, 2, 4, 5 of 6: never 3 in a row
+    history = make_trainer(tmp_path, cfg, loss=loss).fit()
     assert [m["policy/skipped_steps"] for m in history] == [2.0, 1.0, 1.0]
 
 
 def test_fp16_overflows_count_toward_the_limit_only_once_the_loss_scale_cannot_explain_them(tmp_path):
     # a NaN loss under fp16 loss scaling: the scaler halves its scale after each skipped step
     # (2^16 → below 1 in 17 steps); only then do the skips count toward the limit of 3
-    actor = NaNLossActor(build_tiny_causal_lm("gpt2", SIZE, seed=0))
-    actor.nan_micro_batches = set(range(1000))
     cfg = ppo_cfg(max_steps=20, max_epochs=20, val_check_interval=0, save_interval=0, gate_unfinished=False)
+    loss = nan_loss(cfg, set(range(1000)))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    trainer = make_trainer(tmp_path, cfg, actor=actor, grad_scaler=scaler)
+    trainer = make_trainer(tmp_path, cfg, loss=loss, grad_scaler=scaler)
     with pytest.raises(NonFiniteTrainingError):
         trainer.fit()
     assert trainer.nonfinite_steps == 17 + 3 and scaler.get_scale() < 1.0

@@ -1,0 +1,118 @@
+"""The trainer and its rollout engine: every rollout comes from ``engine.generate`` with per-row
+seeds, and the engine gets the new weights after every optimizer step (and after a resume)."""
+
+from __future__ import annotations
+
+import torch
+from ppo_fakes import make_trainer, ppo_cfg
+
+from openaligner.models.rollout_engine import HFRolloutEngine, RolloutRequest
+from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
+from openaligner.trainer.ppo import derive_seed
+
+
+class RecordingEngine(HFRolloutEngine):
+    """The hf engine, recording each call into a shared ``calls`` list."""
+
+    shares_weights = False  # as an engine owning its weights: update_weights must be called
+
+    def __init__(self, actor, calls):
+        super().__init__(actor)
+        self.calls = calls
+        self.requests: list[RolloutRequest] = []
+
+    def generate(self, request):
+        self.calls.append("generate")
+        self.requests.append(request)
+        return super().generate(request)
+
+    def update_weights(self, policy, version):
+        assert policy is self.actor
+        self.calls.append(f"update_weights {version}")
+
+
+class RecordingLoss(PolicyLoss):
+    def __init__(self, cfg, calls):
+        super().__init__(cfg)
+        self.calls = calls
+
+    def __call__(self, policy, batch):
+        self.calls.append("train")
+        return super().__call__(policy, batch)
+
+
+def _recording_trainer(tmp_path, cfg, calls):
+    trainer = make_trainer(tmp_path, cfg, loss=RecordingLoss(PolicyLossConfig.from_ppo(cfg), calls))
+    trainer.engine = RecordingEngine(trainer.model, calls)
+    return trainer
+
+
+def _compress(calls):
+    """Runs of equal calls as one ``name×count``."""
+    out: list[str] = []
+    for c in calls:
+        if out and out[-1].split("×")[0] == c:
+            name, _, n = out[-1].partition("×")
+            out[-1] = f"{name}×{int(n or 1) + 1}"
+        else:
+            out.append(c)
+    return out
+
+
+def test_weights_reach_the_engine_after_every_optimizer_step_before_the_next_rollout(tmp_path):
+    # 16 rollouts in micro-batches of 8 (2 requests); global batch 8 = 2 optimizer steps of 2
+    # micro-batches each per PPO step
+    cfg = ppo_cfg(max_steps=2, val_check_interval=0, save_interval=0)
+    calls: list[str] = []
+    trainer = _recording_trainer(tmp_path, cfg, calls)
+    trainer.fit()
+    assert _compress(calls) == [
+        "generate×2", "train×2", "update_weights 1", "train×2", "update_weights 2",
+        "generate×2", "train×2", "update_weights 3", "train×2", "update_weights 4",
+    ]  # fmt: skip
+
+
+def test_requests_carry_the_sampling_settings_and_distinct_per_row_seeds(tmp_path):
+    cfg = ppo_cfg(max_steps=1, val_check_interval=0, save_interval=0)
+    calls: list[str] = []
+    trainer = _recording_trainer(tmp_path, cfg, calls)
+    trainer.fit()
+    first, second = trainer.engine.requests
+    assert first.sampling == trainer.model.sampling and first.prompts.shape[0] == 8
+    seeds = torch.cat([first.seeds, second.seeds])
+    assert len(set(seeds.tolist())) == 16
+    # the first row's seed is the micro-batch's seed of the loop before the seam (the hf engine's)
+    assert int(first.seeds[0]) == derive_seed(cfg.seed, 0, 0, 0, 0)
+    assert int(second.seeds[0]) == derive_seed(cfg.seed, 0, 0, 0, 1)
+
+
+def test_a_skipped_optimizer_step_sends_no_weights(tmp_path):
+    cfg = ppo_cfg(max_steps=1, val_check_interval=0, save_interval=0, gate_unfinished=False)
+    calls: list[str] = []
+
+    class NaNFirstStep(RecordingLoss):
+        def __call__(self, policy, batch):
+            loss, metrics = super().__call__(policy, batch)
+            return (loss * float("nan") if len(calls) <= 4 else loss), metrics
+
+    trainer = make_trainer(tmp_path, cfg, loss=NaNFirstStep(PolicyLossConfig.from_ppo(cfg), calls))
+    trainer.engine = RecordingEngine(trainer.model, calls)
+    (m,) = trainer.fit()
+    assert m["policy/skipped_steps"] == 1.0
+    # the first optimizer step (2 micro-batches) was skipped: its weights are the old ones
+    assert _compress(calls) == ["generate×2", "train×4", "update_weights 1"]
+
+
+def test_a_resumed_trainer_sends_the_restored_weights_to_the_engine(tmp_path):
+    cfg = ppo_cfg(max_steps=1, val_check_interval=0, save_interval=1)
+    first = make_trainer(tmp_path, cfg)
+    first.fit()
+    calls: list[str] = []
+    resumed = _recording_trainer(tmp_path / "again", cfg, calls)
+    resumed.load_checkpoint(first.checkpoints.latest())
+    assert calls == ["update_weights 2"]  # the weights after the checkpoint's 2 optimizer steps
+
+
+def test_the_default_engine_is_hf_over_the_actor(tmp_path):
+    trainer = make_trainer(tmp_path, ppo_cfg(max_steps=1))
+    assert isinstance(trainer.engine, HFRolloutEngine) and trainer.engine.actor is trainer.model
