@@ -2,10 +2,11 @@
 
 One step, as a recipe: (1) generate rollouts in micro-batches (``n_samples_per_prompt`` responses
 per prompt), sending each micro-batch to the reward/critic servers asynchronously; (2) policy and
-initial-policy log-probs; (3) wait for rewards and values; (4) advantages: KL-shaped rewards, GAE
-and global whitening for PPO, or a critic-free estimator (``trainer.advantage_estimator``:
-REINFORCE, RLOO, GRPO, Dr. GRPO, REINFORCE++, which talk to the reward server alone); (5) send the
-critic its training data (PPO only); (6) update the actor with the clipped surrogate loss (plus a
+initial-policy log-probs; (3) wait for rewards and values; (4) advantages by the registered
+estimator (``trainer.advantage_estimator``, :mod:`openaligner.trainer.estimators`): KL-shaped
+rewards, GAE and global whitening for PPO, or a critic-free one (REINFORCE, RLOO, GRPO, Dr. GRPO,
+REINFORCE++, which talk to the reward server alone); (5) send the critic its training data (only
+for an estimator that needs a critic); (6) update the actor with the clipped surrogate loss (plus a
 KL term with ``kl_in=loss``); (7) log (the step's metrics, then every rollout of the step to the
 rollout log), validate, checkpoint.
 
@@ -51,9 +52,10 @@ from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.sharding import is_sharded
 from openaligner.trainer.checkpoint_files import TrainingFiles, checksums_collective, stage_collective
+from openaligner.trainer.estimators import get_estimator
 from openaligner.trainer.optim_step import optimizer_step
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
-from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_critic_free_data, compute_ppo_data
+from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
 from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack, rollout_texts
 from openaligner.trainer.rollout_log import DecodedRollouts, rollout_records
 
@@ -182,6 +184,8 @@ class PPOTrainer:
     ) -> None:
         cfg.check_world_size(dp.world_size())
         self.cfg = cfg
+        self.estimator = get_estimator(cfg.advantage_estimator)
+        """The registered advantage estimator; whether the run has a critic is its ``needs_critic``."""
         self.model = model
         self.optimizer = optim.optimizer
         self.scheduler = optim.scheduler
@@ -320,42 +324,31 @@ class PPOTrainer:
         return data, metrics
 
     def generate_ppo_data(self, rollout_batch: RolloutBatch) -> tuple[PPOData, dict[str, float]]:
-        """Advantages by the configured estimator (global statistics over ranks), plus their
-        metrics: KL-shaped rewards, GAE and whitening for PPO (``gae``); a critic-free estimator's
-        baseline otherwise. With the KL as a loss term, the initial policy's log-probs go with the
-        data to the update instead of into the reward."""
+        """Advantages by the run's registered estimator (global statistics over ranks), plus their
+        metrics (:func:`compute_ppo_data`): KL-shaped rewards, GAE and whitening for PPO (``gae``);
+        a critic-free estimator's baseline otherwise. With the KL as a loss term, the initial
+        policy's log-probs go with the data to the update instead of into the reward."""
         c = self.cfg
         reward_kl_coef = self.kl_controller.value if c.kl_in_reward else 0.0
-        if c.uses_critic:
-            data, stats = compute_ppo_data(
-                rollout_batch,
-                kl_coef=reward_kl_coef,
-                kl_kind=c.kl_kind,
-                gamma=c.discount_factor,
-                lam=c.gae_lambda,
-                normalize_advantages=c.normalize_advantages,
-                missing_eos_penalty=c.missing_eos_penalty,
-                score_clip=c.score_clip,
-                reduce=dp.all_reduce_sum,
-            )
-        else:
-            data, stats = compute_critic_free_data(
-                rollout_batch,
-                estimator=c.advantage_estimator,
-                group_size=c.samples_per_prompt,
-                kl_coef=reward_kl_coef,
-                kl_kind=c.kl_kind,
-                gamma=c.discount_factor,
-                missing_eos_penalty=c.missing_eos_penalty,
-                score_clip=c.score_clip,
-                reduce=dp.all_reduce_sum,
-            )
+        data, stats = compute_ppo_data(
+            rollout_batch,
+            estimator=self.estimator.name,
+            group_size=c.samples_per_prompt,
+            kl_coef=reward_kl_coef,
+            kl_kind=c.kl_kind,
+            gamma=c.discount_factor,
+            lam=c.gae_lambda,
+            normalize_advantages=c.normalize_advantages,
+            missing_eos_penalty=c.missing_eos_penalty,
+            score_clip=c.score_clip,
+            reduce=dp.all_reduce_sum,
+        )
         if not c.kl_in_reward:
             data.ref_logprobs = rollout_batch.init_logprobs
         # β of a KL loss term: the one in effect for these rollouts (before an adaptive update below)
         self._loss_kl_coef = self.kl_controller.value
         metrics = {f"rollout/{k}": float(v) for k, v in stats.items()}
-        if c.uses_critic:
+        if self.estimator.needs_critic:
             # Explained variance of the rollout values against the returns they are trained toward.
             ev = explained_variance(rollout_batch.values, data.returns, data.mask, reduce=dp.all_reduce_sum)
             metrics["value/explained_variance"] = float(ev)
@@ -504,7 +497,7 @@ class PPOTrainer:
     def _send_critic_train(self, data: PPOData) -> None:
         """Rank 0 sends the global batch to ``critic_train``; the answer is awaited later. Nothing
         without a critic (critic-free estimators)."""
-        if not self.cfg.uses_critic:
+        if not self.estimator.needs_critic:
             return
         self._wait_critic_train()
         if dp.rank() == 0:
@@ -746,7 +739,7 @@ class PPOTrainer:
             data,
             kl_kind=c.kl_kind,
             group_size=c.samples_per_prompt,
-            with_values=c.uses_critic,
+            with_values=self.estimator.needs_critic,
             first_sample=dp.rank() * len(batch),  # ranks hold equal shares of the global batch
             decoded=decoded,
             limit=c.rollout_log_rows,
