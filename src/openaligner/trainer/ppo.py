@@ -36,7 +36,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -52,7 +52,7 @@ from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.sharding import is_sharded
 from openaligner.trainer.checkpoint_files import TrainingFiles, checksums_collective, stage_collective
-from openaligner.trainer.estimators import get_estimator
+from openaligner.trainer.estimators import Estimator, get_estimator
 from openaligner.trainer.optim_step import optimizer_step
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
@@ -70,13 +70,21 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 class RMCriticFuture(Protocol):
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(rewards [B], values [B, S-1])``; values None from a client without a critic."""
+        ...
 
 
-class RMCritic(Protocol):
-    """What the trainer needs of the reward/critic client (``RemoteGPTRMCriticClient``)."""
+class RewardClient(Protocol):
+    """What the trainer needs of every reward client: one micro-batch's rewards, with the critic's
+    values when the client has a critic (``RemoteRewardOnlyClient`` has none)."""
 
     def infer_rm_critic(self, rollout_batch: dict[str, torch.Tensor]) -> RMCriticFuture: ...
+
+
+class RMCritic(RewardClient, Protocol):
+    """A reward client with a critic (``RemoteGPTRMCriticClient``): what an estimator that needs a
+    critic trains, checkpoints and restores."""
 
     def train(self, ppo_rollout_data: dict[str, torch.Tensor]) -> Future[Any]: ...
 
@@ -160,7 +168,7 @@ class PPOTrainer:
         model: the actor.
         optim: the actor's optimizer, schedule and loss scaler.
         prompts: training and validation prompts.
-        rm_critic: the reward/critic client (:class:`RMCritic`).
+        rm_critic: the reward client; an :class:`RMCritic` when the estimator needs a critic.
         outputs: metrics, checkpoints and sample decoding.
         run_timer: the run's wall-clock limit (default: none).
         server_overlap_threads: torch threads for the actor's log-prob passes while reward/critic
@@ -176,7 +184,7 @@ class PPOTrainer:
         model: CausalLMActor,
         optim: ActorOptim,
         prompts: Prompts,
-        rm_critic: RMCritic,
+        rm_critic: RewardClient,
         outputs: RunOutputs,
         *,
         run_timer: RunTimer | None = None,
@@ -192,6 +200,8 @@ class PPOTrainer:
         self.grad_scaler = optim.grad_scaler or torch.amp.GradScaler(enabled=False)
         self.prompts = prompts
         self.rm_critic = rm_critic
+        self.critic = critic_of(rm_critic, self.estimator)
+        """The critic's client, or None when the estimator needs no critic (none is called then)."""
         self.logger = outputs.logger
         self.checkpoints = outputs.checkpoints
         self.config_yaml = outputs.config_yaml
@@ -395,9 +405,12 @@ class PPOTrainer:
         with self._timer("validation" if is_validation else "critic_wait"):
             results = [f.result() for f in futures]
         rewards = torch.cat([r.float().reshape(-1) for r, _ in results])
-        values = pad_and_stack([v.float() for _, v in results], 0.0)
         width = tokens.shape[1] - 1
-        values = torch.nn.functional.pad(values, (0, width - values.shape[1]))[:, :width]
+        if any(v is None for _, v in results):  # no critic: no values
+            values = torch.zeros(len(rewards), width)
+        else:
+            values = pad_and_stack([v.float() for _, v in results if v is not None], 0.0)
+            values = torch.nn.functional.pad(values, (0, width - values.shape[1]))[:, :width]
         batch = RolloutBatch(
             response_tokens=tokens,
             response_lengths=lengths,
@@ -497,7 +510,7 @@ class PPOTrainer:
     def _send_critic_train(self, data: PPOData) -> None:
         """Rank 0 sends the global batch to ``critic_train``; the answer is awaited later. Nothing
         without a critic (critic-free estimators)."""
-        if not self.estimator.needs_critic:
+        if self.critic is None:
             return
         self._wait_critic_train()
         if dp.rank() == 0:
@@ -507,7 +520,7 @@ class PPOTrainer:
                 "values": data.values,
                 "mask": data.mask,
             }
-            self._pending_critic_train = self.rm_critic.train(payload)
+            self._pending_critic_train = self.critic.train(payload)
         self._critic_train_in_flight = True
 
     @contextmanager
@@ -781,9 +794,10 @@ class PPOTrainer:
         dp.barrier()
 
     def _save_on_rank0(self, metrics: dict[str, float], rngs: list[Any]) -> None:
-        critic_saved = self.rm_critic.save()
+        critic_saved = self.critic.save() if self.critic is not None else None
         if self.checkpoints is None:
-            self._critic_step_saved(critic_saved.result())
+            if critic_saved is not None:
+                self._critic_step_saved(critic_saved.result())
             return
 
         def write(d: Path) -> None:
@@ -800,7 +814,9 @@ class PPOTrainer:
         saves) and hashes a share of the files, then rank 0 writes the rest and publishes as
         :meth:`_save_on_rank0` does."""
         critic_saved: list[Future[Any]] = []
-        on_rank0_shared(lambda: critic_saved.append(self.rm_critic.save()), "critic_save")
+        if self.critic is not None:
+            critic = self.critic
+            on_rank0_shared(lambda: critic_saved.append(critic.save()), "critic_save")
         tmp = stage_collective(checkpoints, self.step)
         dp.run_guarded(
             lambda: ACTOR_FILES.write(tmp, self.model, self.optimizer, self.scheduler, rngs),
@@ -809,16 +825,17 @@ class PPOTrainer:
         checksums = checksums_collective(tmp)
 
         def finish() -> None:
-            self._write_rest(tmp, critic_saved[0])
+            self._write_rest(tmp, critic_saved[0] if critic_saved else None)
             checkpoints.publish(self.step, tmp, _monitored(metrics), checksums)
 
         on_rank0_shared(finish, "checkpoint")
 
-    def _write_rest(self, d: Path, critic_saved: Future[Any]) -> None:
+    def _write_rest(self, d: Path, critic_saved: Future[Any] | None) -> None:
         """The run's config and the trainer state, once the critic's half is durable (the manager
-        publishes the directory only after this returns)."""
+        publishes the directory only after this returns); ``critic_saved`` None: no critic."""
         (d / "config.yaml").write_text(self.config_yaml)
-        state = self.state_dict() | {"critic_step": self._critic_step_saved(critic_saved.result())}
+        saved = critic_saved.result() if critic_saved is not None else None
+        state = self.state_dict() | {"critic_step": self._critic_step_saved(saved)}
         ACTOR_FILES.write_state(d, state)
 
     def _critic_step_saved(self, saved: Any) -> int | None:
@@ -859,9 +876,16 @@ class ResumeError(RuntimeError):
     """The run has complete checkpoints, but the critic server holds the critic of none of them."""
 
 
-def restore_newest_checkpoint(checkpoints: CheckpointManager, rm_critic: RMCritic) -> Path | None:
+def critic_of(client: RewardClient, estimator: Estimator) -> RMCritic | None:
+    """``client`` as the critic's client when ``estimator`` needs a critic (it must then be an
+    :class:`RMCritic`), else None: a run without a critic calls none."""
+    return cast(RMCritic, client) if estimator.needs_critic else None
+
+
+def restore_newest_checkpoint(checkpoints: CheckpointManager, critic: RMCritic | None) -> Path | None:
     """The newest complete actor checkpoint whose critic the critic server holds, with the server
-    sent back to that critic (``rm_critic.restore``): the newest step both halves have.
+    sent back to that critic (``critic.restore``): the newest step both halves have. Without a
+    critic (None, see :func:`critic_of`), the newest complete checkpoint, as it is.
 
     Checkpoints are tried newest first (:meth:`CheckpointManager.complete`); one whose critic step
     the server refuses (pruned by its ``checkpoint.keep_last``, damaged, or saved under another
@@ -880,9 +904,9 @@ def restore_newest_checkpoint(checkpoints: CheckpointManager, rm_critic: RMCriti
         refused: list[str] = []
         for path in checkpoints.complete():
             critic_step = ACTOR_FILES.read_state(path).get("critic_step")
-            if critic_step is not None:
+            if critic_step is not None and critic is not None:
                 try:
-                    rm_critic.restore(int(critic_step)).result()
+                    critic.restore(int(critic_step)).result()
                 except ValueError as e:  # the server does not hold it
                     log.warning("not resuming from %s: %s", path, e)
                     refused.append(f"{path.name} (critic step {critic_step})")
