@@ -406,10 +406,10 @@ class PPOTrainer:
             results = [f.result() for f in futures]
         rewards = torch.cat([r.float().reshape(-1) for r, _ in results])
         width = tokens.shape[1] - 1
-        if any(v is None for _, v in results):  # no critic: no values
+        if self.critic is None:  # the estimator needs no critic: there are no values
             values = torch.zeros(len(rewards), width)
         else:
-            values = pad_and_stack([v.float() for _, v in results if v is not None], 0.0)
+            values = pad_and_stack([_critic_values(v, self.estimator.name) for _, v in results], 0.0)
             values = torch.nn.functional.pad(values, (0, width - values.shape[1]))[:, :width]
         batch = RolloutBatch(
             response_tokens=tokens,
@@ -874,6 +874,15 @@ class PPOTrainer:
 
 class ResumeError(RuntimeError):
     """The run has complete checkpoints, but the critic server holds the critic of none of them."""
+
+
+def _critic_values(values: torch.Tensor | None, estimator: str) -> torch.Tensor:
+    if values is None:
+        raise TypeError(
+            f"trainer.advantage_estimator={estimator} needs a critic, but the reward client returned no "
+            "values: use a client with a critic (RemoteGPTRMCriticClient)"
+        )
+    return values.float()
 
 
 def critic_of(client: RewardClient, estimator: Estimator) -> RMCritic | None:

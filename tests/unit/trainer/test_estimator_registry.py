@@ -76,3 +76,9 @@ def test_names_are_lower_case_identifiers_registered_once():
 def test_only_gae_needs_a_critic_among_the_built_ins():
     assert [e.name for e in ESTIMATORS.values() if e.needs_critic] == ["gae"]
     assert {e.name for e in ESTIMATORS.values() if e.needs_groups} == {"reinforce", "rloo", "grpo", "dr_grpo"}
+
+
+def test_an_estimator_with_a_critic_refuses_a_client_without_values(tmp_path):
+    cfg = ppo_cfg(max_steps=1)  # gae: needs the critic's values
+    with pytest.raises(TypeError, match="advantage_estimator=gae needs a critic, but the reward client"):
+        make_trainer(tmp_path, cfg, client=RewardOnly()).fit()
