@@ -1,24 +1,22 @@
 """The trainer's reward client for critic-free estimators: rewards from the reward server, no critic.
 
-Owns the adapter that gives :class:`~openaligner.clients.reward.RemoteGPTRMClient` the shape of
-the PPO trainer's reward/critic client (``infer_rm_critic`` / ``train`` / ``save`` / ``restore``),
-so that GRPO, RLOO and the REINFORCE variants run the same loop as PPO while talking only to the
-reward server (a reward model, a reward function, or both, see ``serve-reward``), as NeMo-Aligner's
-REINFORCE actor does through its ``RemoteGPTRMClient``. Values are zeros (nothing reads them), and
-there is no critic to train, save or restore. Must not know about the trainer or its math.
+Owns the adapter that gives :class:`~openaligner.clients.reward.RemoteGPTRMClient` the trainer's
+reward-client shape (``infer_rm_critic``, whose answer carries no values), so that GRPO, RLOO and
+the REINFORCE variants run the same loop as PPO while talking only to the reward server (a reward
+model, a reward function, or both, see ``serve-reward``), as NeMo-Aligner's REINFORCE actor does
+through its ``RemoteGPTRMClient``. It has no critic to train, save or restore: the trainer asks
+the estimator whether there is one. Must not know about the trainer or its math.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Any
 
 import torch
 
 from openaligner.clients.critic import (
     RemoteCriticConfig,
-    RMCriticFutureResult,
     RolloutTexts,
     ToConversations,
     TokenizerIdentity,
@@ -71,31 +69,15 @@ class RemoteRewardOnlyClient:
         self._texts = RolloutTexts(to_conversations, to_metadata) if self.reward_input == "text" else None
         return self.reward_input
 
-    def infer_rm_critic(self, rollout_batch: Mapping[str, torch.Tensor]) -> RMCriticFutureResult:
+    def infer_rm_critic(self, rollout_batch: Mapping[str, torch.Tensor]) -> RewardsFuture:
         """Rewards for a rollout micro-batch (``response_tokens`` [B, S], ``response_lengths`` [B],
-        ``prompt_lengths`` [B]); the result's values are zeros [B, S-1].
+        ``prompt_lengths`` [B]); the result's values are None (there is no critic).
 
         Raises:
             BadRequestError: at once, when the tensors are malformed.
         """
-        tokens = rollout_batch["response_tokens"]
-        rows, width = int(tokens.shape[0]), int(tokens.shape[1])
         rewards = request_rewards(self._rm, rollout_batch, self._texts)
-        values: Future[tuple[torch.Tensor, torch.Tensor | None]] = Future()
-        values.set_result((torch.zeros(rows, max(width - 1, 0)), None))
-        return RMCriticFutureResult(values, rewards, width, tokens.device)
-
-    def train(self, ppo_rollout_data: Mapping[str, torch.Tensor]) -> Future[Any]:
-        """There is no critic to train; the trainer never calls this for a critic-free estimator."""
-        raise RuntimeError("a critic-free estimator has no critic to train (trainer.advantage_estimator)")
-
-    def save(self) -> Future[Any]:
-        """Nothing to save on a server: a settled future naming no critic step."""
-        return _settled({"status": 0, "step": None})
-
-    def restore(self, step: int) -> Future[Any]:
-        """Nothing to restore (checkpoints of critic-free runs record no critic step)."""
-        return _settled({"status": 0, "step": step})
+        return RewardsFuture(rewards, rollout_batch["response_tokens"].device)
 
     def wait_until_ready(self) -> None:
         self._rm.wait_until_ready()
@@ -115,7 +97,22 @@ class RemoteRewardOnlyClient:
         self.close()
 
 
-def _settled(value: Any) -> Future[Any]:
-    future: Future[Any] = Future()
-    future.set_result(value)
-    return future
+class RewardsFuture:
+    """The pending answer to one :meth:`RemoteRewardOnlyClient.infer_rm_critic` call:
+    ``result()`` is ``(rewards [B] float32 on the batch's device, None)`` — no values."""
+
+    def __init__(self, rewards: Future[torch.Tensor], device: torch.device) -> None:
+        self._rewards = rewards
+        self._device = device
+
+    def done(self) -> bool:
+        return self._rewards.done()
+
+    def result(self, timeout: float | None = None) -> tuple[torch.Tensor, None]:
+        """Wait for the rewards.
+
+        Raises:
+            ClientError: a subclass naming the reward server.
+            TimeoutError: ``timeout`` passed first.
+        """
+        return self._rewards.result(timeout=timeout).reshape(-1).to(self._device, torch.float32), None

@@ -3,12 +3,13 @@
 One step, as a recipe: (1) generate rollouts in micro-batches through the rollout engine
 (``n_samples_per_prompt`` responses per prompt), sending each micro-batch to the reward/critic
 servers asynchronously; (2) policy and initial-policy log-probs; (3) wait for rewards and values;
-(4) advantages: KL-shaped rewards, GAE and global whitening for PPO, or a critic-free estimator
-(``trainer.advantage_estimator``: REINFORCE, RLOO, GRPO, Dr. GRPO, REINFORCE++, which talk to the
-reward server alone); (5) send the critic its training data (PPO only); (6) update the actor with
-the policy loss (plus a KL term with ``kl_in=loss``), handing the engine the new weights after
-each optimizer step; (7) log (the step's metrics, then every rollout of the step to the rollout
-log), validate, checkpoint.
+(4) advantages by the registered estimator (``trainer.advantage_estimator``,
+:mod:`openaligner.trainer.estimators`): KL-shaped rewards, GAE and global whitening for PPO, or a
+critic-free one (REINFORCE, RLOO, GRPO, Dr. GRPO, REINFORCE++, which talk to the reward server
+alone); (5) send the critic its training data (only for an estimator that needs a critic);
+(6) update the actor with the policy loss (plus a KL term with ``kl_in=loss``), handing the engine
+the new weights after each optimizer step; (7) log (the step's metrics, then every rollout of the
+step to the rollout log), validate, checkpoint.
 
 Owns the loop, its state (step, consumed samples, optimisation steps) and exact resume. Knows the
 actor, the policy loss, the rollout engine and the server client only through their methods; the
@@ -36,7 +37,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -48,10 +49,11 @@ from openaligner.models.actor import CausalLMActor
 from openaligner.models.rollout_engine import HFRolloutEngine, RolloutEngine, RolloutRequest, row_seeds
 from openaligner.models.sharding import is_sharded
 from openaligner.trainer.checkpoint_files import TrainingFiles, checksums_collective, stage_collective
+from openaligner.trainer.estimators import Estimator, get_estimator
 from openaligner.trainer.optim_step import optimizer_step
 from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
-from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_critic_free_data, compute_ppo_data
+from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
 from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack, rollout_texts
 from openaligner.trainer.rollout_log import DecodedRollouts, rollout_records
 
@@ -66,13 +68,21 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 class RMCriticFuture(Protocol):
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(rewards [B], values [B, S-1])``; values None from a client without a critic."""
+        ...
 
 
-class RMCritic(Protocol):
-    """What the trainer needs of the reward/critic client (``RemoteGPTRMCriticClient``)."""
+class RewardClient(Protocol):
+    """What the trainer needs of every reward client: one micro-batch's rewards, with the critic's
+    values when the client has a critic (``RemoteRewardOnlyClient`` has none)."""
 
     def infer_rm_critic(self, rollout_batch: dict[str, torch.Tensor]) -> RMCriticFuture: ...
+
+
+class RMCritic(RewardClient, Protocol):
+    """A reward client with a critic (``RemoteGPTRMCriticClient``): what an estimator that needs a
+    critic trains, checkpoints and restores."""
 
     def train(self, ppo_rollout_data: dict[str, torch.Tensor]) -> Future[Any]: ...
 
@@ -156,7 +166,7 @@ class PPOTrainer:
         model: the actor.
         optim: the actor's optimizer, schedule and loss scaler.
         prompts: training and validation prompts.
-        rm_critic: the reward/critic client (:class:`RMCritic`).
+        rm_critic: the reward client; an :class:`RMCritic` when the estimator needs a critic.
         outputs: metrics, checkpoints and sample decoding.
         loss: the actor's policy loss (default: :class:`PolicyLoss` of ``cfg``'s loss settings,
             as the recipe builds it).
@@ -176,7 +186,7 @@ class PPOTrainer:
         model: CausalLMActor,
         optim: ActorOptim,
         prompts: Prompts,
-        rm_critic: RMCritic,
+        rm_critic: RewardClient,
         outputs: RunOutputs,
         *,
         loss: PolicyLoss | None = None,
@@ -186,6 +196,8 @@ class PPOTrainer:
     ) -> None:
         cfg.check_world_size(dp.world_size())
         self.cfg = cfg
+        self.estimator = get_estimator(cfg.advantage_estimator)
+        """The registered advantage estimator; whether the run has a critic is its ``needs_critic``."""
         self.model = model
         self.optimizer = optim.optimizer
         self.scheduler = optim.scheduler
@@ -194,6 +206,8 @@ class PPOTrainer:
         self.rm_critic = rm_critic
         self.loss = loss or PolicyLoss(PolicyLossConfig.from_ppo(cfg))
         self.engine = engine or HFRolloutEngine(model)
+        self.critic = critic_of(rm_critic, self.estimator)
+        """The critic's client, or None when the estimator needs no critic (none is called then)."""
         self.logger = outputs.logger
         self.checkpoints = outputs.checkpoints
         self.config_yaml = outputs.config_yaml
@@ -326,42 +340,31 @@ class PPOTrainer:
         return data, metrics
 
     def generate_ppo_data(self, rollout_batch: RolloutBatch) -> tuple[PPOData, dict[str, float]]:
-        """Advantages by the configured estimator (global statistics over ranks), plus their
-        metrics: KL-shaped rewards, GAE and whitening for PPO (``gae``); a critic-free estimator's
-        baseline otherwise. With the KL as a loss term, the initial policy's log-probs go with the
-        data to the update instead of into the reward."""
+        """Advantages by the run's registered estimator (global statistics over ranks), plus their
+        metrics (:func:`compute_ppo_data`): KL-shaped rewards, GAE and whitening for PPO (``gae``);
+        a critic-free estimator's baseline otherwise. With the KL as a loss term, the initial
+        policy's log-probs go with the data to the update instead of into the reward."""
         c = self.cfg
         reward_kl_coef = self.kl_controller.value if c.kl_in_reward else 0.0
-        if c.uses_critic:
-            data, stats = compute_ppo_data(
-                rollout_batch,
-                kl_coef=reward_kl_coef,
-                kl_kind=c.kl_kind,
-                gamma=c.discount_factor,
-                lam=c.gae_lambda,
-                normalize_advantages=c.normalize_advantages,
-                missing_eos_penalty=c.missing_eos_penalty,
-                score_clip=c.score_clip,
-                reduce=dp.all_reduce_sum,
-            )
-        else:
-            data, stats = compute_critic_free_data(
-                rollout_batch,
-                estimator=c.advantage_estimator,
-                group_size=c.samples_per_prompt,
-                kl_coef=reward_kl_coef,
-                kl_kind=c.kl_kind,
-                gamma=c.discount_factor,
-                missing_eos_penalty=c.missing_eos_penalty,
-                score_clip=c.score_clip,
-                reduce=dp.all_reduce_sum,
-            )
+        data, stats = compute_ppo_data(
+            rollout_batch,
+            estimator=self.estimator.name,
+            group_size=c.samples_per_prompt,
+            kl_coef=reward_kl_coef,
+            kl_kind=c.kl_kind,
+            gamma=c.discount_factor,
+            lam=c.gae_lambda,
+            normalize_advantages=c.normalize_advantages,
+            missing_eos_penalty=c.missing_eos_penalty,
+            score_clip=c.score_clip,
+            reduce=dp.all_reduce_sum,
+        )
         if not c.kl_in_reward:
             data.ref_logprobs = rollout_batch.init_logprobs
         # β of a KL loss term: the one in effect for these rollouts (before an adaptive update below)
         self._loss_kl_coef = self.kl_controller.value
         metrics = {f"rollout/{k}": float(v) for k, v in stats.items()}
-        if c.uses_critic:
+        if self.estimator.needs_critic:
             # Explained variance of the rollout values against the returns they are trained toward.
             ev = explained_variance(rollout_batch.values, data.returns, data.mask, reduce=dp.all_reduce_sum)
             metrics["value/explained_variance"] = float(ev)
@@ -418,9 +421,12 @@ class PPOTrainer:
         with self._timer("validation" if is_validation else "critic_wait"):
             results = [f.result() for f in futures]
         rewards = torch.cat([r.float().reshape(-1) for r, _ in results])
-        values = pad_and_stack([v.float() for _, v in results], 0.0)
         width = tokens.shape[1] - 1
-        values = torch.nn.functional.pad(values, (0, width - values.shape[1]))[:, :width]
+        if self.critic is None:  # the estimator needs no critic: there are no values
+            values = torch.zeros(len(rewards), width)
+        else:
+            values = pad_and_stack([_critic_values(v, self.estimator.name) for _, v in results], 0.0)
+            values = torch.nn.functional.pad(values, (0, width - values.shape[1]))[:, :width]
         batch = RolloutBatch(
             response_tokens=tokens,
             response_lengths=lengths,
@@ -521,7 +527,7 @@ class PPOTrainer:
     def _send_critic_train(self, data: PPOData) -> None:
         """Rank 0 sends the global batch to ``critic_train``; the answer is awaited later. Nothing
         without a critic (critic-free estimators)."""
-        if not self.cfg.uses_critic:
+        if self.critic is None:
             return
         self._wait_critic_train()
         if dp.rank() == 0:
@@ -531,7 +537,7 @@ class PPOTrainer:
                 "values": data.values,
                 "mask": data.mask,
             }
-            self._pending_critic_train = self.rm_critic.train(payload)
+            self._pending_critic_train = self.critic.train(payload)
         self._critic_train_in_flight = True
 
     @contextmanager
@@ -757,7 +763,7 @@ class PPOTrainer:
             data,
             kl_kind=c.kl_kind,
             group_size=c.samples_per_prompt,
-            with_values=c.uses_critic,
+            with_values=self.estimator.needs_critic,
             first_sample=dp.rank() * len(batch),  # ranks hold equal shares of the global batch
             decoded=decoded,
             limit=c.rollout_log_rows,
@@ -799,9 +805,10 @@ class PPOTrainer:
         dp.barrier()
 
     def _save_on_rank0(self, metrics: dict[str, float], rngs: list[Any]) -> None:
-        critic_saved = self.rm_critic.save()
+        critic_saved = self.critic.save() if self.critic is not None else None
         if self.checkpoints is None:
-            self._critic_step_saved(critic_saved.result())
+            if critic_saved is not None:
+                self._critic_step_saved(critic_saved.result())
             return
 
         def write(d: Path) -> None:
@@ -818,7 +825,9 @@ class PPOTrainer:
         saves) and hashes a share of the files, then rank 0 writes the rest and publishes as
         :meth:`_save_on_rank0` does."""
         critic_saved: list[Future[Any]] = []
-        on_rank0_shared(lambda: critic_saved.append(self.rm_critic.save()), "critic_save")
+        if self.critic is not None:
+            critic = self.critic
+            on_rank0_shared(lambda: critic_saved.append(critic.save()), "critic_save")
         tmp = stage_collective(checkpoints, self.step)
         dp.run_guarded(
             lambda: ACTOR_FILES.write(tmp, self.model, self.optimizer, self.scheduler, rngs),
@@ -827,16 +836,17 @@ class PPOTrainer:
         checksums = checksums_collective(tmp)
 
         def finish() -> None:
-            self._write_rest(tmp, critic_saved[0])
+            self._write_rest(tmp, critic_saved[0] if critic_saved else None)
             checkpoints.publish(self.step, tmp, _monitored(metrics), checksums)
 
         on_rank0_shared(finish, "checkpoint")
 
-    def _write_rest(self, d: Path, critic_saved: Future[Any]) -> None:
+    def _write_rest(self, d: Path, critic_saved: Future[Any] | None) -> None:
         """The run's config and the trainer state, once the critic's half is durable (the manager
-        publishes the directory only after this returns)."""
+        publishes the directory only after this returns); ``critic_saved`` None: no critic."""
         (d / "config.yaml").write_text(self.config_yaml)
-        state = self.state_dict() | {"critic_step": self._critic_step_saved(critic_saved.result())}
+        saved = critic_saved.result() if critic_saved is not None else None
+        state = self.state_dict() | {"critic_step": self._critic_step_saved(saved)}
         ACTOR_FILES.write_state(d, state)
 
     def _critic_step_saved(self, saved: Any) -> int | None:
@@ -878,9 +888,25 @@ class ResumeError(RuntimeError):
     """The run has complete checkpoints, but the critic server holds the critic of none of them."""
 
 
-def restore_newest_checkpoint(checkpoints: CheckpointManager, rm_critic: RMCritic) -> Path | None:
+def _critic_values(values: torch.Tensor | None, estimator: str) -> torch.Tensor:
+    if values is None:
+        raise TypeError(
+            f"trainer.advantage_estimator={estimator} needs a critic, but the reward client returned no "
+            "values: use a client with a critic (RemoteGPTRMCriticClient)"
+        )
+    return values.float()
+
+
+def critic_of(client: RewardClient, estimator: Estimator) -> RMCritic | None:
+    """``client`` as the critic's client when ``estimator`` needs a critic (it must then be an
+    :class:`RMCritic`), else None: a run without a critic calls none."""
+    return cast(RMCritic, client) if estimator.needs_critic else None
+
+
+def restore_newest_checkpoint(checkpoints: CheckpointManager, critic: RMCritic | None) -> Path | None:
     """The newest complete actor checkpoint whose critic the critic server holds, with the server
-    sent back to that critic (``rm_critic.restore``): the newest step both halves have.
+    sent back to that critic (``critic.restore``): the newest step both halves have. Without a
+    critic (None, see :func:`critic_of`), the newest complete checkpoint, as it is.
 
     Checkpoints are tried newest first (:meth:`CheckpointManager.complete`); one whose critic step
     the server refuses (pruned by its ``checkpoint.keep_last``, damaged, or saved under another
@@ -899,9 +925,9 @@ def restore_newest_checkpoint(checkpoints: CheckpointManager, rm_critic: RMCriti
         refused: list[str] = []
         for path in checkpoints.complete():
             critic_step = ACTOR_FILES.read_state(path).get("critic_step")
-            if critic_step is not None:
+            if critic_step is not None and critic is not None:
                 try:
-                    rm_critic.restore(int(critic_step)).result()
+                    critic.restore(int(critic_step)).result()
                 except ValueError as e:  # the server does not hold it
                     log.warning("not resuming from %s: %s", path, e)
                     refused.append(f"{path.name} (critic step {critic_step})")

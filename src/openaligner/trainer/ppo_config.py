@@ -20,6 +20,7 @@ from openaligner.models.precision import check_precision, check_save_dtype
 from openaligner.models.rollout_engine import RolloutConfig
 from openaligner.models.sharding import ActorParallelConfig
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
+from openaligner.trainer.estimators import ESTIMATORS, Estimator
 from openaligner.trainer.optim import OptimConfig
 
 if TYPE_CHECKING:
@@ -59,7 +60,8 @@ class PPOConfig:
     rollout_log_rows: int | None = None  # responses per step in logs/rollouts.jsonl; null = all, 0 = none
     seed: int = 1234  # seeds sampling, shuffling and minibatching (exact resume relies on it)
     # ---- algorithm (docs/algorithms.md)
-    advantage_estimator: str = "gae"  # gae (PPO + critic) | reinforce | rloo | grpo | dr_grpo | reinforce_pp
+    # gae (PPO + critic) | reinforce | rloo | grpo | dr_grpo | reinforce_pp | any registered one
+    advantage_estimator: str = "gae"
     n_samples_per_prompt: int | None = None  # responses per prompt; null: 4 (group estimators) or 1
     # ---- rewards and KL
     initial_policy_kl_penalty: float = 0.01  # β of the KL to the initial policy; 0 disables the KL term
@@ -111,8 +113,8 @@ class PPOConfig:
 
     @property
     def uses_critic(self) -> bool:
-        """Whether the estimator needs the critic server's values (only ``gae``)."""
-        return self.advantage_estimator == "gae"
+        """Whether the estimator needs the critic server (its registration's ``needs_critic``)."""
+        return ESTIMATORS[self.advantage_estimator].needs_critic
 
     @property
     def samples_per_prompt(self) -> int:
@@ -289,30 +291,6 @@ def parse_duration_s(text: str | None) -> float | None:
     return float(((d * 24 + h) * 60 + mi) * 60 + s)
 
 
-@dataclass(frozen=True)
-class Estimator:
-    """What an advantage estimator needs and the defaults it brings (docs/algorithms.md)."""
-
-    default_samples_per_prompt: int
-    default_kl_in: str  # reward | loss
-    default_loss_aggregation: str
-    needs_groups: bool  # compares the responses to one prompt: needs ≥ 2 of them
-
-
-ESTIMATORS: dict[str, Estimator] = {
-    # PPO: GAE over the critic's values (Schulman et al. 2016)
-    "gae": Estimator(1, "reward", "token_mean", needs_groups=False),
-    # NeMo-Aligner's REINFORCE: leave-one-out baseline among the responses that ended
-    "reinforce": Estimator(4, "reward", "token_mean", needs_groups=True),
-    # RLOO (Ahmadian et al. 2024): leave-one-out baseline of the sequence reward
-    "rloo": Estimator(4, "reward", "token_mean", needs_groups=True),
-    # GRPO (Shao et al. 2024): group-normalised scores, KL as a loss term
-    "grpo": Estimator(4, "loss", "seq_mean_token_mean", needs_groups=True),
-    # Dr. GRPO (Liu et al. 2025): no std division, token sums over a fixed length
-    "dr_grpo": Estimator(4, "loss", "seq_mean_token_sum_norm", needs_groups=True),
-    # REINFORCE++ (Hu 2025): per-token KL in the reward, returns-to-go, whitened over the batch
-    "reinforce_pp": Estimator(1, "reward", "token_mean", needs_groups=False),
-}
 KL_PLACEMENTS = ("reward", "loss")
 
 
@@ -390,6 +368,11 @@ def _check_ppo(c: PPOConfig) -> None:
     if c.length.max_length < 1 or not 0 <= c.length.min_length <= c.length.max_length:
         bad("length.min_length", "need 0 ≤ min_length ≤ max_length and max_length ≥ 1")
     parse_duration_s(c.max_time_per_run)
+    # last: an estimator's own refusals may rely on every general check above
+    estimator = ESTIMATORS[c.advantage_estimator]
+    refusal = estimator.refuse(c) if estimator.refuse is not None else None
+    if refusal is not None:
+        bad(*refusal)
 
 
 def _check_estimator(c: PPOConfig, estimator: Estimator, bad: Callable[[str, str], None]) -> None:
@@ -413,7 +396,7 @@ def _check_estimator(c: PPOConfig, estimator: Estimator, bad: Callable[[str, str
         )
     if c.kl_in not in KL_PLACEMENTS:
         bad("kl_in", f"must be reward, loss or null (the estimator's default), got {c.kl_in!r}")
-    if not c.uses_critic and c.critic_warmup_steps:
+    if not estimator.needs_critic and c.critic_warmup_steps:
         bad(
             "critic_warmup_steps",
             f"{name} uses no critic, so there is nothing to warm up; set critic_warmup_steps=0",

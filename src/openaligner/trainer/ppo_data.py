@@ -1,9 +1,9 @@
 """Turn one rollout (tokens, log-probs, scores, values) into training data and rollout metrics.
 
-This is the trainer's ``generate_ppo_data`` step as plain functions: for PPO
-(:func:`compute_ppo_data`) KL-shaped rewards, the response mask, GAE and global advantage
-whitening; for the critic-free estimators (:func:`compute_critic_free_data`) the sequence or
-token rewards and each estimator's baseline; all the math from :mod:`openaligner.algorithms`.
+This is the trainer's ``generate_ppo_data`` step as plain functions (:func:`compute_ppo_data`):
+the response mask, the per-token KL and the adjusted scores, then the advantages of the estimator
+the registry (:mod:`openaligner.trainer.estimators`) holds under the run's name, its metrics and
+the optional global whitening; all the math from :mod:`openaligner.algorithms`.
 Cross-rank statistics go through a ``reduce`` callable (all-reduce SUM under torch.distributed,
 identity on one process), so this module makes no distributed calls of its own.
 """
@@ -17,20 +17,14 @@ import torch
 from openaligner.algorithms import (
     Reduce,
     adjust_scores,
-    broadcast_to_tokens,
-    gae,
-    grpo_advantages,
     kl_penalty,
     masked_mean,
     masked_mean_var,
     masked_sum,
-    reinforce_pp_advantages,
     response_mask,
-    rloo_advantages,
-    sequence_kl,
-    shape_rewards,
     single_process,
 )
+from openaligner.trainer.estimators import EstimatorInputs, get_estimator
 
 
 @dataclass
@@ -76,44 +70,79 @@ class PPOData:
 def compute_ppo_data(
     batch: RolloutBatch,
     *,
+    estimator: str = "gae",
+    group_size: int = 1,
     kl_coef: float,
     kl_kind: str,
     gamma: float,
-    lam: float,
-    normalize_advantages: bool,
+    lam: float = 1.0,
+    normalize_advantages: bool = False,
     missing_eos_penalty: float | None = None,
     score_clip: float | None = None,
     reduce: Reduce = single_process,
 ) -> tuple[PPOData, dict[str, torch.Tensor]]:
-    """KL-shaped rewards → mask → GAE → (global) whitening, plus NeMo-Aligner's rollout metrics.
+    """Mask, per-token KL and adjusted scores → the registered ``estimator``'s advantages
+    (:mod:`openaligner.trainer.estimators`, docs/algorithms.md) → training data and NeMo-Aligner's
+    rollout metrics.
+
+    ``batch`` holds ``B = prompts × group_size`` rows, the ``group_size`` responses to one prompt
+    contiguous (see :class:`~openaligner.trainer.ppo.PPOTrainer`). Scores are first adjusted
+    (``score_clip``, ``missing_eos_penalty``); ``kl_coef`` > 0 puts the KL into the reward (pass 0
+    to keep it out, e.g. when it is a loss term). ``gamma``, ``lam`` and ``normalize_advantages``
+    go to the estimator, which may ignore them.
 
     Metrics (global over ranks through ``reduce``; computed before whitening):
-    ``init_policy_kl`` and ``rewards_with_kl`` are means over samples of each sample's token
-    mean under the mask; ``sequence_kl`` is the mean over samples of each sample's summed KL
-    (what the adaptive KL controller tracks); ``{advantages,returns,values}_{mean,std}`` are the
-    masked mean and uncorrected standard deviation over all valid tokens.
+    ``init_policy_kl`` and ``rewards_with_kl`` are means over samples of each sample's token-mean
+    KL and of the reward the estimator used; ``sequence_kl`` is the mean over samples of each
+    sample's summed KL (what the adaptive KL controller tracks); ``advantages_{mean,std}`` and,
+    for an estimator with a critic, ``{returns,values}_{mean,std}`` are the masked mean and
+    uncorrected standard deviation over all valid tokens.
+
+    Returns:
+        ``(data, metrics)``: ``data.advantages`` [B, S-1] (0 outside the mask); without a critic
+        ``returns`` and ``values`` are zeros.
+
+    Raises:
+        ValueError: an unknown ``estimator``, or one with a critic that returned no returns.
     """
+    spec = get_estimator(estimator)
     mask, kl = _mask_and_kl(batch, kl_kind)
-    token_rewards = shape_rewards(
-        batch.rewards,
-        kl,
-        batch.response_lengths,
-        kl_coef,
+    scores = adjust_scores(
+        batch.rewards.to(kl.dtype),
         is_end=batch.is_end,
         missing_eos_penalty=missing_eos_penalty,
         score_clip=score_clip,
     )
-    advantages, returns = gae(batch.values, token_rewards, mask, gamma, lam)
-    metrics = _kl_metrics(kl, mask, masked_mean(token_rewards, mask, dim=-1), reduce)
-    stats = {
-        name: masked_mean_var(tensor, mask, reduce=reduce)
-        for name, tensor in (("advantages", advantages), ("returns", returns), ("values", batch.values))
-    }
+    zeros = torch.zeros_like(batch.logprobs)
+    inputs = EstimatorInputs(
+        scores=scores,
+        kl=kl,
+        kl_coef=kl_coef,
+        mask=mask,
+        response_lengths=batch.response_lengths,
+        is_end=batch.is_end,
+        values=batch.values if spec.needs_critic else zeros,
+        group_size=group_size,
+        gamma=gamma,
+        lam=lam,
+        normalize_advantages=normalize_advantages,
+        reduce=reduce,
+    )
+    estimate = spec.compute(inputs)
+    if spec.needs_critic and estimate.returns is None:
+        raise ValueError(f"estimator {estimator!r} needs a critic but returned no returns to train it on")
+
+    metrics = _kl_metrics(kl, mask, estimate.rewards, reduce)
+    tracked = [("advantages", estimate.advantages)]
+    if estimate.returns is not None:
+        tracked += [("returns", estimate.returns), ("values", inputs.values)]
+    stats = {name: masked_mean_var(tensor, mask, reduce=reduce) for name, tensor in tracked}
     for name, (mean, var) in stats.items():
         metrics[f"{name}_mean"] = mean
         metrics[f"{name}_std"] = var.clamp_min(0).sqrt()
 
-    if normalize_advantages:
+    advantages = estimate.advantages
+    if estimate.whiten:
         # Same as masked_whiten(advantages, mask, reduce=reduce), reusing the statistics above.
         mean, var = stats["advantages"]
         advantages = (advantages - mean) * torch.rsqrt(var + 1e-8)
@@ -125,85 +154,8 @@ def compute_ppo_data(
         mask=mask,
         prev_logprobs=batch.logprobs,
         advantages=advantages,
-        returns=returns,
-        values=batch.values,
-    )
-    return data, metrics
-
-
-SEQUENCE_ESTIMATORS = ("reinforce", "rloo", "grpo", "dr_grpo")
-"""Critic-free estimators whose advantage is one number per response, on every response token."""
-
-
-def compute_critic_free_data(
-    batch: RolloutBatch,
-    *,
-    estimator: str,
-    group_size: int,
-    kl_coef: float,
-    kl_kind: str,
-    gamma: float = 1.0,
-    missing_eos_penalty: float | None = None,
-    score_clip: float | None = None,
-    reduce: Reduce = single_process,
-) -> tuple[PPOData, dict[str, torch.Tensor]]:
-    """Advantages without a critic (docs/algorithms.md), plus the rollout metrics of :func:`compute_ppo_data`.
-
-    ``batch`` holds ``B = prompts × group_size`` rows, the ``group_size`` responses to one prompt
-    contiguous (see :class:`~openaligner.trainer.ppo.PPOTrainer`). Scores are first adjusted
-    (``score_clip``, ``missing_eos_penalty``); ``kl_coef`` > 0 puts the KL into the reward
-    (pass 0 to keep it out, e.g. when it is a loss term):
-
-    - ``reinforce`` (NeMo-Aligner): ``r − β·mean_t KL_t``; leave-one-out baseline among the
-      group's responses that ended (``is_end``).
-    - ``rloo``: ``r − β·Σ_t KL_t``; leave-one-out baseline over the whole group.
-    - ``grpo`` / ``dr_grpo``: ``r − β·Σ_t KL_t``; group mean subtracted, divided by the group's std
-      (``grpo`` only).
-    - ``reinforce_pp``: per-token rewards ``−β·KL_t`` plus the score at the last response token;
-      returns-to-go (``gamma``), whitened over every valid token of the global batch.
-
-    Returns:
-        ``(data, metrics)``: ``data.advantages`` [B, S-1] (0 outside the mask), ``returns`` and
-        ``values`` zeros; metrics as :func:`compute_ppo_data`'s except ``returns_*``/``values_*``.
-    """
-    mask, kl = _mask_and_kl(batch, kl_kind)
-    scores = adjust_scores(
-        batch.rewards.to(kl.dtype),
-        is_end=batch.is_end,
-        missing_eos_penalty=missing_eos_penalty,
-        score_clip=score_clip,
-    )
-    if estimator in SEQUENCE_ESTIMATORS:
-        reduction = "mean" if estimator == "reinforce" else "sum"
-        rewards = scores - kl_coef * sequence_kl(kl, mask, reduction)
-        if estimator == "reinforce":
-            per_sample = rloo_advantages(rewards, group_size, valid=batch.is_end.bool())
-        elif estimator == "rloo":
-            per_sample = rloo_advantages(rewards, group_size)
-        else:
-            per_sample = grpo_advantages(rewards, group_size, scale_by_std=estimator == "grpo")
-        advantages = broadcast_to_tokens(per_sample, mask)
-    elif estimator == "reinforce_pp":
-        token_rewards = shape_rewards(scores, kl, batch.response_lengths, kl_coef)
-        rewards = masked_sum(token_rewards, mask, dim=-1)
-        advantages = reinforce_pp_advantages(token_rewards, mask, gamma, reduce=reduce)
-    else:
-        raise ValueError(f"unknown critic-free estimator {estimator!r}")
-
-    metrics = _kl_metrics(kl, mask, rewards, reduce)
-    mean, var = masked_mean_var(advantages, mask, reduce=reduce)
-    metrics["advantages_mean"] = mean
-    metrics["advantages_std"] = var.clamp_min(0).sqrt()
-    zeros = torch.zeros_like(batch.logprobs)
-    data = PPOData(
-        response_tokens=batch.response_tokens,
-        prompt_lengths=batch.prompt_lengths,
-        is_end=batch.is_end,
-        mask=mask,
-        prev_logprobs=batch.logprobs,
-        advantages=advantages,
-        returns=zeros,
-        values=zeros,
+        returns=estimate.returns if estimate.returns is not None else zeros,
+        values=inputs.values,
     )
     return data, metrics
 

@@ -59,15 +59,17 @@ from openaligner.models.source import (
     source_position_limit,
 )
 from openaligner.tasks import task_scorer
+from openaligner.trainer.estimators import get_estimator
 from openaligner.trainer.optim import build_optimizer
 from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
 from openaligner.trainer.ppo import (
     ActorOptim,
     PPOTrainer,
     Prompts,
-    RMCritic,
+    RewardClient,
     RunOutputs,
     RunTimer,
+    critic_of,
     max_time_s,
     restore_newest_checkpoint,
 )
@@ -213,14 +215,17 @@ def initial_policy(
     return frozen
 
 
-def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer], None] | None = None) -> None:
+def run_ppo(
+    run: PPORun, rm_critic: RewardClient, on_trainer: Callable[[PPOTrainer], None] | None = None
+) -> None:
     """Resume (the newest step whose critic the server holds), train, and write the final actor.
 
     ``on_trainer`` sees the trainer once it exists (e.g. to report its step if the run fails).
     """
     cfg, out, rank = run.cfg, run.output_dir, dp.rank()
     # 1. the newest step both halves have: the actor's checkpoint and the server's critic
-    latest = restore_newest_checkpoint(run.checkpoints, rm_critic) if cfg.exp.resume else None
+    critic = critic_of(rm_critic, get_estimator(cfg.trainer.advantage_estimator))
+    latest = restore_newest_checkpoint(run.checkpoints, critic) if cfg.exp.resume else None
     if cfg.exp.resume and rank == 0:  # before the logger opens the logs
         resumed_step = int(latest.name.removeprefix("step_")) if latest is not None else 0
         if dropped := rewind_logs(out / "logs", resumed_step):

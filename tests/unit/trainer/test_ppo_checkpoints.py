@@ -89,3 +89,13 @@ def test_sharded_ppo_resumes_exactly_on_two_ranks_and_on_one_process(tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "actor").state_dict()
     assert {k: float(v.double().sum()) for k, v in exported.items()} == reference["weights"]
     assert (tmp_path / "one" / "step_2" / "actor").is_dir()  # 1 process shards nothing: a whole checkpoint
+
+
+@pytest.mark.slow
+def test_a_sharded_critic_free_run_checkpoints_without_a_critic(tmp_path):
+    """Without a critic (grpo) the trainer asks no client to save one: each rank writes its shards
+    and the published checkpoint records no critic step."""
+    run_worker(tmp_path / "grpo.json", 2, tmp_path / "ckpt", steps=1, ESTIMATOR="grpo")
+    assert (tmp_path / "ckpt" / "step_1" / "actor.dcp").is_dir()
+    state = json.loads((tmp_path / "ckpt" / "step_1" / "trainer_state.json").read_text())
+    assert state["critic_step"] is None and state["step"] == 1

@@ -8,7 +8,7 @@ import pytest
 import torch
 from ppo_fakes import make_trainer, ppo_cfg
 
-from openaligner.trainer.ppo_config import ESTIMATORS
+from openaligner.trainer.estimators import ESTIMATORS
 
 LR = 0.5
 """Plain SGD (no momentum), so a weight is its start minus lr × its gradient sum: two runs differ

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from openaligner.trainer.estimators import get_estimator
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -59,8 +61,8 @@ class Variant:
 
     @property
     def uses_critic(self) -> bool:
-        """Only PPO (GAE) trains a critic, served by ``serve-critic``."""
-        return self.algorithm == "ppo"
+        """Whether the algorithm's estimator trains a critic (served by ``serve-critic``): PPO's."""
+        return get_estimator(ALGORITHMS[self.algorithm]).needs_critic
 
     @property
     def needs_reward_model(self) -> bool:

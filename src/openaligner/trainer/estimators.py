@@ -1,0 +1,194 @@
+"""The advantage estimators: each is one function plus one registration (docs/algorithms.md).
+
+Owns the registry that the config (defaults, refusals), the data path (the advantages) and the
+trainer (whether a critic exists) ask by ``trainer.advantage_estimator``, and the built-in
+estimators' registrations. Each function adapts one rollout's tensors (:class:`EstimatorInputs`)
+to the math in :mod:`openaligner.algorithms`; must not know the loop, models, clients or servers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from openaligner.algorithms import (
+    Reduce,
+    broadcast_to_tokens,
+    gae,
+    grpo_advantages,
+    masked_mean,
+    masked_sum,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    sequence_kl,
+    shape_rewards,
+)
+
+if TYPE_CHECKING:
+    from openaligner.trainer.ppo_config import PPOConfig
+
+
+@dataclass(frozen=True)
+class EstimatorInputs:
+    """One rollout as an estimator sees it, local to this rank. ``B = prompts × group_size`` rows,
+    the ``group_size`` responses to one prompt contiguous; per-token tensors are [B, S-1], next-token
+    aligned, mask 1 = valid."""
+
+    scores: torch.Tensor  # [B] reward scores, after score_clip and missing_eos_penalty
+    kl: torch.Tensor  # [B, S-1] per-token KL to the initial policy (zeros without it)
+    kl_coef: float  # β of the KL in the reward (0 when the KL is a loss term or off)
+    mask: torch.Tensor  # [B, S-1] float, 1 on response positions
+    response_lengths: torch.Tensor  # [B] int64, prompt + response (the score sits at length − 2)
+    is_end: torch.Tensor  # [B] bool, ended on a stop token
+    values: torch.Tensor  # [B, S-1] the critic's values (zeros without a critic)
+    group_size: int  # responses per prompt (trainer.n_samples_per_prompt)
+    gamma: float  # trainer.discount_factor
+    lam: float  # trainer.gae_lambda
+    normalize_advantages: bool  # trainer.normalize_advantages (an estimator may ignore it)
+    reduce: Reduce  # sums a tensor over ranks (identity on one process): global statistics
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What an estimator returns; the data path logs it and builds the training data from it."""
+
+    advantages: torch.Tensor  # [B, S-1], 0 outside the mask
+    rewards: torch.Tensor  # [B] each response's reward as the estimator used it (rollout/rewards_with_kl)
+    returns: torch.Tensor | None = None  # [B, S-1] the critic's targets; None without a critic
+    whiten: bool = False  # whiten advantages over the global batch after their statistics are logged
+
+
+EstimatorFn = Callable[[EstimatorInputs], Estimate]
+Refusal = Callable[["PPOConfig"], "tuple[str, str] | None"]
+"""``config → (key below trainer., why)`` for a setting this estimator refuses, else None."""
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One registered estimator: its function, what it needs and the defaults it brings."""
+
+    name: str
+    compute: EstimatorFn
+    needs_critic: bool  # reads the critic server's values and trains the critic on its returns
+    needs_groups: bool  # compares the responses to one prompt: refused with < 2 of them or greedy
+    default_samples_per_prompt: int  # trainer.n_samples_per_prompt when null
+    default_kl_in: str  # trainer.kl_in when null: reward | loss
+    default_loss_aggregation: str  # trainer.loss_aggregation when null
+    refuse: Refusal | None = None  # settings refused besides the ones needs_* imply
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+"""Every registered estimator by name, in registration order (the order config errors list them)."""
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def register_estimator(
+    name: str,
+    *,
+    needs_critic: bool = False,
+    needs_groups: bool = False,
+    samples_per_prompt: int | None = None,
+    kl_in: str = "reward",
+    loss_aggregation: str = "token_mean",
+    refuse: Refusal | None = None,
+) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator: register ``fn`` as ``trainer.advantage_estimator=name``.
+
+    Args:
+        name: lower-case identifier; a name registered twice is refused.
+        needs_critic: the run trains a critic (``Estimate.returns`` must be given) and reads its
+            values; without, the trainer calls no critic and values are zeros.
+        needs_groups: compares each response with the others to its prompt.
+        samples_per_prompt: default responses per prompt (null: 4 with ``needs_groups``, else 1).
+        kl_in, loss_aggregation: the defaults of ``trainer.kl_in`` / ``trainer.loss_aggregation``.
+        refuse: further config refusals (see :data:`Refusal`).
+
+    Raises:
+        ValueError: a bad or already registered name.
+    """
+    if not _NAME.match(name):
+        raise ValueError(f"estimator name must be a lower-case identifier (e.g. my_rloo), got {name!r}")
+    if name in ESTIMATORS:
+        raise ValueError(f"an estimator named {name!r} is already registered")
+
+    def register(fn: EstimatorFn) -> EstimatorFn:
+        ESTIMATORS[name] = Estimator(
+            name=name,
+            compute=fn,
+            needs_critic=needs_critic,
+            needs_groups=needs_groups,
+            default_samples_per_prompt=samples_per_prompt or (4 if needs_groups else 1),
+            default_kl_in=kl_in,
+            default_loss_aggregation=loss_aggregation,
+            refuse=refuse,
+        )
+        return fn
+
+    return register
+
+
+def get_estimator(name: str) -> Estimator:
+    """The estimator registered as ``name``; ValueError naming the registered ones otherwise."""
+    try:
+        return ESTIMATORS[name]
+    except KeyError:
+        known = ", ".join(ESTIMATORS)
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: {known}") from None
+
+
+# ---------------------------------------------------------------- the built-in estimators
+@register_estimator("gae", needs_critic=True)
+def gae_estimate(x: EstimatorInputs) -> Estimate:
+    """PPO (Schulman et al. 2016/2017; NeMo-Aligner): KL-shaped per-token rewards, GAE over the
+    critic's values, whitened over the global batch with ``normalize_advantages``."""
+    token_rewards = shape_rewards(x.scores, x.kl, x.response_lengths, x.kl_coef)
+    advantages, returns = gae(x.values, token_rewards, x.mask, x.gamma, x.lam)
+    rewards = masked_mean(token_rewards, x.mask, dim=-1)
+    return Estimate(advantages, rewards, returns=returns, whiten=x.normalize_advantages)
+
+
+@register_estimator("reinforce", needs_groups=True)
+def reinforce_estimate(x: EstimatorInputs) -> Estimate:
+    """NeMo-Aligner's REINFORCE: ``r − β·mean_t KL_t``; leave-one-out baseline among the group's
+    responses that ended."""
+    rewards = x.scores - x.kl_coef * sequence_kl(x.kl, x.mask, "mean")
+    per_sample = rloo_advantages(rewards, x.group_size, valid=x.is_end.bool())
+    return Estimate(broadcast_to_tokens(per_sample, x.mask), rewards)
+
+
+@register_estimator("rloo", needs_groups=True)
+def rloo_estimate(x: EstimatorInputs) -> Estimate:
+    """RLOO (Ahmadian et al. 2024): ``r − β·Σ_t KL_t``; leave-one-out baseline over the group."""
+    rewards = x.scores - x.kl_coef * sequence_kl(x.kl, x.mask, "sum")
+    return Estimate(broadcast_to_tokens(rloo_advantages(rewards, x.group_size), x.mask), rewards)
+
+
+@register_estimator("grpo", needs_groups=True, kl_in="loss", loss_aggregation="seq_mean_token_mean")
+def grpo_estimate(x: EstimatorInputs) -> Estimate:
+    """GRPO (Shao et al. 2024): ``r − β·Σ_t KL_t``; the group's mean subtracted, divided by its std."""
+    rewards = x.scores - x.kl_coef * sequence_kl(x.kl, x.mask, "sum")
+    per_sample = grpo_advantages(rewards, x.group_size, scale_by_std=True)
+    return Estimate(broadcast_to_tokens(per_sample, x.mask), rewards)
+
+
+@register_estimator("dr_grpo", needs_groups=True, kl_in="loss", loss_aggregation="seq_mean_token_sum_norm")
+def dr_grpo_estimate(x: EstimatorInputs) -> Estimate:
+    """Dr. GRPO (Liu et al. 2025): GRPO without the std division (token sums over a fixed length
+    come from its default loss aggregation)."""
+    rewards = x.scores - x.kl_coef * sequence_kl(x.kl, x.mask, "sum")
+    per_sample = grpo_advantages(rewards, x.group_size, scale_by_std=False)
+    return Estimate(broadcast_to_tokens(per_sample, x.mask), rewards)
+
+
+@register_estimator("reinforce_pp")
+def reinforce_pp_estimate(x: EstimatorInputs) -> Estimate:
+    """REINFORCE++ (Hu 2025): per-token rewards ``−β·KL_t`` plus the score at the last response
+    token; returns-to-go (``gamma``), whitened over every valid token of the global batch."""
+    token_rewards = shape_rewards(x.scores, x.kl, x.response_lengths, x.kl_coef)
+    advantages = reinforce_pp_advantages(token_rewards, x.mask, x.gamma, reduce=x.reduce)
+    return Estimate(advantages, masked_sum(token_rewards, x.mask, dim=-1))
