@@ -19,7 +19,12 @@ from openaligner.algorithms.critic_free import (
     sequence_kl,
 )
 from openaligner.algorithms.kl import KL_KINDS, AdaptiveKLController, FixedKLController, kl_penalty
-from openaligner.algorithms.logprobs import entropy_from_logits, logprobs_from_logits, next_token_logprobs
+from openaligner.algorithms.logprobs import (
+    chunked_token_stats,
+    entropy_from_logits,
+    logprobs_from_logits,
+    next_token_logprobs,
+)
 from openaligner.algorithms.losses import (
     LOSS_AGGREGATIONS,
     PolicyLossStats,
@@ -54,6 +59,7 @@ __all__ = [
     "aggregate",
     "aggregation_units",
     "broadcast_to_tokens",
+    "chunked_token_stats",
     "entropy_from_logits",
     "explained_variance",
     "gae",

@@ -6,7 +6,11 @@ stability) are defined and tested in one place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def logprobs_from_logits(
@@ -52,3 +56,68 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
         x = x / temperature
     log_p = torch.log_softmax(x, dim=-1)
     return -(log_p.exp() * log_p).sum(dim=-1)
+
+
+Head = Callable[[torch.Tensor, int], torch.Tensor]
+"""``(hidden [B, t, H], first column c0) → logits [B, t, V]`` of those columns, as sampling saw
+them (before the temperature)."""
+
+
+def chunked_token_stats(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: Head,
+    temperature: float,
+    chunk: int,
+    *,
+    entropy: bool = True,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` and entropies, computed ``chunk`` columns at a time from the hidden
+    states that feed the output head: the [B, T, V] logits never exist at once.
+
+    Each chunk's logits exist only while that chunk is computed. Under autograd each chunk is
+    recomputed in the backward (activation checkpointing), so the backward holds one chunk's
+    logits too, not all of them: peak logits memory is B × ``chunk`` × V floats instead of
+    B × T × V. The numbers are those of :func:`logprobs_from_logits` and
+    :func:`entropy_from_logits` on the whole logits (the same functions run on each chunk).
+
+    Args:
+        hidden: [B, T, H]; column ``c`` predicts ``targets[:, c]``.
+        targets: [B, T] int64.
+        head: the output head (see :data:`Head`).
+        temperature: the sampling temperature.
+        chunk: columns per chunk (≥ 1).
+        entropy: whether to compute the entropies at all.
+        entropy_grad: whether the entropies carry gradient; otherwise they are detached.
+
+    Returns:
+        ``(logprobs, entropy)``, both [B, T] float32 (float64 for float64 logits); ``entropy``
+        None unless asked for.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
+
+    def stats(h: torch.Tensor, tgt: torch.Tensor, c0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = head(h, c0)
+        lp = logprobs_from_logits(logits, tgt, temperature)
+        if not entropy:
+            return lp, lp.new_zeros(())
+        with nullcontext() if entropy_grad else torch.no_grad():
+            ent = entropy_from_logits(logits, temperature)
+        return lp, ent
+
+    lps, ents = [], []
+    for c0 in range(0, hidden.shape[1], chunk):
+        h, tgt = hidden[:, c0 : c0 + chunk], targets[:, c0 : c0 + chunk]
+        if recompute:
+            lp, ent = checkpoint(stats, h, tgt, c0, use_reentrant=False)
+        else:
+            lp, ent = stats(h, tgt, c0)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        empty = hidden.new_zeros(hidden.shape[:2], dtype=torch.float32)
+        return empty, empty.clone() if entropy else None
+    return torch.cat(lps, dim=1), torch.cat(ents, dim=1) if entropy else None

@@ -92,6 +92,7 @@ class PPOConfig:
     num_rollout_samples: int = 64  # prompts per step (each sampled n_samples_per_prompt times)
     rollout_micro_batch_size: int = 8  # responses per generation call (per rank)
     forward_micro_batch_size: int | None = None  # rows per log-prob forward; null = rollout_micro_batch_size
+    logits_chunk_mb: float | None = 256.0  # largest fp32 logits block (MiB), else the head in chunks
     num_val_samples: int | None = None  # validation prompts; null = num_rollout_samples
     val_rollout_micro_batch_size: int | None = None  # null = rollout_micro_batch_size
     global_batch_size: int = 16  # responses per actor optimizer step
@@ -306,6 +307,8 @@ def _check_ppo(c: PPOConfig) -> None:
         bad("kl_estimator", f"must be one of {', '.join(KL_KINDS)} or null, got {c.kl_estimator!r}")
     if c.loss_aggregation not in LOSS_AGGREGATIONS:
         bad("loss_aggregation", f"must be one of {', '.join(LOSS_AGGREGATIONS)}, got {c.loss_aggregation!r}")
+    if c.logits_chunk_mb is not None and not c.logits_chunk_mb > 0:
+        bad("logits_chunk_mb", f"must be > 0 (MiB) or null (whole logits), got {c.logits_chunk_mb}")
     if c.dual_clip is not None and c.dual_clip <= 1.0:
         bad("dual_clip", f"must be > 1 (e.g. 3.0) or null, got {c.dual_clip}")
     if c.ratio_eps <= 0 or (c.ratio_eps_high is not None and c.ratio_eps_high <= 0):

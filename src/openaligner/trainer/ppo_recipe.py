@@ -155,6 +155,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         init_policy=init_policy,
         precision=precision,
         gather_for_generation=cfg.parallel.generation == "gathered",
+        logits_chunk_mb=c.logits_chunk_mb,
     )
     loss = PolicyLoss(PolicyLossConfig.from_ppo(c))
     engine = build_rollout_engine(cfg.rollout, actor)

@@ -28,3 +28,11 @@ def test_rollout_engine_is_read_and_an_unknown_one_is_refused_in_one_line(tmp_pa
     assert main(["train-ppo", str(YAML), *REQUIRED, "rollout.engine=vllm"]) == 2
     err = capsys.readouterr().err.strip()
     assert "rollout.engine" in err and "hf" in err and len(err.splitlines()) == 1
+
+
+def test_logits_chunk_mb_is_read_and_checked():
+    assert load_config(SCHEMA, YAML, [*REQUIRED]).trainer.logits_chunk_mb == 256.0
+    whole = load_config(SCHEMA, YAML, [*REQUIRED, "trainer.logits_chunk_mb=null"])
+    assert whole.trainer.logits_chunk_mb is None
+    with pytest.raises(ConfigError, match=r"trainer\.logits_chunk_mb: must be > 0"):
+        load_config(SCHEMA, YAML, [*REQUIRED, "trainer.logits_chunk_mb=0"])
