@@ -264,3 +264,28 @@ def test_stage_reports_elapsed_time_while_it_runs() -> None:
     assert lines[0] == "convert-gguf: building ..."
     assert any("s elapsed" in line for line in lines[1:-1])
     assert lines[-1].startswith("convert-gguf: building: done in") and times["building"] >= 0.2
+
+
+def test_train_sft_accepts_the_converted_directory(tiny_gguf: Path, tmp_path: Path) -> None:
+    """``model.path=OUT``: the converted model and its tokenizer (picked up from the same
+    directory) go through train-sft's start-up checks and train a step."""
+    out = tmp_path / "hf"
+    assert main(["convert-gguf", str(tiny_gguf), str(out), "--dtype", "fp32"]) == 0
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(f'{{"prompt": "hel{c}", "response": "{c}leh"}}\n' for c in "abcdefgh"))
+    argv = [
+        "train-sft",
+        f"model.path={out}",
+        f"data.train_path={data}",
+        "data.val_fraction=0.25",
+        "trainer.max_steps=1",
+        "trainer.global_batch_size=2",
+        "trainer.micro_batch_size=2",
+        "trainer.val_micro_batch_size=2",
+        "trainer.save_interval=1",
+        "trainer.val_check_interval=1",
+        f"output_dir={tmp_path / 'run'}",
+        "progress=false",
+    ]
+    assert main(argv) == 0
+    assert any((tmp_path / "run").rglob("model.safetensors"))
