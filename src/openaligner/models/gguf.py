@@ -210,6 +210,15 @@ def stage(name: str, emit: Emit, times: dict[str, float], heartbeat_s: float = 3
     emit(f"convert-gguf: {name}: done in {times[name]:.1f} s")
 
 
+@contextmanager
+def _refusing(path: Path, what: str) -> Iterator[None]:
+    try:
+        yield
+    except (ValueError, NotImplementedError) as e:
+        message = " ".join(str(e).split())  # one line
+        raise GGUFError(f"{path}: transformers failed {what} from this GGUF: {message}") from e
+
+
 def _dequantised_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
     """The GGUF's model, every weight dequantised, as an ordinary model that ``save_pretrained`` writes.
 
@@ -273,9 +282,11 @@ def convert(
 
     from transformers import AutoTokenizer
 
-    with stage("reading and dequantising the tensors", emit, times, heartbeat_s):
+    # transformers reports what it cannot read in a file (an unknown tokenizer type, a tensor it
+    # cannot map) as ValueError / NotImplementedError: refused in one line naming the file and stage.
+    with stage("reading and dequantising the tensors", emit, times, heartbeat_s), _refusing(path, "reading"):
         model = _dequantised_model(path, DTYPES[dtype])
-    with stage("building the tokenizer", emit, times, heartbeat_s):
+    with stage("building the tokenizer", emit, times, heartbeat_s), _refusing(path, "building the tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     staging = out.parent / f".{out.name}.converting-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)

@@ -65,7 +65,9 @@ def _hf_reference(seed: int) -> LlamaForCausalLM:
     return model.eval()
 
 
-def write_tiny_llama_gguf(path: Path, seed: int = 0, architecture: str = "llama") -> Path:
+def write_tiny_llama_gguf(
+    path: Path, seed: int = 0, architecture: str = "llama", tokenizer_model: str = "gpt2"
+) -> Path:
     """A 2-layer Llama (grouped-query attention, untied head) as a GGUF file: 2-D weights in
     Q8_0, norms in F32, a byte-level BPE tokenizer, under ``general.architecture = architecture``."""
     model = _hf_reference(seed)
@@ -81,7 +83,7 @@ def write_tiny_llama_gguf(path: Path, seed: int = 0, architecture: str = "llama"
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_model(tokenizer_model)
     w.add_token_list(tokens)
     w.add_token_merges(merges)
     w.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL])
@@ -206,6 +208,19 @@ def test_unsupported_architecture_is_refused_in_one_line(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "'mamba-foo'" in err and "llama" in err and "gemma3" in err
+    assert not out.exists()
+
+
+def test_a_tokenizer_transformers_cannot_build_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_tiny_llama_gguf(tmp_path / "odd-tokenizer.gguf", tokenizer_model="no-such-tokenizer")
+    out = tmp_path / "hf"
+    assert main(["convert-gguf", str(path), str(out)]) == 2
+    # stderr also holds transformers' per-tensor bar from the stage before; the refusal is one line
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("openaligner convert-gguf: ")
+    assert "building the tokenizer" in err and "'no-such-tokenizer'" in err and str(path) in err
     assert not out.exists()
 
 
