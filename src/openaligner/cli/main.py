@@ -34,6 +34,10 @@ TOOLS: dict[str, tuple[str, str]] = {
         "openaligner.cli.export_critic",
         "write a critic checkpoint (either layout) as a Hugging Face directory",
     ),
+    "convert-gguf": (
+        "openaligner.cli.convert_gguf",
+        "convert a GGUF model (a .gguf file or a package shipping one) into a Hugging Face directory",
+    ),
 }
 
 

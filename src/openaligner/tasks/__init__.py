@@ -2,12 +2,16 @@
 
 from collections.abc import Callable
 
-from openaligner.tasks import sorting
+from openaligner.tasks import reverse_text, sorting
 
 ResponseScorer = Callable[[list[str], list[str]], list[float]]
 
-TASK_SCORERS: dict[str, Callable[[str, str], float]] = {"sorting": sorting.gold_score}
-"""Name → ``(prompt text, response text) → score`` of each built-in task."""
+TASK_SCORERS: dict[str, Callable[[str, str], float]] = {
+    "sorting": sorting.gold_score,
+    "reverse_text": reverse_text.gold_score,
+}
+"""Name → ``(prompt text, response text) → score`` of each built-in task (sorting: 0–100,
+reverse_text: 0–1)."""
 
 
 def task_scorer(name: str) -> ResponseScorer:

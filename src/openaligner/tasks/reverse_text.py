@@ -1,0 +1,173 @@
+"""The built-in "reverse the text" task (prime-rl's reverse-text): prompts, held-out prompts and a
+gold scorer.
+
+A prompt asks for the characters of a short lower-case text in reverse order, in plain text that
+a base model continues (one worked example, then the text)::
+
+    Reverse the characters of the text.
+    Text: good morning
+    Reversed: gninrom doog
+    Text: the quiet river holds seven stones
+    Reversed:
+
+The right response is `` senots neves sdloh revir teiuq eht`` (the leading space and anything
+after the first line break are ignored). The gold score is the longest-common-subsequence ratio
+``2·LCS(answer, response) / (len(answer) + len(response))`` in [0, 1]: 1.0 for the exact
+reversal, 0.0 for an empty response or one sharing no character with the answer, and partial
+credit for a reversal with a few characters dropped, added or swapped.
+
+Train and held-out prompts are disjoint by construction: a text belongs to the held-out split
+when the first byte of its sha256 is below :data:`HELD_OUT_SHARE` · 256, whatever the seed or
+the number of prompts asked for. Everything is generated deterministically from a seed. Knows
+nothing of models or training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+INSTRUCTION = "Reverse the characters of the text."
+TEXT_LABEL = "Text:"
+ANSWER_LABEL = "Reversed:"
+EXAMPLE_TEXT = "good morning"
+"""The worked example in every prompt (two words not in :data:`WORDS`, so that no prompt's text is
+the example)."""
+HELD_OUT_SHARE = 0.125
+"""The share of all texts that belongs to the held-out split."""
+
+WORDS: tuple[str, ...] = (
+    "apple", "bright", "cloud", "dance", "eager", "field", "green", "house", "island", "jolly",
+    "kind", "light", "music", "night", "ocean", "paper", "quiet", "river", "stone", "table",
+    "under", "voice", "water", "yellow", "zebra", "bread", "chair", "dream", "earth", "flame",
+    "glass", "heart", "juice", "knife", "lemon", "mouse", "north", "olive", "plant", "queen",
+    "robot", "sugar", "tiger", "uncle", "video", "whale", "young", "smile", "train", "winter",
+    "the", "a", "of", "and", "holds", "finds", "sees", "makes", "over", "near", "seven",
+    "three", "small", "old", "red", "blue", "warm", "cold", "fast", "slow", "happy", "little",
+)  # fmt: skip
+"""Words the texts are made of: common, lower-case, ASCII (so characters and bytes agree)."""
+
+
+@dataclass(frozen=True)
+class ReverseTextConfig:
+    min_words: int = 2  # fewest words in a text
+    max_words: int = 5  # most words in a text (5 words: about 30 characters)
+
+
+def make_prompt(text: str) -> str:
+    """The plain-text prompt for ``text`` (one worked example, then ``text``; ends with ``Reversed:``)."""
+    return "\n".join(
+        [INSTRUCTION, f"{TEXT_LABEL} {EXAMPLE_TEXT}", f"{ANSWER_LABEL} {EXAMPLE_TEXT[::-1]}",
+         f"{TEXT_LABEL} {text}", ANSWER_LABEL]
+    )  # fmt: skip
+
+
+def parse_prompt(prompt: str) -> str:
+    """The text a prompt asks to reverse: what follows its last ``Text:`` up to the line break.
+
+    Raises:
+        ValueError: ``prompt`` is not a reverse-text prompt.
+    """
+    start = prompt.rfind(f"\n{TEXT_LABEL} ")
+    end = prompt.find(f"\n{ANSWER_LABEL}", start + 1)
+    if start < 0 or end < 0 or not prompt.rstrip().endswith(ANSWER_LABEL):
+        raise ValueError(f"not a reverse-text prompt: {prompt!r}")
+    return prompt[start + len(TEXT_LABEL) + 2 : end]
+
+
+def answer(prompt: str) -> str:
+    return parse_prompt(prompt)[::-1]
+
+
+def extract_response(response: str) -> str:
+    """What is graded: the response's first line, without the space after ``Reversed:``.
+
+    A base model rarely emits its end token after a plain-text answer; it goes on with the next
+    ``Text:`` line. Grading only the first line keeps that from diluting a right answer.
+    """
+    return response.lstrip(" ").split("\n", 1)[0].rstrip()
+
+
+def lcs_length(a: str, b: str) -> int:
+    """Length of the longest common subsequence of ``a`` and ``b`` (dynamic programming over one row).
+
+    Example: ``lcs_length("abcd", "acbd") == 3`` ("abd" or "acd").
+    """
+    if len(b) > len(a):
+        a, b = b, a
+    row = [0] * (len(b) + 1)
+    for ca in a:
+        diagonal = 0  # row[j - 1] of the previous row
+        for j, cb in enumerate(b, start=1):
+            above = row[j]
+            row[j] = diagonal + 1 if ca == cb else max(row[j], row[j - 1])
+            diagonal = above
+    return row[-1]
+
+
+def lcs_ratio(reference: str, response: str) -> float:
+    """``2·LCS / (len(reference) + len(response))``: 1.0 when equal, 0.0 when either is empty."""
+    total = len(reference) + len(response)
+    return 2.0 * lcs_length(reference, response) / total if total else 0.0
+
+
+def gold_score(prompt: str, response: str) -> float:
+    """The LCS ratio (0–1) of ``response``'s first line to the reversal of the prompt's text."""
+    return lcs_ratio(answer(prompt), extract_response(response))
+
+
+def gold_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """The gold scorer as a reward function for ``serve-reward reward.function=
+    openaligner.tasks.reverse_text:gold_reward``: :func:`gold_score` of each row."""
+    return [gold_score(p, r) for p, r in zip(prompts, responses, strict=True)]
+
+
+def mean_gold_score(prompts: Sequence[str], responses: Sequence[str]) -> float:
+    return sum(gold_score(p, r) for p, r in zip(prompts, responses, strict=True)) / max(len(prompts), 1)
+
+
+def is_held_out(text: str) -> bool:
+    """Whether ``text`` belongs to the held-out split (a fixed property of the text itself)."""
+    return hashlib.sha256(text.encode()).digest()[0] < HELD_OUT_SHARE * 256
+
+
+def random_text(rng: random.Random, cfg: ReverseTextConfig) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(cfg.min_words, cfg.max_words)))
+
+
+def texts(seed: int, n: int, held_out: bool, cfg: ReverseTextConfig = ReverseTextConfig()) -> list[str]:
+    """``n`` distinct texts of one split, reproducible from ``seed``.
+
+    Raises:
+        ValueError: the split has fewer than ``n`` distinct texts to draw from (the draw gives up
+            after 1000·n tries).
+    """
+    rng = random.Random(f"reverse-text/{seed}/{'held-out' if held_out else 'train'}")
+    out: dict[str, None] = {}  # insertion-ordered set
+    for _ in range(1000 * max(n, 1)):
+        if len(out) == n:
+            break
+        text = random_text(rng, cfg)
+        if is_held_out(text) == held_out:
+            out.setdefault(text)
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} distinct {'held-out' if held_out else 'train'} texts; asked {n}")
+    return list(out)
+
+
+def prompt_records(
+    seed: int, n: int, held_out: bool, cfg: ReverseTextConfig = ReverseTextConfig()
+) -> list[dict[str, str]]:
+    """Prompt records (``{"prompt", "answer"}``) for train-ppo's ``data.prompts`` JSONL or evaluation;
+    ``answer`` is the reversal, for metadata-reading reward functions and for reading results."""
+    return [{"prompt": make_prompt(t), "answer": t[::-1]} for t in texts(seed, n, held_out, cfg)]
+
+
+def sft_records(seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig()) -> list[dict[str, str]]:
+    """SFT demonstrations (``{"prompt", "response"}``) on train texts: the exact reversal after a space.
+    Give another ``seed`` than the RL prompts' to get other texts (both come from the train split)."""
+    return [
+        {"prompt": make_prompt(t), "response": " " + t[::-1]} for t in texts(seed, n, held_out=False, cfg=cfg)
+    ]

@@ -1,0 +1,143 @@
+"""The reverse-text task: prompt layout, the LCS-ratio gold scorer on worked examples, deterministic
+and disjoint train / held-out prompts, and the scorer served as a reward function."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from openaligner.tasks import TASK_SCORERS, task_scorer
+from openaligner.tasks.reverse_text import (
+    EXAMPLE_TEXT,
+    WORDS,
+    ReverseTextConfig,
+    answer,
+    extract_response,
+    gold_reward,
+    gold_score,
+    is_held_out,
+    lcs_length,
+    lcs_ratio,
+    make_prompt,
+    mean_gold_score,
+    parse_prompt,
+    prompt_records,
+    sft_records,
+    texts,
+)
+
+
+def test_prompt_layout_round_trips():
+    p = make_prompt("blue whale")
+    assert p == (
+        "Reverse the characters of the text.\nText: good morning\nReversed: gninrom doog\n"
+        "Text: blue whale\nReversed:"
+    )
+    assert parse_prompt(p) == "blue whale" and answer(p) == "elahw eulb"
+    with pytest.raises(ValueError, match="not a reverse-text prompt"):
+        parse_prompt("sort 1 2 :")
+
+
+def test_lcs_worked_examples():
+    assert lcs_length("abcd", "acbd") == 3  # "abd" (or "acd")
+    assert lcs_length("abc", "") == 0 and lcs_length("", "") == 0
+    assert lcs_length("abc", "xyz") == 0
+    assert lcs_length("kitten", "sitting") == 4  # "ittn"
+    # 2·3 / (4 + 4)
+    assert lcs_ratio("abcd", "acbd") == 0.75
+    assert lcs_ratio("", "") == 0.0
+
+
+def test_gold_score_worked_examples():
+    p = make_prompt("red fox")  # answer: "xof der" (7 characters)
+    assert gold_score(p, " xof der") == 1.0  # exact reversal, after the space the prompt leaves
+    assert gold_score(p, " xof der\nText: blue whale\nReversed: ...") == 1.0  # first line only
+    assert gold_score(p, "") == 0.0
+    assert gold_score(p, "\nxof der") == 0.0  # an empty first line is an empty answer
+    assert gold_score(p, " qqq") == 0.0  # no character in common
+    # unreversed: "red fox" and "xof der" share no two characters in the same order → LCS 1
+    assert gold_score(p, " red fox") == pytest.approx(2 * 1 / 14)
+    # one character dropped: LCS 6 of lengths 7 + 6
+    assert gold_score(p, " xo der") == pytest.approx(12 / 13)
+    # doubled: LCS 7 of lengths 7 + 14
+    assert gold_score(p, " xof derxof der") == pytest.approx(14 / 21)
+
+
+def test_extract_response_strips_only_the_separating_space_and_the_rest_of_the_output():
+    assert extract_response("  ab c \nmore") == "ab c"
+    assert extract_response("ab") == "ab"
+
+
+def test_texts_are_deterministic_distinct_and_of_the_configured_length():
+    cfg = ReverseTextConfig(min_words=2, max_words=4)
+    a, b = texts(3, 200, held_out=False, cfg=cfg), texts(3, 200, held_out=False, cfg=cfg)
+    assert a == b and len(set(a)) == 200
+    assert texts(4, 200, held_out=False, cfg=cfg) != a  # another seed, other texts
+    assert all(2 <= len(t.split()) <= 4 and set(t.split()) <= set(WORDS) for t in a)
+    assert EXAMPLE_TEXT not in a
+
+
+def test_held_out_texts_are_disjoint_from_train_texts_whatever_the_seeds():
+    train = set(texts(0, 500, held_out=False)) | set(texts(1, 500, held_out=False))
+    held = set(texts(0, 100, held_out=True)) | set(texts(7, 100, held_out=True))
+    assert not train & held
+    assert all(is_held_out(t) for t in held) and not any(is_held_out(t) for t in train)
+    # about HELD_OUT_SHARE (1/8) of random texts fall in the held-out split
+    rng = random.Random(0)
+    share = sum(is_held_out(" ".join(rng.choice(WORDS) for _ in range(3))) for _ in range(4000)) / 4000
+    assert 0.09 < share < 0.16
+
+
+def test_records_carry_prompts_answers_and_demonstrations_the_scorer_rates_perfect():
+    rows = prompt_records(0, 20, held_out=True)
+    assert all(gold_score(r["prompt"], " " + r["answer"]) == 1.0 for r in rows)
+    sft = sft_records(1, 20)
+    assert mean_gold_score([r["prompt"] for r in sft], [r["response"] for r in sft]) == 1.0
+    with pytest.raises(ValueError, match="distinct"):
+        texts(0, len(set(WORDS)) + 1, held_out=False, cfg=ReverseTextConfig(min_words=1, max_words=1))
+
+
+def test_the_task_scorer_registry_and_the_reward_function_agree():
+    prompts = [make_prompt("red fox"), make_prompt("cold river")]
+    responses = [" xof der", " revir"]
+    direct = [gold_score(p, r) for p, r in zip(prompts, responses, strict=True)]
+    assert gold_reward(prompts, responses) == direct
+    assert TASK_SCORERS["reverse_text"] is gold_score
+    assert task_scorer("reverse_text")(prompts, responses) == direct
+
+
+def test_served_as_a_reward_function_it_gives_the_numbers_of_a_direct_call():
+    """``serve-reward reward.function=openaligner.tasks.reverse_text:gold_reward``: the function
+    loaded in the server's worker processes, requests as a client sends them."""
+    from openaligner.servers.reward_function import FunctionRunner, RewardFunctionEndpoint
+
+    rows = prompt_records(5, 6, held_out=True)
+    prompts = [r["prompt"] for r in rows]
+    responses = [
+        " " + rows[0]["answer"],
+        "",
+        " " + rows[2]["answer"][:-3],
+        " nonsense",
+        "\n",
+        rows[5]["answer"],
+    ]
+    conversations = np.array(
+        [
+            [json.dumps([{"role": "user", "content": p}, {"role": "assistant", "content": r}]).encode()]
+            for p, r in zip(prompts, responses, strict=True)
+        ],
+        dtype=np.object_,
+    )
+    runner = FunctionRunner("openaligner.tasks.reverse_text:gold_reward", timeout_s=60.0, workers=1)
+    try:
+        endpoint = RewardFunctionEndpoint(runner, name="openaligner.tasks.reverse_text:gold_reward")
+        (out,) = endpoint.run([endpoint.validate({"messages": conversations})])
+    finally:
+        runner.close()
+    served = out["rewards"].reshape(-1).tolist()
+    direct = gold_reward(prompts, responses)
+    assert served == pytest.approx(direct, abs=1e-6)  # the wire carries float32
+    assert direct[0] == 1.0 and direct[1] == 0.0 and direct[5] == 1.0 and 0.0 < direct[2] < 1.0
