@@ -7,7 +7,10 @@ command only loads what it uses.
 
 A run that cannot work is refused in one place: a ``ConfigError`` from loading the config, or a
 ``StartupError`` from the command's own start-up checks (data files, the model's position limit,
-...), is printed as ``openaligner <command>: <message>`` and the exit code is 2.
+...), is printed as ``openaligner <command>: <message>`` and the exit code is 2. A training run
+stopped by a signal (``TrainingStopped``, :mod:`openaligner.cli.training`) is printed as one line
+naming what was kept and the command line that resumes (from the module's ``RESUME_KEY``), with
+exit code 130 (SIGINT) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from openaligner.config import ConfigError, describe_config, load_config
+from openaligner.trainer.stopping import TrainingStopped
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -84,6 +88,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:  # StartupError included
         print(f"openaligner {ns.command}: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        from openaligner import distributed as dp
+        from openaligner.cli.training import EXIT_CODES, stopped_line
+
+        key = module.RESUME_KEY
+        line = stopped_line(ns.command, e, [ns.command, *ns.args], key, bool(_dotted(cfg, key)))
+        if dp.is_leader():
+            print(line, file=sys.stderr, flush=True)
+        return EXIT_CODES.get(e.reason, 130)
+
+
+def _dotted(cfg: object, key: str) -> object:
+    """The value of dotted ``key`` in the config dataclass ``cfg``."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def _run_tool(name: str, args: Sequence[str]) -> int:

@@ -10,50 +10,41 @@ server failed or could not be reached (the message names host:port and model; un
 every rank stops at once), the critic server holds the critic of none of the checkpoints, or the
 actor's gradients were inf/NaN too many steps in a row; 2 when the run is refused at start-up,
 before any weights load or a server is contacted (prompt files, too few prompts for one batch,
-``data.seq_length`` beyond the actor's positions); 130 on SIGINT and
-143 on SIGTERM, which stop the run at once without saving — the next run of the same command
-resumes from the last checkpoint. Resuming also rewinds ``logs/metrics.jsonl``,
-``logs/tables.jsonl`` and ``logs/rollouts.jsonl`` to the checkpoint's step, so steps that are run
-again appear once.
+``data.seq_length`` beyond the actor's positions); 130 on SIGINT and 143 on SIGTERM, which stop
+the run at once without saving — the next run of the same command resumes from the last
+checkpoint (the one line printed names it and the command line). Resuming also rewinds
+``logs/metrics.jsonl``, ``logs/tables.jsonl`` and ``logs/rollouts.jsonl`` to the checkpoint's
+step, so steps that are run again appear once.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from pathlib import Path
-from types import FrameType
 
+from openaligner.cli.training import stop_on_signals
 from openaligner.trainer.ppo_config import TrainPPOConfig
 
 SCHEMA = TrainPPOConfig
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt (exit code 143)."""
-
-
-def _raise_terminated(_signum: int, _frame: FrameType | None) -> None:
-    raise Terminated
+RESUME_KEY = "exp.resume"  # the key that makes the same command continue from the newest checkpoint
 
 
 def run(cfg: TrainPPOConfig) -> int:
-    """Train; see the module docstring for the exit codes."""
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
+    """Train; see the module docstring for the exit codes. A signal stops the run at once
+    (:func:`~openaligner.cli.training.stop_on_signals`): the PPO loop does not poll for a stop,
+    because its step's checkpoint needs the critic server's too."""
+    from openaligner.io.checkpoint import CheckpointManager
+
+    checkpoints = CheckpointManager(Path(cfg.exp.output_dir) / "checkpoints")
+    with stop_on_signals("train-ppo", checkpoints.latest, _CRITIC_ADVICE if cfg.trainer.uses_critic else ""):
         return _train(cfg)
-    except KeyboardInterrupt as e:
-        name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("SIGINT", 130)
-        note = _resume_note(Path(cfg.exp.output_dir), cfg.trainer.uses_critic)
-        print(
-            f"openaligner train-ppo: stopped by {name}; {note}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return code
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+
+
+_CRITIC_ADVICE = (
+    " and sends the critic server back to the critic saved with it (restart serve-critic with the same "
+    "checkpoint.dir if it is not running)"
+)
 
 
 def _resume_note(out: Path, uses_critic: bool = True) -> str:
@@ -62,12 +53,7 @@ def _resume_note(out: Path, uses_critic: bool = True) -> str:
     latest = CheckpointManager(out / "checkpoints").latest()
     if latest is None:
         return "no checkpoint was written yet, so the same command starts over"
-    if not uses_critic:
-        return f"the same command resumes from {latest}"
-    return (
-        f"the same command resumes from {latest} and sends the critic server back to the critic saved "
-        f"with it (restart serve-critic with the same checkpoint.dir if it is not running)"
-    )
+    return f"the same command resumes from {latest}{_CRITIC_ADVICE if uses_critic else ''}"
 
 
 def _train(cfg: TrainPPOConfig) -> int:

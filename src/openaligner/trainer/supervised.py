@@ -69,6 +69,7 @@ from openaligner.models.source import (
 from openaligner.trainer.checkpoint_files import TrainingFiles, save_collective
 from openaligner.trainer.optim import OptimConfig, build_optimizer
 from openaligner.trainer.optim_step import optimizer_step
+from openaligner.trainer.stopping import StopRequest, TrainingStopped
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class LoopConfig:
     val_check_interval: int = 50  # validate every this many steps (and at the end); 0 = only at the end
     val_micro_batch_size: int = 16  # examples per validation forward pass (on each rank)
     save_interval: int = 50  # checkpoint every this many steps (and at the end); 0 = only at the end
+    save_every_minutes: float = 0.0  # also checkpoint once this many minutes passed since the last; 0 = off
     keep_last: int = 2  # checkpoints to keep (0 = all)
     log_interval: int = 1  # write training metrics every this many steps
     gradient_clip_val: float = 1.0  # clip the global gradient norm to this; 0 disables
@@ -109,6 +111,10 @@ class LoopConfig:
             )
         if self.max_steps == 0 or self.max_steps < -1 or self.max_epochs < 1:
             raise ValueError("trainer.max_steps must be ≥ 1 or -1, and trainer.max_epochs ≥ 1")
+        if self.save_every_minutes < 0:
+            raise ValueError(
+                f"trainer.save_every_minutes must be >= 0 (0 = off), got {self.save_every_minutes}"
+            )
 
 
 @dataclass
@@ -387,8 +393,12 @@ class SupervisedTrainer(Generic[T]):
         self.start_step = 0  # the step fit() started from (after a resume: the checkpoint's)
 
     # ------------------------------------------------------------------ the recipe
-    def fit(self) -> list[dict[str, float]]:
-        """Train to ``max_steps``; returns the metrics of every step (validation merged in)."""
+    def fit(self, stop: StopRequest | None = None) -> list[dict[str, float]]:
+        """Train to ``max_steps``; returns the metrics of every step (validation merged in).
+
+        ``stop``: polled after every step; once requested (on any rank), the step's checkpoint is
+        written and :class:`TrainingStopped` raised instead of going on (no final export).
+        """
         self.output_dir.mkdir(parents=True, exist_ok=True)
         resumed = self._maybe_resume()
         self.start_step = self.state.step
@@ -401,8 +411,11 @@ class SupervisedTrainer(Generic[T]):
             disable=not (self.progress and leader),
             desc="train",
         )
+        stop = stop if stop is not None else StopRequest()
+        last_save = time.monotonic()
         try:
             batches = self.sampler.batches(self.state.consumed_samples)
+            stop.accepting = True
             while self.state.step < self.max_steps:
                 epoch, indices = next(batches)
                 metrics = self._train_step(indices)  # 1. forward/backward over micro-batches, 2. step
@@ -417,14 +430,39 @@ class SupervisedTrainer(Generic[T]):
                 history.append(metrics)
                 bar.set_postfix({_short(k): f"{v:.4g}" for k, v in metrics.items() if "loss" in k})
                 bar.update(1)
-                if self._due(self.loop.save_interval, last):
-                    self.save_checkpoint()  # 4. resumable checkpoint
+                # 4. resumable checkpoint: by steps, by wall time, or because a stop was asked
+                stopping, timed = self._stop_or_timed_save(stop, last_save, last)
+                if self._due(self.loop.save_interval, last) or timed or stopping:
+                    path = self.save_checkpoint()
+                    last_save = time.monotonic()
+                if stopping:
+                    raise TrainingStopped(
+                        stop.reason or "a stop request",
+                        self.state.step,
+                        path,
+                        f"checkpoint of step {self.state.step} written to {path}",
+                    )
         finally:
+            stop.accepting = False
             bar.close()
             logger.close()
         # 5. final Hugging Face model (or LoRA adapter, and the merged model) + tokenizer
         self.export(self.output_dir, dtype=self.save_dtype, merged=self.export_merged)
         return history
+
+    def _stop_or_timed_save(self, stop: StopRequest, last_save: float, last: bool) -> tuple[bool, bool]:
+        """``(stop now, checkpoint by wall time)`` after a step, the same on every rank (a stop asked
+        on any rank stops all; rank 0's clock decides the timed save); neither at the last step,
+        which saves and ends anyway."""
+        minutes = self.loop.save_every_minutes
+        timed = minutes > 0 and time.monotonic() - last_save >= minutes * 60
+        flags = torch.tensor([float(stop.requested), float(timed and dp.is_leader())], dtype=torch.float64)
+        if dp.is_distributed():
+            flags = dp.all_reduce_max(flags)
+        wants_stop, wants_save = bool(flags[0]), bool(flags[1])
+        if wants_stop and stop.reason is None:
+            stop.request("a stop request on another rank")
+        return wants_stop and not last, wants_save and not last
 
     def _train_step(self, indices: list[int]) -> dict[str, float]:
         """One optimizer step on the global batch ``indices`` (the same on every rank)."""
