@@ -20,6 +20,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from openaligner import __version__
 from openaligner.config import ConfigError, describe_config, load_config
 from openaligner.trainer.stopping import TrainingStopped
 
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="openaligner",
         description="RLHF with PPO on Hugging Face models; reward model and critic served over HTTP.",
     )
+    p.add_argument("--version", action="version", version=f"openaligner {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
@@ -68,12 +70,44 @@ def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
     return None, list(args)
 
 
+_FLAGS = ("--print-config", "--help", "-h")
+"""A command's own flags; every other argument is a config file or a ``key=value`` override."""
+
+
+def dashed_overrides(command: str, args: Sequence[str]) -> list[str]:
+    """A command's arguments with ``--key=value`` (the TRL / OpenRLHF habit) read as ``key=value``.
+
+    Raises:
+        ConfigError: an argument ``--key`` without ``=value`` (other than :data:`_FLAGS`), saying
+            how overrides are written.
+    """
+    out = []
+    for a in args:
+        if not a.startswith("-") or a in _FLAGS:
+            out.append(a)
+        elif "=" in a:
+            out.append(a.lstrip("-"))
+        else:
+            key = a.lstrip("-")
+            raise ConfigError(
+                f"{a} is not an option of openaligner {command}: settings are written key=value, e.g. "
+                f"{key}=VALUE (--{key}=VALUE works too); openaligner {command} --print-config lists the keys"
+            )
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in TOOLS:
         return _run_tool(args[0], args[1:])
+    if args and args[0] in COMMANDS:
+        try:
+            args = [args[0], *dashed_overrides(args[0], args[1:])]
+        except ConfigError as e:
+            print(f"openaligner {args[0]}: {e}", file=sys.stderr)
+            return 2
     parser = _parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(args)
     if ns.command is None:
         parser.print_help()
         return 2

@@ -251,7 +251,7 @@ def test_the_parallel_section_refuses_fp16_with_shards_and_has_no_train_ppo_keys
     with pytest.raises(ConfigError, match=r"precision=fp16-mixed with parallel.strategy=fsdp"):
         load_config(SFTConfig, overrides=[*data, "parallel.strategy=fsdp", "precision=fp16-mixed"])
     # train-ppo's own keys (its initial policy, its generation) are not keys of this section
-    with pytest.raises(ConfigError, match=r"key 'parallel.offload_init_policy'.*not in 'ParallelConfig'"):
+    with pytest.raises(ConfigError, match=r"unknown key 'parallel.offload_init_policy'"):
         load_config(
             SFTConfig, overrides=[*data, "parallel.strategy=fsdp", "parallel.offload_init_policy=true"]
         )
