@@ -151,7 +151,7 @@ def _suggest_known_key(schema: DictConfig, where: str = "") -> Iterator[None]:
 def _dotted_keys(node: DictConfig, prefix: str = "") -> Iterator[str]:
     """Every leaf key of ``node``, dotted (``optim.lr``)."""
     for key in node:
-        dotted = f"{prefix}{key}"
+        dotted = f"{prefix}{key!s}"
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
             yield from _dotted_keys(child, dotted + ".")
