@@ -22,9 +22,13 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from openaligner.cli.training import stop_on_signals
 from openaligner.trainer.ppo_config import TrainPPOConfig
+
+if TYPE_CHECKING:
+    from openaligner.trainer.ppo import PPOTrainer
 
 SCHEMA = TrainPPOConfig
 RESUME_KEY = "exp.resume"  # the key that makes the same command continue from the newest checkpoint
@@ -56,13 +60,27 @@ def _resume_note(out: Path, uses_critic: bool = True) -> str:
     return f"the same command resumes from {latest}{_CRITIC_ADVICE if uses_critic else ''}"
 
 
+_SUMMARY_KEYS = ("rollout/rewards", "rollout/score", "rollout/init_policy_kl", "val/rewards", "val/score")
+
+
+def closing_line(estimator: str, trainer: PPOTrainer, actor_dir: Path) -> str:
+    """``train-ppo: GRPO, steps A → B; rollout/rewards=…, …; actor saved to <dir>``: the line a
+    finished run prints, as train-sft and train-rm print theirs."""
+    from openaligner.trainer.ppo_config import algorithm_name
+
+    last = trainer.history[-1] if trainer.history else {}
+    summary = ", ".join(f"{k}={last[k]:.4g}" for k in _SUMMARY_KEYS if k in last)
+    steps = f"steps {trainer.step - len(trainer.history)} → {trainer.step}"
+    return f"train-ppo: {algorithm_name(estimator)}, {steps}; {summary}; actor saved to {actor_dir}"
+
+
 def _train(cfg: TrainPPOConfig) -> int:
     from openaligner import distributed as dp
     from openaligner.clients.critic import RemoteGPTRMCriticClient, TokenizerMismatchError
     from openaligner.clients.errors import ClientError
     from openaligner.clients.reward_only import RemoteRewardOnlyClient
     from openaligner.config import StartupError, as_startup_error
-    from openaligner.trainer.ppo import NonFiniteTrainingError, PeerFailedError, PPOTrainer, ResumeError
+    from openaligner.trainer.ppo import NonFiniteTrainingError, PeerFailedError, ResumeError
     from openaligner.trainer.ppo_recipe import prepare_ppo_run, run_ppo
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -98,6 +116,8 @@ def _train(cfg: TrainPPOConfig) -> int:
             log.info("the reward model reads %s (remote.reward_input=%s)", mode, cfg.remote.reward_input)
             run_ppo(run, client, on_trainer=started.append)
         dp.shutdown()
+        if dp.is_leader():
+            print(closing_line(cfg.trainer.advantage_estimator, started[0], run.output_dir / "actor"))
     except (ClientError, PeerFailedError, NonFiniteTrainingError, ResumeError) as e:
         stopped = ""
         if started:

@@ -52,7 +52,7 @@ from openaligner.models.actor import CausalLMActor
 from openaligner.models.sharding import is_sharded
 from openaligner.trainer.checkpoint_files import TrainingFiles, checksums_collective, stage_collective
 from openaligner.trainer.optim_step import optimizer_step
-from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
+from openaligner.trainer.ppo_config import PPOConfig, algorithm_name, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_critic_free_data, compute_ppo_data
 from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack, rollout_texts
 from openaligner.trainer.rollout_log import DecodedRollouts, rollout_records
@@ -249,7 +249,8 @@ class PPOTrainer:
         """Run PPO steps until max_steps, max_epochs or the wall-clock limit; returns step metrics."""
         self.run_timer.start_time()
         self._train_iter = self.prompts.train(self.consumed_samples)
-        bar = _progress(self.progress, initial=self.step, total=self.max_steps)
+        name = algorithm_name(self.cfg.advantage_estimator)
+        bar = _progress(self.progress, initial=self.step, total=self.max_steps, desc=f"{name} step")
         try:
             while self.step < self.max_steps:
                 metrics = self._one_step()
@@ -995,10 +996,10 @@ def _postfix(m: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.3g}" for k, v in parts if v is not None)
 
 
-def _progress(enabled: bool, initial: int, total: int) -> Any:
+def _progress(enabled: bool, initial: int, total: int, desc: str) -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc="PPO step", disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True)
 
 
 def max_time_s(cfg: PPOConfig) -> float | None:

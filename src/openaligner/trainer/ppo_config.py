@@ -418,3 +418,19 @@ def _check_estimator(c: PPOConfig, estimator: Estimator, bad: Callable[[str, str
         )
     if c.loss_aggregation == "seq_mean_token_sum_norm" and c.length.max_length < 1:
         bad("loss_aggregation", "seq_mean_token_sum_norm divides by length.max_length, which must be ≥ 1")
+
+
+ALGORITHM_NAMES = {
+    "gae": "PPO",
+    "reinforce": "REINFORCE",
+    "rloo": "RLOO",
+    "grpo": "GRPO",
+    "dr_grpo": "Dr. GRPO",
+    "reinforce_pp": "REINFORCE++",
+}
+"""What a run with each ``trainer.advantage_estimator`` is called (progress bar, closing line)."""
+
+
+def algorithm_name(estimator: str) -> str:
+    """The name of the algorithm ``trainer.advantage_estimator=estimator`` runs (``grpo`` → GRPO)."""
+    return ALGORITHM_NAMES.get(estimator, estimator)

@@ -33,7 +33,7 @@ from openaligner.data.render import (
     use_chat_template,
 )
 from openaligner.io.checkpoint import CheckpointManager
-from openaligner.io.metrics import MetricsLogger, rewind_logs
+from openaligner.io.metrics import open_run_logs
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.lora import MERGED_DIR, LoraError, add_lora, is_peft_model
 from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
@@ -211,12 +211,15 @@ def run_ppo(run: PPORun, rm_critic: RMCritic, on_trainer: Callable[[PPOTrainer],
     cfg, out, rank = run.cfg, run.output_dir, dp.rank()
     # 1. the newest step both halves have: the actor's checkpoint and the server's critic
     latest = restore_newest_checkpoint(run.checkpoints, rm_critic) if cfg.exp.resume else None
-    if cfg.exp.resume and rank == 0:  # before the logger opens the logs
-        resumed_step = int(latest.name.removeprefix("step_")) if latest is not None else 0
-        if dropped := rewind_logs(out / "logs", resumed_step):
-            log.info("dropped %d log record(s) after step %d: those steps run again", dropped, resumed_step)
-    # 2. the trainer, restored from that checkpoint
-    logger = MetricsLogger(out / "logs", cfg.exp.tensorboard, cfg.exp.wandb_project, enabled=rank == 0)
+    # 2. the trainer, restored from that checkpoint; its logs rolled back to the checkpoint's step
+    resumed_step = int(latest.name.removeprefix("step_")) if latest is not None else None
+    logger = open_run_logs(
+        out / "logs",
+        resumed_step,
+        tensorboard=cfg.exp.tensorboard,
+        wandb_project=cfg.exp.wandb_project,
+        enabled=rank == 0,
+    )
     try:
         outputs = RunOutputs(
             logger=logger,

@@ -171,6 +171,7 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
         resume=cfg.resume,
         progress=cfg.progress,
         tensorboard=cfg.tensorboard,
+        wandb_project=cfg.wandb_project,
         precision=Precision.resolve(cfg.precision, device),
         save_dtype=resolve_save_dtype(cfg.save_dtype, cfg.model.path),
         export_merged=cfg.lora.merge_on_save,

@@ -55,7 +55,7 @@ from openaligner.data.prompts import EpochSampler
 from openaligner.data.records import DataFileError, Record, read_records, split_holdout
 from openaligner.data.render import LayoutError, SequenceLayout, use_chat_template
 from openaligner.io.checkpoint import CheckpointManager, rng_state
-from openaligner.io.metrics import MetricsLogger
+from openaligner.io.metrics import open_run_logs
 from openaligner.models.lora import MERGED_DIR, LoraConfig, merged_export_copy
 from openaligner.models.precision import Precision, check_precision, check_save_dtype, save_pretrained_as
 from openaligner.models.sharding import ParallelConfig, is_sharded
@@ -135,7 +135,8 @@ class SupervisedRunConfig:
     precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
     save_dtype: str = "auto"  # final model dtype: auto (as model.path is stored, fp32 tiny), fp32, bf16, fp16
     progress: bool = True  # tqdm progress bar
-    tensorboard: bool = False  # also write TensorBoard events under output_dir/tensorboard
+    tensorboard: bool = True  # also write TensorBoard events under output_dir/tensorboard
+    wandb_project: str | None = None  # also log to this W&B project (when wandb is installed)
 
     def __post_init__(self) -> None:
         check_precision(self.precision, "precision")
@@ -320,7 +321,8 @@ class SupervisedTrainer(Generic[T]):
         objective: the model and its loss.
         train_items / val_items: dataset items; ``collate`` turns a list of them into a batch.
         tokenizer: saved with the final model and every checkpoint.
-        output_dir: final model, ``checkpoints/`` and ``metrics.jsonl`` go here.
+        output_dir: final model, ``checkpoints/``, ``metrics.jsonl`` and ``tensorboard/`` go here.
+        tensorboard / wandb_project: the metric sinks besides JSONL (:func:`open_run_logs`).
         resume: continue from the newest complete checkpoint in ``output_dir`` if there is one.
         precision: autocast and loss scaling of the training and validation forwards (default
             ``fp32``: neither).
@@ -355,7 +357,8 @@ class SupervisedTrainer(Generic[T]):
         *,
         resume: bool = True,
         progress: bool = True,
-        tensorboard: bool = False,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
         precision: Precision | None = None,
         save_dtype: torch.dtype | None = None,
         export_merged: bool = False,
@@ -369,6 +372,7 @@ class SupervisedTrainer(Generic[T]):
         self.tokenizer = tokenizer
         self.device = device
         self.resume, self.progress, self.tensorboard = resume, progress, tensorboard
+        self.wandb_project = wandb_project
         self.precision = precision if precision is not None else Precision()
         self.scaler = self.precision.grad_scaler()
         self.save_dtype = save_dtype
@@ -403,7 +407,13 @@ class SupervisedTrainer(Generic[T]):
         resumed = self._maybe_resume()
         self.start_step = self.state.step
         leader = dp.is_leader()
-        logger = MetricsLogger(self.output_dir, tensorboard=self.tensorboard, append=resumed, enabled=leader)
+        logger = open_run_logs(  # rolled back to the checkpoint's step: steps run again appear once
+            self.output_dir,
+            self.state.step if resumed else None,
+            tensorboard=self.tensorboard,
+            wandb_project=self.wandb_project,
+            enabled=leader,
+        )
         history: list[dict[str, float]] = []
         bar = tqdm(
             total=self.max_steps,

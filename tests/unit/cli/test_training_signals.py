@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 from pathlib import Path
 
@@ -152,3 +153,27 @@ def test_a_signal_before_the_first_step_stops_at_once_and_says_so(tmp_path, monk
     line = capsys.readouterr().err.strip().splitlines()[-1]
     said = "stopped by SIGINT; no checkpoint was written yet, so the same command starts over"
     assert line.startswith(f"openaligner train-sft: {said}"), line
+
+
+@pytest.mark.parametrize("command", ["train-sft", "train-rm"])
+def test_tensorboard_has_no_duplicate_steps_after_a_kill_and_resume(tmp_path, capsys, command):
+    """Killed after step 6's metrics were logged but before its checkpoint (the newest is step 4):
+    the resumed run runs steps 5 and 6 again, and TensorBoard (on by default) shows each step once."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    args = _args(command, tmp_path, "killed")
+    assert main(args) == 0
+    ckpts = tmp_path / "killed" / "checkpoints"
+    shutil.rmtree(ckpts / "step_6")
+    (ckpts / "latest").write_text("step_4\n")
+    assert main(args) == 0
+    assert "steps 4 → 6" in capsys.readouterr().out
+    steps: dict[str, list[int]] = {}
+    files = sorted((tmp_path / "killed" / "tensorboard").glob("events.out.tfevents.*"))
+    assert files, "TensorBoard is on by default"
+    for path in files:
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                steps.setdefault(value.tag, []).append(event.step)
+    assert steps["train/loss"] == list(range(1, STEPS + 1)), steps
+    assert all(len(s) == len(set(s)) for s in steps.values()), steps
