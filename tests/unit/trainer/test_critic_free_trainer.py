@@ -152,7 +152,9 @@ def test_groups_stay_on_one_rank():
 
 
 @pytest.mark.parametrize(("estimator", "name"), [("grpo", "GRPO"), ("rloo", "RLOO"), ("gae", "PPO")])
-def test_the_progress_bar_and_the_closing_line_name_the_algorithm_that_runs(tmp_path, capsys, estimator, name):
+def test_the_progress_bar_and_the_closing_line_name_the_algorithm_that_runs(
+    tmp_path, capsys, estimator, name
+):
     from openaligner.cli.train_ppo import closing_line
 
     client = RewardOnly() if estimator != "gae" else None
