@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from openaligner.cli.training import stop_on_signals
+from openaligner.cli.training import configure_logging, stop_on_signals
 from openaligner.trainer.ppo_config import TrainPPOConfig
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def _train(cfg: TrainPPOConfig) -> int:
     from openaligner.trainer.ppo import NonFiniteTrainingError, PeerFailedError, ResumeError
     from openaligner.trainer.ppo_recipe import prepare_ppo_run, run_ppo
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     dp.init_from_env()
     run = prepare_ppo_run(cfg)  # StartupError (exit 2) before any weights load or server is contacted
     if cfg.remote.pad_to_length is None:

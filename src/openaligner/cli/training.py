@@ -13,6 +13,7 @@ turns into exit code 130 (SIGINT) or 143 (SIGTERM): 128 + the signal, as a shell
 
 from __future__ import annotations
 
+import logging
 import shlex
 import signal
 import sys
@@ -25,7 +26,7 @@ from typing import Any
 
 from openaligner import distributed as dp
 from openaligner.config import save_config
-from openaligner.io.checkpoint import CheckpointManager
+from openaligner.io.checkpoint import CheckpointManager, human_size
 from openaligner.trainer.stopping import StopRequest, TrainingStopped
 from openaligner.trainer.supervised import SupervisedRunConfig, SupervisedTrainer
 
@@ -112,6 +113,7 @@ def run_supervised(
     the outputs, train — a signal in the loop stops it after a checkpoint of the step it was in
     (:func:`stop_on_signals`) — and print ``<command>: steps A → B; <summary(last metrics)>; model
     saved to <output_dir>``. Under torchrun every rank calls it; rank 0 writes and prints."""
+    configure_logging()
     dp.init_from_env()
     leader = dp.is_leader()
     checkpoints = CheckpointManager(Path(cfg.output_dir) / "checkpoints")
@@ -126,5 +128,20 @@ def run_supervised(
         return 0
     last = history[-1] if history else {}
     steps = f"steps {trainer.start_step} → {trainer.state.step}"
-    print(f"{command}: {steps}; {summary(last)}; model saved to {cfg.output_dir}")
+    weights = human_size(weights_size(Path(cfg.output_dir)))
+    print(f"{command}: {steps}; {summary(last)}; model saved to {cfg.output_dir} (weights {weights})")
     return 0
+
+
+def configure_logging() -> None:
+    """INFO lines with a time stamp on stderr, for what a run does besides its progress bar
+    (loading, resuming, each checkpoint written and its size)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def weights_size(directory: Path) -> int:
+    """Bytes of the model weights (``*.safetensors``, ``*.bin``) an export wrote into ``directory``
+    and its ``merged/`` copy; checkpoints and logs are not counted."""
+    found = [p for d in (directory, directory / "merged") for p in d.glob("*.safetensors")]
+    found += [p for d in (directory, directory / "merged") for p in d.glob("*.bin")]
+    return sum(p.stat().st_size for p in found if p.is_file())

@@ -92,7 +92,7 @@ class LoopConfig:
     val_micro_batch_size: int = 16  # examples per validation forward pass (on each rank)
     save_interval: int = 50  # checkpoint every this many steps (and at the end); 0 = only at the end
     save_every_minutes: float = 0.0  # also checkpoint once this many minutes passed since the last; 0 = off
-    keep_last: int = 2  # checkpoints to keep (0 = all)
+    keep_last: int = 1  # checkpoints to keep (0 = all); each costs ~12 bytes per trainable parameter
     log_interval: int = 1  # write training metrics every this many steps
     gradient_clip_val: float = 1.0  # clip the global gradient norm to this; 0 disables
     seed: int = 0  # seeds data order, initialisation of new heads and dropout

@@ -161,7 +161,7 @@ def test_tensorboard_has_no_duplicate_steps_after_a_kill_and_resume(tmp_path, ca
     the resumed run runs steps 5 and 6 again, and TensorBoard (on by default) shows each step once."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-    args = _args(command, tmp_path, "killed")
+    args = [*_args(command, tmp_path, "killed"), "trainer.keep_last=0"]
     assert main(args) == 0
     ckpts = tmp_path / "killed" / "checkpoints"
     shutil.rmtree(ckpts / "step_6")
