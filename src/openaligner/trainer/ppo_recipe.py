@@ -71,6 +71,7 @@ from openaligner.trainer.ppo import (
 )
 from openaligner.trainer.ppo_config import TrainPPOConfig
 from openaligner.trainer.rollout import PromptLoader, RolloutConversations, make_prompt_collate
+from openaligner.trainer.startup import describe_model, model_source_name, starting
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +132,21 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     log.info("precision: %s on %s", precision.name, device)
     # sharded: rank 0 alone reads the weights, the other ranks receive their shards from it
     load_device, skeleton = cfg.parallel.load_device(device), builds_skeleton(cfg.parallel)
-    model = load_causal_lm(cfg.actor, len(tokenizer), load_device, dtype=MASTER_DTYPE, skeleton=skeleton)
+    with starting(f"loading the actor ({model_source_name(cfg.actor, 'actor')}) onto {load_device}"):
+        model = load_causal_lm(cfg.actor, len(tokenizer), load_device, dtype=MASTER_DTYPE, skeleton=skeleton)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model, key="actor")
     # with LoRA the initial policy is this same model with its adapters disabled: no second copy
     with as_startup_error(LoraError):
         model = add_lora(model, cfg.lora)
     state = state_to_share(model, cfg.parallel)
-    init_policy = initial_policy(model, cfg.parallel, state) if c.initial_policy_kl_penalty > 0 else False
+    with starting("building the initial policy (the frozen reference of the KL penalty)"):
+        init_policy = initial_policy(model, cfg.parallel, state) if c.initial_policy_kl_penalty > 0 else False
     with as_startup_error(ShardingError):
         model = distribute(model, cfg.parallel, c.seed, name="actor")
     fill_from_leader(model, state, cfg.parallel, offload=cfg.parallel.offload)
+    if rank == 0:
+        log.info("%s", describe_model(model, device, precision).replace("model:", "actor:", 1))
     actor = CausalLMActor(
         model,
         tokenizer,

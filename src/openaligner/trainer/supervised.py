@@ -69,6 +69,7 @@ from openaligner.models.source import (
 from openaligner.trainer.checkpoint_files import TrainingFiles, save_collective
 from openaligner.trainer.optim import OptimConfig, build_optimizer
 from openaligner.trainer.optim_step import optimizer_step
+from openaligner.trainer.startup import describe_model
 from openaligner.trainer.stopping import StopRequest, TrainingStopped
 
 log = logging.getLogger(__name__)
@@ -394,6 +395,16 @@ class SupervisedTrainer(Generic[T]):
         self.optimizer, self.scheduler = build_optimizer(params, optim, self.max_steps)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep_last=loop.keep_last)
         self.state = TrainerState()
+        if dp.is_leader():
+            log.info("%s", describe_model(objective.module, device, self.precision))
+            log.info(
+                "data: %d training and %d validation items; %d step(s) of %d (%d epoch(s) at most)",
+                len(train_items),
+                len(val_items),
+                self.max_steps,
+                loop.global_batch_size,
+                -(-self.max_steps // self.sampler.steps_per_epoch),
+            )
         self.start_step = 0  # the step fit() started from (after a resume: the checkpoint's)
 
     # ------------------------------------------------------------------ the recipe
