@@ -56,6 +56,7 @@ from openaligner.trainer.ppo_config import PPOConfig, algorithm_name, parse_dura
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_critic_free_data, compute_ppo_data
 from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack, rollout_texts
 from openaligner.trainer.rollout_log import DecodedRollouts, rollout_records
+from openaligner.trainer.startup import RunEstimate
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,7 @@ class PPOTrainer:
         self._train_iter = self.prompts.train(self.consumed_samples)
         name = algorithm_name(self.cfg.advantage_estimator)
         bar = _progress(self.progress, initial=self.step, total=self.max_steps, desc=f"{name} step")
+        estimate = RunEstimate(self.step, self.max_steps)
         try:
             while self.step < self.max_steps:
                 metrics = self._one_step()
@@ -263,6 +265,7 @@ class PPOTrainer:
                 self._log_rollouts()
                 bar.update(1)
                 bar.set_postfix_str(_postfix(metrics), refresh=False)
+                estimate.step_done(self.step)
                 if self._due(self.cfg.save_interval, is_last):
                     self.save(metrics)
                 if time_exceeded:

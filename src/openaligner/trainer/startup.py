@@ -1,5 +1,6 @@
 """What a training run says before its first step: each start-up phase and its time, a progress
-bar over long tokenizations, and one line on the model it trains.
+bar over long tokenizations, and one line on the model it trains; and, once its first steps have
+run, how long the rest will take (:class:`RunEstimate`).
 
 Owns those messages (rank 0 writes them, at INFO); knows nothing of what a phase does. A run with
 a real model is otherwise silent for minutes between its start and step 1 (loading weights,
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -82,3 +83,58 @@ def describe_model(module: nn.Module, device: torch.device, precision: Precision
         f"masters on {device}, precision {precision.name}; each checkpoint ≈ {human_size(12 * trained)}; "
         f"weights, gradients and AdamW state ≈ {human_size(state_bytes)} of memory, plus activations"
     )
+
+
+class RunEstimate:
+    """Says, once the first steps have run, how long the rest of the run will take at their
+    measured speed: a busy machine can be ten times slower than a quiet one, and nothing else
+    warns of it.
+
+    The first step is left out of the speed (it pays one-time costs: allocator warm-up, lazy
+    initialisation); the speed is that of the next ``measure_steps`` steps. Call :meth:`step_done`
+    after every step; it logs once, on rank 0.
+    """
+
+    def __init__(
+        self,
+        start_step: int,
+        total_steps: int,
+        measure_steps: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.start_step, self.total_steps = start_step, total_steps
+        self.measure_steps = measure_steps
+        self.clock, self.wall_clock = clock, wall_clock
+        self._first_done: float | None = None  # when the first step of this run finished
+        self.said: str | None = None  # the estimate, once made
+
+    def step_done(self, step: int) -> None:
+        """Note that ``step`` (counted from the start of training, as the checkpoints count) ended."""
+        now = self.clock()
+        ran = step - self.start_step
+        if ran == 1:
+            self._first_done = now
+            return
+        if self.said is not None or self._first_done is None or ran != 1 + self.measure_steps:
+            return
+        per_step = (now - self._first_done) / self.measure_steps
+        left = self.total_steps - step
+        if left <= 0:
+            return
+        ends = time.strftime("%H:%M", time.localtime(self.wall_clock() + per_step * left))
+        self.said = (
+            f"speed: {per_step:.3g} s/step over steps {step - self.measure_steps + 1}-{step}; the remaining "
+            f"{left} step(s) take about {duration(per_step * left)} (done around {ends}, at this speed)"
+        )
+        if dp.is_leader():
+            log.info("%s", self.said)
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` for a reader: ``45 s``, ``12 min``, ``3.5 h``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

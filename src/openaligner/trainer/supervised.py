@@ -69,7 +69,7 @@ from openaligner.models.source import (
 from openaligner.trainer.checkpoint_files import TrainingFiles, save_collective
 from openaligner.trainer.optim import OptimConfig, build_optimizer
 from openaligner.trainer.optim_step import optimizer_step
-from openaligner.trainer.startup import describe_model
+from openaligner.trainer.startup import RunEstimate, describe_model
 from openaligner.trainer.stopping import StopRequest, TrainingStopped
 
 log = logging.getLogger(__name__)
@@ -434,6 +434,7 @@ class SupervisedTrainer(Generic[T]):
         )
         stop = stop if stop is not None else StopRequest()
         last_save = time.monotonic()
+        estimate = RunEstimate(self.state.step, self.max_steps)
         try:
             batches = self.sampler.batches(self.state.consumed_samples)
             stop.accepting = True
@@ -451,6 +452,7 @@ class SupervisedTrainer(Generic[T]):
                 history.append(metrics)
                 bar.set_postfix({_short(k): f"{v:.4g}" for k, v in metrics.items() if "loss" in k})
                 bar.update(1)
+                estimate.step_done(self.state.step)
                 # 4. resumable checkpoint: by steps, by wall time, or because a stop was asked
                 stopping, timed = self._stop_or_timed_save(stop, last_save, last)
                 if self._due(self.loop.save_interval, last) or timed or stopping:
