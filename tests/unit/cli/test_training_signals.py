@@ -177,3 +177,14 @@ def test_tensorboard_has_no_duplicate_steps_after_a_kill_and_resume(tmp_path, ca
                 steps.setdefault(value.tag, []).append(event.step)
     assert steps["train/loss"] == list(range(1, STEPS + 1)), steps
     assert all(len(s) == len(set(s)) for s in steps.values()), steps
+
+
+def test_save_every_minutes_checkpoints_by_wall_time(tmp_path):
+    """With checkpoints by steps only at the end, a tiny wall-time interval checkpoints every step."""
+    args = _args("train-sft", tmp_path, "timed")
+    extra = ["trainer.save_interval=0", "trainer.save_every_minutes=1e-9", "trainer.keep_last=0"]
+    assert main([*args, *extra]) == 0
+    steps = sorted(
+        int(p.name.removeprefix("step_")) for p in (tmp_path / "timed" / "checkpoints").glob("step_*")
+    )
+    assert steps == list(range(1, STEPS + 1))
