@@ -49,7 +49,8 @@ def _not_json(constant: str) -> None:
 
 
 def _tensorboard_steps(log_dir) -> dict[str, list[int]]:
-    """Every scalar tag's steps over all event files under ``log_dir/tensorboard``, in file order."""
+    """Every scalar tag's steps over all event files under ``log_dir/tensorboard``, sorted (two
+    files written within one second may sort either way by name)."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
     steps: dict[str, list[int]] = {}
@@ -57,7 +58,7 @@ def _tensorboard_steps(log_dir) -> dict[str, list[int]]:
         for event in EventFileLoader(str(path)).Load():
             for value in event.summary.value:
                 steps.setdefault(value.tag, []).append(event.step)
-    return steps
+    return {tag: sorted(s) for tag, s in steps.items()}
 
 
 def test_a_resumed_run_rewinds_tensorboard_so_no_step_appears_twice(tmp_path):
