@@ -7,7 +7,10 @@ command only loads what it uses.
 
 A run that cannot work is refused in one place: a ``ConfigError`` from loading the config, or a
 ``StartupError`` from the command's own start-up checks (data files, the model's position limit,
-...), is printed as ``openaligner <command>: <message>`` and the exit code is 2.
+...), is printed as ``openaligner <command>: <message>`` and the exit code is 2. A training run
+stopped by a signal (``TrainingStopped``, :mod:`openaligner.cli.training`) is printed as one line
+naming what was kept and the command line that resumes (from the module's ``RESUME_KEY``), with
+exit code 130 (SIGINT) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from openaligner import __version__
 from openaligner.config import ConfigError, describe_config, load_config
+from openaligner.trainer.stopping import TrainingStopped
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -46,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="openaligner",
         description="RLHF with PPO on Hugging Face models; reward model and critic served over HTTP.",
     )
+    p.add_argument("--version", action="version", version=f"openaligner {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
@@ -68,12 +74,44 @@ def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
     return None, list(args)
 
 
+_FLAGS = ("--print-config", "--help", "-h")
+"""A command's own flags; every other argument is a config file or a ``key=value`` override."""
+
+
+def dashed_overrides(command: str, args: Sequence[str]) -> list[str]:
+    """A command's arguments with ``--key=value`` (the TRL / OpenRLHF habit) read as ``key=value``.
+
+    Raises:
+        ConfigError: an argument ``--key`` without ``=value`` (other than :data:`_FLAGS`), saying
+            how overrides are written.
+    """
+    out = []
+    for a in args:
+        if not a.startswith("-") or a in _FLAGS:
+            out.append(a)
+        elif "=" in a:
+            out.append(a.lstrip("-"))
+        else:
+            key = a.lstrip("-")
+            raise ConfigError(
+                f"{a} is not an option of openaligner {command}: settings are written key=value, e.g. "
+                f"{key}=VALUE (--{key}=VALUE works too); openaligner {command} --print-config lists the keys"
+            )
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in TOOLS:
         return _run_tool(args[0], args[1:])
+    if args and args[0] in COMMANDS:
+        try:
+            args = [args[0], *dashed_overrides(args[0], args[1:])]
+        except ConfigError as e:
+            print(f"openaligner {args[0]}: {e}", file=sys.stderr)
+            return 2
     parser = _parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(args)
     if ns.command is None:
         parser.print_help()
         return 2
@@ -88,6 +126,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:  # StartupError included
         print(f"openaligner {ns.command}: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        from openaligner import distributed as dp
+        from openaligner.cli.training import EXIT_CODES, stopped_line
+
+        key = module.RESUME_KEY
+        line = stopped_line(ns.command, e, [ns.command, *ns.args], key, bool(_dotted(cfg, key)))
+        if dp.is_leader():
+            print(line, file=sys.stderr, flush=True)
+        return EXIT_CODES.get(e.reason, 130)
+
+
+def _dotted(cfg: object, key: str) -> object:
+    """The value of dotted ``key`` in the config dataclass ``cfg``."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def _run_tool(name: str, args: Sequence[str]) -> int:

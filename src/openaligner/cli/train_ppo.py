@@ -10,50 +10,45 @@ server failed or could not be reached (the message names host:port and model; un
 every rank stops at once), the critic server holds the critic of none of the checkpoints, or the
 actor's gradients were inf/NaN too many steps in a row; 2 when the run is refused at start-up,
 before any weights load or a server is contacted (prompt files, too few prompts for one batch,
-``data.seq_length`` beyond the actor's positions); 130 on SIGINT and
-143 on SIGTERM, which stop the run at once without saving — the next run of the same command
-resumes from the last checkpoint. Resuming also rewinds ``logs/metrics.jsonl``,
-``logs/tables.jsonl`` and ``logs/rollouts.jsonl`` to the checkpoint's step, so steps that are run
-again appear once.
+``data.seq_length`` beyond the actor's positions); 130 on SIGINT and 143 on SIGTERM, which stop
+the run at once without saving — the next run of the same command resumes from the last
+checkpoint (the one line printed names it and the command line). Resuming also rewinds
+``logs/metrics.jsonl``, ``logs/tables.jsonl`` and ``logs/rollouts.jsonl`` to the checkpoint's
+step, so steps that are run again appear once.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from pathlib import Path
-from types import FrameType
+from typing import TYPE_CHECKING
 
+from openaligner.cli.training import configure_logging, stop_on_signals
 from openaligner.trainer.ppo_config import TrainPPOConfig
 
+if TYPE_CHECKING:
+    from openaligner.trainer.ppo import PPOTrainer
+
 SCHEMA = TrainPPOConfig
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt (exit code 143)."""
-
-
-def _raise_terminated(_signum: int, _frame: FrameType | None) -> None:
-    raise Terminated
+RESUME_KEY = "exp.resume"  # the key that makes the same command continue from the newest checkpoint
 
 
 def run(cfg: TrainPPOConfig) -> int:
-    """Train; see the module docstring for the exit codes."""
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
+    """Train; see the module docstring for the exit codes. A signal stops the run at once
+    (:func:`~openaligner.cli.training.stop_on_signals`): the PPO loop does not poll for a stop,
+    because its step's checkpoint needs the critic server's too."""
+    from openaligner.io.checkpoint import CheckpointManager
+
+    checkpoints = CheckpointManager(Path(cfg.exp.output_dir) / "checkpoints")
+    with stop_on_signals("train-ppo", checkpoints.latest, _CRITIC_ADVICE if cfg.trainer.uses_critic else ""):
         return _train(cfg)
-    except KeyboardInterrupt as e:
-        name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("SIGINT", 130)
-        note = _resume_note(Path(cfg.exp.output_dir), cfg.trainer.uses_critic)
-        print(
-            f"openaligner train-ppo: stopped by {name}; {note}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return code
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+
+
+_CRITIC_ADVICE = (
+    " and sends the critic server back to the critic saved with it (restart serve-critic with the same "
+    "checkpoint.dir if it is not running)"
+)
 
 
 def _resume_note(out: Path, uses_critic: bool = True) -> str:
@@ -62,12 +57,21 @@ def _resume_note(out: Path, uses_critic: bool = True) -> str:
     latest = CheckpointManager(out / "checkpoints").latest()
     if latest is None:
         return "no checkpoint was written yet, so the same command starts over"
-    if not uses_critic:
-        return f"the same command resumes from {latest}"
-    return (
-        f"the same command resumes from {latest} and sends the critic server back to the critic saved "
-        f"with it (restart serve-critic with the same checkpoint.dir if it is not running)"
-    )
+    return f"the same command resumes from {latest}{_CRITIC_ADVICE if uses_critic else ''}"
+
+
+_SUMMARY_KEYS = ("rollout/rewards", "rollout/score", "rollout/init_policy_kl", "val/rewards", "val/score")
+
+
+def closing_line(estimator: str, trainer: PPOTrainer, actor_dir: Path) -> str:
+    """``train-ppo: GRPO, steps A → B; rollout/rewards=…, …; actor saved to <dir>``: the line a
+    finished run prints, as train-sft and train-rm print theirs."""
+    from openaligner.trainer.ppo_config import algorithm_name
+
+    last = trainer.history[-1] if trainer.history else {}
+    summary = ", ".join(f"{k}={last[k]:.4g}" for k in _SUMMARY_KEYS if k in last)
+    steps = f"steps {trainer.step - len(trainer.history)} → {trainer.step}"
+    return f"train-ppo: {algorithm_name(estimator)}, {steps}; {summary}; actor saved to {actor_dir}"
 
 
 def _train(cfg: TrainPPOConfig) -> int:
@@ -76,10 +80,10 @@ def _train(cfg: TrainPPOConfig) -> int:
     from openaligner.clients.errors import ClientError
     from openaligner.clients.reward_only import RemoteRewardOnlyClient
     from openaligner.config import StartupError, as_startup_error
-    from openaligner.trainer.ppo import NonFiniteTrainingError, PeerFailedError, PPOTrainer, ResumeError
+    from openaligner.trainer.ppo import NonFiniteTrainingError, PeerFailedError, ResumeError
     from openaligner.trainer.ppo_recipe import prepare_ppo_run, run_ppo
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     dp.init_from_env()
     run = prepare_ppo_run(cfg)  # StartupError (exit 2) before any weights load or server is contacted
     if cfg.remote.pad_to_length is None:
@@ -112,6 +116,8 @@ def _train(cfg: TrainPPOConfig) -> int:
             log.info("the reward model reads %s (remote.reward_input=%s)", mode, cfg.remote.reward_input)
             run_ppo(run, client, on_trainer=started.append)
         dp.shutdown()
+        if dp.is_leader():
+            print(closing_line(cfg.trainer.advantage_estimator, started[0], run.output_dir / "actor"))
     except (ClientError, PeerFailedError, NonFiniteTrainingError, ResumeError) as e:
         stopped = ""
         if started:

@@ -120,6 +120,8 @@ class TritonHTTPClient:
         max_workers: requests in flight at once.
         retries_on_rejected_batch: resends of a valid request that Triton merged with an invalid one.
         hint: what to check when the server cannot be reached (names the CLI / config keys).
+        config_prefix: where ``init_timeout_s`` and ``reconnect_grace_s`` sit in the user's config
+            (``"remote."`` in train-ppo), so that messages name the keys as the user writes them.
         reconnect_grace_s: after a refused or dropped connection, how long to wait for the server
             to answer again before failing (0: fail at once). See the module docstring for which
             requests are resent.
@@ -137,6 +139,7 @@ class TritonHTTPClient:
         retries_on_rejected_batch: int = 3,
         hint: str = "",
         reconnect_grace_s: float = 0.0,
+        config_prefix: str = "",
     ) -> None:
         if init_timeout_s <= 0 or request_timeout_s <= 0:
             raise ValueError("init_timeout_s and request_timeout_s must be > 0")
@@ -150,6 +153,7 @@ class TritonHTTPClient:
         self.request_timeout_s = request_timeout_s
         self.retries_on_rejected_batch = retries_on_rejected_batch
         self.hint = hint
+        self.config_prefix = config_prefix
         self.reconnect_grace_s = reconnect_grace_s
         self._outage: tuple[float, float] | None = None  # (start, deadline) of the current outage
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -223,7 +227,8 @@ class TritonHTTPClient:
         if reason is None:
             return
         raise ServerTimeoutError(
-            f"{self.where(todo[0])} was not ready within init_timeout_s={self.init_timeout_s:g} s: {reason}. "
+            f"{self.where(todo[0])} was not ready within {self.config_prefix}init_timeout_s="
+            f"{self.init_timeout_s:g} s: {reason}. "
             f"{self.hint}",
             url=self.url,
             model=todo[0],
@@ -380,8 +385,9 @@ class TritonHTTPClient:
         if reason is not None:
             raise ServerTimeoutError(
                 f"{self.where(job.model)} went away ({lost.cause}) and did not answer again within "
-                f"reconnect_grace_s={grace:g} s (last seen: {reason}). Restart the server, or raise "
-                f"reconnect_grace_s to wait longer for a restart. {self.hint}",
+                f"{self.config_prefix}reconnect_grace_s={grace:g} s (last seen: {reason}). Restart the "
+                f"server, or raise {self.config_prefix}reconnect_grace_s to wait longer for a restart. "
+                f"{self.hint}",
                 url=self.url,
                 model=job.model,
             )

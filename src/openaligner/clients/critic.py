@@ -65,10 +65,13 @@ ToMetadata = Callable[[Mapping[str, torch.Tensor]], list[dict[str, Any]]]
 """A rollout micro-batch -> each row's prompt metadata (sent with the conversations to a reward
 server, e.g. a reward function's reference answer)."""
 
+CONFIG_KEY = "remote"
+"""The key of :class:`RemoteCriticConfig` in train-ppo's config: messages name its keys in full."""
 _HINT = (
-    "Check that `openaligner serve-critic` is running and has printed its URL, and that this client's "
-    "critic.ip/critic.port/critic.name match the server's server.host/server.port (Triton needs a few "
-    "seconds to start; raise init_timeout_s if the server is still loading its models)."
+    "Check that `openaligner serve-critic` is running and has printed its URL, and that "
+    f"{CONFIG_KEY}.critic.ip/{CONFIG_KEY}.critic.port/{CONFIG_KEY}.critic.name match the server's "
+    "server.host/server.port (Triton needs a few seconds to start; raise "
+    f"{CONFIG_KEY}.init_timeout_s if the server is still loading its models)."
 )
 
 
@@ -289,6 +292,15 @@ def reward_client_config(cfg: RemoteCriticConfig) -> RemoteRMConfig:
     )
 
 
+def remote_reward_client(cfg: RemoteCriticConfig) -> RemoteGPTRMClient:
+    """The separate reward server's client, its messages naming train-ppo's keys
+    (``remote.reward_model.port``, ``remote.init_timeout_s``)."""
+    prefix = f"{CONFIG_KEY}."
+    return RemoteGPTRMClient(
+        reward_client_config(cfg), address_prefix=f"{prefix}reward_model.", config_prefix=prefix
+    )
+
+
 class RMCriticFutureResult:
     """The pending answer to one ``infer_rm_critic`` call.
 
@@ -363,10 +375,11 @@ class RemoteGPTRMCriticClient:
             retries_on_rejected_batch=cfg.retries_on_rejected_batch,
             hint=_HINT,
             reconnect_grace_s=cfg.reconnect_grace_s,
+            config_prefix=f"{CONFIG_KEY}.",
         )
         self._rm: RemoteGPTRMClient | None = None
         if not cfg.combine_rm_and_critic_server:
-            self._rm = RemoteGPTRMClient(reward_client_config(cfg))
+            self._rm = remote_reward_client(cfg)
         self._last_train: Future[dict[str, float]] | None = None
         self._order = threading.Lock()
         self._texts: RolloutTexts | None = None

@@ -30,11 +30,14 @@ from openaligner.servers.protocol import (
     TOKENS,
 )
 
-_HINT = (
-    "Check that `openaligner serve-reward` is running and has printed its URL, and that this client's "
-    "ip/port/name match the server's server.host/server.port/server.model_name (Triton needs ~3 s to "
-    "start; raise init_timeout_s if the server is still loading)."
-)
+
+def _hint(address_prefix: str, config_prefix: str) -> str:
+    a = address_prefix
+    return (
+        f"Check that `openaligner serve-reward` is running and has printed its URL, and that {a}ip/{a}port/"
+        f"{a}name match the server's server.host/server.port/server.model_name (Triton needs ~3 s to "
+        f"start; raise {config_prefix}init_timeout_s if the server is still loading)."
+    )
 
 
 @dataclass
@@ -72,9 +75,12 @@ class RemoteGPTRMClient:
 
     Args:
         cfg: server address, padding and timeouts.
+        address_prefix / config_prefix: where ``cfg``'s address keys (``ip``, ``port``, ``name``) and
+            its other keys (``init_timeout_s``, ...) sit in the user's config, for messages (e.g.
+            ``remote.reward_model.`` and ``remote.`` in train-ppo).
     """
 
-    def __init__(self, cfg: RemoteRMConfig) -> None:
+    def __init__(self, cfg: RemoteRMConfig, *, address_prefix: str = "", config_prefix: str = "") -> None:
         self.cfg = cfg
         self._client = TritonHTTPClient(
             cfg.ip,
@@ -84,8 +90,9 @@ class RemoteGPTRMClient:
             request_timeout_s=cfg.request_timeout_s,
             max_workers=cfg.max_workers,
             retries_on_rejected_batch=cfg.retries_on_rejected_batch,
-            hint=_HINT,
+            hint=_hint(address_prefix, config_prefix),
             reconnect_grace_s=cfg.reconnect_grace_s,
+            config_prefix=config_prefix,
         )
 
     @property

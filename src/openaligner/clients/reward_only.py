@@ -22,10 +22,9 @@ from openaligner.clients.critic import (
     TokenizerIdentity,
     ToMetadata,
     choose_reward_input,
+    remote_reward_client,
     request_rewards,
-    reward_client_config,
 )
-from openaligner.clients.reward import RemoteGPTRMClient
 
 
 class RemoteRewardOnlyClient:
@@ -40,7 +39,7 @@ class RemoteRewardOnlyClient:
 
     def __init__(self, cfg: RemoteCriticConfig) -> None:
         self.cfg = cfg
-        self._rm = RemoteGPTRMClient(reward_client_config(cfg))
+        self._rm = remote_reward_client(cfg)
         self._texts: RolloutTexts | None = None
         self.reward_input = "tokens"
         """How rollouts reach the reward server: ``tokens`` until :meth:`configure_reward_input`."""

@@ -11,13 +11,14 @@ a ``RENAMED_KEYS`` class attribute (see :data:`RENAMED_KEYS`).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 T = TypeVar("T")
 
@@ -98,16 +99,64 @@ def _merge(schema: type[Any], path: str | Path | None, overrides: Sequence[str])
                 raise ConfigError(f"config file {p} does not exist")
             from_file = OmegaConf.load(p)
             _refuse_renamed(schema, from_file, f" (in {p})")
-            merged = OmegaConf.merge(merged, from_file)
+            with _suggest_known_key(merged, f" (in {p})"):
+                merged = OmegaConf.merge(merged, from_file)
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"overrides must look like key=value, got {bad}")
         if overrides:
             dotlist = OmegaConf.from_dotlist(list(overrides))
             _refuse_renamed(schema, dotlist)
-            merged = OmegaConf.merge(merged, dotlist)
+            with _suggest_known_key(merged):
+                merged = OmegaConf.merge(merged, dotlist)
     assert isinstance(merged, DictConfig)
     return merged
+
+
+_FAMILIAR_NAMES = {
+    "learning_rate": "lr",
+    "num_train_epochs": "max_epochs",
+    "per_device_train_batch_size": "micro_batch_size",
+    "train_batch_size": "global_batch_size",
+    "max_grad_norm": "gradient_clip_val",
+    "max_len": "max_length",
+}
+"""TRL / OpenRLHF / transformers argument names → the name of the key that does the same here."""
+
+
+@contextmanager
+def _suggest_known_key(schema: DictConfig, where: str = "") -> Iterator[None]:
+    """Refuse a key ``schema`` does not have (OmegaConf's ``ConfigKeyError``) naming the dotted
+    keys it may have meant: those ending in the same name (``lr`` → ``optim.lr``), else those
+    spelled alike. OmegaConf's own guess compares only the keys of one section (``lr`` → ``lora``)."""
+    try:
+        yield
+    except ConfigKeyError as e:
+        given = str(e.full_key or e.key)
+        known = list(_dotted_keys(schema))
+        name = given.rsplit(".", 1)[-1]
+        name = _FAMILIAR_NAMES.get(name, name)
+        same_name = [k for k in known if k.rsplit(".", 1)[-1] == name]
+        guesses = same_name or difflib.get_close_matches(given, known, n=3, cutoff=0.6)
+        if not guesses:
+            by_name = {k.rsplit(".", 1)[-1]: k for k in known}
+            guesses = [by_name[n] for n in difflib.get_close_matches(name, list(by_name), n=3, cutoff=0.75)]
+        hint = f"; did you mean {' or '.join(guesses)}?" if guesses else ""
+        raise ConfigError(
+            f"unknown key {given!r}{where}{hint} (keys are dotted, section.key=value; --print-config "
+            "shows them all)"
+        ) from None
+
+
+def _dotted_keys(node: DictConfig, prefix: str = "") -> Iterator[str]:
+    """Every leaf key of ``node``, dotted (``optim.lr``)."""
+    for key in node:
+        dotted = f"{prefix}{key!s}"
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            yield from _dotted_keys(child, dotted + ".")
+        else:
+            yield dotted
 
 
 def _refuse_renamed(schema: type[Any], given: Any, where: str = "") -> None:

@@ -27,6 +27,7 @@ also uses:
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,7 +117,9 @@ def prompt_record(
     shape = prompt_shape(prompt_key, messages_key)
     key = prompt_key if prompt_key in record.fields else messages_key
     if key not in record.fields:
-        raise _missing(record, (prompt_key, messages_key), shape)
+        raise _missing(
+            record, {"prompt_key": prompt_key, "messages_key": messages_key}, shape, ["prompt_key"]
+        )
     absent = [k for k in metadata_keys if k not in record.fields]
     if absent:
         raise record.error(
@@ -139,12 +142,13 @@ def sft_record(
     f = record.fields
     if prompt_key in f or response_key in f:
         if prompt_key not in f or response_key not in f:
-            raise _missing(record, (prompt_key, response_key), shape)
+            raise _missing(record, {"prompt_key": prompt_key, "response_key": response_key}, shape)
         return SFTRecord(
             _prompt(record, prompt_key, shape), _response(record, response_key, shape), record.where
         )
     if messages_key not in f:
-        raise _missing(record, (prompt_key, response_key, messages_key), shape)
+        keys = {"prompt_key": prompt_key, "response_key": response_key, "messages_key": messages_key}
+        raise _missing(record, keys, shape, ["prompt_key", "response_key"])
     messages = _conversation(record, messages_key, shape)
     if messages[-1]["role"] != "assistant":
         raise record.error(
@@ -165,12 +169,14 @@ def preference_record(
     shape = preference_shape(prompt_key, chosen_key, rejected_key)
     f = record.fields
     if chosen_key not in f or rejected_key not in f:
-        raise _missing(record, (chosen_key, rejected_key), shape)
+        keys = {"prompt_key": prompt_key, "chosen_key": chosen_key, "rejected_key": rejected_key}
+        raise _missing(record, keys, shape, ["chosen_key", "rejected_key"])
     chosen, rejected = f[chosen_key], f[rejected_key]
     if isinstance(chosen, list) and isinstance(rejected, list) and max(len(chosen), len(rejected)) > 1:
         return _implicit_prompt_pair(record, chosen_key, rejected_key, shape)
     if prompt_key not in f:
-        raise _missing(record, (prompt_key, chosen_key, rejected_key), shape)
+        keys = {"prompt_key": prompt_key, "chosen_key": chosen_key, "rejected_key": rejected_key}
+        raise _missing(record, keys, shape)
     return PreferenceRecord(
         _prompt(record, prompt_key, shape),
         _response(record, chosen_key, shape),
@@ -200,9 +206,51 @@ def _implicit_prompt_pair(record: Record, chosen_key: str, rejected_key: str, sh
     return PreferenceRecord(chosen[:-1], chosen[-1], rejected[-1], record.where)
 
 
-def _missing(record: Record, keys: tuple[str, ...], shape: str) -> Exception:
-    absent = [k for k in keys if k not in record.fields]
-    return record.error(f"missing field {absent} (fields: {sorted(record.fields)}); expected {shape}")
+_SYNONYMS = {
+    "prompt_key": ("prompt", "question", "instruction", "query", "input", "context", "problem"),
+    "response_key": ("response", "answer", "output", "completion", "target", "solution"),
+    "messages_key": ("messages", "conversation", "conversations", "dialog", "chat"),
+    "chosen_key": ("chosen", "preferred", "accepted", "better", "winner", "pos", "positive"),
+    "rejected_key": ("rejected", "dispreferred", "worse", "loser", "neg", "negative"),
+}
+"""Field names other datasets use for what each ``data.<role>_key`` names (lower case)."""
+
+
+def _missing(
+    record: Record, keys: Mapping[str, str], shape: str, suggest_for: Sequence[str] | None = None
+) -> Exception:
+    """The error for a record without the fields ``keys`` (``{"prompt_key": "prompt", ...}``, the
+    ``data.*`` keys and the fields they name); where the record has other fields that look like
+    the missing ones, it says which ``data.<x>_key=<field>`` to set (for ``suggest_for``, default all)."""
+    absent = [f for f in keys.values() if f not in record.fields]
+    message = f"missing field {absent} (fields: {sorted(record.fields)}); expected {shape}"
+    free = [f for f in record.fields if f not in keys.values()]
+    fixes = []
+    for role in suggest_for if suggest_for is not None else list(keys):
+        if keys[role] in record.fields or not free:
+            continue
+        field_name = _look_alike(role, free)
+        if field_name is not None:
+            free.remove(field_name)
+            fixes.append(f"data.{role}={field_name}")
+    if fixes:
+        message += f"; if the data names them differently, set {' '.join(fixes)}"
+    return record.error(message)
+
+
+def _look_alike(role: str, fields: Sequence[str]) -> str | None:
+    """The field among ``fields`` most likely to hold what ``role`` names: a known synonym, else a
+    close spelling of one; None when none looks like it."""
+    synonyms = _SYNONYMS.get(role, ())
+    lower = {f.lower(): f for f in fields}
+    for name in synonyms:
+        if name in lower:
+            return lower[name]
+    for f in fields:  # e.g. "model_answer", "question_text"
+        if any(name in f.lower() for name in synonyms if len(name) > 3):
+            return f
+    close = difflib.get_close_matches(role.removesuffix("_key"), list(lower), n=1, cutoff=0.7)
+    return lower[close[0]] if close else None
 
 
 def _prompt(record: Record, key: str, shape: str) -> Prompt:

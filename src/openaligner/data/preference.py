@@ -10,7 +10,7 @@ nothing of models.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +30,7 @@ class PreferencePair:
 
 
 def build_preference_pairs(
-    records: Sequence[PreferenceRecord], renderer: Renderer, max_length: int
+    records: Iterable[PreferenceRecord], renderer: Renderer, max_length: int
 ) -> list[PreferencePair]:
     """Tokenize records; pairs where either side exceeds ``max_length`` (or is empty) are
     dropped with a warning, as NeMo-Aligner's reward-model dataset does.

@@ -9,7 +9,7 @@ chat template: the rendered conversation up to the generation prompt | the assis
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +28,7 @@ class SFTExample:
     prompt_length: int  # number of leading prompt ids (no loss on them)
 
 
-def build_sft_examples(records: Sequence[SFTRecord], renderer: Renderer, max_length: int) -> list[SFTExample]:
+def build_sft_examples(records: Iterable[SFTRecord], renderer: Renderer, max_length: int) -> list[SFTExample]:
     """Tokenize records; examples longer than ``max_length`` or with an empty side are dropped
     with a warning (never truncated, so no response loses its end).
 

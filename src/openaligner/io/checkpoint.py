@@ -78,6 +78,20 @@ def write_text_atomic(path: Path, text: str) -> None:
     _fsync(path.parent)
 
 
+def human_size(n_bytes: float) -> str:
+    """``n_bytes`` for a reader, in decimal units as disks are sold: ``3.24 GB``, ``512 kB``."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n_bytes) < 1000:
+            return f"{n_bytes:.3g} {unit}"
+        n_bytes /= 1000
+    return f"{n_bytes:.3g} TB"
+
+
+def directory_size(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 when it does not exist)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
 def file_entry(path: Path) -> dict[str, Any]:
     """A manifest's entry for one file: its size in bytes and its SHA-256."""
     return {"size": path.stat().st_size, "sha256": _sha256(path)}
@@ -188,6 +202,15 @@ class CheckpointManager:
         _fsync(self.root)
         write_text_atomic(self.root / LATEST, final.name + "\n")
         self._prune()
+        kept = len(self.checkpoints())
+        keep = f"keep_last={self.keep_last}" if self.keep_last > 0 else "keep_last=0 keeps all"
+        log.info(
+            "checkpoint %s written: %s (%d checkpoint(s) kept, %s)",
+            final,
+            human_size(directory_size(final)),
+            kept,
+            keep,
+        )
         return final
 
     def checkpoints(self) -> list[tuple[int, Path]]:

@@ -1,7 +1,11 @@
 """Metric sinks: JSONL (always), TensorBoard and Weights & Biases (when enabled and installed).
 
 Metric names are namespaced (``rollout/…``, ``policy/…``, ``value/…``, ``timing/…``); values are
-plain floats. Owns where metrics go; knows nothing of how they are computed.
+plain floats. Owns where metrics go, and rolling every sink that can be rolled back to a resumed
+checkpoint's step (:func:`open_run_logs`: the JSONL files and TensorBoard's event files, so that
+steps run again appear once); knows nothing of how metrics are computed. Every trainer opens its
+logs through :func:`open_run_logs`, with the same defaults: JSONL and TensorBoard on, W&B when a
+project is named.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -79,7 +84,7 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.log_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(self.log_dir / TENSORBOARD_DIR))
         if wandb_project:
             try:
                 import wandb
@@ -160,13 +165,39 @@ LOG_FILES = ("metrics.jsonl", "tables.jsonl", "rollouts.jsonl")
 """The JSONL logs of a run, each line a record with its ``step``."""
 
 
+def open_run_logs(
+    log_dir: str | Path,
+    resumed_step: int | None,
+    *,
+    tensorboard: bool = True,
+    wandb_project: str | None = None,
+    run_name: str | None = None,
+    enabled: bool = True,
+) -> MetricsLogger:
+    """A run's :class:`MetricsLogger`, its logs first rolled back to ``resumed_step`` (the step of
+    the checkpoint the run resumed from; None for a run that starts afresh, whose old logs in
+    ``log_dir`` are all dropped) by :func:`rewind_logs`. Only the ``enabled`` process touches files."""
+    log_dir = Path(log_dir)
+    if enabled:
+        dropped = rewind_logs(log_dir, resumed_step if resumed_step is not None else -1)
+        if dropped and resumed_step is not None:
+            log.info("dropped %d log record(s) after step %d: those steps run again", dropped, resumed_step)
+    return MetricsLogger(log_dir, tensorboard, wandb_project, run_name, enabled=enabled, append=True)
+
+
+TENSORBOARD_DIR = "tensorboard"
+"""Where under a run's log directory :class:`MetricsLogger` writes TensorBoard event files."""
+
+
 def rewind_logs(log_dir: Path, step: int) -> int:
-    """Keep only the records of steps ``<= step`` in the :data:`LOG_FILES`.
+    """Keep only the records of steps ``<= step`` in the :data:`LOG_FILES` and in the TensorBoard
+    event files under ``log_dir/tensorboard`` (a negative ``step`` drops them all).
 
     A run resumed from the checkpoint of ``step`` runs the later steps again; their old records,
-    and a last line cut short by a crash, are dropped. Returns how many lines were dropped.
+    and a last line cut short by a crash, are dropped (TensorBoard would otherwise draw those
+    steps twice). Returns how many records were dropped.
     """
-    dropped = 0
+    dropped = _rewind_tensorboard(log_dir / TENSORBOARD_DIR, step)
     for name in LOG_FILES:
         path = log_dir / name
         if not path.is_file():
@@ -176,6 +207,35 @@ def rewind_logs(log_dir: Path, step: int) -> int:
         if len(kept) < len(lines):
             dropped += len(lines) - len(kept)
             write_text_atomic(path, "".join(kept))
+    return dropped
+
+
+def _rewind_tensorboard(directory: Path, step: int) -> int:
+    """Rewrite each event file under ``directory`` without the events of steps ``> step`` (a file
+    left with nothing but its header is removed); how many events were dropped. Each file is
+    rewritten to a temporary sibling and moved into place, so a crash leaves old or new, whole."""
+    files = sorted(directory.glob("**/events.out.tfevents.*")) if directory.is_dir() else []
+    if not files:
+        return 0
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    dropped = 0
+    for path in files:
+        events = list(EventFileLoader(str(path)).Load())
+        kept = [e for e in events if e.step <= step]
+        if len(kept) == len(events):
+            continue
+        dropped += len(events) - len(kept)
+        if all(e.HasField("file_version") for e in kept):
+            path.unlink()
+            continue
+        tmp = path.with_name(f".{path.name}.tmp")
+        with tmp.open("wb") as f:
+            writer = RecordWriter(f)
+            for e in kept:
+                writer.write(e.SerializeToString())
+        os.replace(tmp, path)
     return dropped
 
 

@@ -100,8 +100,19 @@ class ModelSourceConfig:
 
 
 def check_model_dir(path: str, key: str) -> None:
-    """Refuse (``ValueError``, naming ``key``) a ``path`` that is not a Hugging Face model directory."""
-    if not (Path(path) / "config.json").is_file():
+    """Refuse (``ValueError``, naming ``key``) a ``path`` that is not a Hugging Face model directory:
+    one that does not exist, a file, or a directory without ``config.json``."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(
+            f"{key}={path!r} does not exist; set {key} to a Hugging Face model directory (with config.json)"
+        )
+    if not p.is_dir():
+        raise ValueError(
+            f"{key}={path!r} is a file, not a Hugging Face model directory; set {key} to the directory "
+            "holding config.json and the weights"
+        )
+    if not (p / "config.json").is_file():
         raise ValueError(f"{key}={path!r} is not a Hugging Face model directory (no config.json)")
 
 

@@ -79,6 +79,7 @@ class Estimator:
     default_kl_in: str  # trainer.kl_in when null: reward | loss
     default_loss_aggregation: str  # trainer.loss_aggregation when null
     refuse: Refusal | None = None  # settings refused besides the ones needs_* imply
+    title: str = ""  # what a run with it is called (progress bar, closing line); "" = the name
 
 
 ESTIMATORS: dict[str, Estimator] = {}
@@ -96,6 +97,7 @@ def register_estimator(
     kl_in: str = "reward",
     loss_aggregation: str = "token_mean",
     refuse: Refusal | None = None,
+    title: str | None = None,
 ) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator: register ``fn`` as ``trainer.advantage_estimator=name``.
 
@@ -107,6 +109,8 @@ def register_estimator(
         samples_per_prompt: default responses per prompt (null: 4 with ``needs_groups``, else 1).
         kl_in, loss_aggregation: the defaults of ``trainer.kl_in`` / ``trainer.loss_aggregation``.
         refuse: further config refusals (see :data:`Refusal`).
+        title: what a run with it is called in the progress bar and the closing line (default:
+            ``name`` in capitals).
 
     Raises:
         ValueError: a bad or already registered name.
@@ -126,6 +130,7 @@ def register_estimator(
             default_kl_in=kl_in,
             default_loss_aggregation=loss_aggregation,
             refuse=refuse,
+            title=title or name.upper(),
         )
         return fn
 
@@ -142,7 +147,7 @@ def get_estimator(name: str) -> Estimator:
 
 
 # ---------------------------------------------------------------- the built-in estimators
-@register_estimator("gae", needs_critic=True)
+@register_estimator("gae", needs_critic=True, title="PPO")
 def gae_estimate(x: EstimatorInputs) -> Estimate:
     """PPO (Schulman et al. 2016/2017; NeMo-Aligner): KL-shaped per-token rewards, GAE over the
     critic's values, whitened over the global batch with ``normalize_advantages``."""
@@ -176,7 +181,9 @@ def grpo_estimate(x: EstimatorInputs) -> Estimate:
     return Estimate(broadcast_to_tokens(per_sample, x.mask), rewards)
 
 
-@register_estimator("dr_grpo", needs_groups=True, kl_in="loss", loss_aggregation="seq_mean_token_sum_norm")
+@register_estimator(
+    "dr_grpo", needs_groups=True, title="Dr. GRPO", kl_in="loss", loss_aggregation="seq_mean_token_sum_norm"
+)
 def dr_grpo_estimate(x: EstimatorInputs) -> Estimate:
     """Dr. GRPO (Liu et al. 2025): GRPO without the std division (token sums over a fixed length
     come from its default loss aggregation)."""
@@ -185,7 +192,7 @@ def dr_grpo_estimate(x: EstimatorInputs) -> Estimate:
     return Estimate(broadcast_to_tokens(per_sample, x.mask), rewards)
 
 
-@register_estimator("reinforce_pp")
+@register_estimator("reinforce_pp", title="REINFORCE++")
 def reinforce_pp_estimate(x: EstimatorInputs) -> Estimate:
     """REINFORCE++ (Hu 2025): per-token rewards ``−β·KL_t`` plus the score at the last response
     token; returns-to-go (``gamma``), whitened over every valid token of the global batch."""

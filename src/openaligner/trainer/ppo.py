@@ -52,10 +52,11 @@ from openaligner.trainer.checkpoint_files import TrainingFiles, checksums_collec
 from openaligner.trainer.estimators import Estimator, get_estimator
 from openaligner.trainer.optim_step import optimizer_step
 from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
-from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
+from openaligner.trainer.ppo_config import PPOConfig, algorithm_name, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
 from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack, rollout_texts
 from openaligner.trainer.rollout_log import DecodedRollouts, rollout_records
+from openaligner.trainer.startup import RunEstimate
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,9 @@ class PPOTrainer:
         """Run PPO steps until max_steps, max_epochs or the wall-clock limit; returns step metrics."""
         self.run_timer.start_time()
         self._train_iter = self.prompts.train(self.consumed_samples)
-        bar = _progress(self.progress, initial=self.step, total=self.max_steps)
+        name = algorithm_name(self.cfg.advantage_estimator)
+        bar = _progress(self.progress, initial=self.step, total=self.max_steps, desc=f"{name} step")
+        estimate = RunEstimate(self.step, self.max_steps)
         try:
             while self.step < self.max_steps:
                 metrics = self._one_step()
@@ -282,6 +285,7 @@ class PPOTrainer:
                 self._log_rollouts()
                 bar.update(1)
                 bar.set_postfix_str(_postfix(metrics), refresh=False)
+                estimate.step_done(self.step)
                 if self._due(self.cfg.save_interval, is_last):
                     self.save(metrics)
                 if time_exceeded:
@@ -1033,10 +1037,10 @@ def _postfix(m: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.3g}" for k, v in parts if v is not None)
 
 
-def _progress(enabled: bool, initial: int, total: int) -> Any:
+def _progress(enabled: bool, initial: int, total: int, desc: str) -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc="PPO step", disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True)
 
 
 def max_time_s(cfg: PPOConfig) -> float | None:

@@ -406,3 +406,9 @@ def _check_estimator(c: PPOConfig, estimator: Estimator, bad: Callable[[str, str
         )
     if c.loss_aggregation == "seq_mean_token_sum_norm" and c.length.max_length < 1:
         bad("loss_aggregation", "seq_mean_token_sum_norm divides by length.max_length, which must be ≥ 1")
+
+
+def algorithm_name(estimator: str) -> str:
+    """The name of the algorithm ``trainer.advantage_estimator=estimator`` runs (``grpo`` → GRPO)."""
+    found = ESTIMATORS.get(estimator)
+    return found.title if found is not None else estimator

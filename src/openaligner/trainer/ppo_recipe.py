@@ -33,7 +33,7 @@ from openaligner.data.render import (
     use_chat_template,
 )
 from openaligner.io.checkpoint import CheckpointManager
-from openaligner.io.metrics import MetricsLogger, rewind_logs
+from openaligner.io.metrics import open_run_logs
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.lora import MERGED_DIR, LoraError, add_lora, is_peft_model
 from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
@@ -75,6 +75,7 @@ from openaligner.trainer.ppo import (
 )
 from openaligner.trainer.ppo_config import TrainPPOConfig
 from openaligner.trainer.rollout import PromptLoader, RolloutConversations, make_prompt_collate
+from openaligner.trainer.startup import describe_model, model_source_name, starting
 
 log = logging.getLogger(__name__)
 
@@ -137,17 +138,21 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     log.info("precision: %s on %s", precision.name, device)
     # sharded: rank 0 alone reads the weights, the other ranks receive their shards from it
     load_device, skeleton = cfg.parallel.load_device(device), builds_skeleton(cfg.parallel)
-    model = load_causal_lm(cfg.actor, len(tokenizer), load_device, dtype=MASTER_DTYPE, skeleton=skeleton)
+    with starting(f"loading the actor ({model_source_name(cfg.actor, 'actor')}) onto {load_device}"):
+        model = load_causal_lm(cfg.actor, len(tokenizer), load_device, dtype=MASTER_DTYPE, skeleton=skeleton)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model, key="actor")
     # with LoRA the initial policy is this same model with its adapters disabled: no second copy
     with as_startup_error(LoraError):
         model = add_lora(model, cfg.lora)
     state = state_to_share(model, cfg.parallel)
-    init_policy = initial_policy(model, cfg.parallel, state) if c.initial_policy_kl_penalty > 0 else False
+    with starting("building the initial policy (the frozen reference of the KL penalty)"):
+        init_policy = initial_policy(model, cfg.parallel, state) if c.initial_policy_kl_penalty > 0 else False
     with as_startup_error(ShardingError):
         model = distribute(model, cfg.parallel, c.seed, name="actor")
     fill_from_leader(model, state, cfg.parallel, offload=cfg.parallel.offload)
+    if rank == 0:
+        log.info("%s", describe_model(model, device, precision).replace("model:", "actor:", 1))
     actor = CausalLMActor(
         model,
         tokenizer,
@@ -227,12 +232,15 @@ def run_ppo(
     # 1. the newest step both halves have: the actor's checkpoint and the server's critic
     critic = critic_of(rm_critic, get_estimator(cfg.trainer.advantage_estimator))
     latest = restore_newest_checkpoint(run.checkpoints, critic) if cfg.exp.resume else None
-    if cfg.exp.resume and rank == 0:  # before the logger opens the logs
-        resumed_step = int(latest.name.removeprefix("step_")) if latest is not None else 0
-        if dropped := rewind_logs(out / "logs", resumed_step):
-            log.info("dropped %d log record(s) after step %d: those steps run again", dropped, resumed_step)
-    # 2. the trainer, restored from that checkpoint
-    logger = MetricsLogger(out / "logs", cfg.exp.tensorboard, cfg.exp.wandb_project, enabled=rank == 0)
+    # 2. the trainer, restored from that checkpoint; its logs rolled back to the checkpoint's step
+    resumed_step = int(latest.name.removeprefix("step_")) if latest is not None else None
+    logger = open_run_logs(
+        out / "logs",
+        resumed_step,
+        tensorboard=cfg.exp.tensorboard,
+        wandb_project=cfg.exp.wandb_project,
+        enabled=rank == 0,
+    )
     try:
         run.engine.start()  # before the checkpoint: a restored actor's weights go to the engine
         outputs = RunOutputs(

@@ -42,6 +42,7 @@ from openaligner.models.source import (
     pick_device,
     resolve_tokenizer,
 )
+from openaligner.trainer.startup import model_source_name, starting, tokenizing
 from openaligner.trainer.supervised import (
     Batch,
     SupervisedRunConfig,
@@ -114,33 +115,37 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
     # data, layout and length are checked before any weights load: a refused run costs nothing
     max_length = resolve_max_length(d.max_length, cfg.model)
     rank_share(cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size, dp.world_size())
-    records, val_records = load_train_val_records(
-        d.train_path,
-        d.val_path,
-        partial(
-            sft_record, prompt_key=d.prompt_key, response_key=d.response_key, messages_key=d.messages_key
-        ),
-        sft_shape(d.prompt_key, d.response_key, d.messages_key),
-        d.val_fraction,
-        cfg.trainer.seed,
-        d.split,
-        d.val_split,
-    )
+    with starting(f"reading data.train_path={d.train_path}"):
+        records, val_records = load_train_val_records(
+            d.train_path,
+            d.val_path,
+            partial(
+                sft_record, prompt_key=d.prompt_key, response_key=d.response_key, messages_key=d.messages_key
+            ),
+            sft_shape(d.prompt_key, d.response_key, d.messages_key),
+            d.val_fraction,
+            cfg.trainer.seed,
+            d.split,
+            d.val_split,
+        )
     with as_startup_error(SourceError):
         tokenizer = resolve_tokenizer(cfg.model, cfg.tokenizer)
     layout = sequence_layout(tokenizer, d.chat_template, d.add_bos, d.add_eos)
     with as_startup_error(LayoutError):
         renderer = Renderer(tokenizer, layout)
-        train = build_sft_examples(records, renderer, max_length)
+        train = build_sft_examples(tokenizing(records, "data.train_path", cfg.progress), renderer, max_length)
         held_out = len(val_records) if d.val_path is None else 0
         require_full_batch(
             len(train), len(records), held_out, max_length, cfg.trainer.global_batch_size, "examples"
         )
-        val = build_sft_examples(val_records, renderer, max_length)
+        val = build_sft_examples(
+            tokenizing(val_records, "validation data", cfg.progress), renderer, max_length
+        )
     device = pick_device(cfg.device)
     # sharded: rank 0 alone reads the weights, the other ranks receive their shards from it
     load_device, skeleton = cfg.parallel.load_device(device), builds_skeleton(cfg.parallel)
-    model = load_causal_lm(cfg.model, len(tokenizer), load_device, dtype=MASTER_DTYPE, skeleton=skeleton)
+    with starting(f"loading the model ({model_source_name(cfg.model)}) onto {load_device}"):
+        model = load_causal_lm(cfg.model, len(tokenizer), load_device, dtype=MASTER_DTYPE, skeleton=skeleton)
     with as_startup_error(SourceError):
         check_vocab(tokenizer, model)
     with as_startup_error(LoraError):
@@ -163,6 +168,7 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
         resume=cfg.resume,
         progress=cfg.progress,
         tensorboard=cfg.tensorboard,
+        wandb_project=cfg.wandb_project,
         precision=Precision.resolve(cfg.precision, device),
         save_dtype=resolve_save_dtype(cfg.save_dtype, cfg.model.path),
         export_merged=cfg.lora.merge_on_save,

@@ -55,7 +55,7 @@ from openaligner.data.prompts import EpochSampler
 from openaligner.data.records import DataFileError, Record, read_records, split_holdout
 from openaligner.data.render import LayoutError, SequenceLayout, use_chat_template
 from openaligner.io.checkpoint import CheckpointManager, rng_state
-from openaligner.io.metrics import MetricsLogger
+from openaligner.io.metrics import open_run_logs
 from openaligner.models.lora import MERGED_DIR, LoraConfig, merged_export_copy
 from openaligner.models.precision import Precision, check_precision, check_save_dtype, save_pretrained_as
 from openaligner.models.sharding import ParallelConfig, is_sharded
@@ -69,6 +69,8 @@ from openaligner.models.source import (
 from openaligner.trainer.checkpoint_files import TrainingFiles, save_collective
 from openaligner.trainer.optim import OptimConfig, build_optimizer
 from openaligner.trainer.optim_step import optimizer_step
+from openaligner.trainer.startup import RunEstimate, describe_model
+from openaligner.trainer.stopping import StopRequest, TrainingStopped
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,8 @@ class LoopConfig:
     val_check_interval: int = 50  # validate every this many steps (and at the end); 0 = only at the end
     val_micro_batch_size: int = 16  # examples per validation forward pass (on each rank)
     save_interval: int = 50  # checkpoint every this many steps (and at the end); 0 = only at the end
-    keep_last: int = 2  # checkpoints to keep (0 = all)
+    save_every_minutes: float = 0.0  # also checkpoint once this many minutes passed since the last; 0 = off
+    keep_last: int = 1  # checkpoints to keep (0 = all); each costs ~12 bytes per trainable parameter
     log_interval: int = 1  # write training metrics every this many steps
     gradient_clip_val: float = 1.0  # clip the global gradient norm to this; 0 disables
     seed: int = 0  # seeds data order, initialisation of new heads and dropout
@@ -109,6 +112,10 @@ class LoopConfig:
             )
         if self.max_steps == 0 or self.max_steps < -1 or self.max_epochs < 1:
             raise ValueError("trainer.max_steps must be ≥ 1 or -1, and trainer.max_epochs ≥ 1")
+        if self.save_every_minutes < 0:
+            raise ValueError(
+                f"trainer.save_every_minutes must be >= 0 (0 = off), got {self.save_every_minutes}"
+            )
 
 
 @dataclass
@@ -129,7 +136,8 @@ class SupervisedRunConfig:
     precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
     save_dtype: str = "auto"  # final model dtype: auto (as model.path is stored, fp32 tiny), fp32, bf16, fp16
     progress: bool = True  # tqdm progress bar
-    tensorboard: bool = False  # also write TensorBoard events under output_dir/tensorboard
+    tensorboard: bool = True  # also write TensorBoard events under output_dir/tensorboard
+    wandb_project: str | None = None  # also log to this W&B project (when wandb is installed)
 
     def __post_init__(self) -> None:
         check_precision(self.precision, "precision")
@@ -314,7 +322,8 @@ class SupervisedTrainer(Generic[T]):
         objective: the model and its loss.
         train_items / val_items: dataset items; ``collate`` turns a list of them into a batch.
         tokenizer: saved with the final model and every checkpoint.
-        output_dir: final model, ``checkpoints/`` and ``metrics.jsonl`` go here.
+        output_dir: final model, ``checkpoints/``, ``metrics.jsonl`` and ``tensorboard/`` go here.
+        tensorboard / wandb_project: the metric sinks besides JSONL (:func:`open_run_logs`).
         resume: continue from the newest complete checkpoint in ``output_dir`` if there is one.
         precision: autocast and loss scaling of the training and validation forwards (default
             ``fp32``: neither).
@@ -349,7 +358,8 @@ class SupervisedTrainer(Generic[T]):
         *,
         resume: bool = True,
         progress: bool = True,
-        tensorboard: bool = False,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
         precision: Precision | None = None,
         save_dtype: torch.dtype | None = None,
         export_merged: bool = False,
@@ -363,6 +373,7 @@ class SupervisedTrainer(Generic[T]):
         self.tokenizer = tokenizer
         self.device = device
         self.resume, self.progress, self.tensorboard = resume, progress, tensorboard
+        self.wandb_project = wandb_project
         self.precision = precision if precision is not None else Precision()
         self.scaler = self.precision.grad_scaler()
         self.save_dtype = save_dtype
@@ -384,16 +395,36 @@ class SupervisedTrainer(Generic[T]):
         self.optimizer, self.scheduler = build_optimizer(params, optim, self.max_steps)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep_last=loop.keep_last)
         self.state = TrainerState()
+        if dp.is_leader():
+            log.info("%s", describe_model(objective.module, device, self.precision))
+            log.info(
+                "data: %d training and %d validation items; %d step(s) of %d (%d epoch(s) at most)",
+                len(train_items),
+                len(val_items),
+                self.max_steps,
+                loop.global_batch_size,
+                -(-self.max_steps // self.sampler.steps_per_epoch),
+            )
         self.start_step = 0  # the step fit() started from (after a resume: the checkpoint's)
 
     # ------------------------------------------------------------------ the recipe
-    def fit(self) -> list[dict[str, float]]:
-        """Train to ``max_steps``; returns the metrics of every step (validation merged in)."""
+    def fit(self, stop: StopRequest | None = None) -> list[dict[str, float]]:
+        """Train to ``max_steps``; returns the metrics of every step (validation merged in).
+
+        ``stop``: polled after every step; once requested (on any rank), the step's checkpoint is
+        written and :class:`TrainingStopped` raised instead of going on (no final export).
+        """
         self.output_dir.mkdir(parents=True, exist_ok=True)
         resumed = self._maybe_resume()
         self.start_step = self.state.step
         leader = dp.is_leader()
-        logger = MetricsLogger(self.output_dir, tensorboard=self.tensorboard, append=resumed, enabled=leader)
+        logger = open_run_logs(  # rolled back to the checkpoint's step: steps run again appear once
+            self.output_dir,
+            self.state.step if resumed else None,
+            tensorboard=self.tensorboard,
+            wandb_project=self.wandb_project,
+            enabled=leader,
+        )
         history: list[dict[str, float]] = []
         bar = tqdm(
             total=self.max_steps,
@@ -401,8 +432,12 @@ class SupervisedTrainer(Generic[T]):
             disable=not (self.progress and leader),
             desc="train",
         )
+        stop = stop if stop is not None else StopRequest()
+        last_save = time.monotonic()
+        estimate = RunEstimate(self.state.step, self.max_steps)
         try:
             batches = self.sampler.batches(self.state.consumed_samples)
+            stop.accepting = True
             while self.state.step < self.max_steps:
                 epoch, indices = next(batches)
                 metrics = self._train_step(indices)  # 1. forward/backward over micro-batches, 2. step
@@ -417,14 +452,40 @@ class SupervisedTrainer(Generic[T]):
                 history.append(metrics)
                 bar.set_postfix({_short(k): f"{v:.4g}" for k, v in metrics.items() if "loss" in k})
                 bar.update(1)
-                if self._due(self.loop.save_interval, last):
-                    self.save_checkpoint()  # 4. resumable checkpoint
+                estimate.step_done(self.state.step)
+                # 4. resumable checkpoint: by steps, by wall time, or because a stop was asked
+                stopping, timed = self._stop_or_timed_save(stop, last_save, last)
+                if self._due(self.loop.save_interval, last) or timed or stopping:
+                    path = self.save_checkpoint()
+                    last_save = time.monotonic()
+                if stopping:
+                    raise TrainingStopped(
+                        stop.reason or "a stop request",
+                        self.state.step,
+                        path,
+                        f"checkpoint of step {self.state.step} written to {path}",
+                    )
         finally:
+            stop.accepting = False
             bar.close()
             logger.close()
         # 5. final Hugging Face model (or LoRA adapter, and the merged model) + tokenizer
         self.export(self.output_dir, dtype=self.save_dtype, merged=self.export_merged)
         return history
+
+    def _stop_or_timed_save(self, stop: StopRequest, last_save: float, last: bool) -> tuple[bool, bool]:
+        """``(stop now, checkpoint by wall time)`` after a step, the same on every rank (a stop asked
+        on any rank stops all; rank 0's clock decides the timed save); neither at the last step,
+        which saves and ends anyway."""
+        minutes = self.loop.save_every_minutes
+        timed = minutes > 0 and time.monotonic() - last_save >= minutes * 60
+        flags = torch.tensor([float(stop.requested), float(timed and dp.is_leader())], dtype=torch.float64)
+        if dp.is_distributed():
+            flags = dp.all_reduce_max(flags)
+        wants_stop, wants_save = bool(flags[0]), bool(flags[1])
+        if wants_stop and stop.reason is None:
+            stop.request("a stop request on another rank")
+        return wants_stop and not last, wants_save and not last
 
     def _train_step(self, indices: list[int]) -> dict[str, float]:
         """One optimizer step on the global batch ``indices`` (the same on every rank)."""

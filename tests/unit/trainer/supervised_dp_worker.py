@@ -14,10 +14,13 @@ learning rate times their gradients' rounding differences and nothing amplifies 
 ``g / (√v + ε)`` turns rounding noise on near-zero gradients into updates of up to ``lr``).
 ``DEFECT=summed`` (for the test that shows the comparison catches defects) doubles every rank's
 gradients before the optimizer step: two ranks summing their gradients instead of averaging.
+``SIGINT_AT=<rank>:<n>`` sends SIGINT to that rank alone at its ``n``-th training forward (a stop
+asked on one rank).
 """
 
 import json
 import os
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -84,8 +87,12 @@ def run(out: Path, data: Path, overrides: list[str]) -> int:
     forwards: Counter[str] = Counter()
     loss = cls.loss
 
+    stop_rank, _, stop_at = os.environ.get("SIGINT_AT", "-1:0").partition(":")
+
     def counted_loss(self, batch):
         forwards["train" if self.module.training else "val"] += 1
+        if self.module.training and dp.rank() == int(stop_rank) and forwards["train"] == int(stop_at):
+            os.kill(os.getpid(), signal.SIGINT)
         return loss(self, batch)
 
     cls.loss = counted_loss

@@ -139,3 +139,20 @@ def test_groups_stay_on_one_rank():
     with pytest.raises(ValueError, match="num_rollout_samples=6 must be a multiple of ranks = 4"):
         c.check_world_size(4)
     c.check_world_size(2)  # 3 prompts × 4 responses per rank, 3 micro-batches of 4
+
+
+@pytest.mark.parametrize(("estimator", "name"), [("grpo", "GRPO"), ("rloo", "RLOO"), ("gae", "PPO")])
+def test_the_progress_bar_and_the_closing_line_name_the_algorithm_that_runs(
+    tmp_path, capsys, estimator, name
+):
+    from openaligner.cli.train_ppo import closing_line
+
+    client = RewardOnly() if estimator != "gae" else None
+    settings = cfg(estimator, max_steps=1, max_epochs=2) if client else ppo_cfg(max_steps=1, max_epochs=2)
+    trainer = make_trainer(tmp_path, settings, client=client)
+    trainer.progress = True
+    trainer.fit()
+    assert f"{name} step" in capsys.readouterr().err
+    line = closing_line(estimator, trainer, tmp_path / "actor")
+    assert line.startswith(f"train-ppo: {name}, steps 0 → 1; rollout/rewards=")
+    assert line.endswith(f"; actor saved to {tmp_path / 'actor'}")

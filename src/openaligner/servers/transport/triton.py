@@ -554,6 +554,7 @@ class TritonHost:
             self._front.close()
             self._front = None
         if triton is not None:
+            _hide_console_output(triton)
             noise = logging.getLogger("pytriton.server.triton_server")
             expected_exit = _DropMessage("exited with failure")  # a stop we asked for is no failure
             noise.addFilter(expected_exit)
@@ -608,6 +609,22 @@ class _DropMessage(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return self.needle not in record.getMessage()
+
+
+def _hide_console_output(triton: Any) -> None:
+    """Stop echoing tritonserver's stdout/stderr to the console, for a stop we asked for.
+
+    Stopping prints what looks like faults and is not: tritonserver's "Signal (2) received", the
+    python backend stub's "Non-graceful termination detected" (``exit_timeout_secs=0``), and the
+    stub's ``resource_tracker: ... leaked shared_memory`` warning — the stub attaches to PyTriton's
+    shared-memory tensor store, its interpreter registers what it attaches (Python < 3.13), and
+    when the stub is ended its resource tracker unlinks those segments itself and warns. The
+    stub's interpreter runs isolated (``-I``), so no warning filter reaches it. PyTriton echoes the
+    server's output line by line while its ``_verbose`` is set (checked per line); nothing else
+    reads that flag. Output before the stop (start-up failures) is still shown."""
+    server = getattr(triton, "_triton_server", None)
+    if server is not None and hasattr(server, "_verbose"):
+        server._verbose = False
 
 
 def _quiet_expected_rejections() -> None:
