@@ -564,7 +564,9 @@ class PPOTrainer:
             return {}
         self._critic_train_in_flight = False
         pending, self._pending_critic_train = self._pending_critic_train, None
-        result = on_rank0_shared(lambda: pending.result() if pending is not None else None, "critic_train")
+        result = dp.run_guarded(
+            lambda: pending.result() if pending is not None else None, "critic_train", leader_only=True
+        )
         if isinstance(result, dict):
             if "critic_step" in result:
                 self._follow_critic_step(int(result["critic_step"]), int(result["critic_optimizer_steps"]))
@@ -801,7 +803,7 @@ class PPOTrainer:
         if self.checkpoints is not None and is_sharded(self.model.model):
             self._save_sharded(self.checkpoints, metrics, rngs)
         else:
-            on_rank0_shared(lambda: self._save_on_rank0(metrics, rngs), "checkpoint")
+            dp.run_guarded(lambda: self._save_on_rank0(metrics, rngs), "checkpoint", leader_only=True)
         dp.barrier()
 
     def _save_on_rank0(self, metrics: dict[str, float], rngs: list[Any]) -> None:
@@ -827,7 +829,7 @@ class PPOTrainer:
         critic_saved: list[Future[Any]] = []
         if self.critic is not None:
             critic = self.critic
-            on_rank0_shared(lambda: critic_saved.append(critic.save()), "critic_save")
+            dp.run_guarded(lambda: critic_saved.append(critic.save()), "critic_save", leader_only=True)
         tmp = stage_collective(checkpoints, self.step)
         dp.run_guarded(
             lambda: ACTOR_FILES.write(tmp, self.model, self.optimizer, self.scheduler, rngs),
@@ -839,7 +841,7 @@ class PPOTrainer:
             self._write_rest(tmp, critic_saved[0] if critic_saved else None)
             checkpoints.publish(self.step, tmp, _monitored(metrics), checksums)
 
-        on_rank0_shared(finish, "checkpoint")
+        dp.run_guarded(finish, "checkpoint", leader_only=True)
 
     def _write_rest(self, d: Path, critic_saved: Future[Any] | None) -> None:
         """The run's config and the trainer state, once the critic's half is durable (the manager
@@ -943,36 +945,8 @@ def restore_newest_checkpoint(checkpoints: CheckpointManager, critic: RMCritic |
             )
         return None
 
-    chosen = on_rank0_shared(pick, "resume")
+    chosen = dp.run_guarded(pick, "resume", leader_only=True)
     return Path(chosen) if chosen is not None else None
-
-
-class PeerFailedError(RuntimeError):
-    """Raised on the other ranks when rank 0's server request or checkpoint write failed."""
-
-
-def on_rank0_shared(fn: Callable[[], Any], what: str) -> Any:
-    """``fn()`` run on rank 0, its result (or failure) shared with every rank.
-
-    On rank 0 a failure re-raises the original exception; the other ranks raise
-    :class:`PeerFailedError` with its message. All ranks must call this at the same point.
-    """
-    outcome: tuple[bool, Any] | None = None
-    error: BaseException | None = None
-    if dp.rank() == 0:
-        try:
-            outcome = (True, fn())
-        except Exception as e:  # shared below, then re-raised
-            error = e
-            outcome = (False, f"{type(e).__name__}: {e}")
-    outcome = dp.broadcast_object(outcome)
-    assert outcome is not None
-    ok, value = outcome
-    if error is not None:
-        raise error
-    if not ok:
-        raise PeerFailedError(f"rank 0's {what} failed, so this rank stops too: {value}")
-    return value
 
 
 def _monitored(metrics: dict[str, float]) -> dict[str, float]:
