@@ -77,7 +77,8 @@ def _train(cfg: TrainPPOConfig) -> int:
     from openaligner.clients.reward_only import RemoteRewardOnlyClient
     from openaligner.config import StartupError, as_startup_error
     from openaligner.distributed import PeerFailedError
-    from openaligner.trainer.ppo import NonFiniteTrainingError, PPOTrainer, ResumeError
+    from openaligner.trainer.ppo import NonFiniteTrainingError, PPOTrainer
+    from openaligner.trainer.ppo_checkpoint import ResumeError
     from openaligner.trainer.ppo_recipe import prepare_ppo_run, run_ppo
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
