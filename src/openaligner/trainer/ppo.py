@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -171,31 +171,8 @@ class LoopSettings:
 
     @classmethod
     def of(cls, cfg: PPOConfig) -> LoopSettings:
-        return cls(
-            seed=cfg.seed,
-            num_rollout_samples=cfg.num_rollout_samples,
-            samples_per_prompt=cfg.samples_per_prompt,
-            rollout_rows=cfg.rollout_rows,
-            rollout_micro_batch_size=cfg.rollout_micro_batch_size,
-            val_samples=cfg.val_samples,
-            val_micro_batch_size=cfg.val_micro_batch_size,
-            forward_micro_batch_size=cfg.forward_micro_batch_size,
-            critic_warmup_steps=cfg.critic_warmup_steps,
-            kl_in_reward=cfg.kl_in_reward,
-            kl_kind=cfg.kl_kind,
-            discount_factor=cfg.discount_factor,
-            gae_lambda=cfg.gae_lambda,
-            normalize_advantages=cfg.normalize_advantages,
-            missing_eos_penalty=cfg.missing_eos_penalty,
-            score_clip=cfg.score_clip,
-            ppo_epochs=cfg.ppo_epochs,
-            global_batch_size=cfg.global_batch_size,
-            micro_batch_size=cfg.micro_batch_size,
-            gradient_clip_val=cfg.gradient_clip_val,
-            max_nonfinite_steps_in_a_row=cfg.max_nonfinite_steps_in_a_row,
-            val_check_interval=cfg.val_check_interval,
-            save_interval=cfg.save_interval,
-        )
+        """Each field is the :class:`PPOConfig` field or resolved property of the same name."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
 
 
 class PPOTrainer:
@@ -758,6 +735,7 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
+        """The loop's state a checkpoint records (``trainer_state.json``)."""
         return {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
@@ -780,7 +758,12 @@ class PPOTrainer:
         """Restore the actor, optimizer, scheduler, trainer state and RNGs from ``path``
         (:meth:`PPOCheckpoints.load`), and hand the restored weights to the engine; every rank
         calls it."""
-        state = self.checkpointer.load(path)
+        self.load_state_dict(self.checkpointer.load(path))
+        self.engine.update_weights(self.model, self.ppo_optimization_step)  # the restored weights
+        log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed_samples)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The trainer state :meth:`state_dict` wrote (a checkpoint's ``trainer_state.json``)."""
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])
         self.ppo_optimization_step = int(state["ppo_optimization_step"])
@@ -789,8 +772,6 @@ class PPOTrainer:
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.critic_step = state.get("critic_step")
         self.critic_steps_per_train = state.get("critic_steps_per_train")
-        self.engine.update_weights(self.model, self.ppo_optimization_step)  # the restored weights
-        log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed_samples)
 
 
 def _critic_values(values: torch.Tensor | None, estimator: str) -> torch.Tensor:

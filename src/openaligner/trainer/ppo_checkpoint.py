@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,32 +46,17 @@ class ResumeError(RuntimeError):
     """The run has complete checkpoints, but the critic server holds the critic of none of them."""
 
 
+@dataclass(frozen=True)
 class PPOCheckpoints:
     """Writes and reads the PPO run's checkpoints: the actor, its optimizer and schedule, every
-    rank's RNG states, the trainer state and the run's config, with the critic's half first.
+    rank's RNG states, the trainer state and the run's config, with the critic's half first."""
 
-    Args:
-        checkpoints: the actor's checkpoint directories; None: none are written (the critic is
-            still asked to save).
-        critic: the critic's client, or None for a run without a critic.
-        config_yaml: the resolved run config, stored in every checkpoint.
-    """
-
-    def __init__(
-        self,
-        checkpoints: CheckpointManager | None,
-        critic: CriticCheckpoints | None,
-        model: CausalLMActor,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-        config_yaml: str,
-    ) -> None:
-        self.checkpoints = checkpoints
-        self.critic = critic
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.config_yaml = config_yaml
+    checkpoints: CheckpointManager | None  # the actor's directories; None: none are written
+    critic: CriticCheckpoints | None  # the critic's client (asked to save even without directories)
+    model: CausalLMActor
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    config_yaml: str  # the resolved run config, stored in every checkpoint
 
     def save(self, step: int, metrics: dict[str, float], state: dict[str, Any]) -> None:
         """Checkpoint the critic (through ``critic_save``) and the actor, the actor's published last.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -70,26 +71,17 @@ def decode_rollouts(
     return DecodedRollouts(prompts, responses, [float(s) for s in scores] if scores is not None else None)
 
 
+@dataclass(frozen=True)
 class RolloutLog:
     """A step's rollouts in the logs: a 4-row preview table in ``tables.jsonl`` and TensorBoard,
     and every rank's rollouts (up to ``rollout_log_rows``) in ``rollouts.jsonl``."""
 
-    def __init__(
-        self,
-        logger: MetricsLogger,
-        *,
-        sample_table_interval: int,
-        rollout_log_rows: int | None,
-        kl_kind: str,
-        group_size: int,
-        with_values: bool,
-    ) -> None:
-        self.logger = logger
-        self.sample_table_interval = sample_table_interval
-        self.rollout_log_rows = rollout_log_rows
-        self.kl_kind = kl_kind
-        self.group_size = group_size
-        self.with_values = with_values
+    logger: MetricsLogger
+    sample_table_interval: int  # a preview table every N steps (0: none)
+    rollout_log_rows: int | None  # rollouts per step in the rollout log (None: all, 0: none)
+    kl_kind: str  # the KL estimator whose per-sample KL is logged
+    group_size: int  # responses per prompt (contiguous rows)
+    with_values: bool  # log values and returns (an estimator with a critic)
 
     def table(self, name: str, step: int, b: RolloutBatch, decoded: DecodedRollouts | None) -> None:
         """A preview of rank 0's first 4 rollouts (prompt, response, reward) at ``step`` (the
