@@ -1,19 +1,12 @@
 """The collective operations of openaligner's processes, over torch.distributed (gloo or NCCL).
 
-Owns the one collective API that the trainers and the servers share: the world as a process sees
-it (rank, world size, the device collective tensors live on, joining a torchrun job) and the
-collectives built on it — broadcast an object, an int or a tensor of any shape from rank 0,
-all-reduce sum and max, gather rows, take this rank's share of rows, sum or average gradients,
-barrier, and run a step so that a failure on one rank fails it on all.
+Owns the one collective API of the trainers and the servers: rank, world size, the collective
+device, joining a torchrun job; broadcast, all-reduce, gathering rows, gradients, barrier, and
+``run_guarded`` (a step, on every rank or on rank 0 alone, whose failure on one rank fails all).
+Every function is a collective all ranks call in the same order; with no process group each is
+the identity. Tensors travel on :func:`collective_device` and come back on the input's device.
 
-Every function is a collective that *all* ranks call in the same order with tensors of the same
-dtype (shapes that may differ across ranks are exchanged first). With no process group (a plain
-single-process run) each is the identity, so callers have one code path. Collective tensors live
-on :func:`collective_device` (this rank's CUDA device under NCCL, else CPU); results come back on
-the input's device unless a docstring says otherwise.
-
-Sits below ``servers`` and ``trainer`` (both import it) and imports nothing of openaligner: it
-must not know about training, serving, models or HTTP.
+Must not know training, serving, models or HTTP: it imports nothing of openaligner.
 """
 
 from __future__ import annotations
@@ -288,32 +281,47 @@ def _all_reduce_gradients(params: list[torch.nn.Parameter], average: bool) -> No
 
 
 # ----------------------------------------------------------------------------- failures
-def run_guarded(step: Callable[[], T], what: str = "step") -> T:
-    """Run ``step`` on every rank; if it raises on any rank, raise on all.
+class PeerFailedError(CollectiveFailure):
+    """Raised on the other ranks when a ``leader_only`` step failed on rank 0."""
+
+
+def run_guarded(step: Callable[[], T], what: str = "step", *, leader_only: bool = False) -> T:
+    """Run ``step`` on every rank (or, with ``leader_only``, on rank 0 alone, its result shared
+    with every rank); if it raises on any rank, raise on all. Every rank calls this at the same point.
 
     Without this, a rank whose step failed (a CUDA OOM, say) would skip the next collective
     and leave the others waiting until the process-group timeout. ``step`` may itself run
     collectives only where a failure cannot leave a rank out of one (each rank's own work, then
     the collectives; or collectives that share their own failures, like
-    ``torch.distributed.checkpoint``'s).
+    ``torch.distributed.checkpoint``'s). A ``leader_only`` step runs no collectives: it is rank
+    0's talk with a server or its write of a file, and its (picklable) result is broadcast.
 
     Args:
         what: names the step in the message (``checkpoint write``, ...).
+        leader_only: run ``step`` on rank 0 only and return its result on every rank.
 
     Raises:
         CollectiveFailure: on every rank, naming the ranks that failed and each one's error (the
             local error is chained). The errors are exchanged only after a failure, so a step that
             succeeds costs one small all-gather.
+        With ``leader_only``: on rank 0 the step's own exception (so that a caller can still tell
+            a server's error from a disk's); :class:`PeerFailedError` with its message elsewhere.
     """
     error: BaseException | None = None
     result: T | None = None
-    try:
-        result = step()
-    except Exception as e:
-        error = e
-        LOGGER.exception("rank %d: %s failed", rank(), what)
+    if not leader_only or is_leader():
+        try:
+            result = step()
+        except Exception as e:
+            error = e
+            if not leader_only:  # a leader-only step's own exception propagates on rank 0
+                LOGGER.exception("rank %d: %s failed", rank(), what)
     reason = f"{type(error).__name__}: {error}" if error is not None else None
-    if is_distributed():
+    if leader_only:
+        reason, result = broadcast_object((reason, result))
+        failed = [0] if reason is not None else []
+        reasons = [reason]
+    elif is_distributed():
         flag = torch.tensor([error is not None], dtype=torch.int64, device=collective_device())
         flags = all_gather_rows(flag, same_shape=True)
         failed = [r for r, f in enumerate(flags.tolist()) if f]
@@ -321,6 +329,10 @@ def run_guarded(step: Callable[[], T], what: str = "step") -> T:
     else:
         failed = [0] if error is not None else []
         reasons = [reason]
+    if failed and leader_only:
+        if error is not None:
+            raise error
+        raise PeerFailedError(f"rank 0's {what} failed, so this rank stops too: {reason}")
     if failed:
         said = "; ".join(f"rank {r}: {reasons[r]}" for r in failed)
         raise CollectiveFailure(f"the {what} failed on rank(s) {failed} ({said}); see the logs") from error

@@ -207,7 +207,7 @@ def arch_pipeline(arch: str, root: Path) -> Pipeline:
     commands, ports = _server_commands(arch, rm, root / "critic")
     run.restarted_servers = yield commands
     trained: list[PreTrainedModel] = []
-    with _keeping_the_trained_actor(trained), _log_lines("openaligner.trainer.ppo") as resume_log:
+    with _keeping_the_trained_actor(trained), _log_lines("openaligner.trainer") as resume_log:
         run.exit_codes["train-ppo resumed"] = main(_ppo_args(sft, data["prompts"], ppo, ports, steps=2))
     run.resume_log = resume_log
     _stop(run.restarted_servers)

@@ -29,6 +29,9 @@ def test_a_world_of_one_is_the_identity():
     with pytest.raises(dp.CollectiveFailure, match=r"rank\(s\) \[0\]") as info:
         dp.run_guarded(lambda: 1 / 0)
     assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert dp.run_guarded(lambda: {"step": 3}, leader_only=True) == {"step": 3}
+    with pytest.raises(ZeroDivisionError):  # rank 0 raises the step's own error
+        dp.run_guarded(lambda: 1 / 0, "checkpoint", leader_only=True)
 
 
 def _free_port() -> int:
@@ -74,6 +77,23 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         out["guarded"] = ""
     except dp.CollectiveFailure as e:
         out["guarded"] = str(e)
+    ran_on: list[int] = []
+
+    def on_leader() -> dict[str, int]:
+        ran_on.append(rank)
+        return {"from": rank}
+
+    out["leader_result"] = dp.run_guarded(on_leader, leader_only=True)
+    out["leader_ran_on"] = ran_on
+
+    def leader_fails() -> None:
+        raise KeyError("disk full")
+
+    try:
+        dp.run_guarded(leader_fails, "checkpoint", leader_only=True)
+        out["leader_failure"] = ("", "")
+    except Exception as e:
+        out["leader_failure"] = (type(e).__name__, str(e))
     dp.barrier()
     torch.save(out, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
@@ -94,6 +114,15 @@ def test_two_gloo_ranks(tmp_path):
         assert r["sum_of_means"].tolist() == [5.0, 8.0]
         assert "the step failed on rank(s) [1] (rank 1: RuntimeError: simulated)" in r["guarded"]  # on both
     assert r0["x"].tolist() == [1.0, 5.0]  # the reductions leave their input alone
+    # a leader-only step runs on rank 0 alone; its result, or its failure, reaches every rank
+    assert r0["leader_ran_on"] == [0] and r1["leader_ran_on"] == []
+    assert r0["leader_result"] == r1["leader_result"] == {"from": 0}
+    assert r0["leader_failure"] == ("KeyError", "'disk full'")  # rank 0: the step's own error
+    assert r1["leader_failure"] == (
+        "PeerFailedError",
+        "rank 0's checkpoint failed, so this rank stops too: KeyError: 'disk full'",
+    )
+    assert issubclass(dp.PeerFailedError, dp.CollectiveFailure)
 
 
 FINISH_SCRIPT = """

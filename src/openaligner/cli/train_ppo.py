@@ -80,7 +80,9 @@ def _train(cfg: TrainPPOConfig) -> int:
     from openaligner.clients.errors import ClientError
     from openaligner.clients.reward_only import RemoteRewardOnlyClient
     from openaligner.config import StartupError, as_startup_error
-    from openaligner.trainer.ppo import NonFiniteTrainingError, PeerFailedError, ResumeError
+    from openaligner.distributed import PeerFailedError
+    from openaligner.trainer.ppo import NonFiniteTrainingError
+    from openaligner.trainer.ppo_checkpoint import ResumeError
     from openaligner.trainer.ppo_recipe import prepare_ppo_run, run_ppo
 
     configure_logging()

@@ -1,29 +1,12 @@
 """PPOTrainer: the actor-side PPO loop that drives the reward model and critic servers.
 
-One step, as a recipe: (1) generate rollouts in micro-batches through the rollout engine
-(``n_samples_per_prompt`` responses per prompt), sending each micro-batch to the reward/critic
-servers asynchronously; (2) policy and initial-policy log-probs; (3) wait for rewards and values;
-(4) advantages by the registered estimator (``trainer.advantage_estimator``,
-:mod:`openaligner.trainer.estimators`): KL-shaped rewards, GAE and global whitening for PPO, or a
-critic-free one (REINFORCE, RLOO, GRPO, Dr. GRPO, REINFORCE++, which talk to the reward server
-alone); (5) send the critic its training data (only for an estimator that needs a critic);
-(6) update the actor with the policy loss (plus a KL term with ``kl_in=loss``), handing the engine
-the new weights after each optimizer step; (7) log (the step's metrics, then every rollout of the
-step to the rollout log), validate, checkpoint.
-
-Owns the loop, its state (step, consumed samples, optimisation steps) and exact resume. Knows the
-actor, the policy loss, the rollout engine and the server client only through their methods; the
-math comes from :mod:`openaligner.algorithms` via :mod:`openaligner.trainer.ppo_data`.
-
-A checkpoint has two halves: the critic, saved by the critic server (``critic_save``, possibly on
-another host), and the actor's ``step_<N>``, which records the critic step the server saved. The
-actor's half is published only once the server has answered that its half is durable, so every
-published actor checkpoint has its critic. On resume, :func:`restore_newest_checkpoint` picks the
-newest actor checkpoint whose critic the server still holds and sends the server back to it
-(``critic_save`` with ``restore_step``). From the first ``critic_train`` answer on, the trainer
-checks that the server continues from the critic step it recorded last and warns when not (the
-server restarted from another checkpoint mid-run): the run goes on, but is no longer an exact
-continuation.
+Owns the loop and its state (step, consumed samples, optimisation steps, the non-finite-step
+policy): rollouts through the engine, rewards and values from the client, advantages by the
+registered estimator, the critic's training request, the actor's update, validation, and when to
+log and checkpoint. The trainer section is unpacked once, in the constructor (:class:`LoopSettings`).
+Must not know the math (``algorithms``, via ``ppo_data``), the checkpoint protocol
+(``ppo_checkpoint``), how metrics are reduced and logged (``ppo_metrics``), or the servers beyond
+the client's methods. The step, phase by phase: docs/architecture.md; resume: docs/ppo.md.
 """
 
 from __future__ import annotations
@@ -35,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -43,25 +26,31 @@ import torch
 
 from openaligner import distributed as dp
 from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance
-from openaligner.io.checkpoint import CheckpointManager, rng_state
+from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.rollout_engine import HFRolloutEngine, RolloutEngine, RolloutRequest, row_seeds
-from openaligner.models.sharding import is_sharded
-from openaligner.trainer.checkpoint_files import TrainingFiles, checksums_collective, stage_collective
 from openaligner.trainer.estimators import Estimator, get_estimator
 from openaligner.trainer.optim_step import optimizer_step
 from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
-from openaligner.trainer.ppo_config import PPOConfig, algorithm_name, parse_duration_s
+from openaligner.trainer.ppo_checkpoint import CriticCheckpoints, PPOCheckpoints
+from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
-from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack, rollout_texts
-from openaligner.trainer.rollout_log import DecodedRollouts, rollout_records
+from openaligner.trainer.ppo_metrics import (
+    STEP_SUMS,
+    RolloutLog,
+    decode_rollouts,
+    max_over_ranks,
+    progress_postfix,
+    rollout_metrics,
+    step_metrics,
+    step_sums,
+)
+from openaligner.trainer.rollout import Collate, MicroBatchIterator, pad_and_stack
+from openaligner.trainer.rollout_log import DecodedRollouts
 from openaligner.trainer.startup import RunEstimate
 
 log = logging.getLogger(__name__)
-
-TRAINER_STATE = "trainer_state.json"
-ACTOR_FILES = TrainingFiles(model_dir="actor", state_file=TRAINER_STATE)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -81,20 +70,11 @@ class RewardClient(Protocol):
     def infer_rm_critic(self, rollout_batch: dict[str, torch.Tensor]) -> RMCriticFuture: ...
 
 
-class RMCritic(RewardClient, Protocol):
+class RMCritic(RewardClient, CriticCheckpoints, Protocol):
     """A reward client with a critic (``RemoteGPTRMCriticClient``): what an estimator that needs a
-    critic trains, checkpoints and restores."""
+    critic trains, checkpoints and restores (``save``/``restore``: :class:`CriticCheckpoints`)."""
 
     def train(self, ppo_rollout_data: dict[str, torch.Tensor]) -> Future[Any]: ...
-
-    def save(self) -> Future[Any]:
-        """Settles once the critic's checkpoint is durable (``{"step": critic step saved, ...}``)."""
-        ...
-
-    def restore(self, step: int) -> Future[Any]:
-        """Sends the critic server back to its checkpoint of critic ``step``; the future fails with
-        a ``ValueError`` when the server does not hold it."""
-        ...
 
 
 class RunTimer:
@@ -158,6 +138,44 @@ class RunOutputs:
     response_scorer: Callable[[list[str], list[str]], list[float]] | None = None
 
 
+@dataclass(frozen=True)
+class LoopSettings:
+    """The trainer section's values the loop reads, resolved once from :class:`PPOConfig`."""
+
+    seed: int  # sampling seeds and minibatch order derive from it (exact resume)
+    # ---- rollouts (sizes global, micro-batches per rank)
+    num_rollout_samples: int  # prompts per step
+    samples_per_prompt: int  # responses per prompt: contiguous rows, the estimator's group
+    rollout_rows: int  # responses per step
+    rollout_micro_batch_size: int  # responses per generation request
+    val_samples: int  # validation prompts
+    val_micro_batch_size: int  # responses per validation generation request
+    forward_micro_batch_size: int | None  # rows per log-prob forward; None: the actor's default
+    critic_warmup_steps: int  # critic-only rollouts before the first actor update
+    # ---- advantages (:func:`compute_ppo_data`)
+    kl_in_reward: bool  # −β·KL in the reward (else +β·KL in the loss)
+    kl_kind: str  # the KL estimator
+    discount_factor: float  # γ
+    gae_lambda: float  # λ
+    normalize_advantages: bool
+    missing_eos_penalty: float | None
+    score_clip: float | None
+    # ---- actor update
+    ppo_epochs: int
+    global_batch_size: int  # responses per optimizer step
+    micro_batch_size: int  # responses per forward/backward
+    gradient_clip_val: float
+    max_nonfinite_steps_in_a_row: int
+    # ---- schedule
+    val_check_interval: int
+    save_interval: int
+
+    @classmethod
+    def of(cls, cfg: PPOConfig) -> LoopSettings:
+        """Each field is the :class:`PPOConfig` field or resolved property of the same name."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+
 class PPOTrainer:
     """The PPO loop (NeMo-Aligner's ``PPOTrainer`` contract).
 
@@ -196,7 +214,8 @@ class PPOTrainer:
         server_overlap_threads: int | None = None,
     ) -> None:
         cfg.check_world_size(dp.world_size())
-        self.cfg = cfg
+        self.settings = LoopSettings.of(cfg)
+        """The trainer section's values, the only ones read below the constructor."""
         self.estimator = get_estimator(cfg.advantage_estimator)
         """The registered advantage estimator; whether the run has a critic is its ``needs_critic``."""
         self.model = model
@@ -211,7 +230,19 @@ class PPOTrainer:
         """The critic's client, or None when the estimator needs no critic (none is called then)."""
         self.logger = outputs.logger
         self.checkpoints = outputs.checkpoints
-        self.config_yaml = outputs.config_yaml
+        """The actor's checkpoint directories (None: none are written)."""
+        self.checkpointer = PPOCheckpoints(
+            outputs.checkpoints, self.critic, model, self.optimizer, self.scheduler, outputs.config_yaml
+        )
+        """The two-phase checkpoint (critic first, then the actor) and what a resume reads back."""
+        self.rollout_log = RolloutLog(
+            outputs.logger,
+            sample_table_interval=cfg.sample_table_interval,
+            rollout_log_rows=cfg.rollout_log_rows,
+            kl_kind=cfg.kl_kind,
+            group_size=cfg.samples_per_prompt,
+            with_values=self.estimator.needs_critic,
+        )
         self.progress = outputs.progress and dp.rank() == 0
         self.decode = outputs.decode
         self.response_scorer = outputs.response_scorer
@@ -259,7 +290,7 @@ class PPOTrainer:
     @property
     def epoch(self) -> int:
         """Whole passes over the prompts so far (critic warm-up rollouts draw prompts too)."""
-        return self.consumed_samples // (self.steps_per_epoch * self.cfg.num_rollout_samples)
+        return self.consumed_samples // (self.steps_per_epoch * self.settings.num_rollout_samples)
 
     @property
     def compute_init_policy_kl(self) -> bool:
@@ -270,8 +301,9 @@ class PPOTrainer:
         """Run PPO steps until max_steps, max_epochs or the wall-clock limit; returns step metrics."""
         self.run_timer.start_time()
         self._train_iter = self.prompts.train(self.consumed_samples)
-        name = algorithm_name(self.cfg.advantage_estimator)
-        bar = _progress(self.progress, initial=self.step, total=self.max_steps, desc=f"{name} step")
+        bar = _progress(
+            self.progress, initial=self.step, total=self.max_steps, desc=f"{self.estimator.title} step"
+        )
         estimate = RunEstimate(self.step, self.max_steps)
         try:
             while self.step < self.max_steps:
@@ -279,14 +311,14 @@ class PPOTrainer:
                 self.step += 1
                 time_exceeded = self.run_timer.is_finished()
                 is_last = self.step >= self.max_steps or time_exceeded
-                if self._due(self.cfg.val_check_interval, is_last):
+                if self._due(self.settings.val_check_interval, is_last):
                     metrics |= self.run_validation()
                 self._log(metrics)
                 self._log_rollouts()
                 bar.update(1)
-                bar.set_postfix_str(_postfix(metrics), refresh=False)
+                bar.set_postfix_str(progress_postfix(metrics), refresh=False)
                 estimate.step_done(self.step)
-                if self._due(self.cfg.save_interval, is_last):
+                if self._due(self.settings.save_interval, is_last):
                     self.save(metrics)
                 if time_exceeded:
                     log.info("max_time_per_run reached at step %d; checkpoint saved, stopping", self.step)
@@ -300,7 +332,7 @@ class PPOTrainer:
         t0 = time.perf_counter()
         # (0) critic warm-up: at the very first step the critic trains on extra rollouts first.
         if self.step == 0:
-            for _ in range(self.cfg.critic_warmup_steps):
+            for _ in range(self.settings.critic_warmup_steps):
                 data, _ = self.generate_rollouts()
                 self._send_critic_train(self._gather_global(data))
         # (1)-(4) rollouts, rewards, values, advantages
@@ -316,7 +348,7 @@ class PPOTrainer:
         with self._timer("critic_train_wait"):
             metrics |= self._wait_critic_train()
         step_s = time.perf_counter() - t0
-        timings = _max_over_ranks(self._timer.pop())
+        timings = max_over_ranks(self._timer.pop())
         tokens = metrics.pop("_tokens", 0.0)
         timings["timing/step_s"] = step_s
         timings["timing/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
@@ -329,13 +361,11 @@ class PPOTrainer:
         assert self._train_iter is not None, "generate_rollouts runs inside fit()"
         prompts = next(self._train_iter)
         epoch = self.epoch  # the pass these prompts come from
-        n = self.cfg.samples_per_prompt
+        s = self.settings
         # A prompt's responses are contiguous rows of this rank: the group its estimator compares.
-        rows = [p for p in prompts for _ in range(n)]
-        batch, metrics, decoded = self._run_inference(
-            rows, self.cfg.rollout_micro_batch_size, is_validation=False
-        )
-        self.consumed_samples += self.cfg.num_rollout_samples
+        rows = [p for p in prompts for _ in range(s.samples_per_prompt)]
+        batch, metrics, decoded = self._run_inference(rows, s.rollout_micro_batch_size, is_validation=False)
+        self.consumed_samples += s.num_rollout_samples
         data, ppo_metrics = self.generate_ppo_data(batch)
         self._step_rollouts = (batch, data, decoded)  # the last one of a step is the step's (after warm-up)
         metrics |= ppo_metrics
@@ -348,22 +378,22 @@ class PPOTrainer:
         metrics (:func:`compute_ppo_data`): KL-shaped rewards, GAE and whitening for PPO (``gae``);
         a critic-free estimator's baseline otherwise. With the KL as a loss term, the initial
         policy's log-probs go with the data to the update instead of into the reward."""
-        c = self.cfg
-        reward_kl_coef = self.kl_controller.value if c.kl_in_reward else 0.0
+        s = self.settings
+        reward_kl_coef = self.kl_controller.value if s.kl_in_reward else 0.0
         data, stats = compute_ppo_data(
             rollout_batch,
             estimator=self.estimator.name,
-            group_size=c.samples_per_prompt,
+            group_size=s.samples_per_prompt,
             kl_coef=reward_kl_coef,
-            kl_kind=c.kl_kind,
-            gamma=c.discount_factor,
-            lam=c.gae_lambda,
-            normalize_advantages=c.normalize_advantages,
-            missing_eos_penalty=c.missing_eos_penalty,
-            score_clip=c.score_clip,
+            kl_kind=s.kl_kind,
+            gamma=s.discount_factor,
+            lam=s.gae_lambda,
+            normalize_advantages=s.normalize_advantages,
+            missing_eos_penalty=s.missing_eos_penalty,
+            score_clip=s.score_clip,
             reduce=dp.all_reduce_sum,
         )
-        if not c.kl_in_reward:
+        if not s.kl_in_reward:
             data.ref_logprobs = rollout_batch.init_logprobs
         # β of a KL loss term: the one in effect for these rollouts (before an adaptive update below)
         self._loss_kl_coef = self.kl_controller.value
@@ -376,7 +406,7 @@ class PPOTrainer:
         if isinstance(self.kl_controller, AdaptiveKLController):
             # Ziegler et al. track the sequence-level KL: the mean over every rank's samples of each
             # sample's summed KL (a global statistic, so that every rank keeps the same β).
-            self.kl_controller.update(float(stats["sequence_kl"]), self.cfg.num_rollout_samples)
+            self.kl_controller.update(float(stats["sequence_kl"]), s.num_rollout_samples)
         return data, metrics
 
     def _run_inference(
@@ -414,13 +444,13 @@ class PPOTrainer:
         server_busy = bool(futures)  # the reward/critic requests are being answered meanwhile
         with self._timer(phase), self._threads_beside_server(server_busy):
             logprobs = self.model.get_inference_log_probs(
-                tokens, lengths, self.cfg.forward_micro_batch_size, prompt_lengths
+                tokens, lengths, self.settings.forward_micro_batch_size, prompt_lengths
             ).cpu()
         init_logprobs = None
         if not is_validation and self.compute_init_policy_kl:
             with self._timer("init_logprobs"), self._threads_beside_server(server_busy):
                 init_logprobs = self.model.get_init_policy_logprobs(
-                    tokens, lengths, self.cfg.forward_micro_batch_size, prompt_lengths
+                    tokens, lengths, self.settings.forward_micro_batch_size, prompt_lengths
                 ).cpu()
         with self._timer("validation" if is_validation else "critic_wait"):
             results = [f.result() for f in futures]
@@ -441,73 +471,22 @@ class PPOTrainer:
             rewards=rewards,
             values=values,
         )
-        decoded = self._decode_rollouts(batch) if self.decode is not None else None
-        return batch, self._rollout_metrics(batch, "val" if is_validation else "rollout", decoded), decoded
-
-    def _rollout_metrics(
-        self, b: RolloutBatch, prefix: str, decoded: DecodedRollouts | None
-    ) -> dict[str, float]:
-        gen_len = (b.response_lengths - b.prompt_lengths).double()
-        sums = dp.all_reduce_sum(
-            torch.stack(
-                [
-                    torch.tensor(float(len(b)), dtype=torch.float64),
-                    b.response_lengths.double().sum(),
-                    b.prompt_lengths.double().sum(),
-                    gen_len.sum(),
-                    b.rewards.double().sum(),
-                    b.is_end.double().sum(),
-                    b.response_lengths.double().sum(),  # tokens processed, for tokens/s
-                ]
-            )
-        )
-        n = float(sums[0])
-        metrics = {
-            f"{prefix}/rollout_size": n,
-            f"{prefix}/response_lengths": float(sums[1]) / n,
-            f"{prefix}/prompt_lengths": float(sums[2]) / n,
-            f"{prefix}/generation_length": float(sums[3]) / n,
-            f"{prefix}/rewards": float(sums[4]) / n,
-            f"{prefix}/fraction_of_samples_properly_ended": float(sums[5]) / n,
-        }
-        if prefix == "rollout":
-            metrics["_tokens"] = float(sums[6])
-        if decoded is not None and decoded.scores is not None:
-            scores = decoded.scores
-            total = dp.all_reduce_sum(torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64))
-            metrics[f"{prefix}/score"] = float(total[0] / total[1])
-        return metrics
-
-    def _decode_rollouts(self, b: RolloutBatch) -> DecodedRollouts:
-        """Prompt and response texts (see :func:`rollout_texts`) and the task's scores of them."""
-        assert self.decode is not None
-        stop_ids = self.model.sampling.stop_token_ids or ()
-        prompts, responses = rollout_texts(
-            b.response_tokens, b.prompt_lengths, b.response_lengths, b.is_end, stop_ids, self.decode
-        )
-        scores = self.response_scorer(prompts, responses) if self.response_scorer is not None else None
-        return DecodedRollouts(prompts, responses, [float(s) for s in scores] if scores is not None else None)
-
-    def _log_table(self, name: str, b: RolloutBatch, decoded: DecodedRollouts | None) -> None:
-        """A preview of rank 0's first 4 rollouts (prompt, response, reward) in ``tables.jsonl`` and
-        TensorBoard, at the step just run (the rollout log has them all)."""
-        if decoded is None or dp.rank() != 0:
-            return
-        rows = [
-            {"prompt": p, "response": r, "reward": float(b.rewards[i])}
-            for i, (p, r) in enumerate(zip(decoded.prompts[:4], decoded.responses[:4], strict=True))
-        ]
-        self.logger.log_table(name, rows, self.step)
+        decoded = None
+        if self.decode is not None:
+            stop_ids = self.model.sampling.stop_token_ids or ()
+            decoded = decode_rollouts(batch, self.decode, stop_ids, self.response_scorer)
+        return batch, rollout_metrics(batch, "val" if is_validation else "rollout", decoded), decoded
 
     def _seeds(self, micro_batch: int, rows: int, is_validation: bool) -> torch.Tensor:
         """[rows] int64 per-row seeds of one generation request: consecutive from its micro-batch's."""
         # A fresh seed per (step, rank, micro-batch) makes sampling independent of history, so a
         # resumed run draws exactly the tokens an uninterrupted one would.
         # The index is global (rank-major), so N ranks draw what one process would on the same batch.
-        mbs = self.cfg.val_micro_batch_size if is_validation else self.cfg.rollout_micro_batch_size
-        samples = self.cfg.val_samples if is_validation else self.cfg.rollout_rows
+        s = self.settings
+        mbs = s.val_micro_batch_size if is_validation else s.rollout_micro_batch_size
+        samples = s.val_samples if is_validation else s.rollout_rows
         index = dp.rank() * (samples // dp.world_size() // mbs) + micro_batch
-        seed = derive_seed(self.cfg.seed, int(is_validation), self.step, self.consumed_samples, index)
+        seed = derive_seed(s.seed, int(is_validation), self.step, self.consumed_samples, index)
         return row_seeds(seed, rows)
 
     # ------------------------------------------------------------------ (5) critic
@@ -568,7 +547,9 @@ class PPOTrainer:
             return {}
         self._critic_train_in_flight = False
         pending, self._pending_critic_train = self._pending_critic_train, None
-        result = on_rank0_shared(lambda: pending.result() if pending is not None else None, "critic_train")
+        result = dp.run_guarded(
+            lambda: pending.result() if pending is not None else None, "critic_train", leader_only=True
+        )
         if isinstance(result, dict):
             if "critic_step" in result:
                 self._follow_critic_step(int(result["critic_step"]), int(result["critic_optimizer_steps"]))
@@ -626,36 +607,36 @@ class PPOTrainer:
             negative advantage; ``grad_norm``, ``lr`` (and ``loss_scale``); ``skipped_steps`` (a
             count) and ``optim_step``.
         """
-        c = self.cfg
+        s = self.settings
         world, rank = dp.world_size(), dp.rank()
-        local_gbs = c.global_batch_size // world
-        n_micro = local_gbs // c.micro_batch_size
+        local_gbs = s.global_batch_size // world
+        n_micro = local_gbs // s.micro_batch_size
         params = self.model.parameters()
-        step_sums: list[torch.Tensor] = []  # this rank's _STEP_SUMS of every optimizer step
+        sums_per_step: list[torch.Tensor] = []  # this rank's STEP_SUMS of every optimizer step
         same_on_ranks: dict[str, float] = defaultdict(float)  # sums over steps of rank-equal values
         count = 0
-        for ppo_epoch in range(c.ppo_epochs):
-            g = torch.Generator().manual_seed(derive_seed(c.seed, 2, self.step, ppo_epoch))
+        for ppo_epoch in range(s.ppo_epochs):
+            g = torch.Generator().manual_seed(derive_seed(s.seed, 2, self.step, ppo_epoch))
             order = torch.randperm(len(data), generator=g)
-            for global_start in range(0, len(data), c.global_batch_size):
+            for global_start in range(0, len(data), s.global_batch_size):
                 mine = order[global_start + rank * local_gbs : global_start + (rank + 1) * local_gbs]
                 # the step's denominator: every rank's units, summed once
                 rows = data.select(mine)
                 units = dp.all_reduce_sum(self.loss.units(rows.mask, rows.is_end).reshape(1))[0]
                 self.optimizer.zero_grad(set_to_none=True)
-                sums = torch.zeros(len(_STEP_SUMS), dtype=torch.float64)
+                sums = torch.zeros(len(STEP_SUMS), dtype=torch.float64)
                 for m in range(n_micro):
-                    mb = data.select(mine[m * c.micro_batch_size : (m + 1) * c.micro_batch_size])
+                    mb = data.select(mine[m * s.micro_batch_size : (m + 1) * s.micro_batch_size])
                     loss, metrics = self.loss(self.model, self._loss_batch(mb, units))
                     self.grad_scaler.scale(loss).backward()  # this micro-batch's share of the step
-                    sums += _step_sums(metrics)
-                step_sums.append(sums)
+                    sums += step_sums(metrics)
+                sums_per_step.append(sums)
                 outcome = optimizer_step(
                     params,
                     self.optimizer,
                     self.scheduler,
                     self.grad_scaler,
-                    max_grad_norm=c.gradient_clip_val,
+                    max_grad_norm=s.gradient_clip_val,
                     gradients="sum",  # each rank's loss is its rows' share of the minibatch's
                 )
                 grad_norm = outcome.grad_norm
@@ -673,7 +654,7 @@ class PPOTrainer:
                     same_on_ranks["loss_scale"] += float(self.grad_scaler.get_scale())
                 count += 1
         self.optimizer.zero_grad(set_to_none=True)
-        per_step = _step_metrics(dp.all_reduce_sum(torch.stack(step_sums)))  # one collective
+        per_step = step_metrics(dp.all_reduce_sum(torch.stack(sums_per_step)))  # one collective
         out = {f"policy/{k}": float(v.mean()) for k, v in per_step.items()}
         out |= {f"policy/{k}": v / count for k, v in same_on_ranks.items()}
         out["policy/skipped_steps"] = same_on_ranks.get("skipped_steps", 0.0)  # a count, not a mean
@@ -709,7 +690,7 @@ class PPOTrainer:
             log.info("PPO step %d: fp16 gradients overflowed; step skipped, loss scale lowered", self.step)
             return
         self.nonfinite_in_a_row += 1
-        limit = self.cfg.max_nonfinite_steps_in_a_row
+        limit = self.settings.max_nonfinite_steps_in_a_row
         log.warning(
             "PPO step %d: the actor's gradient norm is %s; optimizer step skipped (%d in a row, limit %d)",
             self.step,
@@ -734,9 +715,9 @@ class PPOTrainer:
         t0 = time.perf_counter()
         prompts = next(iter(self.prompts.val(0)))
         batch, metrics, decoded = self._run_inference(
-            prompts, self.cfg.val_micro_batch_size, is_validation=True
+            prompts, self.settings.val_micro_batch_size, is_validation=True
         )
-        self._log_table("table/val_rollouts", batch, decoded)
+        self.rollout_log.table("table/val_rollouts", self.step, batch, decoded)
         self._timer.pop()  # validation phases are reported as one figure below
         metrics["timing/validation_s"] = time.perf_counter() - t0
         return metrics
@@ -751,31 +732,15 @@ class PPOTrainer:
         self.logger.log(metrics, self.step)
 
     def _log_rollouts(self) -> None:
-        """The step just run (``self.step``, as its metrics): every rank's rollouts, up to
-        ``rollout_log_rows``, to the rollout log, and a preview table every
-        ``sample_table_interval`` steps. Called on every rank (the records are gathered to rank 0)."""
+        """The step just run (``self.step``, as its metrics): its rollouts to the rollout log and
+        the preview table. Called on every rank."""
         assert self._step_rollouts is not None, "a step's rollouts are logged after the step"
         (batch, data, decoded), self._step_rollouts = self._step_rollouts, None
-        c = self.cfg
-        if c.sample_table_interval > 0 and self.step % c.sample_table_interval == 0:
-            self._log_table("table/train_rollouts", batch, decoded)
-        if c.rollout_log_rows == 0:
-            return
-        records = rollout_records(
-            self.step,
-            batch,
-            data,
-            kl_kind=c.kl_kind,
-            group_size=c.samples_per_prompt,
-            with_values=self.estimator.needs_critic,
-            first_sample=dp.rank() * len(batch),  # ranks hold equal shares of the global batch
-            decoded=decoded,
-            limit=c.rollout_log_rows,
-        )
-        self.logger.log_rollouts([r for per_rank in dp.gather_objects(records) for r in per_rank])
+        self.rollout_log.step(self.step, batch, data, decoded)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
+        """The loop's state a checkpoint records (``trainer_state.json``)."""
         return {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
@@ -789,92 +754,21 @@ class PPOTrainer:
         }
 
     def save(self, metrics: dict[str, float]) -> None:
-        """Checkpoint the critic (through ``critic_save``) and the actor, the actor's published last.
-
-        The actor's files are written while the critic server saves, but ``step_<N>`` is published
-        only once the server has answered that the critic's checkpoint is durable; its trainer
-        state records the critic step the server saved. So a crash at any moment leaves every
-        published actor checkpoint with its critic (the critic may be one checkpoint ahead, which
-        :func:`restore_newest_checkpoint` handles). Rank 0 talks to the server and writes the
-        checkpoint — with a sharded actor, every rank writes its own shards first
-        (:meth:`_save_sharded`). Any failure (the server, the disk, on any rank) is shared with
-        every rank, which all raise at once.
-        """
+        """Checkpoint the critic and the actor (:meth:`PPOCheckpoints.save`: the actor's half is
+        published once the critic's is durable), with the trainer state. Every rank calls this."""
         self._wait_critic_train()
-        rngs = dp.gather_objects(rng_state())
-        if self.checkpoints is not None and is_sharded(self.model.model):
-            self._save_sharded(self.checkpoints, metrics, rngs)
-        else:
-            on_rank0_shared(lambda: self._save_on_rank0(metrics, rngs), "checkpoint")
-        dp.barrier()
-
-    def _save_on_rank0(self, metrics: dict[str, float], rngs: list[Any]) -> None:
-        critic_saved = self.critic.save() if self.critic is not None else None
-        if self.checkpoints is None:
-            if critic_saved is not None:
-                self._critic_step_saved(critic_saved.result())
-            return
-
-        def write(d: Path) -> None:
-            ACTOR_FILES.write(d, self.model, self.optimizer, self.scheduler, rngs)
-            self._write_rest(d, critic_saved)
-
-        self.checkpoints.save(self.step, write, _monitored(metrics))
-
-    def _save_sharded(
-        self, checkpoints: CheckpointManager, metrics: dict[str, float], rngs: list[Any]
-    ) -> None:
-        """The sharded actor's checkpoint: rank 0 asks the server to save and stages the directory,
-        every rank writes its shards of the actor and its optimizer state (while the server
-        saves) and hashes a share of the files, then rank 0 writes the rest and publishes as
-        :meth:`_save_on_rank0` does."""
-        critic_saved: list[Future[Any]] = []
-        if self.critic is not None:
-            critic = self.critic
-            on_rank0_shared(lambda: critic_saved.append(critic.save()), "critic_save")
-        tmp = stage_collective(checkpoints, self.step)
-        dp.run_guarded(
-            lambda: ACTOR_FILES.write(tmp, self.model, self.optimizer, self.scheduler, rngs),
-            "checkpoint write",
-        )
-        checksums = checksums_collective(tmp)
-
-        def finish() -> None:
-            self._write_rest(tmp, critic_saved[0] if critic_saved else None)
-            checkpoints.publish(self.step, tmp, _monitored(metrics), checksums)
-
-        on_rank0_shared(finish, "checkpoint")
-
-    def _write_rest(self, d: Path, critic_saved: Future[Any] | None) -> None:
-        """The run's config and the trainer state, once the critic's half is durable (the manager
-        publishes the directory only after this returns); ``critic_saved`` None: no critic."""
-        (d / "config.yaml").write_text(self.config_yaml)
-        saved = critic_saved.result() if critic_saved is not None else None
-        state = self.state_dict() | {"critic_step": self._critic_step_saved(saved)}
-        ACTOR_FILES.write_state(d, state)
-
-    def _critic_step_saved(self, saved: Any) -> int | None:
-        """The critic step the ``critic_save`` answer names (else this run's), warning when it is
-        not this run's."""
-        step = saved.get("step") if isinstance(saved, dict) else None
-        if step is None:
-            return self.critic_step
-        if self.critic_step is not None and int(step) != self.critic_step:
-            log.warning(
-                "checkpoint step_%d: the critic server saved critic step %s, but this run's critic is "
-                "at step %d; resuming from this checkpoint will not be an exact continuation",
-                self.step,
-                step,
-                self.critic_step,
-            )
-        return int(step)
+        self.checkpointer.save(self.step, metrics, self.state_dict())
 
     def load_checkpoint(self, path: Path) -> None:
-        """Restore the actor, optimizer, scheduler, trainer state and RNGs from ``path``; every rank
-        calls it (a collective for a sharded actor, see :meth:`TrainingFiles.read`: a sharded
-        checkpoint loads on any number of ranks; a checkpoint written without shards does not load
-        into a sharded actor — ValueError, naming ``parallel.strategy`` and the fix)."""
-        state = ACTOR_FILES.read(path, self.model.model, self.optimizer, self.scheduler, self.model.device)
+        """Restore the actor, optimizer, scheduler, trainer state and RNGs from ``path``
+        (:meth:`PPOCheckpoints.load`), and hand the restored weights to the engine; every rank
+        calls it."""
+        self.load_state_dict(self.checkpointer.load(path))
+        self.engine.update_weights(self.model, self.ppo_optimization_step)  # the restored weights
+        log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed_samples)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The trainer state :meth:`state_dict` wrote (a checkpoint's ``trainer_state.json``)."""
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])
         self.ppo_optimization_step = int(state["ppo_optimization_step"])
@@ -883,13 +777,6 @@ class PPOTrainer:
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.critic_step = state.get("critic_step")
         self.critic_steps_per_train = state.get("critic_steps_per_train")
-        ACTOR_FILES.restore_rng(path, dp.rank())
-        self.engine.update_weights(self.model, self.ppo_optimization_step)  # the restored weights
-        log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed_samples)
-
-
-class ResumeError(RuntimeError):
-    """The run has complete checkpoints, but the critic server holds the critic of none of them."""
 
 
 def _critic_values(values: torch.Tensor | None, estimator: str) -> torch.Tensor:
@@ -907,134 +794,10 @@ def critic_of(client: RewardClient, estimator: Estimator) -> RMCritic | None:
     return cast(RMCritic, client) if estimator.needs_critic else None
 
 
-def restore_newest_checkpoint(checkpoints: CheckpointManager, critic: RMCritic | None) -> Path | None:
-    """The newest complete actor checkpoint whose critic the critic server holds, with the server
-    sent back to that critic (``critic.restore``): the newest step both halves have. Without a
-    critic (None, see :func:`critic_of`), the newest complete checkpoint, as it is.
-
-    Checkpoints are tried newest first (:meth:`CheckpointManager.complete`); one whose critic step
-    the server refuses (pruned by its ``checkpoint.keep_last``, damaged, or saved under another
-    ``checkpoint.dir``) is skipped with a warning saying why. One that records no critic step (a
-    critic that reports none) is taken as it is. Call on every rank at the same point: rank 0
-    talks to the server and shares the choice.
-
-    Returns:
-        The checkpoint for :meth:`PPOTrainer.load_checkpoint`, or ``None`` when there is none.
-
-    Raises:
-        ResumeError: there are complete checkpoints, but the server holds none of their critics.
-    """
-
-    def pick() -> str | None:
-        refused: list[str] = []
-        for path in checkpoints.complete():
-            critic_step = ACTOR_FILES.read_state(path).get("critic_step")
-            if critic_step is not None and critic is not None:
-                try:
-                    critic.restore(int(critic_step)).result()
-                except ValueError as e:  # the server does not hold it
-                    log.warning("not resuming from %s: %s", path, e)
-                    refused.append(f"{path.name} (critic step {critic_step})")
-                    continue
-                log.info("the critic server went back to critic step %d, saved with %s", critic_step, path)
-            return str(path)
-        if refused:
-            raise ResumeError(
-                f"the critic server holds the critic of none of this run's checkpoints under "
-                f"{checkpoints.root}: {', '.join(refused)} (its refusals are logged above). Start "
-                "serve-critic with the checkpoint.dir those critics were saved in, or start this run "
-                "over (exp.resume=false, or another exp.output_dir)."
-            )
-        return None
-
-    chosen = on_rank0_shared(pick, "resume")
-    return Path(chosen) if chosen is not None else None
-
-
-class PeerFailedError(RuntimeError):
-    """Raised on the other ranks when rank 0's server request or checkpoint write failed."""
-
-
-def on_rank0_shared(fn: Callable[[], Any], what: str) -> Any:
-    """``fn()`` run on rank 0, its result (or failure) shared with every rank.
-
-    On rank 0 a failure re-raises the original exception; the other ranks raise
-    :class:`PeerFailedError` with its message. All ranks must call this at the same point.
-    """
-    outcome: tuple[bool, Any] | None = None
-    error: BaseException | None = None
-    if dp.rank() == 0:
-        try:
-            outcome = (True, fn())
-        except Exception as e:  # shared below, then re-raised
-            error = e
-            outcome = (False, f"{type(e).__name__}: {e}")
-    outcome = dp.broadcast_object(outcome)
-    assert outcome is not None
-    ok, value = outcome
-    if error is not None:
-        raise error
-    if not ok:
-        raise PeerFailedError(f"rank 0's {what} failed, so this rank stops too: {value}")
-    return value
-
-
-def _monitored(metrics: dict[str, float]) -> dict[str, float]:
-    """The metrics a checkpoint's manifest records (validation ones, for the best checkpoint)."""
-    return {k.replace("/", "_"): v for k, v in metrics.items() if k.startswith("val/")}
-
-
-_SHARES = ("loss", "pg_loss", "entropy", "kl_loss")
-"""Actor metrics that are a micro-batch's share of its step's loss terms: they add up."""
-_TOKEN_MEANS = ("ppo_ratio", "ppo_ratio_clamped", "clip_fraction", "approx_kl")
-"""Actor metrics that are means over a micro-batch's ``response_tokens``."""
-_STEP_SUMS = (*_SHARES, *_TOKEN_MEANS, "dual_clip_fraction", "response_tokens", "negative_tokens")
-"""What a rank sums over a step's micro-batches: shares, and the token means times their weight."""
-
-
-def _step_sums(metrics: dict[str, float]) -> torch.Tensor:
-    """One micro-batch's contribution to its step's :data:`_STEP_SUMS` (float64 [len(_STEP_SUMS)])."""
-    tokens, negative = metrics["response_tokens"], metrics["negative_tokens"]
-    weighted = {k: metrics[k] * tokens for k in _TOKEN_MEANS}
-    weighted["dual_clip_fraction"] = metrics["dual_clip_fraction"] * negative
-    counts = {"response_tokens": tokens, "negative_tokens": negative}
-    values = {k: metrics[k] for k in _SHARES} | weighted | counts
-    return torch.tensor([values[k] for k in _STEP_SUMS], dtype=torch.float64)
-
-
-def _step_metrics(sums: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each step's metrics ([steps] per name) from its :data:`_STEP_SUMS` over every rank [steps, K]."""
-    col = {k: sums[:, i] for i, k in enumerate(_STEP_SUMS)}
-    out = {k: col[k] for k in _SHARES}
-    out |= {k: col[k] / col["response_tokens"].clamp_min(1.0) for k in _TOKEN_MEANS}
-    out["dual_clip_fraction"] = col["dual_clip_fraction"] / col["negative_tokens"].clamp_min(1.0)
-    return out
-
-
 def derive_seed(*parts: int) -> int:
     """A 63-bit seed that depends only on ``parts`` (unlike ``hash``, stable across processes)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def _max_over_ranks(seconds: dict[str, float]) -> dict[str, float]:
-    """Per-phase seconds, the slowest rank's (what the step waited for)."""
-    merged: dict[str, float] = defaultdict(float)
-    for per_rank in dp.gather_objects(seconds):
-        for k, v in per_rank.items():
-            merged[k] = max(merged[k], v)
-    return {f"timing/{k}_s": v for k, v in sorted(merged.items())}
-
-
-def _postfix(m: dict[str, float]) -> str:
-    parts = [
-        ("reward", m.get("rollout/rewards")),
-        ("score", m.get("rollout/score")),
-        ("kl", m.get("rollout/init_policy_kl")),
-        ("len", m.get("rollout/generation_length")),
-        ("val", m.get("val/rewards")),
-    ]
-    return " ".join(f"{k}={v:.3g}" for k, v in parts if v is not None)
 
 
 def _progress(enabled: bool, initial: int, total: int, desc: str) -> Any:

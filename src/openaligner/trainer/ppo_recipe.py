@@ -71,8 +71,8 @@ from openaligner.trainer.ppo import (
     RunTimer,
     critic_of,
     max_time_s,
-    restore_newest_checkpoint,
 )
+from openaligner.trainer.ppo_checkpoint import restore_newest_checkpoint
 from openaligner.trainer.ppo_config import TrainPPOConfig
 from openaligner.trainer.rollout import PromptLoader, RolloutConversations, make_prompt_collate
 from openaligner.trainer.startup import describe_model, model_source_name, starting

@@ -35,7 +35,8 @@ from openaligner.io.metrics import MetricsLogger
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.sharding import ActorParallelConfig, full_state_dict, shard
-from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs, restore_newest_checkpoint
+from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
+from openaligner.trainer.ppo_checkpoint import restore_newest_checkpoint
 from openaligner.trainer.ppo_config import PPOConfig
 from openaligner.trainer.ppo_recipe import initial_policy
 from openaligner.trainer.rollout import PromptLoader, make_prompt_collate

@@ -5,7 +5,7 @@ import pytest
 from ppo_fakes import Done, make_trainer, ppo_cfg, target_share
 
 from openaligner.config import ConfigError, load_config
-from openaligner.trainer.ppo import ACTOR_FILES
+from openaligner.trainer.ppo_checkpoint import ACTOR_FILES
 from openaligner.trainer.ppo_config import PPOConfig
 
 ESTIMATORS = ["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp"]

@@ -11,7 +11,7 @@ from test_critic_free_trainer import RewardOnly
 
 from openaligner.config import ConfigError, load_config
 from openaligner.trainer.estimators import ESTIMATORS, get_estimator, register_estimator
-from openaligner.trainer.ppo import ACTOR_FILES
+from openaligner.trainer.ppo_checkpoint import ACTOR_FILES
 from openaligner.trainer.ppo_config import PPOConfig
 
 DOC = Path(__file__).parents[3] / "docs" / "algorithms.md"

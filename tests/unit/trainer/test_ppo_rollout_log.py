@@ -51,14 +51,15 @@ def test_rollout_log_and_train_table_are_stepped_as_metrics_and_hold_every_rollo
 
 
 def test_rollout_fields_are_those_of_the_batch_the_trainer_used_at_full_precision(tmp_path):
-    t = make_trainer(tmp_path, ppo_cfg(max_steps=2, max_epochs=2), scorer=count_target)
+    cfg = ppo_cfg(max_steps=2, max_epochs=2)
+    t = make_trainer(tmp_path, cfg, scorer=count_target)
     seen = capture_ppo_data(t)
     t.fit()
     rollouts = by_step(read_jsonl(tmp_path / "logs" / "rollouts.jsonl"))
     assert len(seen) == 2
     for (batch, data), rows in zip(seen, rollouts.values(), strict=True):
         assert len(rows) == len(batch) == 16
-        kl = masked_sum(kl_penalty(batch.logprobs, batch.init_logprobs, t.cfg.kl_kind), data.mask, dim=-1)
+        kl = masked_sum(kl_penalty(batch.logprobs, batch.init_logprobs, cfg.kl_kind), data.mask, dim=-1)
         for i, r in enumerate(rows):
             p, n = int(batch.prompt_lengths[i]), int(batch.response_lengths[i])
             tokens = batch.response_tokens[i].tolist()

@@ -9,7 +9,7 @@ import torch
 from ppo_fakes import TargetTokenScorer, count_target, make_trainer, ppo_cfg
 
 from openaligner.config import ConfigError, load_config
-from openaligner.trainer.ppo import ResumeError, restore_newest_checkpoint
+from openaligner.trainer.ppo_checkpoint import ResumeError, restore_newest_checkpoint
 from openaligner.trainer.ppo_config import PPOConfig
 
 
