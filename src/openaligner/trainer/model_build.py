@@ -42,7 +42,7 @@ class ModelLoader(Protocol[M_co]):
     instead (see :func:`~openaligner.models.source.load_causal_lm`). E.g.
     ``partial(load_causal_lm, source, vocab_size, dtype=MASTER_DTYPE)``."""
 
-    def __call__(self, device: torch.device, *, skeleton: bool) -> M_co: ...
+    def __call__(self, device: torch.device, /, *, skeleton: bool) -> M_co: ...
 
 
 def build_trainable_model(
