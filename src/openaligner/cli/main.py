@@ -1,15 +1,17 @@
-"""``openaligner <command> [CONFIG.yaml] [key=value ...]``: dispatch to one module per command.
+"""``openaligner <command> [CONFIG.yaml] [key=value ...]``: dispatch to the module of each command.
 
-Each command module exposes ``SCHEMA`` (its config dataclass) and ``run(cfg) -> int``; a tool
-(:data:`TOOLS`, e.g. ``export-critic CHECKPOINT OUT``) takes its own arguments instead and exposes
-``main(argv) -> int``. Modules are imported lazily so that ``openaligner --help`` stays fast and a
-command only loads what it uses.
+Each command is a module, or an object in one (``module:attribute``, e.g. the two supervised
+trainers of :mod:`openaligner.cli.train_supervised`), exposing ``SCHEMA`` (its config dataclass),
+``run(cfg) -> int`` and ``RESUME_KEY`` (:func:`command`); a tool (:data:`TOOLS`, e.g.
+``export-critic CHECKPOINT OUT``) takes its own arguments instead and exposes ``main(argv) ->
+int``. Modules are imported lazily so that ``openaligner --help`` stays fast and a command only
+loads what it uses.
 
 A run that cannot work is refused in one place: a ``ConfigError`` from loading the config, or a
 ``StartupError`` from the command's own start-up checks (data files, the model's position limit,
 ...), is printed as ``openaligner <command>: <message>`` and the exit code is 2. A training run
 stopped by a signal (``TrainingStopped``, :mod:`openaligner.cli.training`) is printed as one line
-naming what was kept and the command line that resumes (from the module's ``RESUME_KEY``), with
+naming what was kept and the command line that resumes (from the command's ``RESUME_KEY``), with
 exit code 130 (SIGINT) or 143 (SIGTERM).
 """
 
@@ -19,19 +21,26 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from openaligner import __version__
 from openaligner.config import ConfigError, describe_config, load_config
 from openaligner.trainer.stopping import TrainingStopped
 
-# name -> (module, one-line help)
+# name -> (module or module:attribute, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("openaligner.cli.demo", "run the built-in end-to-end example and report what it shows"),
     "serve-reward": ("openaligner.cli.serve_reward", "serve a frozen reward model over HTTP (Triton)"),
     "serve-critic": ("openaligner.cli.serve_critic", "serve a trainable critic and the reward model (HTTP)"),
-    "train-sft": ("openaligner.cli.train_sft", "supervised fine-tuning on prompt/response JSONL"),
+    "train-sft": (
+        "openaligner.cli.train_supervised:TRAIN_SFT",
+        "supervised fine-tuning on prompt/response JSONL",
+    ),
     "train-ppo": ("openaligner.cli.train_ppo", "PPO actor training against the served critic and RM"),
-    "train-rm": ("openaligner.cli.train_rm", "Bradley-Terry reward-model training on preference JSONL"),
+    "train-rm": (
+        "openaligner.cli.train_supervised:TRAIN_RM",
+        "Bradley-Terry reward-model training on preference JSONL",
+    ),
 }
 # name -> (module, one-line help): commands with their own arguments (no config file)
 TOOLS: dict[str, tuple[str, str]] = {
@@ -116,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     _quiet_libraries()
-    module = importlib.import_module(COMMANDS[ns.command][0])
+    module = command(ns.command)
     path, overrides = split_config_args(ns.args)
     try:
         if ns.print_config:
@@ -135,6 +144,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if dp.is_leader():
             print(line, file=sys.stderr, flush=True)
         return EXIT_CODES.get(e.reason, 130)
+
+
+def command(name: str) -> Any:
+    """What runs command ``name`` (a key of :data:`COMMANDS`): its module, or the object its
+    ``module:attribute`` names; either exposes ``SCHEMA``, ``run(cfg)`` and ``RESUME_KEY``."""
+    target, _, attribute = COMMANDS[name][0].partition(":")
+    module = importlib.import_module(target)
+    return getattr(module, attribute) if attribute else module
 
 
 def _dotted(cfg: object, key: str) -> object:

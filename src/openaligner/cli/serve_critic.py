@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
@@ -27,13 +28,14 @@ from openaligner.cli import serving
 from openaligner.cli.serving import RuntimeConfig
 from openaligner.config import StartupError, as_startup_error
 from openaligner.models.critic import CriticModel
-from openaligner.models.lora import LoraConfig, LoraError, add_lora
+from openaligner.models.lora import LoraConfig
 from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
 from openaligner.models.sharding import ParallelConfig
 from openaligner.models.source import ModelSourceConfig, SourceError, TokenizerSourceConfig, check_model_dir
 from openaligner.servers.critic import CriticServerConfig
 from openaligner.trainer.critic import CriticTrainConfig
+from openaligner.trainer.model_build import build_trainable_model
 from openaligner.trainer.optim import OptimConfig
 
 
@@ -145,12 +147,6 @@ def run(cfg: ServeCriticConfig) -> int:
         serving.check_batching(cfg.server, dp.world_size())
         device, precision = serving.prepare_runtime(cfg.runtime, cfg.threads, log)
         critic, reward_model, tokenizer = load_models(cfg, device, precision, log)
-        critic = with_lora(critic, cfg.lora)
-        # after LoRA and before the optimizer (sharding replaces the parameters); the reward model
-        # was cast to the inference dtype at load, so its shards hold the weights as served
-        critic = serving.shard_served(critic, cfg.parallel, "critic")
-        if reward_model is not None:
-            reward_model = serving.shard_served(reward_model, cfg.parallel, "reward model")
         limits = [position_limit(m.hf_model.config) for m in (critic, reward_model) if m is not None]
         max_len = serving.sequence_limit(cfg.server.max_sequence_length, limits)
         # sentences are laid out as the reward model was trained (the critic starts from it)
@@ -199,20 +195,6 @@ def run(cfg: ServeCriticConfig) -> int:
     return 0
 
 
-def with_lora(critic: CriticModel, cfg: LoraConfig) -> CriticModel:
-    """``critic`` with LoRA adapters on its backbone and its head trained in full (``cfg.r`` = 0:
-    as it is). The adapters start the same on every rank and every start.
-
-    Raises:
-        StartupError: the adapters cannot be added (see :class:`~openaligner.models.lora.LoraError`).
-    """
-    # peft draws the adapters' first matrices from the global RNG: seeded here, so that every
-    # rank (each holds a replica) and every restart start from the same adapters
-    torch.manual_seed(0)
-    with as_startup_error(LoraError):
-        return add_lora(critic, cfg)
-
-
 def warn_of_a_borrowed_tokenizer(
     model: ModelSourceConfig,
     source: TokenizerSourceConfig,
@@ -241,48 +223,60 @@ def warn_of_a_borrowed_tokenizer(
 def load_models(
     cfg: ServeCriticConfig, device: torch.device, precision: Precision, log: logging.Logger
 ) -> tuple[CriticModel, RewardModel | None, PreTrainedTokenizerBase | None]:
-    """The critic (on ``device``), the frozen reward model (combined mode, else None) and the
-    tokenizer of ``sentences`` requests (None when there is none). The reward model always comes
-    from ``reward_model.path`` or the critic's source (the same seed for the tiny model), never
-    from a critic checkpoint: it stays the original reward model. The critic is trained, so it
-    holds float32 masters; the reward model is cast to ``precision``'s inference dtype.
+    """The critic (float32 masters, with ``cfg.lora``'s adapters, laid over the ranks: ready for
+    its optimizer), the frozen reward model (combined mode, else None; in the precision's
+    inference dtype, so that its shards hold the weights as served) and the tokenizer of
+    ``sentences`` requests (None when there is none). The reward model always comes from
+    ``reward_model.path`` or the critic's source (the same seed for the tiny model), never from a
+    critic checkpoint: it stays the original reward model. A collective when ``cfg.parallel``
+    shards (see :func:`~openaligner.trainer.model_build.build_trainable_model`).
 
     Raises:
-        StartupError: the tokenizer emits ids the critic or the reward model has no embedding for.
+        StartupError: the tokenizer emits ids the critic or the reward model has no embedding for,
+            the adapters cannot be added, or the models cannot be sharded.
     """
-    from openaligner.models.sharding import builds_skeleton
-    from openaligner.models.source import SourceError, check_vocab, load_critic, load_reward_model
+    from openaligner.models.source import load_critic, load_reward_model
 
     tokenizer = serving.serving_tokenizer(cfg.model, cfg.tokenizer, log)
     warn_of_a_borrowed_tokenizer(cfg.model, cfg.tokenizer, tokenizer, log)
     vocab_size = serving.loader_vocab_size(tokenizer)
     standardization = cfg.runtime.standardization
-    device = cfg.parallel.load_device(device)  # sharded: read on the CPU, shards go to the device
-    skeleton = builds_skeleton(cfg.parallel)  # sharded: rank 0 alone reads, the others get shards
-    with as_startup_error(SourceError):
-        critic = load_critic(cfg.model, vocab_size, device, standardization, skeleton=skeleton)
-    if tokenizer is not None:
-        with as_startup_error(SourceError):
-            check_vocab(tokenizer, critic.hf_model, fix=CRITIC_VOCAB_FIX)
+    critic = build_trainable_model(
+        partial(load_critic, cfg.model, vocab_size, standardization=standardization),
+        cfg.parallel,
+        device,
+        name="critic",
+        tokenizer=tokenizer,
+        vocab_fix=CRITIC_VOCAB_FIX,
+        lora=cfg.lora,  # adapters on the backbone, the head trained in full
+        lora_seed=0,  # the same adapters on every rank (each holds a replica) and every restart
+    )
     reward_model = None
     if cfg.server.combine_rm_and_critic_server:
         rm_path = cfg.reward_model.path
         source = cfg.model if rm_path is None else replace(cfg.model, path=rm_path)
         if rm_path is not None:
             check_shared_tokenizer(tokenizer, rm_path)
-        with as_startup_error(SourceError):
-            reward_model = load_reward_model(
+
+        def load_frozen(load_device: torch.device, *, skeleton: bool) -> RewardModel:
+            return load_reward_model(
                 source,
                 vocab_size,
-                device,
+                load_device,
                 standardization,
                 dtype=precision.inference_dtype,
                 skeleton=skeleton,
             ).requires_grad_(False)
-        if tokenizer is not None:
-            key = "reward_model" if rm_path is not None else "model"
-            with as_startup_error(SourceError):
-                check_vocab(tokenizer, reward_model.hf_model, key=key, fix=COMBINED_RM_VOCAB_FIX)
+
+        reward_model = build_trainable_model(
+            load_frozen,
+            cfg.parallel,
+            device,
+            name="reward model",
+            tokenizer=tokenizer,
+            vocab_key="reward_model" if rm_path is not None else "model",
+            vocab_fix=COMBINED_RM_VOCAB_FIX,
+        )
     return critic, reward_model, tokenizer
 
 

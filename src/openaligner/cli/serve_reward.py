@@ -26,7 +26,7 @@ from openaligner.config import StartupError, as_startup_error
 from openaligner.models.precision import Precision
 from openaligner.models.reward import RewardModel
 from openaligner.models.sharding import ParallelConfig
-from openaligner.models.source import ModelSourceConfig, SourceError, TokenizerSourceConfig
+from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
 from openaligner.servers.reward import RewardServerConfig
 
 if TYPE_CHECKING:
@@ -88,8 +88,6 @@ def run(cfg: ServeRewardConfig) -> int:
             settings: dict[str, Any] = {}
             if has_model:
                 model, tokenizer = load_model(cfg, device, precision, log)
-                # sharded after the cast to the inference dtype: the shards hold the weights as served
-                model = serving.shard_served(model, cfg.parallel, "reward model")
                 hf_config = model.hf_model.config
                 max_len = serving.sequence_limit(cfg.server.max_sequence_length, [position_limit(hf_config)])
                 render, described = serving.served_tokenizer(tokenizer, cfg.model.path)
@@ -156,26 +154,29 @@ def start_reward_function(cfg: RewardFunctionConfig) -> FunctionRunner | None:
 def load_model(
     cfg: ServeRewardConfig, device: torch.device, precision: Precision, log: logging.Logger
 ) -> tuple[RewardModel, PreTrainedTokenizerBase | None]:
-    """The reward model (eval mode, frozen, on ``device``, backbone in the precision's inference
-    dtype) and the tokenizer of ``sentences`` requests (None when there is none).
+    """The reward model (eval mode, frozen, backbone in the precision's inference dtype, laid over
+    the ranks: sharded after that cast, so that the shards hold the weights as served) and the
+    tokenizer of ``sentences`` requests (None when there is none). A collective when
+    ``cfg.parallel`` shards (see :func:`~openaligner.trainer.model_build.build_trainable_model`).
 
     Raises:
-        StartupError: the tokenizer emits ids the model has no embedding for.
+        StartupError: the tokenizer emits ids the model has no embedding for, or the model cannot
+            be sharded.
     """
-    from openaligner.models.sharding import builds_skeleton
-    from openaligner.models.source import check_vocab, load_reward_model
+    from openaligner.models.source import load_reward_model
+    from openaligner.trainer.model_build import build_trainable_model
 
     tokenizer = serving.serving_tokenizer(cfg.model, cfg.tokenizer, log)
-    with as_startup_error(SourceError):
-        model = load_reward_model(
+
+    def load_frozen(load_device: torch.device, *, skeleton: bool) -> RewardModel:
+        return load_reward_model(
             cfg.model,
             serving.loader_vocab_size(tokenizer),
-            cfg.parallel.load_device(device),  # sharded: read on the CPU, shards go to the device
+            load_device,
             cfg.runtime.standardization,
             dtype=precision.inference_dtype,
-            skeleton=builds_skeleton(cfg.parallel),  # sharded: rank 0 alone reads, the others get shards
-        )
-    if tokenizer is not None:
-        with as_startup_error(SourceError):
-            check_vocab(tokenizer, model.hf_model)
-    return model.requires_grad_(False), tokenizer
+            skeleton=skeleton,
+        ).requires_grad_(False)
+
+    model = build_trainable_model(load_frozen, cfg.parallel, device, name="reward model", tokenizer=tokenizer)
+    return model, tokenizer

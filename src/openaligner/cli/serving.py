@@ -2,11 +2,11 @@
 the keys they renamed, and the plumbing of a server process.
 
 Owns :class:`RuntimeConfig` (where the served models run, in what precision, and the scale
-rewards are served on), how its models are sharded (:func:`shard_served`), the rule that a
-server serves only a model someone named (:func:`check_model_choice`), :data:`RENAMED_KEYS`, and
-the steps both commands take around their server: logging, joining the torchrun job, device,
-threads and precision, the tokenizer, the sequence limit, and stopping on SIGINT/SIGTERM. Must not
-know which server it serves.
+rewards are served on), the rule that a server serves only a model someone named
+(:func:`check_model_choice`), :data:`RENAMED_KEYS`, and the steps both commands take around their
+server: logging, joining the torchrun job, device, threads and precision, the tokenizer, the
+sequence limit, and stopping on SIGINT/SIGTERM. Must not know which server it serves; their models
+are built as every command's are (:func:`~openaligner.trainer.model_build.build_trainable_model`).
 """
 
 from __future__ import annotations
@@ -18,18 +18,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from openaligner import distributed as dp
 from openaligner.config import StartupError, as_startup_error
 from openaligner.data.render import LayoutError, SequenceLayout, tokenizer_identity
 from openaligner.models.precision import Precision, check_precision
-from openaligner.models.sharding import ParallelConfig, ShardingError, fill_from_leader, shard, state_to_share
 from openaligner.models.source import (
     ModelSourceConfig,
     SourceError,
@@ -43,8 +40,6 @@ from openaligner.servers.protocol import tokenizer_description
 from openaligner.servers.reward import make_render_func, make_tokenize_func
 from openaligner.servers.transport.lifecycle import STOP_WHILE_STARTING_S, ServerLifecycle
 from openaligner.servers.validation import RenderFn, TokenizeFn
-
-M = TypeVar("M", bound=nn.Module)
 
 RENAMED_KEYS: dict[str, str] = {
     "model.tiny=true": "model.tiny=gpt2",
@@ -83,23 +78,6 @@ class RuntimeConfig:
         if self.reward_mean is None or self.reward_std is None:
             return None
         return self.reward_mean, self.reward_std
-
-
-def shard_served(model: M, parallel: ParallelConfig, name: str) -> M:
-    """``model`` laid over the ranks as ``parallel`` says (see
-    :func:`~openaligner.models.sharding.shard`; shards in CPU memory with ``parallel.offload``).
-    Call after the model is cast to the dtype it serves in and after LoRA adapters are added, and
-    before an optimizer is built over it. When sharded, ranks other than 0 loaded a skeleton
-    (:func:`~openaligner.models.sharding.builds_skeleton`) and receive their shards from rank 0 here.
-
-    Raises:
-        StartupError: the model cannot be sharded (see :class:`~openaligner.models.sharding.ShardingError`).
-    """
-    state = state_to_share(model, parallel)  # rank 0's weights for the others' skeletons
-    with as_startup_error(ShardingError):
-        model = shard(model, parallel, name=name)
-    fill_from_leader(model, state, parallel, offload=parallel.offload)
-    return model
 
 
 def no_model() -> ModelSourceConfig:

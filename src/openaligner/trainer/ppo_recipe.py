@@ -14,6 +14,7 @@ import copy
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,23 +36,19 @@ from openaligner.data.render import (
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import open_run_logs
 from openaligner.models.actor import CausalLMActor
-from openaligner.models.lora import MERGED_DIR, LoraError, add_lora, is_peft_model
+from openaligner.models.lora import MERGED_DIR, is_peft_model
 from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
 from openaligner.models.rollout_engine import RolloutEngine, build_rollout_engine
 from openaligner.models.sharding import (
     ActorParallelConfig,
     ShardingError,
-    builds_skeleton,
-    distribute,
     fill_from_leader,
     is_sharded,
     meta_copy,
     shard,
-    state_to_share,
 )
 from openaligner.models.source import (
     SourceError,
-    check_vocab,
     load_causal_lm,
     pick_device,
     position_limit_key,
@@ -60,6 +57,7 @@ from openaligner.models.source import (
 )
 from openaligner.tasks import task_scorer
 from openaligner.trainer.estimators import get_estimator
+from openaligner.trainer.model_build import SharedState, build_trainable_model
 from openaligner.trainer.optim import build_optimizer
 from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
 from openaligner.trainer.ppo import (
@@ -136,21 +134,27 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         device = torch.device("cuda", torch.cuda.current_device())
     precision = Precision.resolve(cfg.precision, device)
     log.info("precision: %s on %s", precision.name, device)
-    # sharded: rank 0 alone reads the weights, the other ranks receive their shards from it
-    load_device, skeleton = cfg.parallel.load_device(device), builds_skeleton(cfg.parallel)
-    with starting(f"loading the actor ({model_source_name(cfg.actor, 'actor')}) onto {load_device}"):
-        model = load_causal_lm(cfg.actor, len(tokenizer), load_device, dtype=MASTER_DTYPE, skeleton=skeleton)
-    with as_startup_error(SourceError):
-        check_vocab(tokenizer, model, key="actor")
-    # with LoRA the initial policy is this same model with its adapters disabled: no second copy
-    with as_startup_error(LoraError):
-        model = add_lora(model, cfg.lora)
-    state = state_to_share(model, cfg.parallel)
-    with starting("building the initial policy (the frozen reference of the KL penalty)"):
-        init_policy = initial_policy(model, cfg.parallel, state) if c.initial_policy_kl_penalty > 0 else False
-    with as_startup_error(ShardingError):
-        model = distribute(model, cfg.parallel, c.seed, name="actor")
-    fill_from_leader(model, state, cfg.parallel, offload=cfg.parallel.offload)
+    init_policy: PreTrainedModel | bool | None = False  # False: no KL penalty, no initial policy
+
+    def copy_initial_policy(model: PreTrainedModel, state: SharedState) -> None:
+        # with LoRA the initial policy is this same model with its adapters disabled: no second copy
+        nonlocal init_policy
+        with starting("building the initial policy (the frozen reference of the KL penalty)"):
+            if c.initial_policy_kl_penalty > 0:
+                init_policy = initial_policy(model, cfg.parallel, state)
+
+    model = build_trainable_model(
+        partial(load_causal_lm, cfg.actor, len(tokenizer), dtype=MASTER_DTYPE),
+        cfg.parallel,
+        device,
+        name="actor",
+        tokenizer=tokenizer,
+        vocab_key="actor",
+        loading=f"the actor ({model_source_name(cfg.actor, 'actor')})",
+        lora=cfg.lora,
+        rank_seed=c.seed,
+        before_sharding=copy_initial_policy,
+    )
     if rank == 0:
         log.info("%s", describe_model(model, device, precision).replace("model:", "actor:", 1))
     actor = CausalLMActor(

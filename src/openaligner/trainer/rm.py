@@ -23,27 +23,14 @@ from openaligner.config import as_startup_error
 from openaligner.data.formats import preference_record, preference_shape
 from openaligner.data.preference import PreferencePair, build_preference_pairs, collate_pairs
 from openaligner.data.render import LayoutError, Renderer, check_chat_template_mode
-from openaligner.models.lora import LoraError, add_lora
 from openaligner.models.precision import (
     MASTER_DTYPE,
     Precision,
     resolve_save_dtype,
 )
 from openaligner.models.reward import RewardModel
-from openaligner.models.sharding import (
-    ShardingError,
-    builds_skeleton,
-    distribute,
-    fill_from_leader,
-    state_to_share,
-)
-from openaligner.models.source import (
-    SourceError,
-    check_vocab,
-    load_reward_model,
-    pick_device,
-    resolve_tokenizer,
-)
+from openaligner.models.source import SourceError, load_reward_model, pick_device, resolve_tokenizer
+from openaligner.trainer.model_build import build_trainable_model
 from openaligner.trainer.startup import model_source_name, starting, tokenizing
 from openaligner.trainer.supervised import (
     Batch,
@@ -153,20 +140,16 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
             tokenizing(val_records, "validation data", cfg.progress), renderer, max_length
         )
     device = pick_device(cfg.device)
-    # sharded: rank 0 alone reads the weights, the other ranks receive their shards from it
-    load_device, skeleton = cfg.parallel.load_device(device), builds_skeleton(cfg.parallel)
-    with as_startup_error(SourceError):
-        with starting(f"loading the model ({model_source_name(cfg.model)}) onto {load_device}"):
-            model = load_reward_model(
-                cfg.model, len(tokenizer), load_device, dtype=MASTER_DTYPE, skeleton=skeleton
-            )
-        check_vocab(tokenizer, model.hf_model)
-    with as_startup_error(LoraError):
-        model = add_lora(model, cfg.lora)  # adapters on the backbone, the head trained in full
-    state = state_to_share(model, cfg.parallel)
-    with as_startup_error(ShardingError):  # shards after LoRA; every rank built the same model
-        model = distribute(model, cfg.parallel, cfg.trainer.seed, name="reward model")
-    fill_from_leader(model, state, cfg.parallel, offload=cfg.parallel.offload)
+    model = build_trainable_model(
+        partial(load_reward_model, cfg.model, len(tokenizer), dtype=MASTER_DTYPE),
+        cfg.parallel,
+        device,
+        name="reward model",
+        tokenizer=tokenizer,
+        loading=f"the model ({model_source_name(cfg.model)})",
+        lora=cfg.lora,  # adapters on the backbone, the head trained in full
+        rank_seed=cfg.trainer.seed,
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return SupervisedTrainer(
         RMObjective(model),

@@ -2,13 +2,13 @@
 and documents each key with a comment. One test for all reference files."""
 
 import dataclasses
-import importlib
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from openaligner.cli.main import COMMANDS
+from openaligner.cli.main import command as command_of
 from openaligner.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -48,7 +48,7 @@ def test_every_reference_file_belongs_to_a_command():
 
 @pytest.mark.parametrize("command", sorted(REQUIRED))
 def test_reference_file_has_every_key_with_its_default_and_a_comment(command):
-    schema = importlib.import_module(COMMANDS[command][0]).SCHEMA
+    schema = command_of(command).SCHEMA
     path = CONFIGS / f"{command.replace('-', '_')}.yaml"
     assert yaml_keys(OmegaConf.to_container(OmegaConf.load(path), resolve=False)) == schema_keys(schema)
     required = REQUIRED[command]

@@ -50,8 +50,7 @@ def test_a_lora_critic_starts_from_the_same_adapters_on_every_start():
     log = logging.getLogger("test")
 
     def start() -> dict[str, torch.Tensor]:
-        critic, _, _ = serve_critic.load_models(cfg, CPU, fp32, log)
-        critic = serve_critic.with_lora(critic, cfg.lora)
+        critic, _, _ = serve_critic.load_models(cfg, CPU, fp32, log)  # with its adapters
         assert is_peft_model(critic.hf_model)
         return {k: v.clone() for k, v in critic.state_dict().items() if "lora_" in k}
 

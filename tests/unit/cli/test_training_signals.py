@@ -142,13 +142,13 @@ def test_a_stop_asked_with_resume_off_prints_a_command_that_resumes(tmp_path, mo
 
 
 def test_a_signal_before_the_first_step_stops_at_once_and_says_so(tmp_path, monkeypatch, capsys):
-    import openaligner.cli.train_sft as train_sft
+    from openaligner.cli.train_supervised import TRAIN_SFT
 
     def interrupted_build(cfg):
         os.kill(os.getpid(), signal.SIGINT)
         raise AssertionError("the signal stops the command before this line")
 
-    monkeypatch.setattr(train_sft, "build_sft_trainer", interrupted_build)
+    monkeypatch.setattr(TRAIN_SFT, "build", interrupted_build)
     assert main(_args("train-sft", tmp_path, "early")) == 130
     line = capsys.readouterr().err.strip().splitlines()[-1]
     said = "stopped by SIGINT; no checkpoint was written yet, so the same command starts over"

@@ -72,11 +72,9 @@ def test_bad_values_name_the_commands_key(override, needle):
     ],
 )
 def test_the_optimizer_keys_that_moved_are_refused_with_their_new_names(command, old, new):
-    import importlib
+    from openaligner.cli.main import command as command_of
 
-    from openaligner.cli.main import COMMANDS
-
-    schema = importlib.import_module(COMMANDS[command][0]).SCHEMA
+    schema = command_of(command).SCHEMA
     with pytest.raises(ConfigError, match=rf"{old.split('=')[0]} is now {new}"):
         load_config(
             schema, None, ["data.train_path=x.jsonl" if command != "serve-critic" else "model.tiny=gpt2", old]

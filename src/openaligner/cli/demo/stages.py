@@ -7,7 +7,6 @@ command line would). Knows nothing of servers or reports.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,11 +31,10 @@ def make_data(run_dir: Path, seed: int, preset: Preset) -> tuple[str, str]:
 
 def config_yaml(command: str, overrides: Sequence[str]) -> str:
     """The full YAML of ``overrides`` resolved against the command's schema."""
-    from openaligner.cli.main import COMMANDS
+    from openaligner.cli.main import command as command_of
     from openaligner.config import config_to_yaml, load_config
 
-    module = importlib.import_module(COMMANDS[command][0])
-    return config_to_yaml(load_config(module.SCHEMA, None, list(overrides)))
+    return config_to_yaml(load_config(command_of(command).SCHEMA, None, list(overrides)))
 
 
 def write_config(path: Path, command: str, overrides: Sequence[str]) -> Path:
