@@ -19,7 +19,12 @@ from openaligner.algorithms.critic_free import (
     sequence_kl,
 )
 from openaligner.algorithms.kl import KL_KINDS, AdaptiveKLController, FixedKLController, kl_penalty
-from openaligner.algorithms.logprobs import entropy_from_logits, logprobs_from_logits, next_token_logprobs
+from openaligner.algorithms.logprobs import (
+    entropy_from_logits,
+    logprob_mismatch,
+    logprobs_from_logits,
+    next_token_logprobs,
+)
 from openaligner.algorithms.losses import (
     LOSS_AGGREGATIONS,
     PolicyLossStats,
@@ -61,6 +66,7 @@ __all__ = [
     "grpo_advantages",
     "grpo_advantages_reference",
     "kl_penalty",
+    "logprob_mismatch",
     "logprobs_from_logits",
     "masked_mean",
     "masked_mean_var",

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import torch
 
 from openaligner import distributed as dp
-from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance
+from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance, response_mask
 from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
@@ -302,7 +302,7 @@ class PPOTrainer:
         tokens = metrics.pop("_tokens", 0.0)
         timings["timing/step_s"] = step_s
         timings["timing/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
-        return metrics | timings
+        return metrics | timings | self.engine.pop_metrics()  # e.g. timing/weight_sync_s
 
     # ------------------------------------------------------------------ (1)-(4)
     def generate_rollouts(self) -> tuple[PPOData, dict[str, float]]:
@@ -379,6 +379,7 @@ class PPOTrainer:
         (``val/`` or ``rollout/``), and their texts and task scores (None without ``decode``)."""
         self._wait_critic_train()  # values must come from the critic after its last update
         outs: list[dict[str, torch.Tensor]] = []
+        engine_logprobs: list[torch.Tensor | None] = []  # the engine's own, to compare with ours
         futures: list[RMCriticFuture] = []
         with self._timer("validation" if is_validation else "generate"):
             micro_batches = self.prompts.micro_batches(prompts, micro_batch_size, self.prompts.collate)
@@ -390,6 +391,7 @@ class PPOTrainer:
                     self._seeds(i, len(mb["length"]), is_validation),
                 )
                 generation = self.engine.generate(request)
+                engine_logprobs.append(generation.logprobs)
                 out = {
                     "response_tokens": generation.tokens,
                     "response_lengths": generation.response_lengths,
@@ -432,7 +434,14 @@ class PPOTrainer:
             values=values,
         )
         decoded = self._decode_rollouts(batch) if self.decode is not None else None
-        return batch, self._rollout_metrics(batch, "val" if is_validation else "rollout", decoded), decoded
+        prefix = "val" if is_validation else "rollout"
+        metrics = self._rollout_metrics(batch, prefix, decoded)
+        if engine_logprobs and all(lp is not None for lp in engine_logprobs):
+            mask = response_mask(prompt_lengths, lengths, width)
+            engine_lp = pad_and_stack([lp for lp in engine_logprobs if lp is not None], 0.0)[:, :width]
+            stats = self.engine.check_logprobs(engine_lp, logprobs, mask)
+            metrics |= {f"{prefix}/engine_{k}": v for k, v in stats.items()}
+        return batch, metrics, decoded
 
     def _rollout_metrics(
         self, b: RolloutBatch, prefix: str, decoded: DecodedRollouts | None
