@@ -11,11 +11,14 @@ The tiny models have head size 32: vLLM's CPU attention refuses 16, the default 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -98,6 +101,17 @@ def test_after_a_weight_push_the_engine_generates_the_trainers_tokens_and_logpro
         mine, mask = _trainer_logprobs(actor, before)
         assert before.logprobs is not None
         assert torch.allclose(before.logprobs[mask], mine[mask], atol=LOGPROB_ATOL, rtol=0)
+
+        # a malformed request is answered 400, naming the field, and the engine goes on serving
+        bad = urllib.request.Request(
+            engine.url + "/generate", data=json.dumps({"prompts": [[5, 6]], "seeds": []}).encode()
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bad, timeout=60)
+        assert (
+            refused.value.code == 400
+            and "seeds must hold one seed per prompt" in refused.value.read().decode()
+        )
 
         # new weights: the engine must generate from them after the push, and only then
         with torch.no_grad():
