@@ -31,7 +31,13 @@ from openaligner.io.metrics import read_jsonl
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.generation import SamplingParams
-from openaligner.models.rollout_engine import HFRolloutEngine, RolloutRequest, VLLMConfig, row_seeds
+from openaligner.models.rollout_engine import (
+    HFRolloutEngine,
+    RolloutEngineError,
+    RolloutRequest,
+    VLLMConfig,
+    row_seeds,
+)
 from openaligner.models.vllm_engine import VLLMRolloutEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.heavy, pytest.mark.slow]
@@ -143,6 +149,18 @@ def test_after_a_weight_push_the_engine_generates_the_trainers_tokens_and_logpro
         mine, mask = _trainer_logprobs(actor, first)
         assert first.logprobs is not None
         assert torch.allclose(first.logprobs[mask], mine[mask], atol=LOGPROB_ATOL, rtol=0)
+
+        # weights that did not arrive: the trainer's change after the push stands for a push the
+        # engine missed; the first rollout after a push is checked, and the run stops
+        engine.update_weights(actor, 3)
+        stale = engine.generate(sampled)
+        with torch.no_grad():
+            for p in actor.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+        mine, mask = _trainer_logprobs(actor, stale)
+        assert stale.logprobs is not None
+        with pytest.raises(RolloutEngineError, match=r"not generating from the trainer's weights"):
+            engine.check_logprobs(stale.logprobs, mine, mask.float())
     assert engine_processes(os.getpid()) == []
 
 
