@@ -1,7 +1,8 @@
 """The vllm rollout engine for real (marker ``vllm``; needs the rollout environment of
 ``make rollout-setup``, and is skipped naming it when it is absent): after a weight push the
 engine's greedy continuations and log-probs are the trainer's own and differ from before; train-ppo
-runs with it end to end (and resumes, re-syncing the weights) leaving no engine process; an engine
+runs with it end to end (and resumes, re-syncing the weights) leaving no engine process; a LoRA
+policy arrives with its adapters merged; an engine
 killed mid-run stops the trainer with a message naming it.
 
 Tolerance: float32 on both sides; vLLM's CPU kernels sum in another order than PyTorch's, so the
@@ -253,3 +254,29 @@ def test_an_engine_killed_mid_run_stops_the_trainer_naming_the_engine(rollout_py
     assert "RolloutEngineError: the vllm rollout engine died" in text, text[-3000:]
     assert "killed by signal 9" in text
     assert engine_processes(proc.pid) == []
+
+
+def test_a_lora_policy_reaches_the_engine_with_its_adapters_merged(rollout_python):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    actor = CausalLMActor(
+        peft.get_peft_model(build_tiny_causal_lm("llama", SIZE, seed=0), config),
+        sampling=SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=(1,)),
+        init_policy=False,
+    )
+    greedy = RolloutRequest(_prompts_tensor(), LENGTHS, actor.sampling, row_seeds(0, 4))
+    with VLLMRolloutEngine(actor, VLLMConfig(python=rollout_python, start_timeout_s=900)) as engine:
+        before = engine.generate(greedy)
+        assert torch.equal(before.tokens, HFRolloutEngine(actor).generate(greedy).tokens)
+        with torch.no_grad():  # an update of the adapters alone
+            g = torch.Generator().manual_seed(2)
+            for name, p in actor.model.named_parameters():
+                if "lora_" in name:
+                    p.add_(torch.randn(p.shape, generator=g))
+        engine.update_weights(actor, 1)
+        after = engine.generate(greedy)
+        assert torch.equal(after.tokens, HFRolloutEngine(actor).generate(greedy).tokens)
+        assert not torch.equal(after.tokens, before.tokens)
+        mine, mask = _trainer_logprobs(actor, after)
+        assert after.logprobs is not None
+        assert torch.allclose(after.logprobs[mask], mine[mask], atol=LOGPROB_ATOL, rtol=0)
