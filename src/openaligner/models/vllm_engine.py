@@ -26,8 +26,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 """The script the engine process runs (stdlib + vLLM only)."""
+
+T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,18 +111,14 @@ class VLLMRolloutEngine(RolloutEngine):
     ``timing/weight_sync_s``. The first rollout after a push checks the engine's log-probs against
     the trainer's (:meth:`check_logprobs`).
 
-    One engine per run, on rank 0 of a world of one (torchrun with more processes is refused).
+    One engine per run, on rank 0: under torchrun every rank's rows go to it in one request (rank
+    0 sends it; each rank gets its own rows back) and the metrics are over every rank's rows.
     """
 
     name = "vllm"
     shares_weights = False
 
     def __init__(self, actor: CausalLMActor, cfg: VLLMConfig) -> None:
-        if dp.world_size() > 1:
-            raise EngineSetupError(
-                f"rollout.engine=vllm runs in a single trainer process for now (world size "
-                f"{dp.world_size()}); use rollout.engine=hf under torchrun"
-            )
         self.cfg = cfg
         self.python = resolve_python(cfg.python)
         self.policy: WeightSource = actor
@@ -137,15 +136,20 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Write the policy's weights, start the engine on them and wait until it serves."""
-        if self.proc is not None and self.proc.poll() is None:
+        """Write the policy's weights, start the engine on them (rank 0) and wait until it serves.
+        Every rank calls it (gathering a sharded policy's weights is a collective)."""
+        if self.url:
             return
+        state = self.policy.inference_state_dict()
+        self.url = _on_leader(lambda: self._start(state))
+
+    def _start(self, state: dict[str, torch.Tensor] | None) -> str:
         shm = Path("/dev/shm")
         self.workdir = Path(tempfile.mkdtemp(prefix="openaligner-vllm-", dir=shm if shm.is_dir() else None))
         model_dir = self.workdir / "model"
         model_dir.mkdir()
         self.hf_config.save_pretrained(model_dir)
-        self._write_weights(model_dir)
+        self._write_weights(model_dir, state)
         ready = self.workdir / "ready.json"
         c = self.cfg
         cmd = [
@@ -184,14 +188,14 @@ class VLLMRolloutEngine(RolloutEngine):
                 )
             time.sleep(0.2)
         port = json.loads(ready.read_text())["port"]
-        self.url = f"http://127.0.0.1:{port}"
         self._dirty = False
-        log.info("vllm rollout engine: serving on %s", self.url)
+        log.info("vllm rollout engine: serving on 127.0.0.1:%d", port)
+        return f"http://127.0.0.1:{port}"
 
     def stop(self) -> None:
         """End the engine's whole process group (SIGTERM, then SIGKILL after 15 s) and remove its
         directory."""
-        proc, self.proc = self.proc, None
+        proc, self.proc, self.url = self.proc, None, ""
         if proc is not None:
             _end_group(proc)
         if self.workdir is not None:
@@ -207,22 +211,26 @@ class VLLMRolloutEngine(RolloutEngine):
         self.version = version
         self._dirty = True
 
-    def _write_weights(self, model_dir: Path) -> None:
+    def _write_weights(self, model_dir: Path, state: dict[str, torch.Tensor] | None) -> None:
         from safetensors.torch import save_file
 
-        state = self.policy.inference_state_dict()
-        assert state is not None, "a world of one holds the whole state dict"
+        assert state is not None, "rank 0 holds the whole state dict"
         tensors = engine_state_dict(state, _DTYPES[self.cfg.dtype], self.tied)
         tmp = model_dir / "model.safetensors.tmp"  # not *.safetensors: never read half-written
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, model_dir / "model.safetensors")
 
     def _push(self) -> None:
-        assert self.workdir is not None
         t0 = time.perf_counter()
-        model_dir = self.workdir / "model"
-        self._write_weights(model_dir)
-        self._post("/reload_weights", {"path": str(model_dir)})
+        state = self.policy.inference_state_dict()  # a collective for a sharded policy
+
+        def push() -> None:
+            assert self.workdir is not None
+            model_dir = self.workdir / "model"
+            self._write_weights(model_dir, state)
+            self._post("/reload_weights", {"path": str(model_dir)})
+
+        _on_leader(push)
         self._dirty = False
         self._check_next = True
         self._sync_s += time.perf_counter() - t0
@@ -248,14 +256,22 @@ class VLLMRolloutEngine(RolloutEngine):
                 "use stop token ids (trainer.sampling.stop_token_ids) or rollout.engine=hf"
             )
         assert s.stop_token_ids is not None, "a rollout request carries resolved stop ids"
-        if self.proc is None:
+        if not self.url:
             self.start()
         if self._dirty:
             self._push()
         plens = request.prompt_lengths.tolist()
+        # every rank's rows go to the one engine in one request (rank 0 sends it); each rank takes
+        # its own rows back
+        rows = dp.gather_objects(
+            (
+                [row[:n] for row, n in zip(request.prompts.tolist(), plens, strict=True)],
+                request.seeds.tolist(),
+            )
+        )
         body = {
-            "prompts": [row[:n] for row, n in zip(request.prompts.tolist(), plens, strict=True)],
-            "seeds": request.seeds.tolist(),
+            "prompts": [p for prompts, _ in rows for p in prompts],
+            "seeds": [x for _, seeds in rows for x in seeds],
             "greedy": s.greedy,
             "temperature": s.temperature,
             "top_k": s.top_k,
@@ -264,8 +280,10 @@ class VLLMRolloutEngine(RolloutEngine):
             "min_tokens": s.min_new_tokens,
             "stop_token_ids": list(s.stop_token_ids),
         }
-        out = self._post("/generate", body)
-        responses, lps = out["token_ids"], out["logprobs"]
+        out = _on_leader(lambda: self._post("/generate", body))
+        start = sum(len(prompts) for prompts, _ in rows[: dp.rank()])
+        mine = slice(start, start + len(plens))
+        responses, lps, finish = out["token_ids"][mine], out["logprobs"][mine], out["finish_reasons"][mine]
         totals = [p + len(r) for p, r in zip(plens, responses, strict=True)]
         b, width = len(plens), max(totals)
         tokens = torch.full((b, width), self.pad_id, dtype=torch.int64)
@@ -278,7 +296,7 @@ class VLLMRolloutEngine(RolloutEngine):
             tokens=tokens,
             response_lengths=torch.tensor(totals, dtype=torch.int64),
             prompt_lengths=request.prompt_lengths.to("cpu", torch.int64),
-            is_end=torch.tensor([f == "stop" for f in out["finish_reasons"]], dtype=torch.bool),
+            is_end=torch.tensor([f == "stop" for f in finish], dtype=torch.bool),
             logprobs=logprobs,
         )
 
@@ -290,7 +308,7 @@ class VLLMRolloutEngine(RolloutEngine):
         engine generated from other weights than the trainer's), and warns when a later rollout
         does. Only without top-k/top-p truncation: with it, vLLM's log-probs are renormalised over
         the kept tokens and the trainer's are not, so they differ by design."""
-        stats = super().check_logprobs(engine_logprobs, trainer_logprobs, mask)
+        stats = _global_mismatch(engine_logprobs, trainer_logprobs, mask)
         just_pushed, self._check_next = self._check_next, False
         limit, mean = self.cfg.max_logprob_diff, stats["logprob_diff_mean"]
         sampling = getattr(self.policy, "sampling", None)
@@ -349,6 +367,41 @@ class VLLMRolloutEngine(RolloutEngine):
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
+
+
+def _on_leader(work: Callable[[], T]) -> T:
+    """``work()`` run on rank 0, its result (or its :class:`RolloutEngineError`) on every rank:
+    the other ranks must not wait forever in the next collective for a rank 0 that failed."""
+    if not dp.is_distributed():
+        return work()
+    outcome: tuple[bool, Any] = (True, None)
+    if dp.is_leader():
+        try:
+            outcome = (True, work())
+        except (RolloutEngineError, EngineSetupError) as e:
+            outcome = (False, e)
+    ok, value = dp.broadcast_object(outcome)
+    if not ok:
+        raise value
+    return cast(T, value)
+
+
+def _global_mismatch(
+    engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """:func:`~openaligner.algorithms.logprob_mismatch` over every rank's rows (the same on all)."""
+    keep = mask.bool()
+    d = (engine_logprobs.double() - trainer_logprobs.double()).abs()[keep]
+    sums = dp.all_reduce_sum(torch.stack([d.sum(), d.exp().sum(), torch.tensor(float(d.numel()))]).double())
+    top = dp.all_reduce_max(d.max() if d.numel() else torch.zeros((), dtype=torch.float64))
+    n = float(sums[2])
+    if n == 0:
+        return {"logprob_diff_mean": 0.0, "logprob_diff_max": 0.0, "token_prob_error": 1.0}
+    return {
+        "logprob_diff_mean": float(sums[0]) / n,
+        "logprob_diff_max": float(top),
+        "token_prob_error": float(sums[1]) / n,
+    }
 
 
 def _plain_config(actor: CausalLMActor) -> Any:
