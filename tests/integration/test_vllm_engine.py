@@ -2,8 +2,8 @@
 ``make rollout-setup``, and is skipped naming it when it is absent): after a weight push the
 engine's greedy continuations and log-probs are the trainer's own and differ from before; train-ppo
 runs with it end to end (and resumes, re-syncing the weights) leaving no engine process; a LoRA
-policy arrives with its adapters merged; an engine
-killed mid-run stops the trainer with a message naming it.
+policy arrives with its adapters merged; two FSDP ranks under torchrun share one engine; an
+engine killed mid-run stops the trainer with a message naming it.
 
 Tolerance: float32 on both sides; vLLM's CPU kernels sum in another order than PyTorch's, so the
 log-probs of the same tokens agree to LOGPROB_ATOL (measured: ~1e-5) and greedy tokens are equal.
