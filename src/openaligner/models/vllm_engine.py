@@ -164,6 +164,7 @@ class VLLMRolloutEngine(RolloutEngine):
             f"--max-model-len={c.max_model_len}",
             "--enforce-eager" if c.enforce_eager else "--no-enforce-eager",
             f"--parent-pid={os.getpid()}",
+            f"--workdir={self.workdir}",
         ]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env |= {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": str(c.cpu_kv_cache_gib)}

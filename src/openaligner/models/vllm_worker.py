@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -177,11 +178,14 @@ def make_handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def _exit_with_parent(parent: int) -> None:
+def _exit_with_parent(parent: int, workdir: str | None) -> None:
     """End this process when the trainer that started it is gone (killed without a chance to
-    stop the engine): an orphaned engine would hold its memory (and a GPU) for nothing."""
+    stop the engine): an orphaned engine would hold its memory (and a GPU) for nothing. Its
+    working directory (the weights in shared memory) goes with it."""
     while True:
         if os.getppid() != parent:
+            if workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
             os._exit(3)
         time.sleep(1.0)
 
@@ -198,9 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.0, help="0: vLLM's default")
     p.add_argument("--max-model-len", type=int, default=0, help="0: the model's")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    p.add_argument("--workdir", default=None, help="removed when exiting for --parent-pid")
     args = p.parse_args(argv)
     if args.parent_pid:
-        threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
+        watch = threading.Thread(target=_exit_with_parent, args=(args.parent_pid, args.workdir), daemon=True)
+        watch.start()
     engine = Engine(args)
     server = HTTPServer((args.host, args.port), make_handler(engine))
     tmp = args.ready_file + ".tmp"
