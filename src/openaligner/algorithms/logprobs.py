@@ -121,3 +121,29 @@ def chunked_token_stats(
         empty = hidden.new_zeros(hidden.shape[:2], dtype=torch.float32)
         return empty, empty.clone() if entropy else None
     return torch.cat(lps, dim=1), torch.cat(ents, dim=1) if entropy else None
+
+
+def logprob_mismatch(
+    engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """How far a rollout engine's log-probs of the sampled tokens are from the trainer's own.
+
+    With ``d = |engine − trainer|`` on the masked positions:
+    ``logprob_diff_mean`` = mean d, ``logprob_diff_max`` = max d, and ``token_prob_error`` =
+    mean exp(d), NeMo-RL's token-probability error (1 when they agree; 1.01 ≈ 1 % apart per token).
+    E.g. d = [0.0, 0.1, 0.3] → mean 0.1333, max 0.3, error (1 + 1.1052 + 1.3499) / 3 = 1.1517.
+
+    Args:
+        engine_logprobs: [B, S-1].
+        trainer_logprobs: [B, S-1].
+        mask: [B, S-1], 1 = a position to compare.
+
+    Returns:
+        0-dim float64 tensors under the three names (0, 0 and 1 when the mask is empty).
+    """
+    keep = mask.bool()
+    d = (engine_logprobs.double() - trainer_logprobs.double()).abs()[keep]
+    if d.numel() == 0:
+        zero = torch.zeros((), dtype=torch.float64)
+        return {"logprob_diff_mean": zero, "logprob_diff_max": zero, "token_prob_error": zero + 1}
+    return {"logprob_diff_mean": d.mean(), "logprob_diff_max": d.max(), "token_prob_error": d.exp().mean()}

@@ -72,6 +72,9 @@ class Generation:
     response_lengths: torch.Tensor  # [B] int64: prompt + response tokens (stop token included)
     prompt_lengths: torch.Tensor  # [B] int64
     is_end: torch.Tensor  # [B] bool: the response ended on a stop token id or a stop string
+    # [B, S-1] float32 or None: an engine's own log-prob of each next token (position t scores
+    # tokens[t+1]; only response positions are meaningful) — compared with the trainer's, never used
+    logprobs: torch.Tensor | None = None
 
 
 def generate(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -23,6 +23,16 @@ import torch
 if TYPE_CHECKING:
     from openaligner.models.actor import CausalLMActor
     from openaligner.models.generation import Generation, SamplingParams
+
+
+class EngineSetupError(ValueError):
+    """The configured engine cannot run here (its environment is missing, a setting it does not
+    support); the message names the key and the fix. The recipe refuses the run with it."""
+
+
+class RolloutEngineError(RuntimeError):
+    """The engine failed while the run used it (its process died, refused a request, or generated
+    from other weights than the trainer's); the message names the engine and what happened."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,31 @@ class RolloutEngine(ABC):
         if not self.shares_weights:
             raise NotImplementedError(f"the {self.name} engine owns its weights and must take new ones")
 
+    def check_logprobs(
+        self, engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor
+    ) -> dict[str, float]:
+        """Compare the log-probs an engine reported (``Generation.logprobs``) with the trainer's
+        own of the same tokens, and say how far apart they are.
+
+        Args:
+            engine_logprobs: [B, S-1] the engine's log-prob of each next token.
+            trainer_logprobs: [B, S-1] the trainer's (:meth:`CausalLMActor.get_inference_log_probs`).
+            mask: [B, S-1] 1 on response positions.
+
+        Returns:
+            ``{"logprob_diff_mean", "logprob_diff_max", "token_prob_error"}`` (see
+            :func:`~openaligner.algorithms.logprobs.logprob_mismatch`); an engine may raise
+            instead when they show it generated from other weights than the trainer's.
+        """
+        from openaligner.algorithms.logprobs import logprob_mismatch
+
+        return {k: float(v) for k, v in logprob_mismatch(engine_logprobs, trainer_logprobs, mask).items()}
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The engine's own measurements since the last call (e.g. ``timing/weight_sync_s``);
+        the trainer adds them to the step's metrics. Default: none."""
+        return {}
+
     def stop(self) -> None:
         """Release what the engine holds (processes, memory); :meth:`start` may bring it back."""
         return None
@@ -146,15 +181,70 @@ class HFRolloutEngine(RolloutEngine):
         )
 
 
-ROLLOUT_ENGINES: dict[str, Callable[[CausalLMActor], RolloutEngine]] = {"hf": HFRolloutEngine}
-"""``rollout.engine`` name → the engine's builder from the actor it generates for."""
+def _hf_engine(cfg: RolloutConfig, actor: CausalLMActor) -> RolloutEngine:
+    return HFRolloutEngine(actor)
+
+
+def _vllm_engine(cfg: RolloutConfig, actor: CausalLMActor) -> RolloutEngine:
+    from openaligner.models.vllm_engine import VLLMRolloutEngine
+
+    return VLLMRolloutEngine(actor, cfg.vllm)
+
+
+ROLLOUT_ENGINES: dict[str, Callable[[RolloutConfig, CausalLMActor], RolloutEngine]] = {
+    "hf": _hf_engine,
+    "vllm": _vllm_engine,
+}
+"""``rollout.engine`` name → the engine's builder from the ``rollout`` section and the actor it
+generates for."""
+
+
+@dataclass
+class VLLMConfig:
+    """``rollout.vllm``: the vLLM engine's process (docs/rollout-engine.md)."""
+
+    # the rollout environment's interpreter (`make rollout-setup`); a relative path is looked up
+    # from the working directory, then from the source checkout
+    python: str = ".venv-rollout/bin/python"
+    dtype: str = "float32"  # the engine's weights and compute (float32 | bfloat16 | float16)
+    tensor_parallel_size: int = 1  # GPUs the engine shards the model over (tensor parallel)
+    # share of each GPU's memory vLLM may take; 0 = vLLM's default (0.9); leave the trainer room
+    # when both share a GPU
+    gpu_memory_utilization: float = 0.0
+    max_model_len: int = 0  # longest prompt + response the engine serves; 0 = the model's limit
+    enforce_eager: bool = True  # no CUDA graphs (the CPU build needs it; a GPU is faster without)
+    cpu_kv_cache_gib: int = 1  # KV cache of the CPU build, GiB (VLLM_CPU_KVCACHE_SPACE)
+    start_timeout_s: float = 600.0  # the engine's start-up limit (importing vLLM alone: 30-90 s)
+    request_timeout_s: float = 600.0  # limit of one generate or weight push
+    # mean |engine − trainer log-prob| on the first rollout after a weight push above which the
+    # run stops (the weights did not arrive); 0 = never
+    max_logprob_diff: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"rollout.vllm.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"rollout.vllm.tensor_parallel_size must be ≥ 1, got {self.tensor_parallel_size}"
+            )
+        if not 0.0 <= self.gpu_memory_utilization < 1.0:
+            raise ValueError(
+                f"rollout.vllm.gpu_memory_utilization must lie in [0, 1) (0: vLLM's default), got "
+                f"{self.gpu_memory_utilization}"
+            )
+        for key in ("start_timeout_s", "request_timeout_s", "cpu_kv_cache_gib"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"rollout.vllm.{key} must be > 0, got {getattr(self, key)}")
+        if self.max_model_len < 0 or self.max_logprob_diff < 0:
+            raise ValueError("rollout.vllm.max_model_len and rollout.vllm.max_logprob_diff must be ≥ 0")
 
 
 @dataclass
 class RolloutConfig:
     """The ``rollout`` section of train-ppo: what generates the rollouts."""
 
-    engine: str = "hf"  # hf: the project's own sampling loop over the actor's modules
+    engine: str = "hf"  # hf: the project's own sampling loop; vllm: a vLLM engine in its own process
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # the vllm engine's settings
 
     def __post_init__(self) -> None:
         if self.engine not in ROLLOUT_ENGINES:
@@ -165,7 +255,7 @@ class RolloutConfig:
 
 def build_rollout_engine(cfg: RolloutConfig, actor: CausalLMActor) -> RolloutEngine:
     """The engine ``cfg`` names, generating for ``actor`` (not started)."""
-    return ROLLOUT_ENGINES[cfg.engine](actor)
+    return ROLLOUT_ENGINES[cfg.engine](cfg, actor)
 
 
 def row_seeds(seed: int, rows: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from openaligner import distributed as dp
-from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance
+from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance, response_mask
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
@@ -352,7 +352,7 @@ class PPOTrainer:
         tokens = metrics.pop("_tokens", 0.0)
         timings["timing/step_s"] = step_s
         timings["timing/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
-        return metrics | timings
+        return metrics | timings | self.engine.pop_metrics()  # e.g. timing/weight_sync_s
 
     # ------------------------------------------------------------------ (1)-(4)
     def generate_rollouts(self) -> tuple[PPOData, dict[str, float]]:
@@ -416,6 +416,7 @@ class PPOTrainer:
         (``val/`` or ``rollout/``), and their texts and task scores (None without ``decode``)."""
         self._wait_critic_train()  # values must come from the critic after its last update
         outs: list[dict[str, torch.Tensor]] = []
+        engine_logprobs: list[torch.Tensor | None] = []  # the engine's own, to compare with ours
         futures: list[RMCriticFuture] = []
         with self._timer("validation" if is_validation else "generate"):
             micro_batches = self.prompts.micro_batches(prompts, micro_batch_size, self.prompts.collate)
@@ -427,6 +428,7 @@ class PPOTrainer:
                     self._seeds(i, len(mb["length"]), is_validation),
                 )
                 generation = self.engine.generate(request)
+                engine_logprobs.append(generation.logprobs)
                 out = {
                     "response_tokens": generation.tokens,
                     "response_lengths": generation.response_lengths,
@@ -475,7 +477,14 @@ class PPOTrainer:
         if self.decode is not None:
             stop_ids = self.model.sampling.stop_token_ids or ()
             decoded = decode_rollouts(batch, self.decode, stop_ids, self.response_scorer)
-        return batch, rollout_metrics(batch, "val" if is_validation else "rollout", decoded), decoded
+        prefix = "val" if is_validation else "rollout"
+        metrics = rollout_metrics(batch, prefix, decoded)
+        if engine_logprobs and all(lp is not None for lp in engine_logprobs):
+            mask = response_mask(prompt_lengths, lengths, width)
+            engine_lp = pad_and_stack([lp for lp in engine_logprobs if lp is not None], 0.0)[:, :width]
+            stats = self.engine.check_logprobs(engine_lp, logprobs, mask)
+            metrics |= {f"{prefix}/engine_{k}": v for k, v in stats.items()}
+        return batch, metrics, decoded
 
     def _seeds(self, micro_batch: int, rows: int, is_validation: bool) -> torch.Tensor:
         """[rows] int64 per-row seeds of one generation request: consecutive from its micro-batch's."""

@@ -38,7 +38,7 @@ from openaligner.io.metrics import open_run_logs
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.lora import MERGED_DIR, is_peft_model
 from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
-from openaligner.models.rollout_engine import RolloutEngine, build_rollout_engine
+from openaligner.models.rollout_engine import EngineSetupError, RolloutEngine, build_rollout_engine
 from openaligner.models.sharding import (
     ActorParallelConfig,
     ShardingError,
@@ -167,7 +167,13 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         logits_chunk_mb=c.logits_chunk_mb,
     )
     loss = PolicyLoss(PolicyLossConfig.from_ppo(c))
-    engine = build_rollout_engine(cfg.rollout, actor)
+    if cfg.rollout.engine == "vllm" and c.sampling.end_strings:
+        raise StartupError(
+            "rollout.engine=vllm does not support stop strings (trainer.sampling.end_strings): use "
+            "trainer.sampling.stop_token_ids, or rollout.engine=hf"
+        )
+    with as_startup_error(EngineSetupError):
+        engine = build_rollout_engine(cfg.rollout, actor)
     # 3. prompts: this rank's share of every global batch
     train_loader = PromptLoader(train_prompts, c.num_rollout_samples, c.seed, True, rank, world)
     val_loader = None

@@ -1,6 +1,12 @@
+import pytest
 import torch
 
-from openaligner.algorithms import entropy_from_logits, logprobs_from_logits, next_token_logprobs
+from openaligner.algorithms import (
+    entropy_from_logits,
+    logprob_mismatch,
+    logprobs_from_logits,
+    next_token_logprobs,
+)
 
 
 def _slow_reference(logits, tokens, temperature):
@@ -44,3 +50,26 @@ def test_entropy_worked_example():
     # temperature sharpens
     x = torch.tensor([1.0, 0.0, -1.0])
     assert entropy_from_logits(x, temperature=0.5) < entropy_from_logits(x)
+
+
+def test_logprob_mismatch_worked_example():
+    # d = |engine - trainer| on the masked positions = [0.0, 0.1, 0.3]; the 4th position is masked
+    engine = torch.tensor([[-1.0, -2.1, -0.7, -9.0]])
+    trainer = torch.tensor([[-1.0, -2.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    out = logprob_mismatch(engine, trainer, mask)
+    assert float(out["logprob_diff_mean"]) == pytest.approx(0.4 / 3, abs=1e-6)
+    assert float(out["logprob_diff_max"]) == pytest.approx(0.3, abs=1e-6)
+    # (e^0 + e^0.1 + e^0.3) / 3 = (1 + 1.10517 + 1.34986) / 3
+    assert float(out["token_prob_error"]) == pytest.approx(1.151677, abs=1e-5)
+
+
+def test_logprob_mismatch_ignores_masked_positions_and_is_neutral_when_equal():
+    a = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(5) < torch.tensor([[2], [5], [0]])).float()
+    noisy = a + 100.0 * (1 - mask)  # only unmasked positions differ
+    out = logprob_mismatch(noisy, a, mask)
+    assert float(out["logprob_diff_mean"]) == 0.0 and float(out["logprob_diff_max"]) == 0.0
+    assert float(out["token_prob_error"]) == 1.0
+    empty = logprob_mismatch(a, a + 1, torch.zeros_like(a))
+    assert [float(v) for v in empty.values()] == [0.0, 0.0, 1.0]

@@ -23,9 +23,9 @@ def test_server_overlap_threads_is_read_and_checked():
 
 def test_rollout_engine_is_read_and_an_unknown_one_is_refused_in_one_line(tmp_path, capsys):
     assert load_config(SCHEMA, YAML, [*REQUIRED]).rollout.engine == "hf"
-    with pytest.raises(ConfigError, match=r"rollout\.engine must be one of hf, got 'vllm'"):
-        load_config(SCHEMA, YAML, [*REQUIRED, "rollout.engine=vllm"])
-    assert main(["train-ppo", str(YAML), *REQUIRED, "rollout.engine=vllm"]) == 2
+    with pytest.raises(ConfigError, match=r"rollout\.engine must be one of hf, vllm, got 'sglang'"):
+        load_config(SCHEMA, YAML, [*REQUIRED, "rollout.engine=sglang"])
+    assert main(["train-ppo", str(YAML), *REQUIRED, "rollout.engine=sglang"]) == 2
     err = capsys.readouterr().err.strip()
     assert "rollout.engine" in err and "hf" in err and len(err.splitlines()) == 1
 
@@ -36,3 +36,24 @@ def test_logits_chunk_mb_is_read_and_checked():
     assert whole.trainer.logits_chunk_mb is None
     with pytest.raises(ConfigError, match=r"trainer\.logits_chunk_mb: must be > 0"):
         load_config(SCHEMA, YAML, [*REQUIRED, "trainer.logits_chunk_mb=0"])
+
+
+def test_vllm_engine_settings_are_checked_by_key():
+    cfg = load_config(SCHEMA, YAML, [*REQUIRED, "rollout.engine=vllm", "rollout.vllm.dtype=bfloat16"])
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.vllm.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.dtype must be float32, bfloat16 or float16"):
+        load_config(SCHEMA, YAML, [*REQUIRED, "rollout.vllm.dtype=int8"])
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.gpu_memory_utilization must lie in \[0, 1\)"):
+        load_config(SCHEMA, YAML, [*REQUIRED, "rollout.vllm.gpu_memory_utilization=1.5"])
+
+
+def test_vllm_engine_without_its_environment_is_refused_in_one_line(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(64)))
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    args = [f"data.train_path={prompts}", "actor.tiny=llama", "remote.critic.port=1", "device=cpu"]
+    code = main(["train-ppo", str(YAML), *args, "rollout.engine=vllm", f"rollout.vllm.python={missing}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert f"rollout.vllm.python={missing}" in err and "make rollout-setup" in err
+    assert len(err.splitlines()) == 1

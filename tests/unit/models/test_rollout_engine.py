@@ -64,8 +64,9 @@ def test_row_seeds_are_consecutive_and_wrap_below_2_63():
 
 
 def test_unknown_engine_is_refused_naming_the_valid_ones():
-    with pytest.raises(ValueError, match=r"rollout\.engine must be one of hf, got 'vllm'"):
-        RolloutConfig(engine="vllm")
+    with pytest.raises(ValueError, match=r"rollout\.engine must be one of hf, vllm, got 'sglang'"):
+        RolloutConfig(engine="sglang")
+    assert RolloutConfig(engine="vllm").vllm.dtype == "float32"
 
 
 def test_lifecycle_and_an_engine_that_owns_its_weights_must_take_them(actor):

@@ -3,6 +3,10 @@ seeds, and the engine gets the new weights after every optimizer step (and after
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
+import pytest
 import torch
 from ppo_fakes import make_trainer, ppo_cfg
 
@@ -116,3 +120,44 @@ def test_a_resumed_trainer_sends_the_restored_weights_to_the_engine(tmp_path):
 def test_the_default_engine_is_hf_over_the_actor(tmp_path):
     trainer = make_trainer(tmp_path, ppo_cfg(max_steps=1))
     assert isinstance(trainer.engine, HFRolloutEngine) and trainer.engine.actor is trainer.model
+
+
+class ReportingEngine(HFRolloutEngine):
+    """The hf engine, reporting log-probs of its own (the trainer's, shifted by ``offset`` on the
+    response) and a timing, as an engine in another process would."""
+
+    def __init__(self, actor, offset):
+        super().__init__(actor)
+        self.offset = offset
+        self.compared: list[float] = []
+
+    def generate(self, request):
+        out = super().generate(request)
+        own = self.actor.get_inference_log_probs(
+            out.tokens, out.response_lengths, prompt_lengths=out.prompt_lengths
+        )
+        return dataclasses.replace(out, logprobs=own + self.offset)
+
+    def check_logprobs(self, engine_logprobs, trainer_logprobs, mask):
+        stats = super().check_logprobs(engine_logprobs, trainer_logprobs, mask)
+        self.compared.append(stats["logprob_diff_mean"])
+        return stats
+
+    def pop_metrics(self):
+        return {"timing/weight_sync_s": 0.5}
+
+
+def test_an_engines_own_logprobs_are_compared_with_the_trainers_and_its_metrics_logged(tmp_path):
+    cfg = ppo_cfg(max_steps=1, val_check_interval=0, save_interval=0)
+    trainer = make_trainer(tmp_path, cfg)
+    trainer.engine = ReportingEngine(trainer.model, offset=0.25)
+    (m,) = trainer.fit()
+    # every response token is 0.25 apart (the padding beyond a response is not compared)
+    assert m["rollout/engine_logprob_diff_mean"] == pytest.approx(0.25, abs=1e-5)
+    assert m["rollout/engine_logprob_diff_max"] == pytest.approx(0.25, abs=1e-5)
+    assert m["rollout/engine_token_prob_error"] == pytest.approx(math.exp(0.25), abs=1e-5)
+    assert m["timing/weight_sync_s"] == 0.5
+    # the hf engine reports none: no such metrics
+    plain = make_trainer(tmp_path / "plain", cfg)
+    (m,) = plain.fit()
+    assert not any("engine_" in k or "weight_sync" in k for k in m)

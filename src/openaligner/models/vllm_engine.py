@@ -1,0 +1,439 @@
+"""The ``vllm`` rollout engine, trainer side: starts one vLLM engine process with the rollout
+environment's Python, talks to it over HTTP on loopback, and pushes the policy's weights into it.
+
+Owns the engine process's lifecycle (its whole process group is ended on :meth:`close`; the
+engine also ends itself when the trainer's process is gone), the model directory in shared
+memory the engine loads from, the mapping of :class:`~openaligner.models.generation.SamplingParams`
+onto vLLM's, and the weight push. Must not import vLLM (it lives in another virtualenv:
+``rollout.vllm.python``) nor know about rewards, losses or the PPO loop. The engine's side is
+``vllm_worker.py`` beside this file; docs/rollout-engine.md says why the design is this one.
+
+Wire format: JSON over HTTP (see ``vllm_worker.py``): token ids in, token ids, vLLM's processed
+log-probs and finish reasons out; new weights as a path to a ``model.safetensors`` in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import http.client
+import json
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+
+from openaligner import distributed as dp
+from openaligner.models.rollout_engine import (
+    EngineSetupError,
+    RolloutEngine,
+    RolloutEngineError,
+    RolloutRequest,
+    VLLMConfig,
+    WeightSource,
+)
+
+if TYPE_CHECKING:
+    from openaligner.models.actor import CausalLMActor
+    from openaligner.models.generation import Generation
+
+log = logging.getLogger(__name__)
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+"""The script the engine process runs (stdlib + vLLM only)."""
+
+T = TypeVar("T")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_python(spec: str) -> Path:
+    """The rollout environment's interpreter: ``spec`` if absolute, else relative to the working
+    directory, else to the source checkout holding this package (where ``make rollout-setup``
+    puts ``.venv-rollout``).
+
+    Raises:
+        EngineSetupError: no such interpreter, naming the key and the make target.
+    """
+    path = Path(spec).expanduser()
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, Path(__file__).parents[3] / path]
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate.absolute()  # not resolved: a venv's python is a symlink out of the venv
+    raise EngineSetupError(
+        f"rollout.vllm.python={spec} is not an interpreter (looked at {', '.join(map(str, candidates))}): "
+        "run `make rollout-setup` (a virtualenv with vLLM in .venv-rollout) or point rollout.vllm.python "
+        "at a Python that can import vllm"
+    )
+
+
+def engine_state_dict(
+    state: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool
+) -> dict[str, torch.Tensor]:
+    """``state`` as the engine loads it: every tensor its own CPU copy in ``dtype`` (floats only;
+    safetensors refuses tensors that share memory, and tied weights do), with an explicit
+    ``lm_head.weight`` for a model whose head is tied to its input embedding (vLLM's CPU build
+    keeps a packed copy of the head that a reload without that key leaves stale)."""
+    out = {
+        name: t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).clone().contiguous()
+        for name, t in state.items()
+    }
+    if tied and "lm_head.weight" not in out:
+        embed = [n for n in out if n.endswith("embed_tokens.weight") or n.endswith("wte.weight")]
+        if embed:
+            out["lm_head.weight"] = out[embed[0]].clone()
+    return out
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """Rollouts from a vLLM engine in its own process (``rollout.engine=vllm``).
+
+    Sampling means what it means for the ``hf`` engine: temperature, top-k, top-p, min and max
+    new tokens and the stop ids (the tokenizer's EOS included; only they end a response, and
+    ``min_new_tokens`` bans exactly them); greedy is vLLM's temperature 0. Stop strings are not
+    supported (refused at start-up). Seeds: row ``i`` is sampled from its own stream seeded with
+    ``seeds[i]``, so a row's tokens do not depend on its batch-mates.
+
+    Weights: :meth:`start` writes the policy's weights and the model's config to a directory in
+    ``/dev/shm`` and starts the engine on it. :meth:`update_weights` only records that the weights
+    changed; the next :meth:`generate` writes them (``policy.inference_state_dict()``: LoRA merged,
+    shards gathered) as ``model.safetensors`` there and has the engine reload them and drop its
+    prefix cache — once, however many optimizer steps came between. The time it takes is
+    ``timing/weight_sync_s``. The first rollout after a push checks the engine's log-probs against
+    the trainer's (:meth:`check_logprobs`).
+
+    One engine per run, on rank 0: under torchrun every rank's rows go to it in one request (rank
+    0 sends it; each rank gets its own rows back) and the metrics are over every rank's rows.
+    """
+
+    name = "vllm"
+    shares_weights = False
+
+    def __init__(self, actor: CausalLMActor, cfg: VLLMConfig) -> None:
+        self.cfg = cfg
+        self.python = resolve_python(cfg.python)
+        self.policy: WeightSource = actor
+        self.pad_id = int(actor.pad_id)
+        self.hf_config = _plain_config(actor)
+        self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.workdir: Path | None = None
+        self.url = ""
+        self.version = 0
+        self._dirty = False  # the policy changed since the engine's weights were written
+        self._check_next = False  # the next rollout is the first after a push: check its log-probs
+        self._sync_s = 0.0
+        self._syncs = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Write the policy's weights, start the engine on them (rank 0) and wait until it serves.
+        Every rank calls it (gathering a sharded policy's weights is a collective)."""
+        if self.url:
+            return
+        state = self.policy.inference_state_dict()
+        self.url = _on_leader(lambda: self._start(state))
+
+    def _start(self, state: dict[str, torch.Tensor] | None) -> str:
+        shm = Path("/dev/shm")
+        self.workdir = Path(tempfile.mkdtemp(prefix="openaligner-vllm-", dir=shm if shm.is_dir() else None))
+        model_dir = self.workdir / "model"
+        model_dir.mkdir()
+        self.hf_config.save_pretrained(model_dir)
+        self._write_weights(model_dir, state)
+        ready = self.workdir / "ready.json"
+        c = self.cfg
+        cmd = [
+            str(self.python),
+            "-I",  # no PYTHONPATH, no user site, and not this package's directory on sys.path
+            str(WORKER),
+            f"--model={model_dir}",
+            f"--ready-file={ready}",
+            f"--dtype={c.dtype}",
+            f"--tensor-parallel-size={c.tensor_parallel_size}",
+            f"--gpu-memory-utilization={c.gpu_memory_utilization}",
+            f"--max-model-len={c.max_model_len}",
+            "--enforce-eager" if c.enforce_eager else "--no-enforce-eager",
+            f"--parent-pid={os.getpid()}",
+            f"--workdir={self.workdir}",
+        ]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env |= {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": str(c.cpu_kv_cache_gib)}
+        if c.tensor_parallel_size == 1:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the server's process
+        self.log_path = self.workdir / "engine.log"
+        with self.log_path.open("wb") as log_file:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        log.info("vllm rollout engine: starting (pid %d, log %s)", self.proc.pid, self.log_path)
+        deadline = time.monotonic() + c.start_timeout_s
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise RolloutEngineError(f"the vllm rollout engine failed to start: {self._describe_exit()}")
+            if time.monotonic() > deadline:
+                tail = self._log_tail()
+                self.stop()
+                raise RolloutEngineError(
+                    f"the vllm rollout engine did not serve within rollout.vllm.start_timeout_s="
+                    f"{c.start_timeout_s:g}; its log ends:\n{tail}"
+                )
+            time.sleep(0.2)
+        port = json.loads(ready.read_text())["port"]
+        self._dirty = False
+        log.info("vllm rollout engine: serving on 127.0.0.1:%d", port)
+        return f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        """End the engine's whole process group (SIGTERM, then SIGKILL after 15 s) and remove its
+        directory."""
+        proc, self.proc, self.url = self.proc, None, ""
+        if proc is not None:
+            _end_group(proc)
+        if self.workdir is not None:
+            import shutil
+
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, policy: WeightSource, version: int) -> None:
+        """Record that the weights changed; the next :meth:`generate` pushes them (once)."""
+        self.policy = policy
+        self.version = version
+        self._dirty = True
+
+    def _write_weights(self, model_dir: Path, state: dict[str, torch.Tensor] | None) -> None:
+        from safetensors.torch import save_file
+
+        assert state is not None, "rank 0 holds the whole state dict"
+        tensors = engine_state_dict(state, _DTYPES[self.cfg.dtype], self.tied)
+        tmp = model_dir / "model.safetensors.tmp"  # not *.safetensors: never read half-written
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, model_dir / "model.safetensors")
+
+    def _push(self) -> None:
+        t0 = time.perf_counter()
+        state = self.policy.inference_state_dict()  # a collective for a sharded policy
+
+        def push() -> None:
+            assert self.workdir is not None
+            model_dir = self.workdir / "model"
+            self._write_weights(model_dir, state)
+            self._post("/reload_weights", {"path": str(model_dir)})
+
+        _on_leader(push)
+        self._dirty = False
+        self._check_next = True
+        self._sync_s += time.perf_counter() - t0
+        self._syncs += 1
+
+    def pop_metrics(self) -> dict[str, float]:
+        """``timing/weight_sync_s``: seconds spent pushing weights since the last call (gather,
+        write, reload), when there was a push."""
+        if not self._syncs:
+            return {}
+        out = {"timing/weight_sync_s": self._sync_s}
+        self._sync_s, self._syncs = 0.0, 0
+        return out
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, request: RolloutRequest) -> Generation:
+        from openaligner.models.generation import Generation
+
+        s = request.sampling
+        if s.stop_strings:
+            raise EngineSetupError(
+                "rollout.engine=vllm does not support stop strings (trainer.sampling.end_strings); "
+                "use stop token ids (trainer.sampling.stop_token_ids) or rollout.engine=hf"
+            )
+        assert s.stop_token_ids is not None, "a rollout request carries resolved stop ids"
+        if not self.url:
+            self.start()
+        if self._dirty:
+            self._push()
+        plens = request.prompt_lengths.tolist()
+        # every rank's rows go to the one engine in one request (rank 0 sends it); each rank takes
+        # its own rows back
+        rows = dp.gather_objects(
+            (
+                [row[:n] for row, n in zip(request.prompts.tolist(), plens, strict=True)],
+                request.seeds.tolist(),
+            )
+        )
+        body = {
+            "prompts": [p for prompts, _ in rows for p in prompts],
+            "seeds": [x for _, seeds in rows for x in seeds],
+            "greedy": s.greedy,
+            "temperature": s.temperature,
+            "top_k": s.top_k,
+            "top_p": s.top_p,
+            "max_tokens": s.max_new_tokens,
+            "min_tokens": s.min_new_tokens,
+            "stop_token_ids": list(s.stop_token_ids),
+        }
+        out = _on_leader(lambda: self._post("/generate", body))
+        start = sum(len(prompts) for prompts, _ in rows[: dp.rank()])
+        mine = slice(start, start + len(plens))
+        responses, lps, finish = out["token_ids"][mine], out["logprobs"][mine], out["finish_reasons"][mine]
+        totals = [p + len(r) for p, r in zip(plens, responses, strict=True)]
+        b, width = len(plens), max(totals)
+        tokens = torch.full((b, width), self.pad_id, dtype=torch.int64)
+        logprobs = torch.zeros(b, width - 1, dtype=torch.float32)
+        for i, (p, resp, lp) in enumerate(zip(plens, responses, lps, strict=True)):
+            tokens[i, :p] = request.prompts[i, :p]
+            tokens[i, p : totals[i]] = torch.tensor(resp, dtype=torch.int64)
+            logprobs[i, p - 1 : totals[i] - 1] = torch.tensor(lp, dtype=torch.float32)
+        return Generation(
+            tokens=tokens,
+            response_lengths=torch.tensor(totals, dtype=torch.int64),
+            prompt_lengths=request.prompt_lengths.to("cpu", torch.int64),
+            is_end=torch.tensor([f == "stop" for f in finish], dtype=torch.bool),
+            logprobs=logprobs,
+        )
+
+    def check_logprobs(
+        self, engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor
+    ) -> dict[str, float]:
+        """The mismatch metrics; raises :class:`RolloutEngineError` when, on the first rollout
+        after a weight push, the mean |Δ log p| exceeds ``rollout.vllm.max_logprob_diff`` (the
+        engine generated from other weights than the trainer's), and warns when a later rollout
+        does. Only without top-k/top-p truncation: with it, vLLM's log-probs are renormalised over
+        the kept tokens and the trainer's are not, so they differ by design."""
+        stats = _global_mismatch(engine_logprobs, trainer_logprobs, mask)
+        just_pushed, self._check_next = self._check_next, False
+        limit, mean = self.cfg.max_logprob_diff, stats["logprob_diff_mean"]
+        sampling = getattr(self.policy, "sampling", None)
+        truncated = sampling is not None and (sampling.top_k > 0 or sampling.top_p < 1.0)
+        if limit > 0 and mean > limit and not truncated:
+            message = (
+                f"the vllm rollout engine's log-probs differ from the trainer's by {mean:.4g} nats per "
+                f"token on average (max {stats['logprob_diff_max']:.4g}; rollout.vllm.max_logprob_diff="
+                f"{limit:g})"
+            )
+            if just_pushed:
+                raise RolloutEngineError(
+                    f"{message} on the first rollout after pushing the weights of optimizer step "
+                    f"{self.version}: the engine is not generating from the trainer's weights (raise the "
+                    "limit only if the engine computes in a lower precision than the trainer)"
+                )
+            log.warning("%s", message)
+        return stats
+
+    # ------------------------------------------------------------------ transport
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.cfg.request_timeout_s) as r:
+                return dict(json.loads(r.read()))
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")
+            raise RolloutEngineError(
+                f"the vllm rollout engine at {self.url} refused {path}: {detail}"
+            ) from None
+        except (OSError, http.client.HTTPException) as e:
+            if self.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=2.0)  # a connection reset arrives before the exit status
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RolloutEngineError(
+                    f"the vllm rollout engine died during {path}: {self._describe_exit()}"
+                ) from None
+            raise RolloutEngineError(
+                f"the vllm rollout engine at {self.url} did not answer {path} "
+                f"({type(e).__name__}: {e}; rollout.vllm.request_timeout_s={self.cfg.request_timeout_s:g})"
+            ) from None
+
+    def _describe_exit(self) -> str:
+        assert self.proc is not None
+        rc = self.proc.returncode
+        how = f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
+        return f"process {self.proc.pid} ended ({how}); its log ends:\n{self._log_tail()}"
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _on_leader(work: Callable[[], T]) -> T:
+    """``work()`` run on rank 0, its result (or its :class:`RolloutEngineError`) on every rank:
+    the other ranks must not wait forever in the next collective for a rank 0 that failed."""
+    if not dp.is_distributed():
+        return work()
+    outcome: tuple[bool, Any] = (True, None)
+    if dp.is_leader():
+        try:
+            outcome = (True, work())
+        except (RolloutEngineError, EngineSetupError) as e:
+            outcome = (False, e)
+    ok, value = dp.broadcast_object(outcome)
+    if not ok:
+        raise value
+    return cast(T, value)
+
+
+def _global_mismatch(
+    engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """:func:`~openaligner.algorithms.logprob_mismatch` over every rank's rows (the same on all)."""
+    keep = mask.bool()
+    d = (engine_logprobs.double() - trainer_logprobs.double()).abs()[keep]
+    sums = dp.all_reduce_sum(torch.stack([d.sum(), d.exp().sum(), torch.tensor(float(d.numel()))]).double())
+    top = dp.all_reduce_max(d.max() if d.numel() else torch.zeros((), dtype=torch.float64))
+    n = float(sums[2])
+    if n == 0:
+        return {"logprob_diff_mean": 0.0, "logprob_diff_max": 0.0, "token_prob_error": 1.0}
+    return {
+        "logprob_diff_mean": float(sums[0]) / n,
+        "logprob_diff_max": float(top),
+        "token_prob_error": float(sums[1]) / n,
+    }
+
+
+def _plain_config(actor: CausalLMActor) -> Any:
+    """The Hugging Face config of the policy as a plain causal LM (LoRA and sharding wrappers
+    looked through), with ``architectures`` set: vLLM picks its model class by it."""
+    from openaligner.models.lora import is_peft_model
+
+    model: Any = actor.model
+    base = model.get_base_model() if is_peft_model(model) else model
+    config = copy.deepcopy(base.config)
+    if not getattr(config, "architectures", None):
+        name = type(base).__name__
+        config.architectures = [name.removeprefix("FSDP")]  # FSDP2 renames the class it shards
+    return config
+
+
+def _end_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """SIGTERM to ``proc``'s process group (it leads its own session), then SIGKILL if it is
+    still there after ``grace_s``; reaps ``proc``."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        # the leader is gone; anything it spawned into its group goes too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        break
+    if proc.poll() is None:
+        proc.wait(timeout=10.0)

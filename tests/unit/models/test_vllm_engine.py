@@ -1,0 +1,31 @@
+"""The vllm engine's trainer side that needs no vLLM: the weights it writes and where it looks for
+its interpreter (tests/integration/test_vllm_engine.py runs the engine itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openaligner.models.rollout_engine import EngineSetupError
+from openaligner.models.vllm_engine import engine_state_dict, resolve_python
+
+
+def test_engine_state_dict_unties_copies_casts_and_names_the_tied_head(tiny):
+    model = tiny.causal_lm("qwen2")  # ties its LM head to the input embedding
+    state = model.state_dict()
+    out = engine_state_dict(state, torch.bfloat16, tied=True)
+    assert out["lm_head.weight"].data_ptr() != out["model.embed_tokens.weight"].data_ptr()
+    assert torch.equal(out["lm_head.weight"].float(), state["model.embed_tokens.weight"].bfloat16().float())
+    assert all(t.dtype == torch.bfloat16 for t in out.values())
+    assert len({t.data_ptr() for t in out.values()}) == len(out)  # safetensors refuses shared memory
+    # a state dict that lacks the head gets it from the embedding
+    headless = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    head = engine_state_dict(headless, torch.float32, tied=True)["lm_head.weight"]
+    assert torch.equal(head, state["model.embed_tokens.weight"])
+    assert "lm_head.weight" not in engine_state_dict(headless, torch.float32, tied=False)
+
+
+def test_missing_interpreter_names_the_key_and_the_make_target(tmp_path):
+    with pytest.raises(EngineSetupError, match=r"rollout\.vllm\.python=.*make rollout-setup"):
+        resolve_python(str(tmp_path / "nope" / "python"))
+    assert resolve_python("/bin/sh").name == "sh"
