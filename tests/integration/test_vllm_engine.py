@@ -12,6 +12,7 @@ The tiny models have head size 32: vLLM's CPU attention refuses 16, the default 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -39,13 +40,15 @@ from openaligner.models.rollout_engine import (
     VLLMConfig,
     row_seeds,
 )
+from openaligner.models.tokenizers import build_char_tokenizer
 from openaligner.models.vllm_engine import VLLMRolloutEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.heavy, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGPROB_ATOL = 2e-4
-SIZE = TinySize(vocab_size=128, hidden_size=64, num_layers=2, num_heads=2)  # head size 32
+# head size 32; the char tokenizer's vocabulary, so that responses decode (stop strings)
+SIZE = TinySize(vocab_size=100, hidden_size=64, num_layers=2, num_heads=2)
 LENGTHS = torch.tensor([4, 7, 2, 6])
 
 
@@ -150,6 +153,24 @@ def test_after_a_weight_push_the_engine_generates_the_trainers_tokens_and_logpro
         mine, mask = _trainer_logprobs(actor, first)
         assert first.logprobs is not None
         assert torch.allclose(first.logprobs[mask], mine[mask], atol=LOGPROB_ATOL, rtol=0)
+
+        # stop strings: the engine cannot match them while sampling (it has no tokenizer); each
+        # response is cut where the hf engine's loop ends it, and counts as ended
+        tok = build_char_tokenizer()
+        actor.tokenizer = engine.tokenizer = tok
+        plain = SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=(1,))
+        free = engine.generate(RolloutRequest(prompts, LENGTHS, plain, row_seeds(0, 4)))
+        p0 = int(LENGTHS[0])
+        stop = tok.decode(free.tokens[0, p0 + 2 : p0 + 4].tolist())
+        assert len(stop) == 2 and int(free.response_lengths[0]) >= p0 + 4
+        stopping = dataclasses.replace(plain, stop_strings=(stop,))
+        request = RolloutRequest(prompts, LENGTHS, stopping, row_seeds(0, 4))
+        cut, reference = engine.generate(request), HFRolloutEngine(actor).generate(request)
+        assert torch.equal(cut.tokens, reference.tokens)
+        assert torch.equal(cut.response_lengths, reference.response_lengths)
+        assert torch.equal(cut.is_end, reference.is_end)
+        assert cut.is_end[0] and int(cut.response_lengths[0]) <= p0 + 4
+        assert cut.logprobs is not None and cut.logprobs.shape[1] == cut.tokens.shape[1] - 1
 
         # weights that did not arrive: the trainer's change after the push stands for a push the
         # engine missed; the first rollout after a push is checked, and the run stops

@@ -25,6 +25,7 @@ from openaligner.algorithms.logprobs import (
     logprob_mismatch,
     logprobs_from_logits,
     next_token_logprobs,
+    truncated_is_weights,
 )
 from openaligner.algorithms.losses import (
     LOSS_AGGREGATIONS,
@@ -88,5 +89,6 @@ __all__ = [
     "shape_rewards",
     "single_process",
     "td_errors",
+    "truncated_is_weights",
     "value_loss",
 ]

@@ -147,3 +147,24 @@ def logprob_mismatch(
         zero = torch.zeros((), dtype=torch.float64)
         return {"logprob_diff_mean": zero, "logprob_diff_max": zero, "token_prob_error": zero + 1}
     return {"logprob_diff_mean": d.mean(), "logprob_diff_max": d.max(), "token_prob_error": d.exp().mean()}
+
+
+def truncated_is_weights(
+    trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance-sampling weights for tokens a rollout engine sampled:
+    ``min(exp(trainer − engine), cap)`` per token, i.e. ``min(π_trainer / π_engine, cap)`` (Yao et
+    al. 2025, "truncated importance sampling", as in veRL and slime). The engine's sampler differs
+    from the trainer's numerics (kernels, precision); these weights correct the policy gradient,
+    computed as if the trainer had sampled, toward the engine's actual sampling distribution, and
+    the cap bounds their variance. E.g. trainer ``[-1.0, -2.0]``, engine ``[-1.1, -1.0]``, cap 2
+    → ``[exp(0.1), exp(-1.0)]`` = ``[1.1052, 0.3679]``; a ratio of 3 becomes 2.
+
+    Shapes: ``trainer_logprobs`` and ``engine_logprobs`` [B, S-1] → [B, S-1] float32 weights,
+    without gradient (masked positions are to be ignored by the caller).
+    """
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    with torch.no_grad():
+        ratio = torch.exp(trainer_logprobs.double() - engine_logprobs.double())
+        return ratio.clamp(max=cap).float()

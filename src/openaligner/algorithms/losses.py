@@ -121,6 +121,7 @@ def ppo_policy_loss(
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
     units: torch.Tensor | float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """Clipped surrogate objective of PPO (Schulman et al. 2017, eq. 7), as a loss to minimise.
 
@@ -152,6 +153,9 @@ def ppo_policy_loss(
             step's batch (with the ``is_end`` gating, all micro-batches and ranks together), and
             the loss — ``pg_loss``, ``entropy`` and ``kl_loss`` in the stats too — is then this
             micro-batch's share of the step's, to be summed.
+        is_weights: [B, S-1] per-token weights of the policy-gradient term after clipping
+            (truncated importance sampling, :func:`~openaligner.algorithms.truncated_is_weights`;
+            no gradient flows through them); ``None`` weighs every token 1.
 
     Returns:
         ``(loss, stats)``. With no valid token the loss is 0 with zero gradient. The other stats
@@ -176,6 +180,8 @@ def ppo_policy_loss(
         cap = -dual_clip * advantages
         dual_capped = (advantages < 0) & (pg > cap)
         pg = torch.where(advantages < 0, torch.minimum(pg, cap), pg)
+    if is_weights is not None:
+        pg = pg * select_valid(is_weights.detach().to(pg.dtype), m)
 
     pg_loss = aggregate(pg, loss_mask, aggregation, norm_length, units)
     loss = pg_loss

@@ -383,6 +383,27 @@ def _to_right_padded(
     return out.masked_fill(col >= response_lengths.unsqueeze(-1), pad_id)
 
 
+def stop_string_length(
+    response: Sequence[int],
+    stop_strings: Sequence[str],
+    min_new_tokens: int,
+    tokenizer: PreTrainedTokenizerBase,
+) -> int | None:
+    """Where the sampling loop above would have ended ``response`` on a stop string: the smallest
+    ``n >= max(min_new_tokens, 1)`` whose first ``n`` tokens decode (special tokens kept) to a text
+    containing one of ``stop_strings``, or None if no prefix does. For an engine that cannot match
+    strings while it samples (``vllm``): it generates on, and the response is cut at ``n`` after."""
+    if not stop_strings or not response:
+        return None
+    if not any(s in tokenizer.decode(list(response), skip_special_tokens=False) for s in stop_strings):
+        return None  # the whole response holds none, so no prefix does: one decode, not len(response)
+    for n in range(max(min_new_tokens, 1), len(response) + 1):
+        text = tokenizer.decode(list(response[:n]), skip_special_tokens=False)
+        if any(s in text for s in stop_strings):
+            return n
+    return None
+
+
 def _stop_string_hits(
     generated: torch.Tensor,
     done: torch.Tensor,

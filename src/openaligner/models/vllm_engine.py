@@ -99,8 +99,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     Sampling means what it means for the ``hf`` engine: temperature, top-k, top-p, min and max
     new tokens and the stop ids (the tokenizer's EOS included; only they end a response, and
-    ``min_new_tokens`` bans exactly them); greedy is vLLM's temperature 0. Stop strings are not
-    supported (refused at start-up). Seeds: row ``i`` is sampled from its own stream seeded with
+    ``min_new_tokens`` bans exactly them); greedy is vLLM's temperature 0. Stop strings: the
+    engine cannot match them (it runs without a tokenizer), so a response is cut after generation
+    where the ``hf`` loop would have ended it (:func:`~openaligner.models.generation.stop_string_length`).
+    Seeds: row ``i`` is sampled from its own stream seeded with
     ``seeds[i]``, so a row's tokens do not depend on its batch-mates.
 
     Weights: :meth:`start` writes the policy's weights and the model's config to a directory in
@@ -123,6 +125,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.python = resolve_python(cfg.python)
         self.policy: WeightSource = actor
         self.pad_id = int(actor.pad_id)
+        self.tokenizer = actor.tokenizer
         self.hf_config = _plain_config(actor)
         self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -248,13 +251,13 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
     def generate(self, request: RolloutRequest) -> Generation:
-        from openaligner.models.generation import Generation
+        from openaligner.models.generation import Generation, stop_string_length
 
         s = request.sampling
-        if s.stop_strings:
+        if s.stop_strings and self.tokenizer is None:
             raise EngineSetupError(
-                "rollout.engine=vllm does not support stop strings (trainer.sampling.end_strings); "
-                "use stop token ids (trainer.sampling.stop_token_ids) or rollout.engine=hf"
+                "stop strings (trainer.sampling.end_strings) need the actor's tokenizer to decode "
+                "responses, and this actor has none"
             )
         assert s.stop_token_ids is not None, "a rollout request carries resolved stop ids"
         if not self.url:
@@ -285,6 +288,14 @@ class VLLMRolloutEngine(RolloutEngine):
         start = sum(len(prompts) for prompts, _ in rows[: dp.rank()])
         mine = slice(start, start + len(plens))
         responses, lps, finish = out["token_ids"][mine], out["logprobs"][mine], out["finish_reasons"][mine]
+        if s.stop_strings:
+            assert self.tokenizer is not None
+            for i, resp in enumerate(responses):
+                # the engine matches no strings (it has no tokenizer): it sampled on past a stop
+                # string, and the response is cut where the hf engine's loop would have ended it
+                n = stop_string_length(resp, s.stop_strings, s.min_new_tokens, self.tokenizer)
+                if n is not None:
+                    responses[i], lps[i], finish[i] = resp[:n], lps[i][:n], "stop"
         totals = [p + len(r) for p, r in zip(plens, responses, strict=True)]
         b, width = len(plens), max(totals)
         tokens = torch.full((b, width), self.pad_id, dtype=torch.int64)

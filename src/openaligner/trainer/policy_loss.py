@@ -107,9 +107,11 @@ class PolicyLoss:
                 [B] for the attention mask; ``prompt_lengths`` [B], required when the policy's
                 sampling has ``min_new_tokens`` > 0; optional ``ref_logprobs`` [B, S-1]
                 (initial-policy log-probs) with ``kl_coef`` (a 0-d tensor β): adds ``β·KL`` of
-                ``kl_kind`` (GRPO's KL term); optional ``loss_units`` (a 0-d tensor, see
-                :meth:`units`): the denominator of the whole optimizer step's loss, which makes the
-                loss this micro-batch's share of the step's; without it, this batch's own mean.
+                ``kl_kind`` (GRPO's KL term); optional ``is_weights`` [B, S-1] (truncated
+                importance sampling: each token's policy-gradient term weighed); optional
+                ``loss_units`` (a 0-d tensor, see :meth:`units`): the denominator of the whole
+                optimizer step's loss, which makes the loss this micro-batch's share of the
+                step's; without it, this batch's own mean.
 
         Returns:
             ``(loss, metrics)``: a scalar loss tensor and floats ``loss``, ``pg_loss``,
@@ -135,6 +137,7 @@ class PolicyLoss:
             entropy_grad=c.entropy_coef > 0,
         )  # [B, S-1-first] each
         ref = batch.get("ref_logprobs")
+        is_weights = batch.get("is_weights")
         loss, stats = ppo_policy_loss(
             logprobs,
             batch["prev_logprobs"][:, first:].to(logprobs),
@@ -152,6 +155,7 @@ class PolicyLoss:
             kl_coef=float(batch["kl_coef"]) if ref is not None else 0.0,
             kl_kind=c.kl_kind,
             units=batch.get("loss_units"),
+            is_weights=is_weights[:, first:].to(logprobs) if is_weights is not None else None,
         )
         metrics = {
             "loss": loss.detach(),

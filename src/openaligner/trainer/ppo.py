@@ -160,6 +160,7 @@ class LoopSettings:
     normalize_advantages: bool
     missing_eos_penalty: float | None
     score_clip: float | None
+    tis_cap: float  # truncated importance sampling on the engine's log-probs; 0 = off
     # ---- actor update
     ppo_epochs: int
     global_batch_size: int  # responses per optimizer step
@@ -391,6 +392,7 @@ class PPOTrainer:
             normalize_advantages=s.normalize_advantages,
             missing_eos_penalty=s.missing_eos_penalty,
             score_clip=s.score_clip,
+            tis_cap=s.tis_cap,
             reduce=dp.all_reduce_sum,
         )
         if not s.kl_in_reward:
@@ -463,6 +465,10 @@ class PPOTrainer:
         else:
             values = pad_and_stack([_critic_values(v, self.estimator.name) for _, v in results], 0.0)
             values = torch.nn.functional.pad(values, (0, width - values.shape[1]))[:, :width]
+        engine_lp = None
+        if engine_logprobs and all(lp is not None for lp in engine_logprobs):
+            engine_lp = pad_and_stack([lp for lp in engine_logprobs if lp is not None], 0.0)[:, :width]
+            engine_lp = torch.nn.functional.pad(engine_lp, (0, width - engine_lp.shape[1]))
         batch = RolloutBatch(
             response_tokens=tokens,
             response_lengths=lengths,
@@ -472,6 +478,7 @@ class PPOTrainer:
             init_logprobs=init_logprobs,
             rewards=rewards,
             values=values,
+            engine_logprobs=engine_lp,
         )
         decoded = None
         if self.decode is not None:
@@ -479,9 +486,8 @@ class PPOTrainer:
             decoded = decode_rollouts(batch, self.decode, stop_ids, self.response_scorer)
         prefix = "val" if is_validation else "rollout"
         metrics = rollout_metrics(batch, prefix, decoded)
-        if engine_logprobs and all(lp is not None for lp in engine_logprobs):
+        if engine_lp is not None:
             mask = response_mask(prompt_lengths, lengths, width)
-            engine_lp = pad_and_stack([lp for lp in engine_logprobs if lp is not None], 0.0)[:, :width]
             stats = self.engine.check_logprobs(engine_lp, logprobs, mask)
             metrics |= {f"{prefix}/engine_{k}": v for k, v in stats.items()}
         return batch, metrics, decoded
@@ -514,6 +520,7 @@ class PPOTrainer:
                 returns=dp.all_gather_rows(data.returns),
                 values=dp.all_gather_rows(data.values),
                 ref_logprobs=dp.all_gather_rows(data.ref_logprobs) if data.ref_logprobs is not None else None,
+                is_weights=dp.all_gather_rows(data.is_weights) if data.is_weights is not None else None,
             )
 
     def _send_critic_train(self, data: PPOData) -> None:
@@ -681,6 +688,8 @@ class PPOTrainer:
             "is_end": mb.is_end,
             "loss_units": units,
         }
+        if mb.is_weights is not None:  # truncated importance sampling
+            batch["is_weights"] = mb.is_weights
         if mb.ref_logprobs is not None:  # the KL as a loss term
             batch["ref_logprobs"] = mb.ref_logprobs
             batch["kl_coef"] = torch.tensor(self._loss_kl_coef, dtype=torch.float64)

@@ -84,6 +84,7 @@ class PPOConfig:
     entropy_bonus: float = 0.0  # weight of the entropy bonus
     loss_aggregation: str | None = None  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     gate_unfinished: bool = True  # samples that never ended get no policy gradient (NeMo-Aligner)
+    tis_cap: float = 0.0  # truncated importance sampling: weigh pg by min(π_trainer/π_engine, cap); 0 = off
     gradient_clip_val: float = 1.0  # actor gradient-norm clip; 0 disables
     max_nonfinite_steps_in_a_row: int = 3  # stop after this many inf/NaN-gradient (skipped) steps in a row
     ppo_epochs: int = 1  # passes over each rollout (NeMo-Aligner: 1)
@@ -271,6 +272,12 @@ class TrainPPOConfig:
 
             if self.exp.task_scorer not in TASK_SCORERS:
                 raise ValueError(f"exp.task_scorer must be one of {sorted(TASK_SCORERS)} or null")
+        if self.trainer.tis_cap and self.rollout.engine == "hf":
+            raise ValueError(
+                "trainer.tis_cap corrects for a rollout engine that samples from other numerics than the "
+                "trainer's; the hf engine samples with the trainer's own modules (there is nothing to "
+                "correct): set trainer.tis_cap=0, or rollout.engine=vllm"
+            )
         if self.trainer.length.max_length >= self.data.seq_length:
             raise ValueError(
                 f"trainer.length.max_length={self.trainer.length.max_length} leaves no room for prompts in "
@@ -298,6 +305,10 @@ KL_PLACEMENTS = ("reward", "loss")
 def _check_ppo(c: PPOConfig) -> None:
     def bad(key: str, why: str) -> None:
         raise ValueError(f"trainer.{key}: {why}")
+
+    if c.tis_cap != 0 and c.tis_cap < 1:
+        # a cap below 1 scales every token's gradient down: training would silently learn less
+        bad("tis_cap", f"must be 0 (off) or >= 1 (veRL and slime use 2), got {c.tis_cap:g}")
 
     if c.advantage_estimator not in ESTIMATORS:
         bad("advantage_estimator", f"must be one of {', '.join(ESTIMATORS)}, got {c.advantage_estimator!r}")

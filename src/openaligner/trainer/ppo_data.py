@@ -23,6 +23,7 @@ from openaligner.algorithms import (
     masked_sum,
     response_mask,
     single_process,
+    truncated_is_weights,
 )
 from openaligner.trainer.estimators import EstimatorInputs, get_estimator
 
@@ -39,6 +40,7 @@ class RolloutBatch:
     rewards: torch.Tensor  # [B] reward-model scores
     values: torch.Tensor  # [B, S-1] critic values
     init_logprobs: torch.Tensor | None = None  # [B, S-1] initial-policy log-probs (None: no KL)
+    engine_logprobs: torch.Tensor | None = None  # [B, S-1] the rollout engine's own (None: hf engine)
 
     def __len__(self) -> int:
         return int(self.response_tokens.shape[0])
@@ -57,6 +59,7 @@ class PPOData:
     returns: torch.Tensor  # [B, S-1]
     values: torch.Tensor  # [B, S-1] rollout values (the critic's prev_values; 0 without a critic)
     ref_logprobs: torch.Tensor | None = None  # [B, S-1] initial-policy log-probs for a KL loss term
+    is_weights: torch.Tensor | None = None  # [B, S-1] truncated importance-sampling weights (tis_cap)
 
     def __len__(self) -> int:
         return int(self.response_tokens.shape[0])
@@ -79,6 +82,7 @@ def compute_ppo_data(
     normalize_advantages: bool = False,
     missing_eos_penalty: float | None = None,
     score_clip: float | None = None,
+    tis_cap: float = 0.0,
     reduce: Reduce = single_process,
 ) -> tuple[PPOData, dict[str, torch.Tensor]]:
     """Mask, per-token KL and adjusted scores → the registered ``estimator``'s advantages
@@ -89,7 +93,9 @@ def compute_ppo_data(
     contiguous (see :class:`~openaligner.trainer.ppo.PPOTrainer`). Scores are first adjusted
     (``score_clip``, ``missing_eos_penalty``); ``kl_coef`` > 0 puts the KL into the reward (pass 0
     to keep it out, e.g. when it is a loss term). ``gamma``, ``lam`` and ``normalize_advantages``
-    go to the estimator, which may ignore them.
+    go to the estimator, which may ignore them. ``tis_cap`` > 0 with ``batch.engine_logprobs``
+    gives the data truncated importance-sampling weights (:func:`truncated_is_weights`) and the
+    metrics ``tis_weight_mean`` and ``tis_truncated_fraction`` (tokens whose ratio was capped).
 
     Metrics (global over ranks through ``reduce``; computed before whitening):
     ``init_policy_kl`` and ``rewards_with_kl`` are means over samples of each sample's token-mean
@@ -157,6 +163,14 @@ def compute_ppo_data(
         returns=estimate.returns if estimate.returns is not None else zeros,
         values=inputs.values,
     )
+    if tis_cap > 0 and batch.engine_logprobs is not None:
+        weights = truncated_is_weights(batch.logprobs, batch.engine_logprobs, tis_cap)
+        data.is_weights = weights * mask
+        capped = (weights >= tis_cap).to(mask.dtype)
+        sums = reduce(torch.stack([masked_sum(weights, mask), masked_sum(capped, mask), mask.sum()]).double())
+        tokens = sums[2].clamp_min(1)
+        metrics["tis_weight_mean"] = sums[0] / tokens
+        metrics["tis_truncated_fraction"] = sums[1] / tokens
     return data, metrics
 
 

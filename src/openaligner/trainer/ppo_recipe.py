@@ -167,11 +167,6 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         logits_chunk_mb=c.logits_chunk_mb,
     )
     loss = PolicyLoss(PolicyLossConfig.from_ppo(c))
-    if cfg.rollout.engine == "vllm" and c.sampling.end_strings:
-        raise StartupError(
-            "rollout.engine=vllm does not support stop strings (trainer.sampling.end_strings): use "
-            "trainer.sampling.stop_token_ids, or rollout.engine=hf"
-        )
     with as_startup_error(EngineSetupError):
         engine = build_rollout_engine(cfg.rollout, actor)
     # 3. prompts: this rank's share of every global batch

@@ -6,6 +6,7 @@ from openaligner.algorithms import (
     logprob_mismatch,
     logprobs_from_logits,
     next_token_logprobs,
+    truncated_is_weights,
 )
 
 
@@ -73,3 +74,14 @@ def test_logprob_mismatch_ignores_masked_positions_and_is_neutral_when_equal():
     assert float(out["token_prob_error"]) == 1.0
     empty = logprob_mismatch(a, a + 1, torch.zeros_like(a))
     assert [float(v) for v in empty.values()] == [0.0, 0.0, 1.0]
+
+
+def test_truncated_is_weights_worked_example():
+    # the docstring's example: ratios exp(0.1) and exp(-1.0) stay, a ratio of 3 is capped at 2
+    trainer = torch.tensor([[-1.0, -2.0, -1.0]])
+    engine = torch.tensor([[-1.1, -1.0, -1.0 - float(torch.log(torch.tensor(3.0)))]])
+    w = truncated_is_weights(trainer, engine, cap=2.0)
+    assert w.dtype == torch.float32 and not w.requires_grad
+    assert w.tolist()[0] == pytest.approx([1.105171, 0.367879, 2.0], abs=1e-6)
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        truncated_is_weights(trainer, engine, cap=0.0)

@@ -73,6 +73,28 @@ def test_dual_clip_caps_negative_advantage_loss():
         ppo_policy_loss(new, old, adv, mask, clip_eps=0.2, dual_clip=0.5)
 
 
+def test_is_weights_weigh_each_tokens_clipped_term_and_carry_no_gradient():
+    # the worked example's tokens (pg terms −1.105, −2.4, 0.8), weighted 0.5, 2.0 and 1.0 after
+    # clipping; a masked 4th position holds a NaN weight that must change nothing
+    old = torch.zeros(1, 4)
+    new = torch.tensor([[0.1, 0.5, -0.5, 0.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, 2.0, -1.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    weights = torch.tensor([[0.5, 2.0, 1.0, float("nan")]], requires_grad=True)
+    loss, _ = ppo_policy_loss(new, old, adv, mask, clip_eps=0.2, is_weights=weights)
+    expected = (0.5 * -math.exp(0.1) + 2.0 * -2.4 + 0.8) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()
+    assert weights.grad is None  # the weights are constants of the loss
+    assert new.grad is not None
+    # t0 is inside the clip range: d/dlogp of −A·w·ratio = −1 · 0.5 · e^0.1 / 3
+    assert new.grad[0, 0].item() == pytest.approx(-0.5 * math.exp(0.1) / 3, rel=1e-6)
+    assert new.grad[0, 1].item() == 0.0 and new.grad[0, 3].item() == 0.0  # clipped; masked
+    ones, _ = ppo_policy_loss(new, old, adv, mask, clip_eps=0.2, is_weights=torch.ones(1, 4))
+    plain, _ = ppo_policy_loss(new, old, adv, mask, clip_eps=0.2)
+    assert ones.item() == plain.item()
+
+
 def test_is_end_gating_removes_gradient_of_unfinished_samples():
     old = torch.zeros(2, 3)
     new = torch.zeros(2, 3, requires_grad=True)

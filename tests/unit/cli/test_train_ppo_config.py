@@ -57,3 +57,16 @@ def test_vllm_engine_without_its_environment_is_refused_in_one_line(tmp_path, ca
     assert code == 2, err
     assert f"rollout.vllm.python={missing}" in err and "make rollout-setup" in err
     assert len(err.splitlines()) == 1
+
+
+def test_tis_cap_is_off_by_default_and_refused_where_it_would_do_nothing_or_shrink_updates(capsys):
+    assert load_config(SCHEMA, YAML, [*REQUIRED]).trainer.tis_cap == 0
+    cfg = load_config(SCHEMA, YAML, [*REQUIRED, "rollout.engine=vllm", "trainer.tis_cap=2"])
+    assert cfg.trainer.tis_cap == 2.0
+    # below 1 every token's gradient would shrink: refused
+    with pytest.raises(ConfigError, match=r"trainer\.tis_cap: must be 0 \(off\) or >= 1"):
+        load_config(SCHEMA, YAML, [*REQUIRED, "rollout.engine=vllm", "trainer.tis_cap=0.5"])
+    # the hf engine samples with the trainer's own modules: nothing to correct, refused in one line
+    assert main(["train-ppo", str(YAML), *REQUIRED, "trainer.tis_cap=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "trainer.tis_cap" in err and "rollout.engine=vllm" in err and len(err.splitlines()) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from openaligner.models import generation
 from openaligner.models.builders import TINY_ARCHS
 from openaligner.models.decoders.gpt2 import gpt2_fast_path_supported
-from openaligner.models.generation import SamplingParams, generate, select_tokens
+from openaligner.models.generation import SamplingParams, generate, select_tokens, stop_string_length
 
 PROMPT_LENGTHS = [5, 9, 3, 7]
 
@@ -294,6 +295,26 @@ def test_stop_strings_end_on_the_token_completing_the_string(tiny):
         assert bool(out.is_end[i]) == bool(ends)
     assert out.is_end[0]
     assert int(out.response_lengths[0]) <= n0 + 5
+
+
+@pytest.mark.parametrize("min_new", [0, 4])
+def test_cutting_a_finished_response_at_its_stop_string_is_what_the_loop_does(tiny, min_new):
+    """stop_string_length (the vllm engine's rule: it cannot match strings while sampling) cuts
+    greedy responses generated without stop strings exactly where the loop with them ended."""
+    model = tiny.causal_lm()
+    tok = tiny.tokenizer
+    prompts, lengths = _prompts(tiny.size.vocab_size)
+    base = SamplingParams(greedy=True, max_new_tokens=10, min_new_tokens=min_new, stop_token_ids=())
+    free = generate(model, prompts, lengths, base, pad_id=1)
+    n0 = PROMPT_LENGTHS[0]
+    stops = (tok.decode(free.tokens[0, n0 + 3 : n0 + 5].tolist()), "never-generated")
+    with_stops = dataclasses.replace(base, stop_strings=stops)
+    out = generate(model, prompts, lengths, with_stops, pad_id=1, tokenizer=tok)
+    for i, n in enumerate(PROMPT_LENGTHS):
+        cut = stop_string_length(free.tokens[i, n : n + 10].tolist(), stops, min_new, tok)
+        assert int(out.response_lengths[i]) == n + (cut if cut is not None else 10)
+        assert bool(out.is_end[i]) == (cut is not None)
+    assert stop_string_length(free.tokens[0, n0 : n0 + 10].tolist(), stops, min_new, tok) is not None
 
 
 def test_stop_strings_need_a_tokenizer(tiny):

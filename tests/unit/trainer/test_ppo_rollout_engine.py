@@ -161,3 +161,36 @@ def test_an_engines_own_logprobs_are_compared_with_the_trainers_and_its_metrics_
     plain = make_trainer(tmp_path / "plain", cfg)
     (m,) = plain.fit()
     assert not any("engine_" in k or "weight_sync" in k for k in m)
+
+
+@pytest.mark.parametrize(("offset", "weight", "truncated"), [(0.25, math.exp(-0.25), 0.0), (-1.0, 2.0, 1.0)])
+def test_truncated_importance_sampling_weighs_the_policy_gradient_by_the_capped_ratio(
+    tmp_path, offset, weight, truncated
+):
+    """trainer.tis_cap=2: each token's policy-gradient term is weighed by min(π_trainer/π_engine, 2).
+    The engine's log-probs here are the trainer's + ``offset`` on every response token, so every
+    weight is exp(−offset) capped at 2; on the first update the ratio is 1, so the pg loss is the
+    plain run's times that weight."""
+    cfg = ppo_cfg(max_steps=1, val_check_interval=0, save_interval=0)
+    plain = make_trainer(tmp_path / "plain", cfg)
+    plain.engine = ReportingEngine(plain.model, offset=offset)
+    (m0,) = plain.fit()
+    assert not any(k.startswith("rollout/tis_") for k in m0)  # off by default
+
+    tis = make_trainer(tmp_path / "tis", dataclasses.replace(cfg, tis_cap=2.0))
+    tis.engine = ReportingEngine(tis.model, offset=offset)
+    (m,) = tis.fit()
+    assert m["rollout/tis_weight_mean"] == pytest.approx(weight, abs=1e-5)
+    assert m["rollout/tis_truncated_fraction"] == pytest.approx(truncated, abs=1e-6)
+    assert m["rollout/engine_logprob_diff_mean"] == pytest.approx(abs(offset), abs=1e-5)
+    assert m["policy/pg_loss"] == pytest.approx(weight * m0["policy/pg_loss"], rel=1e-4, abs=1e-7)
+    assert m0["policy/pg_loss"] != 0
+
+
+def test_truncated_importance_sampling_without_engine_logprobs_changes_nothing(tmp_path):
+    """The hf engine reports no log-probs of its own: no weights, the update is the plain one."""
+    cfg = ppo_cfg(max_steps=1, val_check_interval=0, save_interval=0)
+    (m0,) = make_trainer(tmp_path / "plain", cfg).fit()
+    (m,) = make_trainer(tmp_path / "tis", dataclasses.replace(cfg, tis_cap=2.0)).fit()
+    assert not any(k.startswith("rollout/tis_") for k in m)
+    assert m["policy/pg_loss"] == m0["policy/pg_loss"]
