@@ -226,10 +226,12 @@ def test_train_ppo_with_the_vllm_engine_runs_resumes_and_leaves_no_engine(rollou
     run = tmp_path / "run"
     try:
         torch.set_num_threads(2)
-        assert main(_ppo_args(run, prompts, server.port, 2, rollout_python)) == 0
+        # with truncated importance sampling on the engine/trainer ratio (~1 here: same weights)
+        assert main([*_ppo_args(run, prompts, server.port, 2, rollout_python), "trainer.tis_cap=2"]) == 0
         assert engine_processes(os.getpid()) == []
         # resume: the restored weights go to a fresh engine before step 3's rollouts
-        assert main([*_ppo_args(run, prompts, server.port, 3, rollout_python), "exp.resume=true"]) == 0
+        args = _ppo_args(run, prompts, server.port, 3, rollout_python)
+        assert main([*args, "exp.resume=true", "trainer.tis_cap=2"]) == 0
         assert engine_processes(os.getpid()) == []
     finally:
         server.stop()
@@ -242,6 +244,8 @@ def test_train_ppo_with_the_vllm_engine_runs_resumes_and_leaves_no_engine(rollou
         assert r["rollout/engine_logprob_diff_max"] < LOGPROB_ATOL, r
         assert 1.0 <= r["rollout/engine_token_prob_error"] < 1 + LOGPROB_ATOL
         assert r["policy/loss"] is not None
+        assert abs(r["rollout/tis_weight_mean"] - 1) < LOGPROB_ATOL
+        assert r["rollout/tis_truncated_fraction"] == 0
 
 
 def test_an_engine_killed_mid_run_stops_the_trainer_naming_the_engine(rollout_python, tmp_path):
