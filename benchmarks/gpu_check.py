@@ -475,6 +475,7 @@ def markdown(result: dict[str, Any]) -> str:
         note = c["reason"] or (c["error"] or "").splitlines()[0][:200] if c["status"] != "ok" else ""
         if c["status"] == "ok":
             note = ", ".join(f"{k}={v}" for k, v in c["details"].items() if not isinstance(v, dict))[:200]
+        note = note.replace("|", "\\|")  # an error's text must not end the table cell
         lines.append(f"| {c['name']} | {c['status']} | {c['seconds']:.1f} | {note} |")
     engines = [c for c in result["checks"] if c["name"].startswith("ppo_") and c["status"] == "ok"]
     if engines:
