@@ -117,7 +117,7 @@ def ppo_policy_loss(
     is_end: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
-    ref_logprobs: torch.Tensor | None = None,
+    init_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
     units: torch.Tensor | float | None = None,
@@ -142,8 +142,8 @@ def ppo_policy_loss(
             (NeMo-Aligner's default gating).
         entropy: [B, S-1] per-token entropy of the current policy (with grad) for the bonus.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
-        ref_logprobs: [B, S-1] log-probs of the sampled tokens under the initial policy; with
-            ``kl_coef`` > 0, ``kl_coef · aggregate(KL_kind(logprobs, ref_logprobs))`` is added to the
+        init_logprobs: [B, S-1] log-probs of the sampled tokens under the initial policy; with
+            ``kl_coef`` > 0, ``kl_coef · aggregate(KL_kind(logprobs, init_logprobs))`` is added to the
             loss: the KL as a loss term (GRPO, DeepSeekMath eq. 4, with ``k3``), its gradient
             through ``logprobs`` only.
         units: the denominator of the policy-gradient term, the entropy bonus and the KL term
@@ -184,8 +184,8 @@ def ppo_policy_loss(
         entropy_mean = aggregate(select_valid(entropy, m), loss_mask, aggregation, norm_length, units)
         loss = loss - entropy_coef * entropy_mean
     kl_term = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    if ref_logprobs is not None and kl_coef > 0:
-        per_token = kl_penalty(select_valid(logprobs, m), select_valid(ref_logprobs, m), kl_kind)
+    if init_logprobs is not None and kl_coef > 0:
+        per_token = kl_penalty(select_valid(logprobs, m), select_valid(init_logprobs, m), kl_kind)
         kl_term = aggregate(select_valid(per_token, m), loss_mask, aggregation, norm_length, units)
         loss = loss + kl_coef * kl_term
 

@@ -72,7 +72,7 @@ class PolicyLossConfig:
 
 
 class PolicyLoss:
-    """The clipped PPO policy loss (plus the entropy bonus and, with ``ref_logprobs``, the KL loss
+    """The clipped PPO policy loss (plus the entropy bonus and, with ``init_logprobs``, the KL loss
     term) of one micro-batch, with gradient, and its diagnostics.
 
     Args:
@@ -105,7 +105,7 @@ class PolicyLoss:
                 (1 on response positions), ``prev_logprobs`` [B, S-1] (rollout-time log-probs),
                 ``is_end`` [B] bool (gated by ``gate_unfinished``); optional ``response_lengths``
                 [B] for the attention mask; ``prompt_lengths`` [B], required when the policy's
-                sampling has ``min_new_tokens`` > 0; optional ``ref_logprobs`` [B, S-1]
+                sampling has ``min_new_tokens`` > 0; optional ``init_logprobs`` [B, S-1]
                 (initial-policy log-probs) with ``kl_coef`` (a 0-d tensor β): adds ``β·KL`` of
                 ``kl_kind`` (GRPO's KL term); optional ``loss_units`` (a 0-d tensor, see
                 :meth:`units`): the denominator of the whole optimizer step's loss, which makes the
@@ -134,7 +134,7 @@ class PolicyLoss:
             first_position=first,
             entropy_grad=c.entropy_coef > 0,
         )  # [B, S-1-first] each
-        ref = batch.get("ref_logprobs")
+        init_lp = batch.get("init_logprobs")
         loss, stats = ppo_policy_loss(
             logprobs,
             batch["prev_logprobs"][:, first:].to(logprobs),
@@ -148,8 +148,8 @@ class PolicyLoss:
             is_end=self.gate(batch["is_end"]).to(device),
             entropy=entropy,
             entropy_coef=c.entropy_coef,
-            ref_logprobs=ref[:, first:].to(logprobs) if ref is not None else None,
-            kl_coef=float(batch["kl_coef"]) if ref is not None else 0.0,
+            init_logprobs=init_lp[:, first:].to(logprobs) if init_lp is not None else None,
+            kl_coef=float(batch["kl_coef"]) if init_lp is not None else 0.0,
             kl_kind=c.kl_kind,
             units=batch.get("loss_units"),
         )

@@ -394,7 +394,7 @@ class PPOTrainer:
             reduce=dp.all_reduce_sum,
         )
         if not s.kl_in_reward:
-            data.ref_logprobs = rollout_batch.init_logprobs
+            data.init_logprobs = rollout_batch.init_logprobs
         # β of a KL loss term: the one in effect for these rollouts (before an adaptive update below)
         self._loss_kl_coef = self.kl_controller.value
         metrics = {f"rollout/{k}": float(v) for k, v in stats.items()}
@@ -513,7 +513,9 @@ class PPOTrainer:
                 advantages=dp.all_gather_rows(data.advantages),
                 returns=dp.all_gather_rows(data.returns),
                 values=dp.all_gather_rows(data.values),
-                ref_logprobs=dp.all_gather_rows(data.ref_logprobs) if data.ref_logprobs is not None else None,
+                init_logprobs=(
+                    dp.all_gather_rows(data.init_logprobs) if data.init_logprobs is not None else None
+                ),
             )
 
     def _send_critic_train(self, data: PPOData) -> None:
@@ -681,8 +683,8 @@ class PPOTrainer:
             "is_end": mb.is_end,
             "loss_units": units,
         }
-        if mb.ref_logprobs is not None:  # the KL as a loss term
-            batch["ref_logprobs"] = mb.ref_logprobs
+        if mb.init_logprobs is not None:  # the KL as a loss term
+            batch["init_logprobs"] = mb.init_logprobs
             batch["kl_coef"] = torch.tensor(self._loss_kl_coef, dtype=torch.float64)
         return batch
 

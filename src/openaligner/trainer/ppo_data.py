@@ -56,7 +56,7 @@ class PPOData:
     advantages: torch.Tensor  # [B, S-1], whitened when requested
     returns: torch.Tensor  # [B, S-1]
     values: torch.Tensor  # [B, S-1] rollout values (the critic's prev_values; 0 without a critic)
-    ref_logprobs: torch.Tensor | None = None  # [B, S-1] initial-policy log-probs for a KL loss term
+    init_logprobs: torch.Tensor | None = None  # [B, S-1] initial-policy log-probs for a KL loss term
 
     def __len__(self) -> int:
         return int(self.response_tokens.shape[0])

@@ -97,7 +97,7 @@ def test_critic_free_rollout_log_writes_what_exists(tmp_path):
         assert r["kl"] >= 0.0  # kl_in=loss: the rollout's KL to the initial policy is still logged
 
 
-def test_without_an_initial_policy_the_log_has_no_kl(tmp_path):
+def test_without_an_init_policy_the_log_has_no_kl(tmp_path):
     cfg = ppo_cfg(max_steps=1, save_interval=0, val_check_interval=0, initial_policy_kl_penalty=0)
     make_trainer(tmp_path, cfg).fit()
     rows = read_jsonl(tmp_path / "logs" / "rollouts.jsonl")
