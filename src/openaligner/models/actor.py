@@ -278,7 +278,7 @@ class CausalLMActor:
             )
         return {
             "response_tokens": out.tokens,
-            "response_lengths": out.response_lengths,
+            "response_lengths": out.sequence_lengths,
             "prompt_lengths": out.prompt_lengths,
             "is_end": out.is_end,
         }
@@ -295,8 +295,9 @@ class CausalLMActor:
         """Log-probs of each next token under the current policy.
 
         Args:
-            response_tokens: [B, S] int64, right-padded.
-            response_lengths: [B] valid tokens per row (default: all S).
+            response_tokens: [B, S] int64, prompt + response, right-padded (the seed API's
+                parameter names: elsewhere ``sequence_tokens``).
+            response_lengths: [B] valid tokens per row, prompt + response (default: all S).
             forward_micro_batch_size: rows per forward pass (default: the actor's setting).
             prompt_lengths: [B] prompt tokens per row; required when ``min_new_tokens`` > 0
                 (with stop ids), so that stop ids are banned where sampling banned them.
@@ -314,8 +315,8 @@ class CausalLMActor:
     @torch.no_grad()
     def get_init_policy_logprobs(
         self,
-        response_tokens: torch.Tensor,
-        response_lengths: torch.Tensor | None = None,
+        sequence_tokens: torch.Tensor,
+        sequence_lengths: torch.Tensor | None = None,
         forward_micro_batch_size: int | None = None,
         prompt_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -326,7 +327,7 @@ class CausalLMActor:
             )
         with self._init_policy_context():
             return self._batched_logprobs(
-                self.init_policy, response_tokens, response_lengths, forward_micro_batch_size, prompt_lengths
+                self.init_policy, sequence_tokens, sequence_lengths, forward_micro_batch_size, prompt_lengths
             )
 
     # ------------------------------------------------------------------ training forward

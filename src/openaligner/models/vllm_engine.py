@@ -295,7 +295,7 @@ class VLLMRolloutEngine(RolloutEngine):
             logprobs[i, p - 1 : totals[i] - 1] = torch.tensor(lp, dtype=torch.float32)
         return Generation(
             tokens=tokens,
-            response_lengths=torch.tensor(totals, dtype=torch.int64),
+            sequence_lengths=torch.tensor(totals, dtype=torch.int64),
             prompt_lengths=request.prompt_lengths.to("cpu", torch.int64),
             is_end=torch.tensor([f == "stop" for f in finish], dtype=torch.bool),
             logprobs=logprobs,

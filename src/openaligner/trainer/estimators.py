@@ -42,7 +42,7 @@ class EstimatorInputs:
     kl: torch.Tensor  # [B, S-1] per-token KL to the initial policy (zeros without it)
     kl_coef: float  # β of the KL in the reward (0 when the KL is a loss term or off)
     mask: torch.Tensor  # [B, S-1] float, 1 on response positions
-    response_lengths: torch.Tensor  # [B] int64, prompt + response (the score sits at length − 2)
+    sequence_lengths: torch.Tensor  # [B] int64, prompt + response (the score sits at length − 2)
     is_end: torch.Tensor  # [B] bool, ended on a stop token
     values: torch.Tensor  # [B, S-1] the critic's values (zeros without a critic)
     group_size: int  # responses per prompt (trainer.n_samples_per_prompt)
@@ -151,7 +151,7 @@ def get_estimator(name: str) -> Estimator:
 def gae_estimate(x: EstimatorInputs) -> Estimate:
     """PPO (Schulman et al. 2016/2017; NeMo-Aligner): KL-shaped per-token rewards, GAE over the
     critic's values, whitened over the global batch with ``normalize_advantages``."""
-    token_rewards = shape_rewards(x.scores, x.kl, x.response_lengths, x.kl_coef)
+    token_rewards = shape_rewards(x.scores, x.kl, x.sequence_lengths, x.kl_coef)
     advantages, returns = gae(x.values, token_rewards, x.mask, x.gamma, x.lam)
     rewards = masked_mean(token_rewards, x.mask, dim=-1)
     return Estimate(advantages, rewards, returns=returns, whiten=x.normalize_advantages)
@@ -196,6 +196,6 @@ def dr_grpo_estimate(x: EstimatorInputs) -> Estimate:
 def reinforce_pp_estimate(x: EstimatorInputs) -> Estimate:
     """REINFORCE++ (Hu 2025): per-token rewards ``−β·KL_t`` plus the score at the last response
     token; returns-to-go (``gamma``), whitened over every valid token of the global batch."""
-    token_rewards = shape_rewards(x.scores, x.kl, x.response_lengths, x.kl_coef)
+    token_rewards = shape_rewards(x.scores, x.kl, x.sequence_lengths, x.kl_coef)
     advantages = reinforce_pp_advantages(token_rewards, x.mask, x.gamma, reduce=x.reduce)
     return Estimate(advantages, masked_sum(token_rewards, x.mask, dim=-1))

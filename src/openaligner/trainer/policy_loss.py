@@ -101,9 +101,9 @@ class PolicyLoss:
 
         Args:
             policy: scores the tokens (:meth:`ScoringPolicy.training_logprobs`).
-            batch: ``response_tokens`` [B, S] int64, ``advantages`` [B, S-1], ``mask`` [B, S-1]
+            batch: ``sequence_tokens`` [B, S] int64, ``advantages`` [B, S-1], ``mask`` [B, S-1]
                 (1 on response positions), ``prev_logprobs`` [B, S-1] (rollout-time log-probs),
-                ``is_end`` [B] bool (gated by ``gate_unfinished``); optional ``response_lengths``
+                ``is_end`` [B] bool (gated by ``gate_unfinished``); optional ``sequence_lengths``
                 [B] for the attention mask; ``prompt_lengths`` [B], required when the policy's
                 sampling has ``min_new_tokens`` > 0; optional ``init_logprobs`` [B, S-1]
                 (initial-policy log-probs) with ``kl_coef`` (a 0-d tensor β): adds ``β·KL`` of
@@ -122,14 +122,14 @@ class PolicyLoss:
         """
         c = self.cfg
         device = policy.device
-        tokens = batch["response_tokens"].to(device)
+        tokens = batch["sequence_tokens"].to(device)
         mask = batch["mask"].to(device)
         # Positions before the first one any row scores (the shortest prompt) add nothing to the
         # loss; the policy's output head and log-softmax skip them.
         first = first_scored_position(mask)
         logprobs, entropy = policy.training_logprobs(
             tokens,
-            batch.get("response_lengths"),
+            batch.get("sequence_lengths"),
             batch.get("prompt_lengths"),
             first_position=first,
             entropy_grad=c.entropy_coef > 0,

@@ -431,7 +431,7 @@ class PPOTrainer:
                 engine_logprobs.append(generation.logprobs)
                 out = {
                     "response_tokens": generation.tokens,
-                    "response_lengths": generation.response_lengths,
+                    "response_lengths": generation.sequence_lengths,
                     "prompt_lengths": generation.prompt_lengths,
                     "is_end": generation.is_end,
                 }
@@ -464,8 +464,8 @@ class PPOTrainer:
             values = pad_and_stack([_critic_values(v, self.estimator.name) for _, v in results], 0.0)
             values = torch.nn.functional.pad(values, (0, width - values.shape[1]))[:, :width]
         batch = RolloutBatch(
-            response_tokens=tokens,
-            response_lengths=lengths,
+            sequence_tokens=tokens,
+            sequence_lengths=lengths,
             prompt_lengths=prompt_lengths,
             is_end=is_end,
             logprobs=logprobs,
@@ -505,7 +505,7 @@ class PPOTrainer:
             return data
         with self._timer("gather"):
             return PPOData(
-                response_tokens=dp.all_gather_rows(data.response_tokens, pad_value=int(self.model.pad_id)),
+                sequence_tokens=dp.all_gather_rows(data.sequence_tokens, pad_value=int(self.model.pad_id)),
                 prompt_lengths=dp.all_gather_rows(data.prompt_lengths),
                 is_end=dp.all_gather_rows(data.is_end.to(torch.uint8)).bool(),
                 mask=dp.all_gather_rows(data.mask),
@@ -526,7 +526,7 @@ class PPOTrainer:
         self._wait_critic_train()
         if dp.rank() == 0:
             payload = {
-                "response_tokens": data.response_tokens,
+                "response_tokens": data.sequence_tokens,
                 "returns": data.returns,
                 "values": data.values,
                 "mask": data.mask,
@@ -675,7 +675,7 @@ class PPOTrainer:
     def _loss_batch(self, mb: PPOData, units: torch.Tensor) -> dict[str, torch.Tensor]:
         """The policy loss's inputs for micro-batch ``mb`` of a step whose loss divides by ``units``."""
         batch = {
-            "response_tokens": mb.response_tokens,
+            "sequence_tokens": mb.sequence_tokens,
             "prompt_lengths": mb.prompt_lengths,
             "advantages": mb.advantages,
             "mask": mb.mask,

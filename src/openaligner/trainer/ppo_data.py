@@ -31,8 +31,8 @@ from openaligner.trainer.estimators import EstimatorInputs, get_estimator
 class RolloutBatch:
     """One rollout, local to this rank. ``S`` = padded sequence length."""
 
-    response_tokens: torch.Tensor  # [B, S] int64, prompt + response, padded after the response
-    response_lengths: torch.Tensor  # [B] int64, prompt + response
+    sequence_tokens: torch.Tensor  # [B, S] int64, prompt + response, padded after the response
+    sequence_lengths: torch.Tensor  # [B] int64, prompt + response
     prompt_lengths: torch.Tensor  # [B] int64
     is_end: torch.Tensor  # [B] bool, ended on a stop token
     logprobs: torch.Tensor  # [B, S-1] policy log-probs at rollout time
@@ -41,14 +41,14 @@ class RolloutBatch:
     init_logprobs: torch.Tensor | None = None  # [B, S-1] initial-policy log-probs (None: no KL)
 
     def __len__(self) -> int:
-        return int(self.response_tokens.shape[0])
+        return int(self.sequence_tokens.shape[0])
 
 
 @dataclass
 class PPOData:
     """What the actor update and the critic update consume; all [B, S-1] except tokens/is_end."""
 
-    response_tokens: torch.Tensor  # [B, S]
+    sequence_tokens: torch.Tensor  # [B, S]
     prompt_lengths: torch.Tensor  # [B] int64 (the actor bans stop ids where sampling did)
     is_end: torch.Tensor  # [B] bool
     mask: torch.Tensor  # [B, S-1] float, 1 on response positions
@@ -59,7 +59,7 @@ class PPOData:
     init_logprobs: torch.Tensor | None = None  # [B, S-1] initial-policy log-probs for a KL loss term
 
     def __len__(self) -> int:
-        return int(self.response_tokens.shape[0])
+        return int(self.sequence_tokens.shape[0])
 
     def select(self, index: torch.Tensor) -> PPOData:
         """Rows ``index`` of every field (for minibatches)."""
@@ -119,7 +119,7 @@ def compute_ppo_data(
         kl=kl,
         kl_coef=kl_coef,
         mask=mask,
-        response_lengths=batch.response_lengths,
+        sequence_lengths=batch.sequence_lengths,
         is_end=batch.is_end,
         values=batch.values if spec.needs_critic else zeros,
         group_size=group_size,
@@ -148,7 +148,7 @@ def compute_ppo_data(
         advantages = (advantages - mean) * torch.rsqrt(var + 1e-8)
 
     data = PPOData(
-        response_tokens=batch.response_tokens,
+        sequence_tokens=batch.sequence_tokens,
         prompt_lengths=batch.prompt_lengths,
         is_end=batch.is_end,
         mask=mask,
@@ -164,7 +164,7 @@ def _mask_and_kl(batch: RolloutBatch, kl_kind: str) -> tuple[torch.Tensor, torch
     """The response mask [B, S-1] and the per-token KL estimate [B, S-1] (zeros without initial-policy
     log-probs)."""
     width = batch.logprobs.shape[-1]
-    mask = response_mask(batch.prompt_lengths, batch.response_lengths, width, dtype=batch.logprobs.dtype)
+    mask = response_mask(batch.prompt_lengths, batch.sequence_lengths, width, dtype=batch.logprobs.dtype)
     if batch.init_logprobs is None:
         return mask, torch.zeros_like(batch.logprobs)
     return mask, kl_penalty(batch.logprobs, batch.init_logprobs, kl_kind)

@@ -25,17 +25,17 @@ def rollout_metrics(b: RolloutBatch, prefix: str, decoded: DecodedRollouts | Non
     """``{prefix}/*`` means over every rank's rollouts (sizes, lengths, rewards, ended fraction,
     and the task's ``score`` when ``decoded`` has scores); with ``prefix="rollout"`` also
     ``_tokens``, the tokens processed (for tokens/s; not logged). A collective."""
-    gen_len = (b.response_lengths - b.prompt_lengths).double()
+    gen_len = (b.sequence_lengths - b.prompt_lengths).double()
     sums = dp.all_reduce_sum(
         torch.stack(
             [
                 torch.tensor(float(len(b)), dtype=torch.float64),
-                b.response_lengths.double().sum(),
+                b.sequence_lengths.double().sum(),
                 b.prompt_lengths.double().sum(),
                 gen_len.sum(),
                 b.rewards.double().sum(),
                 b.is_end.double().sum(),
-                b.response_lengths.double().sum(),  # tokens processed, for tokens/s
+                b.sequence_lengths.double().sum(),  # tokens processed, for tokens/s
             ]
         )
     )
@@ -65,7 +65,7 @@ def decode_rollouts(
 ) -> DecodedRollouts:
     """Prompt and response texts (see :func:`rollout_texts`) and the task's scores of them."""
     prompts, responses = rollout_texts(
-        b.response_tokens, b.prompt_lengths, b.response_lengths, b.is_end, stop_ids, decode
+        b.sequence_tokens, b.prompt_lengths, b.sequence_lengths, b.is_end, stop_ids, decode
     )
     scores = scorer(prompts, responses) if scorer is not None else None
     return DecodedRollouts(prompts, responses, [float(s) for s in scores] if scores is not None else None)

@@ -77,7 +77,7 @@ def rollout_records(
     columns = {k: _floats(v) for k, v in per_sample.items()}
 
     prompt_tokens = batch.prompt_lengths[:rows].tolist()
-    response_tokens = (batch.response_lengths[:rows] - batch.prompt_lengths[:rows]).tolist()
+    response_tokens = (batch.sequence_lengths[:rows] - batch.prompt_lengths[:rows]).tolist()
     ended = batch.is_end[:rows].bool().tolist()
     records = []
     for i in range(rows):

@@ -61,8 +61,8 @@ def test_rollout_fields_are_those_of_the_batch_the_trainer_used_at_full_precisio
         assert len(rows) == len(batch) == 16
         kl = masked_sum(kl_penalty(batch.logprobs, batch.init_logprobs, cfg.kl_kind), data.mask, dim=-1)
         for i, r in enumerate(rows):
-            p, n = int(batch.prompt_lengths[i]), int(batch.response_lengths[i])
-            tokens = batch.response_tokens[i].tolist()
+            p, n = int(batch.prompt_lengths[i]), int(batch.sequence_lengths[i])
+            tokens = batch.sequence_tokens[i].tolist()
             assert r["prompt"] == t.decode(tokens[:p])
             assert r["prompt_tokens"] == p and r["response_tokens"] == n - p
             assert r["ended"] is bool(batch.is_end[i])
