@@ -7,15 +7,15 @@ Pure: tensors in, a scalar loss plus a frozen dataclass of detached scalar tenso
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
-from openaligner.algorithms.kl import kl_penalty
+from openaligner.algorithms.kl import KLKind, kl_penalty
 from openaligner.algorithms.masked import Reduce, masked_mean, masked_mean_var, masked_sum, select_valid
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class ValueLossStats:
     returns_mean: torch.Tensor
 
 
-def aggregation_units(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+def aggregation_units(mask: torch.Tensor, aggregation: LossAggregation) -> torch.Tensor:
     """What ``aggregation`` divides by, counted in ``mask`` [B, S-1] (a 0-d tensor of ``mask``'s
     float dtype, float32 for an integer or bool mask).
 
@@ -64,7 +64,7 @@ def aggregation_units(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
 def aggregate(
     loss: torch.Tensor,
     mask: torch.Tensor,
-    aggregation: str,
+    aggregation: LossAggregation,
     norm_length: int | None = None,
     units: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
@@ -112,14 +112,14 @@ def ppo_policy_loss(
     *,
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
-    aggregation: str = "token_mean",
+    aggregation: LossAggregation = "token_mean",
     norm_length: int | None = None,
     is_end: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     init_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-    kl_kind: str = "k3",
+    kl_kind: KLKind = "k3",
     units: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """Clipped surrogate objective of PPO (Schulman et al. 2017, eq. 7), as a loss to minimise.

@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from openaligner.algorithms import (
+    LossAggregation,
     Reduce,
     broadcast_to_tokens,
     gae,
@@ -30,6 +31,9 @@ from openaligner.algorithms import (
 
 if TYPE_CHECKING:
     from openaligner.trainer.ppo_config import PPOConfig
+
+KLPlacement = Literal["reward", "loss"]
+"""Where the KL to the initial policy goes: −β·KL in the reward, or +β·KL in the loss."""
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,8 @@ class Estimator:
     needs_critic: bool  # reads the critic server's values and trains the critic on its returns
     needs_groups: bool  # compares the responses to one prompt: refused with < 2 of them or greedy
     default_samples_per_prompt: int  # trainer.n_samples_per_prompt when null
-    default_kl_in: str  # trainer.kl_in when null: reward | loss
-    default_loss_aggregation: str  # trainer.loss_aggregation when null
+    default_kl_in: KLPlacement  # trainer.kl_in when null: reward | loss
+    default_loss_aggregation: LossAggregation  # trainer.loss_aggregation when null
     refuse: Refusal | None = None  # settings refused besides the ones needs_* imply
     title: str = ""  # what a run with it is called (progress bar, closing line); "" = the name
 
@@ -94,8 +98,8 @@ def register_estimator(
     needs_critic: bool = False,
     needs_groups: bool = False,
     samples_per_prompt: int | None = None,
-    kl_in: str = "reward",
-    loss_aggregation: str = "token_mean",
+    kl_in: KLPlacement = "reward",
+    loss_aggregation: LossAggregation = "token_mean",
     refuse: Refusal | None = None,
     title: str | None = None,
 ) -> Callable[[EstimatorFn], EstimatorFn]:

@@ -16,7 +16,13 @@ from typing import Protocol
 
 import torch
 
-from openaligner.algorithms import LOSS_AGGREGATIONS, aggregation_units, ppo_policy_loss
+from openaligner.algorithms import (
+    LOSS_AGGREGATIONS,
+    KLKind,
+    LossAggregation,
+    aggregation_units,
+    ppo_policy_loss,
+)
 from openaligner.trainer.ppo_config import PPOConfig
 
 
@@ -45,9 +51,9 @@ class PolicyLossConfig:
     clip_eps_high: float | None = None  # upper ε, "clip-higher"; None: clip_eps (trainer.ratio_eps_high)
     dual_clip: float | None = None  # dual-clip constant c > 1, or None (trainer.dual_clip)
     entropy_coef: float = 0.0  # weight of the entropy bonus (trainer.entropy_bonus)
-    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    aggregation: LossAggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     norm_length: int | None = None  # the token count seq_mean_token_sum_norm divides by (the budget)
-    kl_kind: str = "k3"  # the KL estimator of the KL loss term (trainer.kl_kind with kl_in=loss)
+    kl_kind: KLKind = "k3"  # the KL estimator of the KL loss term (trainer.kl_kind with kl_in=loss)
     gate_unfinished: bool = True  # samples that never ended get no policy gradient (NeMo-Aligner)
 
     def __post_init__(self) -> None:

@@ -25,7 +25,13 @@ from typing import Any, Protocol, cast
 import torch
 
 from openaligner import distributed as dp
-from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance, response_mask
+from openaligner.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLKind,
+    explained_variance,
+    response_mask,
+)
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
@@ -154,7 +160,7 @@ class LoopSettings:
     critic_warmup_steps: int  # critic-only rollouts before the first actor update
     # ---- advantages (:func:`compute_ppo_data`)
     kl_in_reward: bool  # −β·KL in the reward (else +β·KL in the loss)
-    kl_kind: str  # the KL estimator
+    kl_kind: KLKind  # the KL estimator
     discount_factor: float  # γ
     gae_lambda: float  # λ
     normalize_advantages: bool

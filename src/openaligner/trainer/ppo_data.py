@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from openaligner.algorithms import (
+    KLKind,
     Reduce,
     adjust_scores,
     kl_penalty,
@@ -73,7 +74,7 @@ def compute_ppo_data(
     estimator: str = "gae",
     group_size: int = 1,
     kl_coef: float,
-    kl_kind: str,
+    kl_kind: KLKind,
     gamma: float,
     lam: float = 1.0,
     normalize_advantages: bool = False,
@@ -160,7 +161,7 @@ def compute_ppo_data(
     return data, metrics
 
 
-def _mask_and_kl(batch: RolloutBatch, kl_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _mask_and_kl(batch: RolloutBatch, kl_kind: KLKind) -> tuple[torch.Tensor, torch.Tensor]:
     """The response mask [B, S-1] and the per-token KL estimate [B, S-1] (zeros without initial-policy
     log-probs)."""
     width = batch.logprobs.shape[-1]

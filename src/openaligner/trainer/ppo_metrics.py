@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from openaligner import distributed as dp
+from openaligner.algorithms import KLKind
 from openaligner.io.metrics import MetricsLogger
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch
 from openaligner.trainer.rollout import rollout_texts
@@ -79,7 +80,7 @@ class RolloutLog:
     logger: MetricsLogger
     sample_table_interval: int  # a preview table every N steps (0: none)
     rollout_log_rows: int | None  # rollouts per step in the rollout log (None: all, 0: none)
-    kl_kind: str  # the KL estimator whose per-sample KL is logged
+    kl_kind: KLKind  # the KL estimator whose per-sample KL is logged
     group_size: int  # responses per prompt (contiguous rows)
     with_values: bool  # log values and returns (an estimator with a critic)
 

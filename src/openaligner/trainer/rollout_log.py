@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from openaligner.algorithms import kl_penalty, masked_mean, masked_sum
+from openaligner.algorithms import KLKind, kl_penalty, masked_mean, masked_sum
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch
 
 
@@ -33,7 +33,7 @@ def rollout_records(
     batch: RolloutBatch,
     data: PPOData,
     *,
-    kl_kind: str,
+    kl_kind: KLKind,
     group_size: int,
     with_values: bool,
     first_sample: int = 0,
