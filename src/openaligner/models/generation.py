@@ -1,18 +1,10 @@
 """Batched sampling from a Hugging Face causal LM with a KV cache: the actor's rollout engine.
 
 Owns the sampling parameters, the token-selection rules (greedy, temperature, top-k, top-p,
-min/max new tokens, stop ids, stop strings), the sampling loop and the output layout. Must not know
-about PPO, rewards or training, nor any model architecture: the model is stepped by the
-:class:`~openaligner.models.decoders.base.Decoder` that :func:`openaligner.models.fast_paths.make_decoder`
-picks for it (an architecture-specific fast decoder, else the model's own forward).
-
-Layout. Input prompts are right-padded ``prompts`` [B, P] with ``prompt_lengths`` [B]. Internally
-prompts are left-padded so that every row appends its next token in the same column of one
-preallocated buffer, with per-row position ids (``cumsum(attention_mask) - 1``) and a KV cache
-(the decoder's) sized ``max(prompt_lengths) + max_new_tokens``. Rows that have finished are dropped from the
-cache (and from the forward passes) once they are a quarter of it. The result is converted back to the
-right-padded layout: row ``i`` holds its prompt, immediately followed by its response (the stop
-token included), then ``pad_id`` up to the width ``S = max(sequence_lengths)``.
+min/max new tokens, stop ids and strings), the sampling loop and the output layout (right-padded
+``[B, S]``: prompt, response with its stop token, then ``pad_id``). Must not know about PPO,
+rewards or training, nor any architecture (a :class:`~openaligner.models.decoders.base.Decoder`
+steps the model). Design notes (the layout): docs/models.md, "Module notes".
 """
 
 from __future__ import annotations
