@@ -78,7 +78,7 @@ def _rollout(actor: Any) -> Any:
     mask[:, PROMPT_TOKENS - 1 :] = 1.0  # position t scores token t+1: the response positions
     advantages = torch.randn(ROLLOUTS, seq - 1, generator=g) * mask
     return PPOData(
-        response_tokens=tokens,
+        sequence_tokens=tokens,
         prompt_lengths=torch.full((ROLLOUTS,), PROMPT_TOKENS),
         is_end=torch.zeros(ROLLOUTS, dtype=torch.bool),
         mask=mask,

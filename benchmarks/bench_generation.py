@@ -80,7 +80,7 @@ def main() -> None:
         def go() -> int:
             g = torch.Generator(device).manual_seed(1)
             out = generate(model, prompts, lengths, params, pad_id=actor.pad_id, generator=g, fast_path=False)
-            return int((out.response_lengths - out.prompt_lengths).sum())
+            return int((out.sequence_lengths - out.prompt_lengths).sum())
 
         return go
 

@@ -160,7 +160,7 @@ def _timed(engine: Any, request: RolloutRequest, device: torch.device) -> tuple[
     out = engine.generate(request)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - t0, int(out.response_lengths.sum())
+    return time.perf_counter() - t0, int((out.sequence_lengths - out.prompt_lengths).sum())
 
 
 def bench_generation(

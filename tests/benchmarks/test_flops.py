@@ -38,3 +38,16 @@ def test_the_gpt2_count_is_unchanged():
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
     assert gpt2_shape(config).matmul_params == _linear_weights(model)
+
+
+def test_the_engine_benchmark_counts_generated_tokens_only():
+    """bench_rollout_engine's tokens/s divides the *new* tokens (not prompt + response) by the time."""
+    from bench_rollout_engine import _request, _timed
+    from openaligner.models.actor import CausalLMActor
+    from openaligner.models.builders import TinySize, build_tiny_causal_lm
+    from openaligner.models.rollout_engine import HFRolloutEngine
+
+    actor = CausalLMActor(build_tiny_causal_lm("qwen2", TinySize(vocab_size=64)), init_policy=False)
+    request = _request(prompts=2, samples=2, prompt_len=5, new_tokens=3, vocab=64, seed=0)
+    _, tokens = _timed(HFRolloutEngine(actor), request, torch.device("cpu"))
+    assert tokens == 4 * 3

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# heavy tier (make test-heavy, CI's second step): minutes of whole-process runs, kept out of `make test`
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 def _processes_mentioning(text: str) -> list[str]:

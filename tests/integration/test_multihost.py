@@ -49,7 +49,8 @@ import pytest
 
 from openaligner.io.metrics import read_jsonl
 
-pytestmark = pytest.mark.slow
+# heavy tier (make test-heavy, CI's second step): minutes of whole-process runs, kept out of `make test`
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 IFNAME = "eth0"  # the interface name inside every host namespace (so GLOO_SOCKET_IFNAME is one value)
 SUBNET = "10.77.0"  # private to this test's namespaces: nothing in the root namespace gets an address

@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.trainer.checkpoint_files import load_sharded_state
 
-pytestmark = pytest.mark.slow
+# heavy tier (make test-heavy, CI's second step): minutes of whole-process runs, kept out of `make test`
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 TOKEN = "sharded-secret"

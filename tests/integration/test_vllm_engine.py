@@ -87,8 +87,8 @@ def _prompts_tensor() -> torch.Tensor:
 
 
 def _trainer_logprobs(actor: CausalLMActor, out) -> tuple[torch.Tensor, torch.Tensor]:
-    mine = actor.get_inference_log_probs(out.tokens, out.response_lengths, prompt_lengths=out.prompt_lengths)
-    mask = response_mask(out.prompt_lengths, out.response_lengths, out.tokens.shape[1] - 1).bool()
+    mine = actor.get_inference_log_probs(out.tokens, out.sequence_lengths, prompt_lengths=out.prompt_lengths)
+    mask = response_mask(out.prompt_lengths, out.sequence_lengths, out.tokens.shape[1] - 1).bool()
     return mine, mask
 
 
@@ -106,7 +106,7 @@ def test_after_a_weight_push_the_engine_generates_the_trainers_tokens_and_logpro
         before = engine.generate(greedy)
         reference = HFRolloutEngine(actor).generate(greedy)
         assert torch.equal(before.tokens, reference.tokens)
-        assert torch.equal(before.response_lengths, reference.response_lengths)
+        assert torch.equal(before.sequence_lengths, reference.sequence_lengths)
         assert torch.equal(before.is_end, reference.is_end)
         mine, mask = _trainer_logprobs(actor, before)
         assert before.logprobs is not None
@@ -148,7 +148,7 @@ def test_after_a_weight_push_the_engine_generates_the_trainers_tokens_and_logpro
         first = engine.generate(sampled)
         assert torch.equal(engine.generate(sampled).tokens, first.tokens)
         alone = engine.generate(RolloutRequest(prompts[2:3], LENGTHS[2:3], actor.sampling, row_seeds(9, 1)))
-        n = int(alone.response_lengths[0])
+        n = int(alone.sequence_lengths[0])
         assert torch.equal(alone.tokens[0, :n], first.tokens[2, :n])
         mine, mask = _trainer_logprobs(actor, first)
         assert first.logprobs is not None
@@ -162,14 +162,14 @@ def test_after_a_weight_push_the_engine_generates_the_trainers_tokens_and_logpro
         free = engine.generate(RolloutRequest(prompts, LENGTHS, plain, row_seeds(0, 4)))
         p0 = int(LENGTHS[0])
         stop = tok.decode(free.tokens[0, p0 + 2 : p0 + 4].tolist())
-        assert len(stop) == 2 and int(free.response_lengths[0]) >= p0 + 4
+        assert len(stop) == 2 and int(free.sequence_lengths[0]) >= p0 + 4
         stopping = dataclasses.replace(plain, stop_strings=(stop,))
         request = RolloutRequest(prompts, LENGTHS, stopping, row_seeds(0, 4))
         cut, reference = engine.generate(request), HFRolloutEngine(actor).generate(request)
         assert torch.equal(cut.tokens, reference.tokens)
-        assert torch.equal(cut.response_lengths, reference.response_lengths)
+        assert torch.equal(cut.sequence_lengths, reference.sequence_lengths)
         assert torch.equal(cut.is_end, reference.is_end)
-        assert cut.is_end[0] and int(cut.response_lengths[0]) <= p0 + 4
+        assert cut.is_end[0] and int(cut.sequence_lengths[0]) <= p0 + 4
         assert cut.logprobs is not None and cut.logprobs.shape[1] == cut.tokens.shape[1] - 1
 
         # weights that did not arrive: the trainer's change after the push stands for a push the

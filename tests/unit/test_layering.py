@@ -62,3 +62,34 @@ def test_the_architecture_doc_names_every_module_there_is():
     assert not documented - real, (
         f"docs/architecture.md names modules that do not exist: {sorted(documented - real)}"
     )
+
+
+def module_docstrings() -> dict[str, str]:
+    """Every module below ``src/openaligner`` → its docstring ("" when it has none)."""
+    import ast
+
+    return {
+        str(p.relative_to(SRC)): ast.get_docstring(ast.parse(p.read_text()), clean=False) or ""
+        for p in sorted(SRC.rglob("*.py"))
+    }
+
+
+def test_every_module_docstring_says_what_it_owns_in_at_most_ten_lines():
+    docstrings = module_docstrings()
+    missing = [m for m, d in docstrings.items() if not d.strip()]
+    assert not missing, f"modules without a docstring: {missing}"
+    long = {m: len(d.splitlines()) for m, d in docstrings.items() if len(d.splitlines()) > 10}
+    assert not long, (
+        f"module docstrings over 10 lines (say what the file owns and must not know; move the "
+        f'rationale to its docs/*.md page under "Module notes"): {long}'
+    )
+
+
+def test_a_docstring_that_points_to_module_notes_has_its_section_there():
+    import re
+
+    docs = SRC.parents[1] / "docs"
+    for module, doc in module_docstrings().items():
+        for page in re.findall(r'docs/([\w-]+\.md)[^"]*"Module notes"', " ".join(doc.split())):
+            text = (docs / page).read_text()
+            assert f"### `{module}`" in text.split("## Module notes", 1)[-1], (module, page)

@@ -18,7 +18,7 @@ from openaligner.algorithms.critic_free import (
     rloo_advantages_reference,
     sequence_kl,
 )
-from openaligner.algorithms.kl import KL_KINDS, AdaptiveKLController, FixedKLController, kl_penalty
+from openaligner.algorithms.kl import KL_KINDS, AdaptiveKLController, FixedKLController, KLKind, kl_penalty
 from openaligner.algorithms.logprobs import (
     chunked_token_stats,
     entropy_from_logits,
@@ -29,6 +29,7 @@ from openaligner.algorithms.logprobs import (
 )
 from openaligner.algorithms.losses import (
     LOSS_AGGREGATIONS,
+    LossAggregation,
     PolicyLossStats,
     ValueLossStats,
     aggregate,
@@ -54,6 +55,8 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "AdaptiveKLController",
     "FixedKLController",
+    "KLKind",
+    "LossAggregation",
     "PolicyLossStats",
     "Reduce",
     "ValueLossStats",

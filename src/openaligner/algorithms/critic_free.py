@@ -8,6 +8,8 @@ consecutive rows, so ``B = prompts × G``. Cross-rank statistics go through a ``
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from openaligner.algorithms.advantages import gae, gae_reference
@@ -30,7 +32,11 @@ def _groups(scores: torch.Tensor, group_size: int, needs: int) -> torch.Tensor:
     return scores.reshape(-1, group_size)
 
 
-def sequence_kl(kl: torch.Tensor, mask: torch.Tensor, reduction: str) -> torch.Tensor:
+KLReduction = Literal["sum", "mean"]
+"""How :func:`sequence_kl` turns per-token KL into one figure per response."""
+
+
+def sequence_kl(kl: torch.Tensor, mask: torch.Tensor, reduction: KLReduction) -> torch.Tensor:
     """One KL figure per response from per-token estimates: [B, S-1] → [B].
 
     ``sum``: Σ_t KL_t over the mask, the KL of the whole sequence (RLOO, Ahmadian et al. 2024);

@@ -6,22 +6,22 @@ Pure: tensors and floats in, tensors and floats out. Knows nothing of models or 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 KLKind = Literal["k1", "abs", "k2", "k3"]
-KL_KINDS: tuple[str, ...] = ("k1", "abs", "k2", "k3")
+KL_KINDS: tuple[str, ...] = get_args(KLKind)
 
 
 K3_MAX_LOG_RATIO = 20.0
 """|log-ratio| beyond which the k3 estimator is evaluated at the bound (keeps it finite)."""
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+def kl_penalty(logprobs: torch.Tensor, init_logprobs: torch.Tensor, kind: KLKind) -> torch.Tensor:
     """Per-token KL estimate from sampled-token log-probs (Schulman, "Approximating KL", 2020).
 
-    With Δ = logprobs − ref_logprobs (both [B, S-1]):
+    With Δ = logprobs − init_logprobs (both [B, S-1]):
 
     - ``k1``: Δ (unbiased, can be negative per token),
     - ``abs``: |Δ| (NeMo-Aligner's ``use_absolute_kl=True`` default),
@@ -33,7 +33,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
 
     Returns a tensor shaped like ``logprobs``.
     """
-    delta = logprobs - ref_logprobs
+    delta = logprobs - init_logprobs
     if kind == "k1":
         return delta
     if kind == "abs":

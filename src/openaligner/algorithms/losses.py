@@ -7,15 +7,15 @@ Pure: tensors in, a scalar loss plus a frozen dataclass of detached scalar tenso
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
-from openaligner.algorithms.kl import kl_penalty
+from openaligner.algorithms.kl import KLKind, kl_penalty
 from openaligner.algorithms.masked import Reduce, masked_mean, masked_mean_var, masked_sum, select_valid
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class ValueLossStats:
     returns_mean: torch.Tensor
 
 
-def aggregation_units(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+def aggregation_units(mask: torch.Tensor, aggregation: LossAggregation) -> torch.Tensor:
     """What ``aggregation`` divides by, counted in ``mask`` [B, S-1] (a 0-d tensor of ``mask``'s
     float dtype, float32 for an integer or bool mask).
 
@@ -64,7 +64,7 @@ def aggregation_units(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
 def aggregate(
     loss: torch.Tensor,
     mask: torch.Tensor,
-    aggregation: str,
+    aggregation: LossAggregation,
     norm_length: int | None = None,
     units: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
@@ -112,14 +112,14 @@ def ppo_policy_loss(
     *,
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
-    aggregation: str = "token_mean",
+    aggregation: LossAggregation = "token_mean",
     norm_length: int | None = None,
     is_end: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
-    ref_logprobs: torch.Tensor | None = None,
+    init_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-    kl_kind: str = "k3",
+    kl_kind: KLKind = "k3",
     units: torch.Tensor | float | None = None,
     is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
@@ -143,8 +143,8 @@ def ppo_policy_loss(
             (NeMo-Aligner's default gating).
         entropy: [B, S-1] per-token entropy of the current policy (with grad) for the bonus.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
-        ref_logprobs: [B, S-1] log-probs of the sampled tokens under the initial policy; with
-            ``kl_coef`` > 0, ``kl_coef · aggregate(KL_kind(logprobs, ref_logprobs))`` is added to the
+        init_logprobs: [B, S-1] log-probs of the sampled tokens under the initial policy; with
+            ``kl_coef`` > 0, ``kl_coef · aggregate(KL_kind(logprobs, init_logprobs))`` is added to the
             loss: the KL as a loss term (GRPO, DeepSeekMath eq. 4, with ``k3``), its gradient
             through ``logprobs`` only.
         units: the denominator of the policy-gradient term, the entropy bonus and the KL term
@@ -190,8 +190,8 @@ def ppo_policy_loss(
         entropy_mean = aggregate(select_valid(entropy, m), loss_mask, aggregation, norm_length, units)
         loss = loss - entropy_coef * entropy_mean
     kl_term = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    if ref_logprobs is not None and kl_coef > 0:
-        per_token = kl_penalty(select_valid(logprobs, m), select_valid(ref_logprobs, m), kl_kind)
+    if init_logprobs is not None and kl_coef > 0:
+        per_token = kl_penalty(select_valid(logprobs, m), select_valid(init_logprobs, m), kl_kind)
         kl_term = aggregate(select_valid(per_token, m), loss_mask, aggregation, norm_length, units)
         loss = loss + kl_coef * kl_term
 

@@ -14,15 +14,15 @@ import torch
 
 def response_mask(
     prompt_lengths: torch.Tensor,
-    response_lengths: torch.Tensor,
+    sequence_lengths: torch.Tensor,
     width: int,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """1 on ``[prompt_len-1, response_len-1)`` of each row, else 0.
+    """1 on ``[prompt_len-1, sequence_len-1)`` of each row, else 0.
 
     Args:
         prompt_lengths: [B] number of prompt tokens.
-        response_lengths: [B] prompt + response tokens (end token included).
+        sequence_lengths: [B] prompt + response tokens (end token included).
         width: number of next-token positions, S-1.
 
     Returns:
@@ -30,14 +30,14 @@ def response_mask(
     """
     positions = torch.arange(width, device=prompt_lengths.device)
     start = (prompt_lengths - 1).unsqueeze(-1)
-    end = (response_lengths - 1).unsqueeze(-1)
+    end = (sequence_lengths - 1).unsqueeze(-1)
     return ((positions >= start) & (positions < end)).to(dtype)
 
 
 def shape_rewards(
     scores: torch.Tensor,
     kl: torch.Tensor,
-    response_lengths: torch.Tensor,
+    sequence_lengths: torch.Tensor,
     beta: float | torch.Tensor,
     *,
     is_end: torch.Tensor | None = None,
@@ -49,7 +49,7 @@ def shape_rewards(
     Args:
         scores: [B] scalar reward-model scores.
         kl: [B, S-1] per-token KL estimates (see :func:`kl_penalty`); zeros to disable.
-        response_lengths: [B] prompt + response lengths; the score goes to index
+        sequence_lengths: [B] prompt + response lengths; the score goes to index
             ``response_length − 2`` (clamped at 0).
         beta: KL coefficient.
         is_end: [B] bool, whether each sample ended on a stop token; needed by
@@ -66,7 +66,7 @@ def shape_rewards(
         scores.to(kl.dtype), is_end=is_end, missing_eos_penalty=missing_eos_penalty, score_clip=score_clip
     )
     rewards = -beta * kl
-    index = (response_lengths.long() - 2).clamp(min=0).unsqueeze(-1)
+    index = (sequence_lengths.long() - 2).clamp(min=0).unsqueeze(-1)
     return rewards.scatter_add(-1, index, s.unsqueeze(-1))
 
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
-SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
+Schedule = Literal["constant", "cosine", "linear"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
+def lr_factor(
+    step: int, *, warmup_steps: int, total_steps: int, schedule: Schedule, min_ratio: float
+) -> float:
     """Multiplier of the peak learning rate at optimizer ``step`` (0-based).
 
     Linear warm-up over ``warmup_steps`` (``(step + 1) / (warmup_steps + 1)``), then ``constant``,

@@ -1,18 +1,10 @@
 """``openaligner <command> [CONFIG.yaml] [key=value ...]``: dispatch to the module of each command.
 
-Each command is a module, or an object in one (``module:attribute``, e.g. the two supervised
-trainers of :mod:`openaligner.cli.train_supervised`), exposing ``SCHEMA`` (its config dataclass),
-``run(cfg) -> int`` and ``RESUME_KEY`` (:func:`command`); a tool (:data:`TOOLS`, e.g.
-``export-critic CHECKPOINT OUT``) takes its own arguments instead and exposes ``main(argv) ->
-int``. Modules are imported lazily so that ``openaligner --help`` stays fast and a command only
-loads what it uses.
-
-A run that cannot work is refused in one place: a ``ConfigError`` from loading the config, or a
-``StartupError`` from the command's own start-up checks (data files, the model's position limit,
-...), is printed as ``openaligner <command>: <message>`` and the exit code is 2. A training run
-stopped by a signal (``TrainingStopped``, :mod:`openaligner.cli.training`) is printed as one line
-naming what was kept and the command line that resumes (from the command's ``RESUME_KEY``), with
-exit code 130 (SIGINT) or 143 (SIGTERM).
+Owns the command and tool tables (each command exposes ``SCHEMA``, ``run(cfg) -> int`` and
+``RESUME_KEY``; a tool, ``main(argv) -> int``), lazy imports, and the one place a run is refused
+(``ConfigError`` / ``StartupError`` → one line, exit 2) or reported stopped by a signal (exit 130
+or 143). Must not know what any command does.
+Design notes: docs/architecture.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """``openaligner serve-critic [CONFIG] [key=value ...]``: serve a trainable critic (and the reward model).
 
-Loads the critic (initialised from the reward model the config names: a Hugging Face directory,
-or the tiny seeded test model when asked for) and, in combined mode, a frozen copy of the reward
-model; builds the optimizer, scheduler, checkpoint manager and metrics logger into a
-:class:`openaligner.trainer.critic.CriticTrainer`; resumes from the latest complete checkpoint (or
-the one ``checkpoint.resume_step`` names); and runs
-:class:`openaligner.servers.critic.CriticServerTrainer` until SIGINT or SIGTERM. Under
-``torchrun`` every rank holds a replica of both models, or with ``parallel.strategy=fsdp`` its
-shard of each (sharded after LoRA and before the optimizer is built); rank 0 runs Triton and the
-others follow it. Prints the URL once the server answers and stops Triton (no process left
-behind) on either signal.
+Owns the command: load the critic (and, combined, a frozen reward model), build its
+:class:`~openaligner.trainer.critic.CriticTrainer`, resume, and run
+:class:`~openaligner.servers.critic.CriticServerTrainer` on every rank until SIGINT or SIGTERM.
+Must not know the value loss, the endpoints' logic or the transport.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """``openaligner serve-reward [CONFIG] [key=value ...]``: serve a frozen reward model, a Python
 reward function, or both, over HTTP.
 
-Loads the reward model the config names (a Hugging Face directory, or the tiny seeded test model
-when asked for) and/or the reward function ``reward.function`` (in worker processes of its own, see
-:mod:`openaligner.servers.reward_function`), starts
-:class:`openaligner.servers.reward.RewardModelServer` and serves until SIGINT or SIGTERM. Under
-``torchrun`` every rank loads the model and computes a share of each batch (the function runs on
-rank 0); with ``parallel.strategy=fsdp`` each then keeps only its shard of the weights (every rank
-takes part in every forward). Rank 0 runs Triton and the others follow it. Prints the URL once
-the server answers, and stops Triton (no process left behind) on either signal.
+Owns the command: load the model and/or the function, start
+:class:`~openaligner.servers.reward.RewardModelServer` on every rank and serve until SIGINT or
+SIGTERM. Must not know how rewards are computed or the transport.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

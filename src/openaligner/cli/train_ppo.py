@@ -1,20 +1,10 @@
 """``openaligner train-ppo [CONFIG] [key=value ...]``: the PPO actor, connected to the served critic/RM.
 
-Builds the actor, optimizer, scheduler, prompt loaders, client, logger and checkpoint manager
-from the config, resumes automatically from the newest complete checkpoint whose critic the
-critic server holds (sending the server back to that critic), and runs :class:`PPOTrainer`.
-Under ``torchrun`` every rank runs this; rank 0 logs and saves.
-
-Exit codes: 0 when the run finished (or reached ``max_time_per_run``, after saving); 1 when a
-server failed or could not be reached (the message names host:port and model; under torchrun
-every rank stops at once), the critic server holds the critic of none of the checkpoints, or the
-actor's gradients were inf/NaN too many steps in a row; 2 when the run is refused at start-up,
-before any weights load or a server is contacted (prompt files, too few prompts for one batch,
-``data.seq_length`` beyond the actor's positions); 130 on SIGINT and 143 on SIGTERM, which stop
-the run at once without saving — the next run of the same command resumes from the last
-checkpoint (the one line printed names it and the command line). Resuming also rewinds
-``logs/metrics.jsonl``, ``logs/tables.jsonl`` and ``logs/rollouts.jsonl`` to the checkpoint's
-step, so steps that are run again appear once.
+Owns the command: build the run from the config (:mod:`openaligner.trainer.ppo_recipe`), resume
+from the newest checkpoint the critic server also holds, run :class:`PPOTrainer`, and map the
+outcome to exit codes (0 done, 1 server or training failure, 2 refused at start-up, 130/143 on a
+signal). Must not know the PPO math or the wire format.
+Design notes: docs/ppo.md, "Module notes".
 """
 
 from __future__ import annotations

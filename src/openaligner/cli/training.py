@@ -1,14 +1,10 @@
 """What the training commands (train-sft, train-rm, train-ppo) share at the command line: stopping on
 SIGINT/SIGTERM and the one line that says how to resume.
 
-A signal that lands while a training loop polls its :class:`~openaligner.trainer.stopping.StopRequest`
-asks it to finish the step it is in and write a checkpoint of it; any other signal — before the
-first step (loading the model, tokenizing), during the final export, a second Ctrl-C, or any
-signal in train-ppo, whose loop does not poll — stops the command at once, and the run resumes
-from the newest checkpoint already on disk. Either way the command raises
-:class:`~openaligner.trainer.stopping.TrainingStopped`, which :mod:`openaligner.cli.main` prints as
-``openaligner <command>: stopped by SIGINT; <what was kept>; resume with: <command line>`` and
-turns into exit code 130 (SIGINT) or 143 (SIGTERM): 128 + the signal, as a shell reports it.
+Owns the signal handling (finish the step and checkpoint when the loop polls, else stop at once)
+and :class:`~openaligner.trainer.stopping.TrainingStopped`'s one line and exit code (128 + the
+signal). Must not know what is trained.
+Design notes: docs/reliability.md, "Module notes".
 """
 
 from __future__ import annotations

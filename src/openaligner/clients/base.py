@@ -1,31 +1,11 @@
 """What every client of a Triton-served model needs: readiness, timeouts, futures, errors, retries.
 
-Owns one server connection's life: waiting for readiness up to ``init_timeout_s``, a small pool of
-daemon worker threads (one ``tritonclient.http`` connection each) that turn requests into
-``concurrent.futures.Future``, translation of transport and server errors into the exception tree
-of :mod:`openaligner.clients.errors`, the resend of valid requests that Triton rejected together
-with an invalid one, riding out a server restart (``reconnect_grace_s``), and a ``close()`` that
-never hangs and leaves no future pending. The reward and critic clients build on it. Must not know
-what any endpoint computes.
-
-Server restarts. With ``reconnect_grace_s > 0``, a request whose connection is refused or dropped
-waits until the server answers ready again — at most ``reconnect_grace_s`` after the first failure
-of the outage, shared by every request caught in it — and is then resent; after that it fails
-with :class:`ServerTimeoutError` naming the server, the model and what to do. Whether a request
-may be resent depends on whether running it twice is harmless:
-
-* idempotent requests (inference, and saving, which writes the same state again) are resent after
-  any lost connection;
-* a request that is not idempotent (``critic_train``: one more optimizer pass) is resent only
-  when the server cannot have kept its effect: the connection was refused before anything was
-  sent, or it dropped after sending and, within 2 s, nothing listens on the port any more — the
-  server process is gone, and with it everything it had not saved, this request's training
-  included (servers save only when asked, and the critic client sends a save only after the last
-  train was answered). A restarted server resumes from its last checkpoint and has never seen the
-  request, so it runs exactly once there. If the connection dropped but the server is still up,
-  the request may have run: it is not resent and fails with a message saying so.
-
-Time-outs (no answer within ``request_timeout_s``) are never resent: the server is still working.
+Owns one server connection's life: readiness up to ``init_timeout_s``, a pool of worker threads
+that turn requests into futures, the error translation into :mod:`openaligner.clients.errors`,
+resending requests Triton rejected beside an invalid one, riding out a restart
+(``reconnect_grace_s``; a non-idempotent request only when it cannot have run), and a ``close()``
+that never hangs. Must not know what any endpoint computes.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -123,7 +103,7 @@ class TritonHTTPClient:
         config_prefix: where ``init_timeout_s`` and ``reconnect_grace_s`` sit in the user's config
             (``"remote."`` in train-ppo), so that messages name the keys as the user writes them.
         reconnect_grace_s: after a refused or dropped connection, how long to wait for the server
-            to answer again before failing (0: fail at once). See the module docstring for which
+            to answer again before failing (0: fail at once). See docs/serving.md, "Module notes", for which
             requests are resent.
     """
 
@@ -302,7 +282,7 @@ class TritonHTTPClient:
         """Send ``inputs`` to ``model`` from a worker thread; the future holds ``postprocess(outputs)``.
 
         ``parameters`` are extra Triton request parameters (e.g. a token), sent with the request id.
-        ``idempotent=False`` marks a request that must not run twice (see the module docstring).
+        ``idempotent=False`` marks a request that must not run twice (docs/serving.md, "Module notes").
         The future fails with a :class:`ClientError` subclass; it is never left pending: results,
         errors, or cancellation by :meth:`close`.
         """

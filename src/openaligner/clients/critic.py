@@ -1,14 +1,11 @@
 """Client of the critic server (and, when separate, the reward model server) for the PPO actor.
 
-Owns the actor-side view of ``critic_infer`` / ``critic_train`` / ``critic_save`` (saving, and
-going back to a saved critic step on resume): the config
-(keys as NeMo-Aligner's ``remote_critic_rm``), turning rollout tensors into requests and answers
-back into torch, the shared-secret token sent with train and save, and the ordering rule that an
-infer or save sent after a train waits for that train's answer, so it sees the trained critic.
-In combined mode one server answers values and rewards; otherwise rewards come from a reward
-model server through :class:`openaligner.clients.reward.RemoteGPTRMClient`. Transport,
-readiness, timeouts and errors come from :mod:`openaligner.clients.base`. Must not know about
-PPO math or how the servers compute.
+Owns the actor-side view of ``critic_infer`` / ``critic_train`` / ``critic_save``: its config (keys
+as NeMo-Aligner's ``remote_critic_rm``), rollout tensors to requests and answers back to torch, the
+token sent with train and save, and the rule that an infer or save after a train waits for it.
+Transport and errors come from :mod:`openaligner.clients.base`.
+Must not know about PPO math or how the servers compute.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

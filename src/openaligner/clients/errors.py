@@ -1,17 +1,10 @@
 """The exceptions a client of a served model can raise.
 
-Owns the small exception tree and the rule that every message names the server (``host:port``)
-and the model, says what happened and what to check. Each class also derives from the matching
-builtin (``TimeoutError``, ``ConnectionError``, ``ValueError``) so generic handlers work.
-Must not know about HTTP libraries or particular endpoints.
-
-    ClientError
-    ├── ServerUnavailableError  (ConnectionError)  nothing listening, or the server went away
-    ├── ServerTimeoutError      (TimeoutError)     not ready in init_timeout_s / no answer in time
-    ├── BadRequestError         (ValueError)       the server (or the client's own checks) refused the request
-    ├── AuthenticationError     (PermissionError)  a protected endpoint refused a missing or wrong token
-    ├── ServerError                                the server failed on a valid request
-    └── ClientClosedError                          the client was closed before the request finished
+Owns the small exception tree (:class:`ClientError` and its subclasses, each also the matching
+builtin: ``TimeoutError``, ``ConnectionError``, ``ValueError``, ``PermissionError``) and the rule
+that every message names the server (``host:port``) and the model, what happened and what to
+check. Must not know about HTTP libraries or particular endpoints.
+Design notes (the tree): docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """The shapes a PPO prompt, an SFT example and a preference pair may have in a data file, and the
 typed records they become.
 
-Owns which shapes are accepted and the errors that name the record and the shape expected. Knows
-nothing of tokenizers or chat templates: :mod:`openaligner.data.render` turns these records into
-token ids. Field names are arguments (each command's ``data.*_key``); the defaults are below.
-
-A *message* is ``{"role": str, "content": str}`` (other keys are kept and handed to the chat
-template); a *conversation* is a non-empty list of messages. The shapes follow TRL's "standard"
-(text) and "conversational" dataset formats, which OpenRLHF's ``--apply_chat_template`` data
-also uses:
-
-* **prompt** (train-ppo): ``{"prompt": str}``; ``{"prompt": conversation}``; or, when a record has
-  no ``prompt`` field, ``{"messages": conversation}``. A prompt conversation ends with the turn the
-  policy answers, so not with an assistant turn.
-* **SFT example** (train-sft): ``{"prompt": str | conversation, "response": str | assistant
-  message | [assistant message]}``; or ``{"messages": conversation}`` whose last turn is the
-  assistant's: that turn is the response, every turn before it the prompt (earlier assistant
-  turns included, with no loss on them).
-* **preference pair** (train-rm): ``{"prompt": str | conversation, "chosen": str | assistant
-  message | [assistant message], "rejected": (the same)}`` (explicit prompt); or ``{"chosen":
-  conversation, "rejected": conversation}``, two whole conversations that are the same up to
-  their last turn, an assistant turn each (implicit prompt: the shared turns). Whole
-  conversations (more than one message) are read this way even when the record also has a
-  ``prompt`` field, which is then not used (as TRL does for e.g. UltraFeedback-binarized data).
+Owns which shapes are accepted (TRL's "standard" and "conversational" formats) and the errors
+that name the record and the shape expected; field names are arguments (``data.*_key``). Must not
+know tokenizers or chat templates: :mod:`openaligner.data.render` makes token ids.
+Design notes (every shape): docs/data.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """How prompts and responses become token ids: the one sequence layout that train-sft, train-rm,
 train-ppo and the reward server's ``sentences`` share.
 
-Owns the :class:`SequenceLayout` (BOS, EOS, chat template on or off) and its record next to a
-trained model (``sequence_layout.json``), whether a tokenizer's chat template is used
-(``auto | true | false``), rendering conversations with it, the check that the rendered prompt
-starts the rendered conversation, and the BOS/EOS rule (added once, never doubled). Knows
-tokenizers; nothing of models, configs or training.
-
-The layout of one prompt + response sequence (a PPO prompt is its first part):
-
-* **raw text** (no chat template): ``[BOS] + ids(prompt) | ids(response) + [EOS]``; for a
-  tokenizer without BOS / EOS but with CLS / SEP (BERT's), ``[CLS] … [SEP]``
-  (:meth:`SequenceLayout.special_ids`).
-* **chat template**: the prompt part is the template's rendering of the conversation so far with
-  the generation prompt (``<|im_start|>assistant\\n`` and the like); the response part is the rest
-  of the rendering of the whole conversation (the assistant turn with the template's end-of-turn
-  text), without the whitespace the template puts after it, since the actor's response ends at its
-  stop token; ``+ [EOS]``. A text prompt is a single user message.
-
-Both parts are tokenized apart (as at PPO time, where the response is generated after the prompt
-ids) with ``add_special_tokens=False``: the special tokens are the ones the template writes, plus
-BOS when ``add_bos`` and the prompt's ids do not already start with it (templates that write
-``{{ bos_token }}`` get none added), and EOS when ``add_eos`` and the response's ids do not already
-end with it (ChatML templates whose end-of-turn token is the EOS). Templates are rendered to text
-(``tokenize=False``), never tokenized by ``apply_chat_template``: its tokenized return type
-changed in transformers 5 (a ``BatchEncoding``, not a list of ids).
-
-A conversation that arrives already rendered whole (verl sends ``apply_chat_template(...,
-tokenize=False)``) is cut back into those two parts by :func:`cut_rendered`: the prompt part ends
-with the last generation prompt in the text, and the response part is the rest, without the
-whitespace after it — the same :func:`response_part` rule, so that it gets the very ids the
-conversation got in training.
+Owns :class:`SequenceLayout` (BOS, EOS, chat template on or off) and ``sequence_layout.json``,
+whether a chat template is used (``auto | true | false``), rendering and cutting conversations,
+and the BOS/EOS rule (added once, never doubled). Knows tokenizers; must not know models, configs
+or training. Design notes (the layout): docs/data.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -65,7 +39,7 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class SequenceLayout:
-    """How a sequence is laid out in tokens (see the module docstring)."""
+    """How a sequence is laid out in tokens (docs/data.md, "Module notes")."""
 
     add_bos: bool = True  # the tokenizer's BOS id starts each sequence (when it has one; never doubled)
     add_eos: bool = True  # the EOS id ends each response (never doubled)

@@ -1,14 +1,8 @@
 """Atomic, verifiable checkpoint directories with a ``latest`` pointer, retention and best-by-metric.
 
-A checkpoint is a directory ``<root>/step_<N>`` written in a temporary sibling and renamed into
-place only once complete; a ``manifest.json`` written last lists every file with its size and
-SHA-256, so a directory that lost a file or holds a truncated one is detected and skipped with a
-warning. ``<root>/latest`` names the newest complete checkpoint and is replaced atomically.
-
-Durable, not only atomic: every file and directory of a checkpoint is fsynced before the rename
-that publishes it, the parent after the rename, and the ``latest`` pointer with its directory, so
-that after a power loss (not only a killed process) a published checkpoint holds its data.
-Owns file layout and crash safety; knows nothing of what the files contain.
+Owns the file layout (``<root>/step_<N>``, ``manifest.json`` with sizes and SHA-256, ``latest``)
+and crash safety (written aside, fsynced, renamed into place). Must not know what the files
+contain. Design notes: docs/reliability.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """The PPO actor as a policy: a Hugging Face causal LM that generates rollouts and scores tokens
 (log-probs, entropy); plus its frozen initial policy for the KL penalty.
 
-Owns the actor's model-facing interface (NeMo-Aligner's ``MegatronGPTActorModel`` contract, less
-the loss): ``infer`` (rollouts), ``get_inference_log_probs``, ``get_init_policy_logprobs`` and
-``training_logprobs`` (the loss's forward, with gradient). The math (log-probs, entropy) comes from
-:mod:`openaligner.algorithms`; sampling from :mod:`openaligner.models.generation`; the speed
-trick of the scoring forward from :mod:`openaligner.models.fast_paths`. Must not know about the
-loss, rewards, critics, servers, optimizers or configs: the trainer owns the policy loss (a
-component of its own), backward, optimizer steps, micro-batching and gradient accumulation.
-
-Conventions:
-
-* Dropout is off in the policy and the initial policy: the HF modules are kept in eval mode
-  even while training (standard RLHF practice; it keeps the rollout log-probs and the training
-  log-probs of the same weights identical, so the PPO ratio starts at exactly 1). Do not call
-  ``.train()`` on :attr:`CausalLMActor.model`.
-* Sequences are right-padded: ``response_tokens`` [B, S] with ``response_lengths`` [B]; padding
-  after a row's length is masked out of attention and never changes valid positions.
-* Log-probs are next-token aligned, [B, S-1]: position ``t`` scores token ``t+1``, with the
-  logits divided by the sampling temperature.
-* Precision (:mod:`openaligner.models.precision`): the policy holds float32 master weights;
-  generation and the scoring and training forwards run under the precision's autocast (the
-  backward, which the trainer runs, follows the forward's dtypes). The initial policy is a float32
-  copy (with LoRA: the policy itself, adapters disabled) scored under the same autocast, so that
-  at step 0 its log-probs equal the policy's bit for bit and the KL penalty starts at exactly 0 (a
-  bf16-cast copy would differ by ~1e-3 per token, a bias the absolute KL estimator never averages
-  out). Under a mixed precision the rollout and
-  training log-probs of the same weights agree to the compute dtype's rounding, not bit for bit.
+Owns NeMo-Aligner's ``MegatronGPTActorModel`` contract less the loss: ``infer``,
+``get_inference_log_probs``, ``get_init_policy_logprobs`` and ``training_logprobs``. Sequences are
+right-padded; log-probs are [B, S-1], next-token aligned, at the sampling temperature. Must not
+know the loss, rewards, critics, servers, optimizers or configs.
+Design notes (dropout, precision): docs/models.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -278,7 +257,7 @@ class CausalLMActor:
             )
         return {
             "response_tokens": out.tokens,
-            "response_lengths": out.response_lengths,
+            "response_lengths": out.sequence_lengths,
             "prompt_lengths": out.prompt_lengths,
             "is_end": out.is_end,
         }
@@ -295,8 +274,9 @@ class CausalLMActor:
         """Log-probs of each next token under the current policy.
 
         Args:
-            response_tokens: [B, S] int64, right-padded.
-            response_lengths: [B] valid tokens per row (default: all S).
+            response_tokens: [B, S] int64, prompt + response, right-padded (the seed API's
+                parameter names: elsewhere ``sequence_tokens``).
+            response_lengths: [B] valid tokens per row, prompt + response (default: all S).
             forward_micro_batch_size: rows per forward pass (default: the actor's setting).
             prompt_lengths: [B] prompt tokens per row; required when ``min_new_tokens`` > 0
                 (with stop ids), so that stop ids are banned where sampling banned them.
@@ -314,8 +294,8 @@ class CausalLMActor:
     @torch.no_grad()
     def get_init_policy_logprobs(
         self,
-        response_tokens: torch.Tensor,
-        response_lengths: torch.Tensor | None = None,
+        sequence_tokens: torch.Tensor,
+        sequence_lengths: torch.Tensor | None = None,
         forward_micro_batch_size: int | None = None,
         prompt_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -326,7 +306,7 @@ class CausalLMActor:
             )
         with self._init_policy_context():
             return self._batched_logprobs(
-                self.init_policy, response_tokens, response_lengths, forward_micro_batch_size, prompt_lengths
+                self.init_policy, sequence_tokens, sequence_lengths, forward_micro_batch_size, prompt_lengths
             )
 
     # ------------------------------------------------------------------ training forward

@@ -1,18 +1,10 @@
 """Batched sampling from a Hugging Face causal LM with a KV cache: the actor's rollout engine.
 
 Owns the sampling parameters, the token-selection rules (greedy, temperature, top-k, top-p,
-min/max new tokens, stop ids, stop strings), the sampling loop and the output layout. Must not know
-about PPO, rewards or training, nor any model architecture: the model is stepped by the
-:class:`~openaligner.models.decoders.base.Decoder` that :func:`openaligner.models.fast_paths.make_decoder`
-picks for it (an architecture-specific fast decoder, else the model's own forward).
-
-Layout. Input prompts are right-padded ``prompts`` [B, P] with ``prompt_lengths`` [B]. Internally
-prompts are left-padded so that every row appends its next token in the same column of one
-preallocated buffer, with per-row position ids (``cumsum(attention_mask) - 1``) and a KV cache
-(the decoder's) sized ``max(prompt_lengths) + max_new_tokens``. Rows that have finished are dropped from the
-cache (and from the forward passes) once they are a quarter of it. The result is converted back to the
-right-padded layout: row ``i`` holds its prompt, immediately followed by its response (the stop
-token included), then ``pad_id`` up to the width ``S = max(response_lengths)``.
+min/max new tokens, stop ids and strings), the sampling loop and the output layout (right-padded
+``[B, S]``: prompt, response with its stop token, then ``pad_id``). Must not know about PPO,
+rewards or training, nor any architecture (a :class:`~openaligner.models.decoders.base.Decoder`
+steps the model). Design notes (the layout): docs/models.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -68,8 +60,8 @@ class SamplingParams:
 class Generation:
     """The result of :func:`generate`."""
 
-    tokens: torch.Tensor  # [B, S] int64: prompt, response, then pad_id; S = max(response_lengths)
-    response_lengths: torch.Tensor  # [B] int64: prompt + response tokens (stop token included)
+    tokens: torch.Tensor  # [B, S] int64: prompt, response, then pad_id; S = max(sequence_lengths)
+    sequence_lengths: torch.Tensor  # [B] int64: prompt + response tokens (stop token included)
     prompt_lengths: torch.Tensor  # [B] int64
     is_end: torch.Tensor  # [B] bool: the response ended on a stop token id or a stop string
     # [B, S-1] float32 or None: an engine's own log-prob of each next token (position t scores
@@ -134,7 +126,7 @@ def generate(
         )
     return Generation(
         tokens=out.tokens.clone(),
-        response_lengths=out.response_lengths.clone(),
+        sequence_lengths=out.sequence_lengths.clone(),
         prompt_lengths=out.prompt_lengths.clone(),
         is_end=out.is_end.clone(),
     )
@@ -214,9 +206,9 @@ def _sample_loop(
         next_positions = next_positions + 1
 
     new_tokens = new_tokens.clamp(max=steps if steps is not None else params.max_new_tokens)
-    response_lengths = lengths + new_tokens
-    tokens = _to_right_padded(buf, p_max - lengths, response_lengths, pad_id)
-    return Generation(tokens=tokens, response_lengths=response_lengths, prompt_lengths=lengths, is_end=is_end)
+    sequence_lengths = lengths + new_tokens
+    tokens = _to_right_padded(buf, p_max - lengths, sequence_lengths, pad_id)
+    return Generation(tokens=tokens, sequence_lengths=sequence_lengths, prompt_lengths=lengths, is_end=is_end)
 
 
 def resolve_stop_ids(
@@ -373,14 +365,14 @@ def _left_pad(
 
 
 def _to_right_padded(
-    buf: torch.Tensor, offset: torch.Tensor, response_lengths: torch.Tensor, pad_id: int
+    buf: torch.Tensor, offset: torch.Tensor, sequence_lengths: torch.Tensor, pad_id: int
 ) -> torch.Tensor:
-    """Shift each row left by its padding ``offset`` [B]: [B, total] → [B, max(response_lengths)]."""
-    width = int(response_lengths.max())
+    """Shift each row left by its padding ``offset`` [B]: [B, total] → [B, max(sequence_lengths)]."""
+    width = int(sequence_lengths.max())
     col = torch.arange(width, device=buf.device).unsqueeze(0)
     index = (col + offset.unsqueeze(-1)).clamp(max=buf.shape[1] - 1)
     out = buf.gather(1, index)
-    return out.masked_fill(col >= response_lengths.unsqueeze(-1), pad_id)
+    return out.masked_fill(col >= sequence_lengths.unsqueeze(-1), pad_id)
 
 
 def stop_string_length(

@@ -1,14 +1,10 @@
 """GGUF files (llama.cpp's format) as Hugging Face directories: what ``openaligner convert-gguf`` does.
 
-Owns: finding the GGUF (a ``.gguf`` path, or an installed package that ships one in parts and
-joins them with its ``assemble(output_path)``), refusing an architecture transformers cannot
-dequantise before any slow work, the conversion itself (transformers reads the GGUF through the
-``gguf`` package and dequantises it into an ordinary ``*ForCausalLM``; ``save_pretrained`` writes
-it), progress with elapsed time for each long stage, and the cache marker that makes a rerun with
-the same source and output a no-op.
-
-Must not know: training, serving, or any openaligner config. Problems a user can fix raise
-:class:`GGUFError`, whose message is one line naming the source and the fix.
+Owns finding the GGUF (a path, or a package that ships it in parts), refusing an architecture
+transformers cannot dequantise, the conversion, progress per long stage, and the cache marker
+that makes a rerun a no-op; a fixable problem raises :class:`GGUFError` (one line, source and fix).
+Must not know: training, serving, or any openaligner config.
+Design notes: docs/models.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """LoRA adapters through ``peft``: the ``lora`` section of a command, putting adapters on a model,
 and the model with its adapters merged in.
 
-Owns:
-
-* :class:`LoraConfig` — the ``lora`` section of train-sft, train-rm and train-ppo (and of
-  serve-critic's critic). ``r = 0`` (the default) is off: every weight trains, ``peft`` is not
-  needed.
-* :func:`add_lora` — rank-``r`` adapters on ``target_modules``, every other weight frozen. A causal
-  LM becomes a ``peft`` ``PeftModelForCausalLM``; a scalar-head model (the reward model or the
-  critic, :mod:`openaligner.models.reward`) gets its ``hf_model`` wrapped in place, with its scalar
-  head ``score`` trained in full (``peft``'s ``modules_to_save``: a fresh head learns nothing
-  through a low-rank update of a frozen random one).
-* :func:`merged_copy` — the plain Hugging Face model with the adapters merged in, built on the CPU
-  beside the live model (which is left as it is).
-* :func:`adapter_directory_problem` — what to say when a model path names an adapter directory.
-
-Conventions: adapters start as ``peft`` initialises LoRA (``B = 0``, so the adapted model equals
-its base until the first step, and a PPO actor's KL to its initial policy starts at 0); they are
-float32 masters like every trained weight (:mod:`openaligner.models.precision`), and so is the
-frozen base, kept in the dtype the command loaded it in. A saved adapter directory is what
-``PeftModel.save_pretrained`` writes (``adapter_config.json`` + ``adapter_model.safetensors``);
-the merged directory (``<export>/merged``) is a plain Hugging Face model directory.
-
-Must not know about configs of other sections, trainers, optimizers or servers; ``peft`` is
-imported only when adapters are asked for, so that everything else runs without it.
+Owns :class:`LoraConfig` (``r = 0``: off), :func:`add_lora`, :func:`merged_copy` and
+:func:`adapter_directory_problem`. Must not know about configs of other sections, trainers,
+optimizers or servers; ``peft`` is imported only when adapters are asked for.
+Design notes: docs/lora.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """Numerical precision: which dtype each model is kept, computed and saved in.
 
-Owns the one rule every command follows (``precision`` in its config; docs/models.md, Precision):
-
-* ``fp32``: every model is kept and computed in float32, whatever dtype its checkpoint was stored
-  in. No autocast, no loss scaling — bit for bit what the code did before mixed precision existed.
-* ``bf16-mixed`` / ``fp16-mixed``: a *trained* model keeps float32 master weights (so its AdamW
-  state is float32 too) and runs its forward and backward under ``torch.autocast`` in bfloat16 /
-  float16; float16 adds dynamic loss scaling (``torch.amp.GradScaler``: an optimizer step whose
-  gradients overflowed is skipped and the scale halved). An *inference-only* model (the reward
-  model behind serve-reward or serve-critic) is cast to the compute dtype and runs under the same
-  autocast.
-* ``auto``: ``bf16-mixed`` on a CUDA device with native bfloat16, else ``fp32`` (so on CPU nothing
-  changes numerically).
-
-Why masters: AdamW on bfloat16 weights rounds most updates away (an update below half a bf16 step
-of the weight, 2⁻⁹ to 2⁻⁸ of its magnitude, is lost), so training silently learns less.
-
-Saved dtypes: resume checkpoints hold the float32 masters (exact resume); a command's final
-Hugging Face export is written in its ``save_dtype`` (``auto``: the dtype the source checkpoint was
-stored in, float32 for the built-in tiny models) by :func:`save_pretrained_as` — a sharded model's
-weights gathered to rank 0 first.
-
-Must not know about configs, trainers or servers: they resolve a setting once with
-:meth:`Precision.resolve` and pass the :class:`Precision` (or a dtype) down.
+Owns the one rule every command follows (``precision``: ``fp32``, ``bf16-mixed``, ``fp16-mixed``,
+``auto``; float32 masters for trained models), loss scaling, and the saved dtypes
+(:func:`save_pretrained_as`). Must not know about configs, trainers or servers: they resolve a
+setting once with :meth:`Precision.resolve` and pass the :class:`Precision` down.
+Design notes: docs/models.md, "Module notes" (and "Precision").
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """Scalar-head models over a Hugging Face backbone: the reward model (and the critic's base).
 
-Owns the head layout on disk and the read-out rules:
-
-* A model is stored as a plain Hugging Face ``AutoModelForSequenceClassification`` directory
-  (``config.json`` with ``num_labels=1`` + ``model.safetensors``). Any such directory saved by
-  ``transformers`` loads here, and what is saved here loads in ``transformers``. The output layer
-  (the one-output ``nn.Linear``) is kept and computed in float32. Two kinds of classifier, told
-  apart by the model itself (:func:`scalar_readout`):
-
-  - **last token** (decoders: GPT-2, Llama, Mistral, Qwen2, ...): backbone weights under the
-    architecture's base-model prefix (``transformer.`` for GPT-2, ``model.`` for Llama) and the
-    head as ``score.weight`` [1, H]; the reward of a sequence is the head applied to the last valid
-    token's hidden state (index ``length - 1``); the critic (``critic.py``) applies the same head
-    at every position.
-  - **first token** (encoders: BERT, MiniLM, DeBERTa, RoBERTa, ...): the classifier's own pooler
-    and head (``classifier``) read the whole sequence, pooled at its first token ([CLS]); the
-    reward is exactly what the Hugging Face model's forward returns as its one logit. Such a model
-    has no value per position, so it cannot be a critic.
-* With LoRA (:func:`openaligner.models.lora.add_lora`) ``hf_model`` is a ``peft`` model wrapping
-  the classifier: the backbone's layers carry the adapters, the head is trained in full, and
-  ``save_pretrained`` writes the adapter directory (adapters and head).
-* Inputs are right-padded: ``tokens`` [B, S] int64 with ``lengths`` [B] valid tokens per row.
-  The padding is masked out of attention (``attention_mask`` built from ``lengths``), so it cannot
-  change any valid position (under the causal mask it could not anyway).
-
-Must not know about serving, PPO or training loops; those call ``forward`` / ``infer``.
+Owns the head layout on disk (a plain ``AutoModelForSequenceClassification`` directory with
+``num_labels=1``) and the read-out rules (last token for decoders, the classifier's own pooling
+for encoders; :func:`scalar_readout`). Inputs are right-padded ``tokens`` [B, S] with ``lengths``
+[B]. Must not know about serving, PPO or training loops.
+Design notes: docs/models.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -255,7 +235,7 @@ class RewardModel(ScalarHeadModel):
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Differentiable rewards: the head at the last valid token, or an encoder's own pooled
-        score (see the module docstring).
+        score (docs/models.md, "Module notes").
 
         Args:
             tokens: [B, S] int64, right-padded.

@@ -175,7 +175,7 @@ class HFRolloutEngine(RolloutEngine):
         out = self.actor.infer(batch, request.sampling, generator=generator)
         return Generation(
             tokens=out["response_tokens"].cpu(),
-            response_lengths=out["response_lengths"].cpu(),
+            sequence_lengths=out["response_lengths"].cpu(),
             prompt_lengths=out["prompt_lengths"].cpu(),
             is_end=out["is_end"].cpu(),
         )

@@ -1,43 +1,11 @@
 """How a model's weights are laid over the ranks: replicas (``ddp``) or shards (``fsdp``, PyTorch's
 FSDP2 ``fully_shard``), the ``parallel`` section of every command that holds a model.
 
-Owns:
-
-* :class:`ParallelConfig` — the ``parallel`` section of train-sft, train-rm, serve-critic and
-  serve-reward; :class:`ActorParallelConfig` — train-ppo's, with the actor's own keys.
-* :func:`distribute` — :func:`shard`, then each rank's own RNG streams.
-* :func:`shard` — one FSDP unit per decoder layer (the classes each Hugging Face model lists in
-  ``_no_split_modules``, so any architecture works without a per-model policy) plus one for the
-  rest (embeddings, final norm, head), optionally with the shards, gradients and optimizer state
-  on the CPU, and activation checkpointing per decoder layer (also for replicas).
-* :func:`builds_skeleton`, :func:`state_to_share`, :func:`fill_from_leader` — rank 0 alone reads
-  a model that will be sharded; the others build a skeleton and receive their shards;
-  :func:`meta_copy` — a second model (the PPO initial policy) filled the same way, on rank 0 too.
-* :func:`gathered` — whole weights on every rank for a stretch of forwards (generation).
-* :func:`full_state_dict` — the whole weights on rank 0 (for a Hugging Face export).
-* :func:`is_sharded`, :func:`compute_device`, and what the optimizer step needs
-  (:func:`has_sharded_params`, :func:`grad_norm_value`).
-* :func:`training_state_bytes` — what this rank's parameters, gradients and optimizer state
-  occupy (the figure sharding divides).
-* :func:`return_large_frees_to_os` — the C allocator policy a sharded process runs under, so that
-  the layers it gathers and frees in every forward and backward leave no resident memory behind.
-
-Conventions, chosen so that sharded training is the same math as replicas:
-
-* Shards hold the float32 masters; forwards all-gather float32 weights and compute under the
-  precision's autocast exactly as replicas do (no FSDP ``MixedPrecisionPolicy``: its bf16
-  parameter cast would make sharded and replicated runs differ, and autocast already computes
-  matrix products in bf16). The cost: all-gathers move float32 (4 bytes per parameter).
-* Gradients are *summed* over ranks by the reduce-scatter (divide factor 1, sum-only collectives,
-  which gloo needs), as :func:`openaligner.distributed.sum_gradients` sums replicas' gradients; the
-  optimizer step divides once where a trainer averages. Each backward reduce-scatters (the
-  gradient memory stays sharded across micro-batches), so with several micro-batches per step the
-  sums are associated differently from replicas' (rounding-level differences).
-* Every rank must run the same forwards and backwards in the same order (each is a collective);
-  the trainers' equal micro-batch counts per rank guarantee it. Inside :func:`gathered` forwards
-  are local (no collective), so ranks may generate for different numbers of steps.
-
+Owns :class:`ParallelConfig` / :class:`ActorParallelConfig`, :func:`distribute`, :func:`shard`,
+rank 0's load shared with the others (:func:`fill_from_leader`), :func:`gathered`,
+:func:`full_state_dict` and the memory figures, with sharded training the same math as replicas.
 Must not know about trainers, optimizers' configs, servers or checkpoints' layout.
+Design notes (what each owns, the conventions): docs/scaling.md, "Module notes".
 """
 
 from __future__ import annotations

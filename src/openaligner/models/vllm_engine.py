@@ -6,10 +6,8 @@ engine also ends itself when the trainer's process is gone), the model directory
 memory the engine loads from, the mapping of :class:`~openaligner.models.generation.SamplingParams`
 onto vLLM's, and the weight push. Must not import vLLM (it lives in another virtualenv:
 ``rollout.vllm.python``) nor know about rewards, losses or the PPO loop. The engine's side is
-``vllm_worker.py`` beside this file; docs/rollout-engine.md says why the design is this one.
-
-Wire format: JSON over HTTP (see ``vllm_worker.py``): token ids in, token ids, vLLM's processed
-log-probs and finish reasons out; new weights as a path to a ``model.safetensors`` in ``/dev/shm``.
+``vllm_worker.py`` beside this file; docs/rollout-engine.md says why the design is this one
+and, under "Module notes", what travels on the wire.
 """
 
 from __future__ import annotations
@@ -306,7 +304,7 @@ class VLLMRolloutEngine(RolloutEngine):
             logprobs[i, p - 1 : totals[i] - 1] = torch.tensor(lp, dtype=torch.float32)
         return Generation(
             tokens=tokens,
-            response_lengths=torch.tensor(totals, dtype=torch.int64),
+            sequence_lengths=torch.tensor(totals, dtype=torch.int64),
             prompt_lengths=request.prompt_lengths.to("cpu", torch.int64),
             is_end=torch.tensor([f == "stop" for f in finish], dtype=torch.bool),
             logprobs=logprobs,

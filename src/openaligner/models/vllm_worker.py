@@ -2,26 +2,10 @@
 loopback, run by the rollout environment's Python (``rollout.vllm.python``), never imported by the
 project.
 
-It runs as a script (``python -I vllm_worker.py --model DIR ...``) in a virtualenv that holds vLLM
-and not the project: vLLM needs numpy ≥ 2 and the project's servers (PyTriton) numpy < 2, so the
-two cannot share an environment. It therefore imports only the standard library and vLLM —
-nothing of ``openaligner`` (``-I`` also keeps this file's directory, which holds a
-``tokenizers.py``, off ``sys.path``). The trainer side is
-:class:`~openaligner.models.vllm_engine.VLLMRolloutEngine`; the wire format is documented there.
-
-Endpoints (one request at a time: ``vllm.LLM`` is not thread-safe):
-
-- ``GET /health`` → ``{"ok": true}``
-- ``POST /generate`` ``{"prompts": [[id, ...], ...], "seeds": [int, ...], "greedy": bool,
-  "temperature": float, "top_k": int, "top_p": float, "max_tokens": int, "min_tokens": int,
-  "stop_token_ids": [int, ...]}`` → ``{"token_ids": [[...]], "logprobs": [[...]],
-  "finish_reasons": ["stop" | "length", ...]}`` (one response per prompt, the stop token
-  included; ``logprobs`` are vLLM's processed log-probs of the sampled tokens)
-- ``POST /reload_weights`` ``{"path": DIR}`` → ``{"seconds": float}``: the weights of the
-  ``*.safetensors`` files in ``DIR`` replace the engine's (``reload_weights`` on every worker,
-  then the prefix cache is reset: cached KV blocks were computed by the old weights).
-
-A malformed request gets a 400 naming the field and what was expected; the server goes on.
+Owns the endpoints ``GET /health``, ``POST /generate`` and ``POST /reload_weights`` (one request
+at a time; a malformed one gets a 400 naming the field). Must not import anything but the
+standard library and vLLM (it runs in a virtualenv without the project: ``python -I``).
+Design notes (the wire format): docs/rollout-engine.md, "Module notes".
 """
 
 from __future__ import annotations

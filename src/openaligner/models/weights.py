@@ -1,16 +1,10 @@
 """Restoring a saved Hugging Face directory's weights into a model that already exists (resume).
 
-Owns the one way openaligner reloads weights in place. A resume must update the live
-parameters (the optimizer holds references to them) rather than build a new model, yet read the
-directory exactly as ``from_pretrained`` would: ``transformers`` renames and reshapes checkpoint
-keys on load (GPT-NeoX's ``embed_out`` → ``lm_head``, Mixtral's per-expert weights → fused
-expert tensors in ``transformers`` 5), follows a sharded ``model.safetensors.index.json`` and
-ties shared weights. So the directory is loaded by the live model's own class, with the live
-model's config, on the CPU, and its state copied into the live tensors (each keeping its dtype
-and device). A ``peft.PeftModel`` is restored from its adapter directory the way ``peft`` loads
-adapters.
-
+Owns the one way openaligner reloads weights in place: the directory is loaded by the live
+model's own class and config on the CPU (so ``transformers`` renames keys as ``from_pretrained``
+would) and copied into the live tensors; a ``peft`` model from its adapter directory.
 Must not know about trainers, optimizers or the checkpoint layout around the directory.
+Design notes: docs/models.md, "Module notes".
 """
 
 from __future__ import annotations

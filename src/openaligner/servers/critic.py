@@ -1,29 +1,11 @@
 """The critic server: a trainable value model behind ``critic_infer``, ``critic_train`` and ``critic_save``.
 
-Owns the three endpoints' logic (:class:`CriticInferEndpoint`, :class:`CriticTrainEndpoint`,
-:class:`CriticSaveEndpoint`: plain objects tested on in-memory arrays) and the server that runs
-them (:class:`CriticServerTrainer`, NeMo-Aligner's name): one lock around all three, the rank-0 /
-subscriber loop of :mod:`openaligner.servers.distributed` with the FORWARD, TRAIN, SAVE and
-RESTORE opcodes, and the optional shared-secret token that guards training, saving and
-restoring. What TRAIN, SAVE and RESTORE do on each rank — training passes, checkpoints, resume —
-is the :class:`~openaligner.trainer.critic.CriticTrainer` the server is given; transport is
-:mod:`openaligner.servers.transport`'s. Must not know about PPO, the actor, the value loss or HTTP
-details.
-
-Combined mode (the default, as NeMo-Aligner): the same server also answers rewards from a frozen
-:class:`RewardModel` kept next to the critic. Both are resident at once — twice the weights in
-memory, in exchange for no weight swapping and a reward model that training can never touch. The
-reward model is whatever dtype it was loaded in (the compute dtype) and runs under the critic's
-precision's autocast, as the critic's inference forward does.
-
-Ranks: every rank runs every opcode, on its equal share of the rows. The models may be replicas
-or sharded (:func:`~openaligner.models.sharding.shard`): with shards every forward and backward is
-a collective, so every rank runs the same number of them (equal shares, whole micro-batches on
-each rank, and the trainer's padding micro-batches) and a checkpoint is written and read by every
-rank together.
-
-Shapes: ``tokens`` [N, S] int64; ``returns``, ``prev_values``, ``mask`` [N, S-1] float32, next-token
-aligned (see :mod:`openaligner.trainer.critic`).
+Owns the three endpoints' logic (plain objects) and :class:`CriticServerTrainer` (NeMo-Aligner's
+name): one lock, the rank-0 / subscriber loop with the FORWARD, TRAIN, SAVE and RESTORE opcodes,
+the optional token, and combined mode (a frozen reward model beside the critic). What each rank
+does is the :class:`~openaligner.trainer.critic.CriticTrainer`'s. Must not know about PPO, the
+actor, the value loss or HTTP details. Shapes: ``tokens`` [N, S]; the rest [N, S-1].
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Multi-process serving: rank 0 answers HTTP and leads, every other rank follows an opcode.
 
-Owns the "rank 0 serves, the rest subscribe" model that the reward and critic servers share:
-
-* :class:`Opcode` — what rank 0 asks every rank to do next.
-* :class:`Rank0Dispatcher` — on rank 0, one lock around "broadcast an opcode, then run its
-  handler"; a heartbeat (NOOP) while idle so that waiting ranks never hit the process-group
-  timeout; STOP on shutdown.
-* :func:`run_subscriber_loop` — on other ranks, receive an opcode and run the same handler.
-
-A handler is called on every rank with the request payload on rank 0 and ``None`` elsewhere, and
-must run the same collectives (from :mod:`openaligner.distributed`, the one collective API) in
-the same order on all ranks. Validate requests before calling the dispatcher: nothing that
-depends on one request's content may decide whether a rank joins a collective. Must not know
-about PyTriton, HTTP, models or particular endpoints.
+Owns :class:`Opcode`, :class:`Rank0Dispatcher` (one lock around "broadcast, then run"; a NOOP
+heartbeat while idle; STOP on shutdown) and :func:`run_subscriber_loop`. A handler runs on every
+rank, the payload on rank 0 only, and must run the same collectives in the same order everywhere.
+Must not know about PyTriton, HTTP, models or particular endpoints.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

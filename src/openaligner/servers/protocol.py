@@ -1,14 +1,9 @@
 """The wire contract between served models and their clients: names, dtypes, shapes, ports, errors.
 
-Owns everything both sides must agree on — Triton model names, tensor names with their dtypes and
-per-sample shapes, default host and ports, the request-id and token parameters and the
-machine-readable error envelope, for the reward model and the critic. Servers and clients import
-these constants instead of spelling names themselves. Must not know about models, PyTriton or
-HTTP libraries.
-
-Shapes are per sample, as Triton declares them: a batched request prepends the batch dimension
-``B``, so ``tokens`` with per-sample shape ``(-1,)`` travels as ``[B, S]``. The non-batched
-``critic_train`` / ``critic_save`` declare whole shapes (``tokens`` ``(-1, -1)`` is ``[N, S]``).
+Owns everything both sides must agree on: Triton model names, tensor names with dtypes and
+per-sample shapes (a batched request prepends ``B``), default host and ports, the request-id and
+token parameters and the error envelope. Must not know about models, PyTriton or HTTP libraries.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The reward model server: a frozen reward function behind Triton's ``reward_model`` endpoint.
 
-Owns the reward endpoint's logic (:class:`RewardEndpoint`: validate one request, answer a formed
-batch), its deployment (:class:`RewardModelServer`: rank 0 runs Triton and leads, other ranks
-follow the FORWARD opcode) and its serving settings (:class:`RewardServerConfig`). The reward
-function is any callable ``infer_fn(tokens, lengths)``; ``RewardModel.infer`` from
-:mod:`openaligner.models.reward` is the usual one. Must not know how rewards are computed, nor
-about HTTP details (see :mod:`openaligner.servers.transport.triton`).
-
-Wire contract (see :mod:`openaligner.servers.protocol`): inputs ``sentences`` (bytes [B, 1]),
-``tokens`` (int64 [B, S], right-padded) with ``sequence_lengths`` (int64 [B, 1]); output
-``rewards`` (float32 [B, 1]). When a request carries both, ``sentences`` wins.
+Owns the endpoint's logic (:class:`RewardEndpoint`), its deployment (:class:`RewardModelServer`:
+rank 0 runs Triton and leads) and its settings (:class:`RewardServerConfig`). Inputs:
+``sentences`` or ``tokens`` with ``sequence_lengths``; output ``rewards`` [B, 1]. Must not know how
+rewards are computed, nor about HTTP details.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,41 +1,10 @@
 """The field's reward-server wire formats, answered by the reward model server beside KServe v2.
 
-Other frameworks' trainers call a reward model over HTTP, one sample per request, each in its own
-format. The reward server answers three of them on their own paths (served by the HTTP front, see
-:class:`~openaligner.servers.transport.http_guard.ForeignRoute`); each request becomes an ordinary
-``reward_model`` request — judged by the same check, batched by Triton with every other client's,
-under the same limits — and its answer is written back in the format:
-
-* OpenRLHF: ``POST /get_reward`` with ``{"query": [str], "prompts": [str], "labels": [any]}`` →
-  ``{"rewards": [float], "scores": [float], "extra_logs": {}}``.
-* slime's ``remote_rm``: ``POST /remote_rm`` with ``{"prompt": str | [message], "response": str,
-  "label": any}`` → a number, or ``{key: number}`` with ``server.remote_rm_reward_key``.
-* vLLM's and SGLang's classification API: ``POST /classify`` (or ``/v1/classify``) with
-  ``{"model": str, "input": str | [str] | [int] | [[int]]}`` or ``{"model": str, "messages":
-  [message]}`` → ``{"id", "object": "list", "created", "model", "data": [{"index", "label",
-  "probs", "num_classes"}], "usage": {...}}``.
-
-How text is read (:class:`TextReading`, one rule for every format): a conversation (a list of
-messages) is laid out as train-rm laid out its examples, with the reward model's chat template. A
-prompt *string* with its response is, for a model trained on raw text, the user message and the
-response, laid out exactly as train-rm did (prompt and response tokenized apart, BOS/EOS added);
-for a model trained with a chat template, it is taken as already rendered — OpenRLHF and slime
-render prompts with the policy's template before generating — and the whole text ``prompt +
-response`` is read by the ``sentences`` rule; ``server.prompt_strings`` overrides that guess
-(:data:`~openaligner.servers.reward.PROMPT_STRINGS`). A whole text (``/classify``'s ``input``, or an
-OpenRLHF ``query`` that does not start with its prompt) is read by the ``sentences`` rule too. That
-rule lives in one place, :func:`~openaligner.servers.reward.make_tokenize_func`: for a model trained
-with a chat template, a rendered conversation (verl's ``input``) gets exactly the ids train-rm gave
-the conversation — cut after its last generation prompt, the whitespace after its last turn
-dropped, EOS added once — so this module passes text through untouched. A reward function gets
-``(prompt, response, metadata)``: the prompt is "" for a whole text, and a sample's ``label``
-arrives as ``metadata["label"]``.
-
-``/classify`` answers as vLLM does for a one-label model: ``probs`` is ``[sigmoid(reward)]``
-unless the request says ``"use_activation": false`` (older vLLM: ``"activation": false``), then
-the raw reward — which is what verl sends and reads (``data[-1].probs[-1]``).
-
+Owns OpenRLHF's ``POST /get_reward``, slime's ``POST /remote_rm`` and vLLM's / SGLang's
+``POST /classify``: each body becomes an ordinary ``reward_model`` request and its answer is
+written back in the format; and :class:`TextReading`, the one rule for how their text is read.
 Must not know about HTTP (the front serves these routes), Triton or models.
+Design notes (bodies, text reading): docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -89,7 +58,7 @@ class Row:
 
 @dataclass(frozen=True)
 class TextReading:
-    """How the served reward reads text (see the module docstring).
+    """How the served reward reads text (docs/serving.md, "Module notes").
 
     Attributes:
         function: a reward function scores the rows (it reads ``messages`` and ``metadata``).

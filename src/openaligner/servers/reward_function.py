@@ -1,23 +1,11 @@
 """A Python reward function served like a reward model: user code isolated in worker processes.
 
-Owns (1) :class:`FunctionRunner`, which loads ``module:callable`` (or ``path/to/file.py:callable``)
-in a small pool of worker processes and calls it, one call per worker at a time, so that a call
-that raises, hangs past its timeout, returns the wrong thing or kills its process fails only
-itself — a hung or dead worker is replaced while the others serve; (2)
-:class:`RewardFunctionEndpoint`, the ``reward_model`` endpoint that scores ``messages`` (with
-optional per-row ``metadata``) with the function, alone or combined with a reward model
-(``model_weight · model score + function_weight · function score``). The function is called once
-per request: behind the HTTP front, before the request reaches Triton (:meth:`~RewardFunctionEndpoint.admit`),
-so that a failing call is refused alone and Triton only ever merges requests already scored.
-Must not know HTTP or PyTriton (see :mod:`openaligner.servers.transport.triton`), nor what the
-function computes.
-
-The function's contract: ``fn(prompts: list[str], responses: list[str], metadata: list[dict])
--> Sequence[float]`` with one finite score per row; a function whose signature takes two
-positional parameters is called without ``metadata``. A row's *prompt* is the conversation before
-its last message: the content of a single user message, else each message as a ``role: content``
-line; its *response* is the last (assistant) message's content; its metadata is the row's JSON
-object from the ``metadata`` input, ``{}`` without one.
+Owns :class:`FunctionRunner` (``module:callable`` in a pool of worker processes, so that a call that
+raises, hangs, returns the wrong thing or dies fails only itself) and
+:class:`RewardFunctionEndpoint` (scores ``messages`` with the function, alone or weighted with a
+reward model, once per request before Triton). Contract: ``fn(prompts, responses, metadata)``.
+Must not know HTTP or PyTriton, nor what the function computes.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """What the two inference endpoints (``reward_model``, ``critic_infer``) share: their settings, the
 check of one request, and the shaping of a formed batch before the forward pass.
 
-Owns :class:`SequenceEndpoint`: a request is ``sentences``, ``messages`` (reward model only) or
-``tokens`` + ``sequence_lengths``
-(checked by :func:`~openaligner.servers.validation.parse_sequence_request`), and a formed batch is
-merged, stripped to a width multiple and padded to whole micro-batches on every rank
-(:mod:`openaligner.servers.batching`), with the endpoint's counters updated. What the forward
-computes and how its outputs are cut back per request is each endpoint's own. Must not know about
-PyTriton, HTTP, models or torch.distributed.
-
-Shapes: ``tokens`` [B, S] int64 right-padded, ``lengths`` [B] int64.
+Owns :class:`SequenceEndpoint`: a request is ``sentences``, ``messages`` or ``tokens`` +
+``sequence_lengths``; a formed batch is merged, stripped and padded to whole micro-batches on
+every rank. Shapes: ``tokens`` [B, S] int64 right-padded, ``lengths`` [B] int64.
+Must not know about PyTriton, HTTP, models or torch.distributed.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

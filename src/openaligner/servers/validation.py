@@ -1,15 +1,10 @@
 """Request checks that turn malformed inputs into one clear sentence each.
 
-Owns the wording of every "your request is wrong" message: which input, what was expected, what
-arrived, and how to fix it. Functions take plain numpy arrays and limits and return checked
-arrays or raise :class:`RequestError`; :func:`parse_sequence_request` turns the request that the
-reward model's and the critic's inference endpoints share (``sentences``, or ``tokens`` with
-``sequence_lengths``) into a :class:`SequenceRequest` of tensors. Must not know about PyTriton,
-torch.distributed or models.
-
-Triton itself already refuses wrong dtypes, wrong ranks, mismatched batch sizes and batches over
-``max_batch_size`` (HTTP 400, naming the input) before a request reaches Python; the same checks
-are repeated here so the endpoint logic is safe on its own and testable on in-memory arrays.
+Owns the wording of every "your request is wrong" message (which input, what was expected, what
+arrived, how to fix it): functions over plain numpy arrays that return checked arrays or raise
+:class:`RequestError`, and :func:`parse_sequence_request` (the inference request the reward and
+critic endpoints share). Must not know about PyTriton, torch.distributed or models.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """The built-in "reverse the text" task (prime-rl's reverse-text): prompts, held-out prompts and a
 gold scorer.
 
-A prompt asks for the characters of a short lower-case text in reverse order, in plain text that
-a base model continues (one worked example, then the text)::
-
-    Reverse the characters of the text.
-    Text: good morning
-    Reversed: gninrom doog
-    Text: the quiet river holds seven stones
-    Reversed:
-
-The right response is `` senots neves sdloh revir teiuq eht`` (the leading space and anything
-after the first line break are ignored). The gold score is the longest-common-subsequence ratio
-``2·LCS(answer, response) / (len(answer) + len(response))`` in [0, 1]: 1.0 for the exact
-reversal, 0.0 for an empty response or one sharing no character with the answer, and partial
-credit for a reversal with a few characters dropped, added or swapped.
-
-Train and held-out prompts are disjoint by construction: a text belongs to the held-out split
-when the first byte of its sha256 is below :data:`HELD_OUT_SHARE` · 256, whatever the seed or
-the number of prompts asked for. Everything is generated deterministically from a seed. Knows
-nothing of models or training.
+Owns the prompt text (one worked example, then the text), the gold score (the
+longest-common-subsequence ratio in [0, 1]) and the train / held-out split (by each text's
+sha256, disjoint whatever the seed). Everything is deterministic from a seed.
+Must not know models or training. Design notes: docs/demo.md, "Module notes".
 """
 
 from __future__ import annotations

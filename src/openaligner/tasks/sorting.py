@@ -1,17 +1,9 @@
 """The built-in "sort the digits" task: prompts, demonstrations, preference pairs and a gold scorer.
 
-A prompt lists 4–6 digits (``sort 5 2 8 1 :``); the right response is the same digits in
-ascending order (``1 2 5 8``) followed by the end token. The gold scorer grades any response
-text from 0 to 100: the percentage of positions that match the sorted digits (the denominator
-is the longer of response and answer, so missing or extra tokens cost points).
-
-The SFT demonstrations are deliberately mixed — a minority sorted, the rest shuffled — so the
-SFT policy can already produce the right answer but mostly does not (a middling gold score).
-Preference pairs are two candidate responses to one prompt (demonstrations and corrupted
-sorts), labelled by the gold scorer with label noise. RLHF must then find the sorted mode
-through a *learned* reward model.
-
-Everything is generated deterministically from a seed. Knows nothing of models or training.
+Owns the prompts (``sort 5 2 8 1 :``), the gold scorer (0–100, the share of positions that match
+the sorted digits), the deliberately mixed SFT demonstrations and the noisy preference pairs.
+Everything is deterministic from a seed. Must not know models or training.
+Design notes: docs/demo.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """What a trainer's checkpoint holds, shared by the actor's and the critic's trainers: the trained
-model, its optimizer, LR schedule, every rank's RNG states and the trainer's own state as JSON —
-written into a directory and read back, by one rank or, for a sharded model, by every rank.
+model, its optimizer, LR schedule, every rank's RNG states and the trainer's own state as JSON.
 
-Two layouts, picked by the model (:func:`openaligner.models.sharding.is_sharded`):
-
-* **whole** (replicas, or one process): ``<model_dir>/`` a Hugging Face directory,
-  ``optimizer.pt``; one rank writes everything.
-* **sharded** (``parallel.strategy=fsdp`` under torchrun): ``<model_dir>.dcp/`` the model's
-  trainable weights and the optimizer state as a ``torch.distributed.checkpoint`` (DCP) directory,
-  keyed by the model's parameter names, every rank writing the pieces of its own shards in
-  parallel (``__<rank>_0.distcp``, plus ``.metadata``); rank 0 writes the rest, and the model's
-  Hugging Face ``config.json`` into the same directory (what an export needs besides the
-  weights). DCP reshards on load, so any number of ranks, sharded or not, resumes from it.
-
-Keys are the Hugging Face model's own parameter names for every trainer: a scalar-head wrapper
-(the critic, which holds its Hugging Face model as ``hf_model``) is keyed by the model it wraps, as
-the actor is (``model.layers.0.mlp.up_proj.weight``, ``score.weight``). Critic checkpoints written
-before that carry an ``hf_model.`` prefix; they are recognised and still load.
-
-Both hold ``scheduler.pt``, ``rng.pt`` (every rank's RNG states) and the trainer's state file.
-Where the directory lives, how it is published atomically and verified is
-:mod:`openaligner.io.checkpoint`'s (:func:`save_collective` runs its staging and publishing on rank
-0 around a write on every rank); what goes into the JSON state is each trainer's. Must not know
-about PPO, servers or particular models.
+Owns the two layouts (whole: a Hugging Face directory + ``optimizer.pt``; sharded: a DCP
+directory every rank writes), keys by the Hugging Face model's own parameter names (old
+``hf_model.``-prefixed critic checkpoints still load). Publishing is :mod:`openaligner.io.checkpoint`'s.
+Must not know about PPO, servers or particular models.
+Design notes: docs/ppo.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -53,7 +36,7 @@ OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
 SHARDED_SUFFIX = ".dcp"
-"""A sharded checkpoint's model and optimizer: ``<model_dir>.dcp/`` (see the module docstring)."""
+"""A sharded checkpoint's model and optimizer: ``<model_dir>.dcp/`` (docs/ppo.md, "Module notes")."""
 CONFIG_FILE = "config.json"
 """A sharded checkpoint's Hugging Face config, inside ``<model_dir>.dcp/``."""
 WRAPPED_MODEL = "hf_model"

@@ -1,23 +1,11 @@
 """The critic's trainer: value-regression passes of a critic replicated or sharded over
 data-parallel ranks, and its checkpoints.
 
-Owns :class:`CriticTrainer` — the critic, its optimizer, LR schedule and loss scaler, and its
-step count — with one training pass over a batch (:meth:`CriticTrainer.train_pass`) and writing,
-checking and loading its checkpoints (resume at start-up, going back to a named step); and
-:func:`export_checkpoint`, a critic checkpoint of either layout as a Hugging Face directory. The value
-loss comes from :mod:`openaligner.algorithms`; the optimizer step and the checkpoint files are
-those the actor's trainer uses (:mod:`~openaligner.trainer.optim_step`,
-:mod:`~openaligner.trainer.checkpoint_files`); collectives from :mod:`openaligner.distributed`.
-Must not know about HTTP, Triton, opcodes or PPO: the critic server
-(:mod:`openaligner.servers.critic`) decides when every rank runs what.
-
-Precision (:mod:`openaligner.models.precision`): the critic holds float32 master weights and
-optimizer state; its training forwards run under the precision's autocast and its backward
-through the precision's loss scaler. Checkpoints hold the masters.
-
-Shapes: ``tokens`` [N, S] int64; ``returns``, ``prev_values``, ``mask`` [N, S-1] float32, next-token
-aligned — position t holds the critic's value at token t, and the values trained are
-``critic(tokens)[:, :-1]``.
+Owns :class:`CriticTrainer` (the critic, its optimizer, schedule, loss scaler and step count;
+:meth:`~CriticTrainer.train_pass`; writing, checking and loading its checkpoints) and
+:func:`export_checkpoint`. Shapes: ``tokens`` [N, S]; ``returns``, ``prev_values``, ``mask``
+[N, S-1]. Must not know about HTTP, Triton, opcodes or PPO.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

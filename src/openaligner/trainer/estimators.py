@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from openaligner.algorithms import (
+    LossAggregation,
     Reduce,
     broadcast_to_tokens,
     gae,
@@ -31,6 +32,9 @@ from openaligner.algorithms import (
 if TYPE_CHECKING:
     from openaligner.trainer.ppo_config import PPOConfig
 
+KLPlacement = Literal["reward", "loss"]
+"""Where the KL to the initial policy goes: −β·KL in the reward, or +β·KL in the loss."""
+
 
 @dataclass(frozen=True)
 class EstimatorInputs:
@@ -42,7 +46,7 @@ class EstimatorInputs:
     kl: torch.Tensor  # [B, S-1] per-token KL to the initial policy (zeros without it)
     kl_coef: float  # β of the KL in the reward (0 when the KL is a loss term or off)
     mask: torch.Tensor  # [B, S-1] float, 1 on response positions
-    response_lengths: torch.Tensor  # [B] int64, prompt + response (the score sits at length − 2)
+    sequence_lengths: torch.Tensor  # [B] int64, prompt + response (the score sits at length − 2)
     is_end: torch.Tensor  # [B] bool, ended on a stop token
     values: torch.Tensor  # [B, S-1] the critic's values (zeros without a critic)
     group_size: int  # responses per prompt (trainer.n_samples_per_prompt)
@@ -76,8 +80,8 @@ class Estimator:
     needs_critic: bool  # reads the critic server's values and trains the critic on its returns
     needs_groups: bool  # compares the responses to one prompt: refused with < 2 of them or greedy
     default_samples_per_prompt: int  # trainer.n_samples_per_prompt when null
-    default_kl_in: str  # trainer.kl_in when null: reward | loss
-    default_loss_aggregation: str  # trainer.loss_aggregation when null
+    default_kl_in: KLPlacement  # trainer.kl_in when null: reward | loss
+    default_loss_aggregation: LossAggregation  # trainer.loss_aggregation when null
     refuse: Refusal | None = None  # settings refused besides the ones needs_* imply
     title: str = ""  # what a run with it is called (progress bar, closing line); "" = the name
 
@@ -94,8 +98,8 @@ def register_estimator(
     needs_critic: bool = False,
     needs_groups: bool = False,
     samples_per_prompt: int | None = None,
-    kl_in: str = "reward",
-    loss_aggregation: str = "token_mean",
+    kl_in: KLPlacement = "reward",
+    loss_aggregation: LossAggregation = "token_mean",
     refuse: Refusal | None = None,
     title: str | None = None,
 ) -> Callable[[EstimatorFn], EstimatorFn]:
@@ -151,7 +155,7 @@ def get_estimator(name: str) -> Estimator:
 def gae_estimate(x: EstimatorInputs) -> Estimate:
     """PPO (Schulman et al. 2016/2017; NeMo-Aligner): KL-shaped per-token rewards, GAE over the
     critic's values, whitened over the global batch with ``normalize_advantages``."""
-    token_rewards = shape_rewards(x.scores, x.kl, x.response_lengths, x.kl_coef)
+    token_rewards = shape_rewards(x.scores, x.kl, x.sequence_lengths, x.kl_coef)
     advantages, returns = gae(x.values, token_rewards, x.mask, x.gamma, x.lam)
     rewards = masked_mean(token_rewards, x.mask, dim=-1)
     return Estimate(advantages, rewards, returns=returns, whiten=x.normalize_advantages)
@@ -196,6 +200,6 @@ def dr_grpo_estimate(x: EstimatorInputs) -> Estimate:
 def reinforce_pp_estimate(x: EstimatorInputs) -> Estimate:
     """REINFORCE++ (Hu 2025): per-token rewards ``−β·KL_t`` plus the score at the last response
     token; returns-to-go (``gamma``), whitened over every valid token of the global batch."""
-    token_rewards = shape_rewards(x.scores, x.kl, x.response_lengths, x.kl_coef)
+    token_rewards = shape_rewards(x.scores, x.kl, x.sequence_lengths, x.kl_coef)
     advantages = reinforce_pp_advantages(token_rewards, x.mask, x.gamma, reduce=x.reduce)
     return Estimate(advantages, masked_sum(token_rewards, x.mask, dim=-1))

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
-from openaligner.algorithms.schedules import SCHEDULES, lr_factor
+from openaligner.algorithms.schedules import SCHEDULES, Schedule, lr_factor
 
 
 @dataclass
@@ -78,7 +79,7 @@ def build_optimizer(
             step,
             warmup_steps=cfg.warmup_steps,
             total_steps=total or 1,
-            schedule=cfg.scheduler,
+            schedule=cast("Schedule", cfg.scheduler),  # checked in __post_init__
             min_ratio=min_ratio,
         )
 

@@ -16,7 +16,13 @@ from typing import Protocol
 
 import torch
 
-from openaligner.algorithms import LOSS_AGGREGATIONS, aggregation_units, ppo_policy_loss
+from openaligner.algorithms import (
+    LOSS_AGGREGATIONS,
+    KLKind,
+    LossAggregation,
+    aggregation_units,
+    ppo_policy_loss,
+)
 from openaligner.trainer.ppo_config import PPOConfig
 
 
@@ -45,9 +51,9 @@ class PolicyLossConfig:
     clip_eps_high: float | None = None  # upper ε, "clip-higher"; None: clip_eps (trainer.ratio_eps_high)
     dual_clip: float | None = None  # dual-clip constant c > 1, or None (trainer.dual_clip)
     entropy_coef: float = 0.0  # weight of the entropy bonus (trainer.entropy_bonus)
-    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    aggregation: LossAggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     norm_length: int | None = None  # the token count seq_mean_token_sum_norm divides by (the budget)
-    kl_kind: str = "k3"  # the KL estimator of the KL loss term (trainer.kl_kind with kl_in=loss)
+    kl_kind: KLKind = "k3"  # the KL estimator of the KL loss term (trainer.kl_kind with kl_in=loss)
     gate_unfinished: bool = True  # samples that never ended get no policy gradient (NeMo-Aligner)
 
     def __post_init__(self) -> None:
@@ -72,7 +78,7 @@ class PolicyLossConfig:
 
 
 class PolicyLoss:
-    """The clipped PPO policy loss (plus the entropy bonus and, with ``ref_logprobs``, the KL loss
+    """The clipped PPO policy loss (plus the entropy bonus and, with ``init_logprobs``, the KL loss
     term) of one micro-batch, with gradient, and its diagnostics.
 
     Args:
@@ -101,11 +107,11 @@ class PolicyLoss:
 
         Args:
             policy: scores the tokens (:meth:`ScoringPolicy.training_logprobs`).
-            batch: ``response_tokens`` [B, S] int64, ``advantages`` [B, S-1], ``mask`` [B, S-1]
+            batch: ``sequence_tokens`` [B, S] int64, ``advantages`` [B, S-1], ``mask`` [B, S-1]
                 (1 on response positions), ``prev_logprobs`` [B, S-1] (rollout-time log-probs),
-                ``is_end`` [B] bool (gated by ``gate_unfinished``); optional ``response_lengths``
+                ``is_end`` [B] bool (gated by ``gate_unfinished``); optional ``sequence_lengths``
                 [B] for the attention mask; ``prompt_lengths`` [B], required when the policy's
-                sampling has ``min_new_tokens`` > 0; optional ``ref_logprobs`` [B, S-1]
+                sampling has ``min_new_tokens`` > 0; optional ``init_logprobs`` [B, S-1]
                 (initial-policy log-probs) with ``kl_coef`` (a 0-d tensor β): adds ``β·KL`` of
                 ``kl_kind`` (GRPO's KL term); optional ``is_weights`` [B, S-1] (truncated
                 importance sampling: each token's policy-gradient term weighed); optional
@@ -124,19 +130,19 @@ class PolicyLoss:
         """
         c = self.cfg
         device = policy.device
-        tokens = batch["response_tokens"].to(device)
+        tokens = batch["sequence_tokens"].to(device)
         mask = batch["mask"].to(device)
         # Positions before the first one any row scores (the shortest prompt) add nothing to the
         # loss; the policy's output head and log-softmax skip them.
         first = first_scored_position(mask)
         logprobs, entropy = policy.training_logprobs(
             tokens,
-            batch.get("response_lengths"),
+            batch.get("sequence_lengths"),
             batch.get("prompt_lengths"),
             first_position=first,
             entropy_grad=c.entropy_coef > 0,
         )  # [B, S-1-first] each
-        ref = batch.get("ref_logprobs")
+        init_lp = batch.get("init_logprobs")
         is_weights = batch.get("is_weights")
         loss, stats = ppo_policy_loss(
             logprobs,
@@ -151,8 +157,8 @@ class PolicyLoss:
             is_end=self.gate(batch["is_end"]).to(device),
             entropy=entropy,
             entropy_coef=c.entropy_coef,
-            ref_logprobs=ref[:, first:].to(logprobs) if ref is not None else None,
-            kl_coef=float(batch["kl_coef"]) if ref is not None else 0.0,
+            init_logprobs=init_lp[:, first:].to(logprobs) if init_lp is not None else None,
+            kl_coef=float(batch["kl_coef"]) if init_lp is not None else 0.0,
             kl_kind=c.kl_kind,
             units=batch.get("loss_units"),
             is_weights=is_weights[:, first:].to(logprobs) if is_weights is not None else None,

@@ -25,7 +25,13 @@ from typing import Any, Protocol, cast
 import torch
 
 from openaligner import distributed as dp
-from openaligner.algorithms import AdaptiveKLController, FixedKLController, explained_variance, response_mask
+from openaligner.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLKind,
+    explained_variance,
+    response_mask,
+)
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
@@ -154,7 +160,7 @@ class LoopSettings:
     critic_warmup_steps: int  # critic-only rollouts before the first actor update
     # ---- advantages (:func:`compute_ppo_data`)
     kl_in_reward: bool  # −β·KL in the reward (else +β·KL in the loss)
-    kl_kind: str  # the KL estimator
+    kl_kind: KLKind  # the KL estimator
     discount_factor: float  # γ
     gae_lambda: float  # λ
     normalize_advantages: bool
@@ -396,7 +402,7 @@ class PPOTrainer:
             reduce=dp.all_reduce_sum,
         )
         if not s.kl_in_reward:
-            data.ref_logprobs = rollout_batch.init_logprobs
+            data.init_logprobs = rollout_batch.init_logprobs
         # β of a KL loss term: the one in effect for these rollouts (before an adaptive update below)
         self._loss_kl_coef = self.kl_controller.value
         metrics = {f"rollout/{k}": float(v) for k, v in stats.items()}
@@ -433,7 +439,7 @@ class PPOTrainer:
                 engine_logprobs.append(generation.logprobs)
                 out = {
                     "response_tokens": generation.tokens,
-                    "response_lengths": generation.response_lengths,
+                    "response_lengths": generation.sequence_lengths,
                     "prompt_lengths": generation.prompt_lengths,
                     "is_end": generation.is_end,
                 }
@@ -470,8 +476,8 @@ class PPOTrainer:
             engine_lp = pad_and_stack([lp for lp in engine_logprobs if lp is not None], 0.0)[:, :width]
             engine_lp = torch.nn.functional.pad(engine_lp, (0, width - engine_lp.shape[1]))
         batch = RolloutBatch(
-            response_tokens=tokens,
-            response_lengths=lengths,
+            sequence_tokens=tokens,
+            sequence_lengths=lengths,
             prompt_lengths=prompt_lengths,
             is_end=is_end,
             logprobs=logprobs,
@@ -511,7 +517,7 @@ class PPOTrainer:
             return data
         with self._timer("gather"):
             return PPOData(
-                response_tokens=dp.all_gather_rows(data.response_tokens, pad_value=int(self.model.pad_id)),
+                sequence_tokens=dp.all_gather_rows(data.sequence_tokens, pad_value=int(self.model.pad_id)),
                 prompt_lengths=dp.all_gather_rows(data.prompt_lengths),
                 is_end=dp.all_gather_rows(data.is_end.to(torch.uint8)).bool(),
                 mask=dp.all_gather_rows(data.mask),
@@ -519,7 +525,9 @@ class PPOTrainer:
                 advantages=dp.all_gather_rows(data.advantages),
                 returns=dp.all_gather_rows(data.returns),
                 values=dp.all_gather_rows(data.values),
-                ref_logprobs=dp.all_gather_rows(data.ref_logprobs) if data.ref_logprobs is not None else None,
+                init_logprobs=(
+                    dp.all_gather_rows(data.init_logprobs) if data.init_logprobs is not None else None
+                ),
                 is_weights=dp.all_gather_rows(data.is_weights) if data.is_weights is not None else None,
             )
 
@@ -531,7 +539,7 @@ class PPOTrainer:
         self._wait_critic_train()
         if dp.rank() == 0:
             payload = {
-                "response_tokens": data.response_tokens,
+                "response_tokens": data.sequence_tokens,
                 "returns": data.returns,
                 "values": data.values,
                 "mask": data.mask,
@@ -680,7 +688,7 @@ class PPOTrainer:
     def _loss_batch(self, mb: PPOData, units: torch.Tensor) -> dict[str, torch.Tensor]:
         """The policy loss's inputs for micro-batch ``mb`` of a step whose loss divides by ``units``."""
         batch = {
-            "response_tokens": mb.response_tokens,
+            "sequence_tokens": mb.sequence_tokens,
             "prompt_lengths": mb.prompt_lengths,
             "advantages": mb.advantages,
             "mask": mb.mask,
@@ -690,8 +698,8 @@ class PPOTrainer:
         }
         if mb.is_weights is not None:  # truncated importance sampling
             batch["is_weights"] = mb.is_weights
-        if mb.ref_logprobs is not None:  # the KL as a loss term
-            batch["ref_logprobs"] = mb.ref_logprobs
+        if mb.init_logprobs is not None:  # the KL as a loss term
+            batch["init_logprobs"] = mb.init_logprobs
             batch["kl_coef"] = torch.tensor(self._loss_kl_coef, dtype=torch.float64)
         return batch
 

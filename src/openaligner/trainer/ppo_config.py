@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast, get_args
 
-from openaligner.algorithms import KL_KINDS, LOSS_AGGREGATIONS
+from openaligner.algorithms import KL_KINDS, LOSS_AGGREGATIONS, KLKind, LossAggregation
 from openaligner.clients.critic import RemoteCriticConfig
 from openaligner.data.render import check_chat_template_mode
 from openaligner.models.lora import LoraConfig
@@ -20,7 +20,7 @@ from openaligner.models.precision import check_precision, check_save_dtype
 from openaligner.models.rollout_engine import RolloutConfig
 from openaligner.models.sharding import ActorParallelConfig
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
-from openaligner.trainer.estimators import ESTIMATORS, Estimator
+from openaligner.trainer.estimators import ESTIMATORS, Estimator, KLPlacement
 from openaligner.trainer.optim import OptimConfig
 
 if TYPE_CHECKING:
@@ -130,18 +130,19 @@ class PPOConfig:
         return self.num_rollout_samples * self.samples_per_prompt
 
     @property
-    def kl_kind(self) -> str:
+    def kl_kind(self) -> KLKind:
+        """The KL estimator: ``kl_estimator`` (checked at load), else the default for ``kl_in``."""
         if self.kl_estimator is not None:
-            return self.kl_estimator
+            return cast("KLKind", self.kl_estimator)
         if self.kl_in == "loss":
             return "k3"
         return "abs" if self.use_absolute_kl else "k1"
 
     @property
-    def aggregation(self) -> str:
-        """``loss_aggregation``, resolved at load."""
+    def aggregation(self) -> LossAggregation:
+        """``loss_aggregation``, resolved and checked at load."""
         assert self.loss_aggregation is not None
-        return self.loss_aggregation
+        return cast("LossAggregation", self.loss_aggregation)
 
     @property
     def kl_in_reward(self) -> bool:
@@ -299,7 +300,7 @@ def parse_duration_s(text: str | None) -> float | None:
     return float(((d * 24 + h) * 60 + mi) * 60 + s)
 
 
-KL_PLACEMENTS = ("reward", "loss")
+KL_PLACEMENTS: tuple[str, ...] = get_args(KLPlacement)
 
 
 def _check_ppo(c: PPOConfig) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from openaligner.algorithms import (
+    KLKind,
     Reduce,
     adjust_scores,
     kl_penalty,
@@ -32,8 +33,8 @@ from openaligner.trainer.estimators import EstimatorInputs, get_estimator
 class RolloutBatch:
     """One rollout, local to this rank. ``S`` = padded sequence length."""
 
-    response_tokens: torch.Tensor  # [B, S] int64, prompt + response, padded after the response
-    response_lengths: torch.Tensor  # [B] int64, prompt + response
+    sequence_tokens: torch.Tensor  # [B, S] int64, prompt + response, padded after the response
+    sequence_lengths: torch.Tensor  # [B] int64, prompt + response
     prompt_lengths: torch.Tensor  # [B] int64
     is_end: torch.Tensor  # [B] bool, ended on a stop token
     logprobs: torch.Tensor  # [B, S-1] policy log-probs at rollout time
@@ -43,14 +44,14 @@ class RolloutBatch:
     engine_logprobs: torch.Tensor | None = None  # [B, S-1] the rollout engine's own (None: hf engine)
 
     def __len__(self) -> int:
-        return int(self.response_tokens.shape[0])
+        return int(self.sequence_tokens.shape[0])
 
 
 @dataclass
 class PPOData:
     """What the actor update and the critic update consume; all [B, S-1] except tokens/is_end."""
 
-    response_tokens: torch.Tensor  # [B, S]
+    sequence_tokens: torch.Tensor  # [B, S]
     prompt_lengths: torch.Tensor  # [B] int64 (the actor bans stop ids where sampling did)
     is_end: torch.Tensor  # [B] bool
     mask: torch.Tensor  # [B, S-1] float, 1 on response positions
@@ -58,11 +59,11 @@ class PPOData:
     advantages: torch.Tensor  # [B, S-1], whitened when requested
     returns: torch.Tensor  # [B, S-1]
     values: torch.Tensor  # [B, S-1] rollout values (the critic's prev_values; 0 without a critic)
-    ref_logprobs: torch.Tensor | None = None  # [B, S-1] initial-policy log-probs for a KL loss term
+    init_logprobs: torch.Tensor | None = None  # [B, S-1] initial-policy log-probs for a KL loss term
     is_weights: torch.Tensor | None = None  # [B, S-1] truncated importance-sampling weights (tis_cap)
 
     def __len__(self) -> int:
-        return int(self.response_tokens.shape[0])
+        return int(self.sequence_tokens.shape[0])
 
     def select(self, index: torch.Tensor) -> PPOData:
         """Rows ``index`` of every field (for minibatches)."""
@@ -76,7 +77,7 @@ def compute_ppo_data(
     estimator: str = "gae",
     group_size: int = 1,
     kl_coef: float,
-    kl_kind: str,
+    kl_kind: KLKind,
     gamma: float,
     lam: float = 1.0,
     normalize_advantages: bool = False,
@@ -125,7 +126,7 @@ def compute_ppo_data(
         kl=kl,
         kl_coef=kl_coef,
         mask=mask,
-        response_lengths=batch.response_lengths,
+        sequence_lengths=batch.sequence_lengths,
         is_end=batch.is_end,
         values=batch.values if spec.needs_critic else zeros,
         group_size=group_size,
@@ -154,7 +155,7 @@ def compute_ppo_data(
         advantages = (advantages - mean) * torch.rsqrt(var + 1e-8)
 
     data = PPOData(
-        response_tokens=batch.response_tokens,
+        sequence_tokens=batch.sequence_tokens,
         prompt_lengths=batch.prompt_lengths,
         is_end=batch.is_end,
         mask=mask,
@@ -174,11 +175,11 @@ def compute_ppo_data(
     return data, metrics
 
 
-def _mask_and_kl(batch: RolloutBatch, kl_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _mask_and_kl(batch: RolloutBatch, kl_kind: KLKind) -> tuple[torch.Tensor, torch.Tensor]:
     """The response mask [B, S-1] and the per-token KL estimate [B, S-1] (zeros without initial-policy
     log-probs)."""
     width = batch.logprobs.shape[-1]
-    mask = response_mask(batch.prompt_lengths, batch.response_lengths, width, dtype=batch.logprobs.dtype)
+    mask = response_mask(batch.prompt_lengths, batch.sequence_lengths, width, dtype=batch.logprobs.dtype)
     if batch.init_logprobs is None:
         return mask, torch.zeros_like(batch.logprobs)
     return mask, kl_penalty(batch.logprobs, batch.init_logprobs, kl_kind)

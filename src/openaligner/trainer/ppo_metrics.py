@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from openaligner import distributed as dp
+from openaligner.algorithms import KLKind
 from openaligner.io.metrics import MetricsLogger
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch
 from openaligner.trainer.rollout import rollout_texts
@@ -25,17 +26,17 @@ def rollout_metrics(b: RolloutBatch, prefix: str, decoded: DecodedRollouts | Non
     """``{prefix}/*`` means over every rank's rollouts (sizes, lengths, rewards, ended fraction,
     and the task's ``score`` when ``decoded`` has scores); with ``prefix="rollout"`` also
     ``_tokens``, the tokens processed (for tokens/s; not logged). A collective."""
-    gen_len = (b.response_lengths - b.prompt_lengths).double()
+    gen_len = (b.sequence_lengths - b.prompt_lengths).double()
     sums = dp.all_reduce_sum(
         torch.stack(
             [
                 torch.tensor(float(len(b)), dtype=torch.float64),
-                b.response_lengths.double().sum(),
+                b.sequence_lengths.double().sum(),
                 b.prompt_lengths.double().sum(),
                 gen_len.sum(),
                 b.rewards.double().sum(),
                 b.is_end.double().sum(),
-                b.response_lengths.double().sum(),  # tokens processed, for tokens/s
+                b.sequence_lengths.double().sum(),  # tokens processed, for tokens/s
             ]
         )
     )
@@ -65,7 +66,7 @@ def decode_rollouts(
 ) -> DecodedRollouts:
     """Prompt and response texts (see :func:`rollout_texts`) and the task's scores of them."""
     prompts, responses = rollout_texts(
-        b.response_tokens, b.prompt_lengths, b.response_lengths, b.is_end, stop_ids, decode
+        b.sequence_tokens, b.prompt_lengths, b.sequence_lengths, b.is_end, stop_ids, decode
     )
     scores = scorer(prompts, responses) if scorer is not None else None
     return DecodedRollouts(prompts, responses, [float(s) for s in scores] if scores is not None else None)
@@ -79,7 +80,7 @@ class RolloutLog:
     logger: MetricsLogger
     sample_table_interval: int  # a preview table every N steps (0: none)
     rollout_log_rows: int | None  # rollouts per step in the rollout log (None: all, 0: none)
-    kl_kind: str  # the KL estimator whose per-sample KL is logged
+    kl_kind: KLKind  # the KL estimator whose per-sample KL is logged
     group_size: int  # responses per prompt (contiguous rows)
     with_values: bool  # log values and returns (an estimator with a critic)
 

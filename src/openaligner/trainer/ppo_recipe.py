@@ -136,12 +136,12 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     log.info("precision: %s on %s", precision.name, device)
     init_policy: PreTrainedModel | bool | None = False  # False: no KL penalty, no initial policy
 
-    def copy_initial_policy(model: PreTrainedModel, state: SharedState) -> None:
+    def copy_init_policy(model: PreTrainedModel, state: SharedState) -> None:
         # with LoRA the initial policy is this same model with its adapters disabled: no second copy
         nonlocal init_policy
-        with starting("building the initial policy (the frozen reference of the KL penalty)"):
+        with starting("building the initial policy (the frozen anchor of the KL penalty)"):
             if c.initial_policy_kl_penalty > 0:
-                init_policy = initial_policy(model, cfg.parallel, state)
+                init_policy = build_init_policy(model, cfg.parallel, state)
 
     model = build_trainable_model(
         partial(load_causal_lm, cfg.actor, len(tokenizer), dtype=MASTER_DTYPE),
@@ -153,7 +153,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
         loading=f"the actor ({model_source_name(cfg.actor, 'actor')})",
         lora=cfg.lora,
         rank_seed=c.seed,
-        before_sharding=copy_initial_policy,
+        before_sharding=copy_init_policy,
     )
     if rank == 0:
         log.info("%s", describe_model(model, device, precision).replace("model:", "actor:", 1))
@@ -203,7 +203,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     )
 
 
-def initial_policy(
+def build_init_policy(
     model: PreTrainedModel,
     parallel: ActorParallelConfig,
     state: Mapping[str, torch.Tensor] | None = None,

@@ -89,7 +89,7 @@ def pad_and_stack(rows: Sequence[torch.Tensor], pad_value: float) -> torch.Tenso
 def rollout_texts(
     tokens: torch.Tensor,
     prompt_lengths: torch.Tensor,
-    response_lengths: torch.Tensor,
+    sequence_lengths: torch.Tensor,
     is_end: torch.Tensor,
     stop_ids: Collection[int],
     decode: Callable[[Sequence[int]], str],
@@ -99,7 +99,7 @@ def rollout_texts(
     Args:
         tokens: [B, S] right-padded prompt + response rows.
         prompt_lengths: [B] prompt tokens per row.
-        response_lengths: [B] prompt + response tokens per row (stop token included).
+        sequence_lengths: [B] prompt + response tokens per row (stop token included).
         is_end: [B] bool: the response ended on a stop token id or a stop string.
         stop_ids: the stop token ids in effect; a stop id that ended a response is not part of its
             text (the last token of a response that a stop *string* ended is).
@@ -111,7 +111,7 @@ def rollout_texts(
     stop = set(stop_ids)
     prompts, responses = [], []
     for i in range(tokens.shape[0]):
-        p, end = int(prompt_lengths[i]), int(response_lengths[i])
+        p, end = int(prompt_lengths[i]), int(sequence_lengths[i])
         if bool(is_end[i]) and int(tokens[i, end - 1]) in stop:
             end -= 1
         prompts.append(decode(tokens[i, :p].tolist()))

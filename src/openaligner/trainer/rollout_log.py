@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from openaligner.algorithms import kl_penalty, masked_mean, masked_sum
+from openaligner.algorithms import KLKind, kl_penalty, masked_mean, masked_sum
 from openaligner.trainer.ppo_data import PPOData, RolloutBatch
 
 
@@ -33,7 +33,7 @@ def rollout_records(
     batch: RolloutBatch,
     data: PPOData,
     *,
-    kl_kind: str,
+    kl_kind: KLKind,
     group_size: int,
     with_values: bool,
     first_sample: int = 0,
@@ -77,7 +77,7 @@ def rollout_records(
     columns = {k: _floats(v) for k, v in per_sample.items()}
 
     prompt_tokens = batch.prompt_lengths[:rows].tolist()
-    response_tokens = (batch.response_lengths[:rows] - batch.prompt_lengths[:rows]).tolist()
+    response_tokens = (batch.sequence_lengths[:rows] - batch.prompt_lengths[:rows]).tolist()
     ended = batch.is_end[:rows].bool().tolist()
     records = []
     for i in range(rows):

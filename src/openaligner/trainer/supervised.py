@@ -1,35 +1,10 @@
 """The shared loop of the supervised trainers (SFT and reward-model training) and their common config.
 
-Owns: the configs every supervised run shares (model and tokenizer source, optimizer, loop),
-resolving a model/tokenizer source into objects, the optimizer and LR schedule, gradient
-accumulation over micro-batches, validation, tqdm progress, metrics, resumable checkpoints
-(``<output_dir>/checkpoints/step_<N>``: model, optimizer, scheduler, step, data position and
-RNG, written atomically by :class:`openaligner.io.checkpoint.CheckpointManager`) and the final
-Hugging Face export into ``output_dir``. What is being learned comes from an
-:class:`Objective`; this module knows nothing of SFT or preference losses.
-
-Precision (:mod:`openaligner.models.precision`): the objective's module holds the float32 master
-weights; its loss is computed under the precision's autocast and backpropagated through the
-precision's loss scaler. Checkpoints hold the masters (exact resume); the final export is
-written in ``save_dtype``.
-
-LoRA (:mod:`openaligner.models.lora`): a module with adapters trains only what requires
-gradients; its checkpoints and export are its adapter directory, and on request the export also
-holds ``merged/``, the model with its adapters merged in.
-
-Data parallelism (torchrun; :mod:`openaligner.distributed`): every rank draws the same global
-batch from the same sampler and trains on its contiguous equal share of it, in the same number of
-micro-batches (:func:`rank_share` refuses batch sizes that would differ), so every rank runs the
-same forwards and backwards — which sharded models (``parallel.strategy=fsdp``,
-:mod:`openaligner.models.sharding`) need, each being a collective. Unit counts and metric sums are
-summed over ranks; gradients of the loss *sums* are summed over ranks (replicas: one all-reduce;
-shards: the backward's reduce-scatter) and only then divided by the global unit count, so both
-strategies and one process compute the same global per-unit mean. Validation splits the
-validation micro-batches over the ranks, padded to equal counts with repeats whose results are
-discarded. Rank 0 alone shows progress and writes metrics, checkpoints and the export (a
-sharded model's checkpoint: every rank writes its own shards, :mod:`~openaligner.trainer.checkpoint_files`;
-its export: gathered to rank 0); each rank keeps its own RNG streams (dropout), saved with every
-checkpoint.
+Owns the configs every supervised run shares, resolving model and tokenizer sources, the
+optimizer and schedule, gradient accumulation, validation, progress, metrics, resumable
+checkpoints and the final export, under any precision, with LoRA and over data-parallel ranks.
+What is learned comes from an :class:`Objective`; must not know SFT or preference losses.
+Design notes (precision, LoRA, data parallelism): docs/models.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -188,21 +188,21 @@ def test_the_kl_loss_term_adds_beta_times_the_masked_kl_and_its_gradient():
     logprobs, ref, adv, mask = _loss_inputs()
     old = logprobs.detach()
     plain, stats0 = ppo_policy_loss(logprobs, old, adv, mask, 0.2)
-    off, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2, ref_logprobs=ref, kl_coef=0.0)
+    off, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2, init_logprobs=ref, kl_coef=0.0)
     assert torch.equal(plain, off) and float(stats0.kl_loss) == 0.0
     with_kl, stats = ppo_policy_loss(
-        logprobs, old, adv, mask, 0.2, ref_logprobs=ref, kl_coef=0.5, kl_kind="k3"
+        logprobs, old, adv, mask, 0.2, init_logprobs=ref, kl_coef=0.5, kl_kind="k3"
     )
     k3 = masked_mean(kl_penalty(old, ref, "k3"), mask)
     assert torch.allclose(stats.kl_loss, k3) and torch.allclose(with_kl, plain + 0.5 * k3)
     # k1: d(β·mean(logπ − logπ_ref))/d logπ_t = β / (valid tokens) on every valid token, 0 elsewhere
     (grad_plain,) = torch.autograd.grad(plain, logprobs)
-    k1, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2, ref_logprobs=ref, kl_coef=0.5, kl_kind="k1")
+    k1, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2, init_logprobs=ref, kl_coef=0.5, kl_kind="k1")
     (grad_k1,) = torch.autograd.grad(k1, logprobs)
     assert torch.allclose(grad_k1 - grad_plain, 0.5 * mask / mask.sum())
     # inf/NaN reference log-probs at masked positions change nothing
     poisoned = torch.where(mask.bool(), ref, torch.full_like(ref, float("nan")))
     again, _ = ppo_policy_loss(
-        logprobs, old, adv, mask, 0.2, ref_logprobs=poisoned, kl_coef=0.5, kl_kind="k3"
+        logprobs, old, adv, mask, 0.2, init_logprobs=poisoned, kl_coef=0.5, kl_kind="k3"
     )
     assert torch.equal(again, with_kl)

@@ -257,7 +257,7 @@ def test_shares_over_any_split_sum_to_the_whole_batch_loss_and_gradient(aggregat
             is_end=is_end[lo:hi],
             entropy=params[lo:hi].abs(),
             entropy_coef=0.1,
-            ref_logprobs=ref[lo:hi],
+            init_logprobs=ref[lo:hi],
             kl_coef=0.05,
             units=units,
         )

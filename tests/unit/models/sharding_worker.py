@@ -91,7 +91,7 @@ def loaded_from_rank0(directory: Path) -> dict:
         return shard(model, cfg, **kwargs)
 
     ppo_recipe.shard = recording_shard
-    init = ppo_recipe.initial_policy(lm, ActorParallelConfig(strategy="fsdp"), state)
+    init = ppo_recipe.build_init_policy(lm, ActorParallelConfig(strategy="fsdp"), state)
     ppo_recipe.shard = shard
     result["init_policy_on_meta_when_sharded"] = seen == [True]
     lm = shard(lm, parallel)

@@ -101,7 +101,7 @@ def test_greedy_matches_hf_generate_token_for_token(tiny, arch, cache, fast_path
     )
     expected = _hf_greedy(model, prompts, lengths, 12, stop)
     for i, row in enumerate(expected):
-        n = int(out.response_lengths[i])
+        n = int(out.sequence_lengths[i])
         assert out.tokens[i, :n].tolist() == row
         assert bool(out.is_end[i]) == (stop in row[PROMPT_LENGTHS[i] :])
     assert bool(out.is_end[0])
@@ -128,8 +128,8 @@ def test_greedy_tokens_are_the_argmax_of_a_full_forward_for_every_architecture(
     params = SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=(stop,))
     out = generate(model, prompts, lengths, params, pad_id=0, cache=cache)
     assert made[0].compactions
-    assert int(out.response_lengths.max()) > tiny.size.sliding_window
-    for i, n in enumerate(out.response_lengths.tolist()):
+    assert int(out.sequence_lengths.max()) > tiny.size.sliding_window
+    for i, n in enumerate(out.sequence_lengths.tolist()):
         row = out.tokens[i : i + 1, :n]
         with torch.no_grad():
             logits = model(input_ids=row).logits[0]
@@ -218,7 +218,7 @@ def test_gpt2_decoder_samples_what_the_model_forward_samples(tiny):
 
     fast, forward = run(True), run(False)
     assert torch.equal(fast.tokens, forward.tokens)
-    assert torch.equal(fast.response_lengths, forward.response_lengths)
+    assert torch.equal(fast.sequence_lengths, forward.sequence_lengths)
     assert torch.equal(fast.is_end, forward.is_end)
     assert fast.is_end.any() and not fast.is_end.all()  # rows ended at different steps
 
@@ -235,9 +235,9 @@ def test_output_layout_prompt_then_response_then_pad(tiny):
         generator=torch.Generator().manual_seed(0),
     )
     assert out.tokens.dtype == torch.long
-    assert out.tokens.shape == (4, int(out.response_lengths.max()))
+    assert out.tokens.shape == (4, int(out.sequence_lengths.max()))
     assert out.prompt_lengths.tolist() == PROMPT_LENGTHS
-    assert out.response_lengths.tolist() == [n + 6 for n in PROMPT_LENGTHS]
+    assert out.sequence_lengths.tolist() == [n + 6 for n in PROMPT_LENGTHS]
     assert not out.is_end.any()
     for i, n in enumerate(PROMPT_LENGTHS):
         assert torch.equal(out.tokens[i, :n], prompts[i, :n])
@@ -262,7 +262,7 @@ def test_stop_tokens_set_is_end_and_lengths(tiny):
         response = free.tokens[i, n : n + 10].tolist()
         hits = [j for j, t in enumerate(response) if t in stops]
         expected_new = hits[0] + 1 if hits else 10
-        assert int(out.response_lengths[i]) == n + expected_new
+        assert int(out.sequence_lengths[i]) == n + expected_new
         assert bool(out.is_end[i]) == bool(hits)
         if hits:
             assert int(out.tokens[i, n + expected_new - 1]) in stops
@@ -291,10 +291,10 @@ def test_stop_strings_end_on_the_token_completing_the_string(tiny):
         response = free.tokens[i, n : n + 10].tolist()
         ends = [j + 1 for j in range(10) if stop in tok.decode(response[: j + 1])]
         expected_new = ends[0] if ends else 10
-        assert int(out.response_lengths[i]) == n + expected_new
+        assert int(out.sequence_lengths[i]) == n + expected_new
         assert bool(out.is_end[i]) == bool(ends)
     assert out.is_end[0]
-    assert int(out.response_lengths[0]) <= n0 + 5
+    assert int(out.sequence_lengths[0]) <= n0 + 5
 
 
 @pytest.mark.parametrize("min_new", [0, 4])
@@ -312,7 +312,7 @@ def test_cutting_a_finished_response_at_its_stop_string_is_what_the_loop_does(ti
     out = generate(model, prompts, lengths, with_stops, pad_id=1, tokenizer=tok)
     for i, n in enumerate(PROMPT_LENGTHS):
         cut = stop_string_length(free.tokens[i, n : n + 10].tolist(), stops, min_new, tok)
-        assert int(out.response_lengths[i]) == n + (cut if cut is not None else 10)
+        assert int(out.sequence_lengths[i]) == n + (cut if cut is not None else 10)
         assert bool(out.is_end[i]) == (cut is not None)
     assert stop_string_length(free.tokens[0, n0 : n0 + 10].tolist(), stops, min_new, tok) is not None
 
@@ -334,7 +334,7 @@ def test_min_new_tokens_bans_stops_early(tiny):
     early = generate(
         model, prompts, lengths, SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=stops), pad_id=1
     )
-    assert early.response_lengths.tolist() == [n + 1 for n in PROMPT_LENGTHS]
+    assert early.sequence_lengths.tolist() == [n + 1 for n in PROMPT_LENGTHS]
     out = generate(
         model,
         prompts,
@@ -343,7 +343,7 @@ def test_min_new_tokens_bans_stops_early(tiny):
         pad_id=1,
     )
     for i, n in enumerate(PROMPT_LENGTHS):
-        new = int(out.response_lengths[i]) - n
+        new = int(out.sequence_lengths[i]) - n
         assert new >= 4
         assert not set(out.tokens[i, n : n + 4].tolist()) & set(stops)
         assert bool(out.is_end[i]) == (int(out.tokens[i, n + new - 1]) in stops)

@@ -40,14 +40,14 @@ def test_hf_engine_is_the_actors_sampling_loop_bit_for_bit(actor, tiny):
     )
     direct = actor.infer({"text": prompts, "length": LENGTHS}, generator=torch.Generator().manual_seed(1234))
     assert torch.equal(out.tokens, direct["response_tokens"])
-    assert torch.equal(out.response_lengths, direct["response_lengths"])
+    assert torch.equal(out.sequence_lengths, direct["response_lengths"])
     assert torch.equal(out.prompt_lengths, LENGTHS) and torch.equal(out.is_end, direct["is_end"])
     assert out.tokens.device.type == "cpu"
     # the request's sampling settings are used (greedy here), not the actor's
     greedy = HFRolloutEngine(actor).generate(
         RolloutRequest(prompts, LENGTHS, SamplingParams(greedy=True, max_new_tokens=3), seeds)
     )
-    assert int((greedy.response_lengths - LENGTHS).max()) <= 3
+    assert int((greedy.sequence_lengths - LENGTHS).max()) <= 3
 
 
 def test_a_request_with_mismatched_shapes_is_refused():

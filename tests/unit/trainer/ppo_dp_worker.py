@@ -38,7 +38,7 @@ from openaligner.models.sharding import ActorParallelConfig, full_state_dict, sh
 from openaligner.trainer.ppo import ActorOptim, PPOTrainer, Prompts, RunOutputs
 from openaligner.trainer.ppo_checkpoint import restore_newest_checkpoint
 from openaligner.trainer.ppo_config import PPOConfig
-from openaligner.trainer.ppo_recipe import initial_policy
+from openaligner.trainer.ppo_recipe import build_init_policy
 from openaligner.trainer.rollout import PromptLoader, make_prompt_collate
 
 
@@ -115,7 +115,7 @@ def main(out: Path, fail_at: int | None = None) -> None:
     )
     size = TinySize(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2)
     model = build_tiny_causal_lm(os.environ.get("ARCH", "gpt2"), size, seed=0)
-    init = initial_policy(model, parallel)
+    init = build_init_policy(model, parallel)
     actor = CausalLMActor(
         shard(model, parallel),
         init_policy=init,

@@ -26,8 +26,8 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
     col = torch.arange(11)
     mask = ((col >= (prompts - 1).unsqueeze(-1)) & (col < (lengths - 1).unsqueeze(-1))).float()
     return {
-        "response_tokens": tokens,
-        "response_lengths": lengths,
+        "sequence_tokens": tokens,
+        "sequence_lengths": lengths,
         "mask": mask,
         "advantages": torch.randn(4, 11, generator=g) * mask,
         "prev_logprobs": torch.randn(4, 11, generator=g) * 0.1 - 4.0,
@@ -37,7 +37,7 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
 
 def _reference(actor: CausalLMActor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The loss from the model's own full-sequence forward (transformers' gelu_new, every position)."""
-    tokens, lengths = batch["response_tokens"], batch["response_lengths"]
+    tokens, lengths = batch["sequence_tokens"], batch["sequence_lengths"]
     attention = (torch.arange(tokens.shape[1]) < lengths.unsqueeze(-1)).long()
     logits = actor.model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
     logprobs = torch.log_softmax(logits.double(), -1).gather(-1, tokens[:, 1:, None]).squeeze(-1).float()
@@ -100,8 +100,8 @@ def _ppo_batch(out, prev_logprobs, advantages=None):
     if advantages is None:
         advantages = torch.linspace(-1, 2, width).expand(len(mask), width).clone()
     return {
-        "response_tokens": out["response_tokens"],
-        "response_lengths": out["response_lengths"],
+        "sequence_tokens": out["response_tokens"],
+        "sequence_lengths": out["response_lengths"],
         "advantages": advantages,
         "mask": mask,
         "prev_logprobs": prev_logprobs,

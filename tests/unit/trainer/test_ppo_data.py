@@ -8,8 +8,8 @@ from openaligner.trainer.ppo_data import RolloutBatch, compute_ppo_data
 def _batch(init=True):
     # Row 0: 2 prompt + 2 response tokens (L=4); row 1: 1 prompt + 3 response (L=4). S = 5, S-1 = 4.
     return RolloutBatch(
-        response_tokens=torch.tensor([[5, 6, 7, 1, 0], [5, 8, 9, 1, 0]]),
-        response_lengths=torch.tensor([4, 4]),
+        sequence_tokens=torch.tensor([[5, 6, 7, 1, 0], [5, 8, 9, 1, 0]]),
+        sequence_lengths=torch.tensor([4, 4]),
         prompt_lengths=torch.tensor([2, 1]),
         is_end=torch.tensor([True, False]),
         logprobs=torch.tensor([[-1.0, -1.0, -0.5, 0.0], [-1.0, -2.0, -1.0, 0.0]]),

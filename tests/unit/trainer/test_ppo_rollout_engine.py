@@ -134,7 +134,7 @@ class ReportingEngine(HFRolloutEngine):
     def generate(self, request):
         out = super().generate(request)
         own = self.actor.get_inference_log_probs(
-            out.tokens, out.response_lengths, prompt_lengths=out.prompt_lengths
+            out.tokens, out.sequence_lengths, prompt_lengths=out.prompt_lengths
         )
         return dataclasses.replace(out, logprobs=own + self.offset)
 

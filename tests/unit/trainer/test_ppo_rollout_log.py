@@ -61,8 +61,8 @@ def test_rollout_fields_are_those_of_the_batch_the_trainer_used_at_full_precisio
         assert len(rows) == len(batch) == 16
         kl = masked_sum(kl_penalty(batch.logprobs, batch.init_logprobs, cfg.kl_kind), data.mask, dim=-1)
         for i, r in enumerate(rows):
-            p, n = int(batch.prompt_lengths[i]), int(batch.response_lengths[i])
-            tokens = batch.response_tokens[i].tolist()
+            p, n = int(batch.prompt_lengths[i]), int(batch.sequence_lengths[i])
+            tokens = batch.sequence_tokens[i].tolist()
             assert r["prompt"] == t.decode(tokens[:p])
             assert r["prompt_tokens"] == p and r["response_tokens"] == n - p
             assert r["ended"] is bool(batch.is_end[i])
@@ -97,7 +97,7 @@ def test_critic_free_rollout_log_writes_what_exists(tmp_path):
         assert r["kl"] >= 0.0  # kl_in=loss: the rollout's KL to the initial policy is still logged
 
 
-def test_without_an_initial_policy_the_log_has_no_kl(tmp_path):
+def test_without_an_init_policy_the_log_has_no_kl(tmp_path):
     cfg = ppo_cfg(max_steps=1, save_interval=0, val_check_interval=0, initial_policy_kl_penalty=0)
     make_trainer(tmp_path, cfg).fit()
     rows = read_jsonl(tmp_path / "logs" / "rollouts.jsonl")

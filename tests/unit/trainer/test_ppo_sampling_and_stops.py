@@ -66,7 +66,7 @@ def _response_mask(prompt_lengths, lengths, width):
     return (col >= prompt_lengths[:, None] - 1) & (col < lengths[:, None] - 1)
 
 
-def test_rollout_and_initial_policy_logprobs_use_the_sampling_temperature(tmp_path):
+def test_rollout_and_init_policy_logprobs_use_the_sampling_temperature(tmp_path):
     actor = _recording_actor()
     overrides = {"sampling.temperature": 0.5, "length.min_length": 0}  # min_length: next test
     cfg = ppo_cfg(max_steps=1, val_check_interval=0, save_interval=0, **overrides)

@@ -18,7 +18,7 @@ def test_rollout_texts_split_prompts_and_responses_and_drop_an_ending_stop_id():
     prompts, responses = rollout_texts(
         tokens,
         prompt_lengths=torch.tensor([2, 1, 2]),
-        response_lengths=torch.tensor([4, 5, 4]),
+        sequence_lengths=torch.tensor([4, 5, 4]),
         is_end=torch.tensor([True, False, True]),
         stop_ids=(2,),
         decode=lambda ids: " ".join(map(str, ids)),

@@ -1,20 +1,10 @@
 """``openaligner demo``: the whole RLHF pipeline on the built-in sorting task, end to end.
 
-Stages: (1) data and tokenizer → (2) SFT → (3) reward model on gold-labelled noisy preferences
-→ (4) reward model and critic served by separate processes on free loopback ports → (5) PPO
-against the *learned* reward model → (6) evaluation against the gold scorer and a report with
-plots. Every stage runs the same command a user would (``train-sft``, ``train-rm``,
-``serve-reward``, ``serve-critic``, ``train-ppo``) from a YAML file written into the run
-directory, so each can be re-run on its own. Servers are stopped on exit, Ctrl-C included.
-
-``algorithm`` swaps PPO for a critic-free estimator (GRPO, RLOO, REINFORCE: no critic server)
-and ``reward=gold`` serves the gold scorer itself as the reward function (no reward model unless
-PPO's critic starts from it); ``reuse_models`` compares them on one run directory's SFT and
-reward models (see :class:`~openaligner.cli.demo.presets.Variant`).
-
-This module is the recipe; its parts live beside it: ``presets`` (sizes and each command's
-settings), ``stages`` (data, YAML, running a command), ``processes`` (the servers), ``evaluate``
-and ``report``.
+Owns the recipe: data → SFT → reward model → served reward model and critic → PPO (or a
+critic-free estimator) → evaluation and report, each stage the command a user would run, from a
+YAML file in the run directory. Its parts live beside it: ``presets``, ``stages``, ``processes``,
+``evaluate`` and ``report``. Must not know how any command trains or serves.
+Design notes: docs/demo.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,33 +1,11 @@
 """The HTTP front of a served model: judge every request at the edge, forward only what it understood.
 
-Triton answers every request merged into one inference call with the same error (PyTriton 0.7
-raises one exception for the whole call), so an invalid request merged with valid ones used to
-fail them all; its own refusals came back as HTTP 500 wrapped in a Python traceback, and it
-crashed on requests whose JSON it read differently from the front that had checked them.
-
-This module owns the reverse proxy that stops all of that (:class:`HTTPGuard`): it listens on the
-served address, Triton on a private loopback port behind it. Each inference request is read with
-:func:`openaligner.servers.transport.kserve.parse_infer_request`, judged by the endpoint's own check — so
-every request is judged on its own, and Triton only ever merges valid ones — and forwarded in the
-canonical form of :meth:`openaligner.servers.transport.kserve.InferRequest.encode`, so that Triton reads
-exactly what was checked. Refusals are answered as Triton does (``{"error": ...}``) with a 4xx
-status and no traceback; server failures from Triton come back without the Python tracebacks
-PyTriton puts in them. Answers are compressed only for clients that asked (``Accept-Encoding``).
-``GET``/``HEAD`` under ``/v2`` are forwarded; every other route (Triton's model-control and
-shared-memory routes) and compressed request bodies (never inflated) are refused.
-
-Other wire formats (:class:`ForeignRoute`: e.g. ``POST /get_reward``) are answered on their own
-paths by the same front: the route turns a body into the model's input arrays, which are judged
-by the same check and sent to Triton as a KServe request — so they are batched with every other
-client's — and turns Triton's answer back into the format's. A request that Triton rejected only
-because it was merged with a failing one is resent here, as the Python client would.
-
-A model may also *admit* each checked request (:data:`Admit`): work started before forwarding and
-awaited without holding a thread — a served reward function's call. A request whose admission
-fails is refused alone (400), like an invalid one, and one whose admission is slow holds only
-itself; Triton then merges only admitted requests.
-
+Owns :class:`HTTPGuard`, the reverse proxy on the served address (Triton on a private port behind
+it): each request judged alone by the endpoint's check and forwarded canonically, refusals as 4xx
+without tracebacks, other wire formats on their own paths (:class:`ForeignRoute`), per-request
+admission (:data:`Admit`), and resending requests Triton rejected beside a failing one.
 Must not know what an endpoint computes, nor how Triton is started.
+Design notes (why a front): docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

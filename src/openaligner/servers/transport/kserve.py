@@ -1,28 +1,10 @@
 """KServe v2 inference requests, read strictly and written back canonically.
 
-tritonserver 2.51 (the build PyTriton 0.7 ships) trusts what a request declares: for an input sent
-as JSON ``data`` it allocates ``prod(shape) x item size`` bytes before reading a value, so a
-150-byte request declaring shape ``[1, 10**12]`` aborts the whole server (``std::bad_alloc``). Its
-JSON parser also reads some bodies differently from Python's: of a key given twice it keeps the
-first (Python the last), and it has its own views on ``NaN``, huge numbers and broken Unicode.
-
-This module owns both directions of the body format:
-
-* :func:`parse_infer_request` reads an inference body (JSON, or JSON plus the binary extension)
-  strictly (:mod:`~openaligner.servers.transport.strict_json`) — a key twice, ``NaN``/``Infinity``,
-  numbers no 64-bit type holds (Python itself fails on integers over 4,300 digits), invalid UTF-8,
-  lone surrogates, a byte-order mark or anything after the JSON are refused, not guessed — checks
-  every declared shape against the values actually sent, and decodes each input into a numpy
-  array, as the served callable receives it. Each refusal is one :class:`RequestError` sentence
-  naming the input (or the part of the request) and what was expected.
-* :meth:`InferRequest.encode` writes the request back canonically: a compact ASCII JSON header and
-  every value in binary form. Forwarding that, and never the client's bytes, makes Triton read
-  exactly what this side read, by construction. :meth:`InferRequest.from_arrays` builds a request
-  from decoded arrays (a request this server makes itself from another wire format), and
-  :func:`parse_infer_response` reads Triton's JSON answer back into arrays.
-
-What the served model requires — which inputs, dtypes, ranks, rows, value ranges — is left to its
-own checks. Must not know about HTTP, Triton's process or what an endpoint computes.
+Owns both directions of the body format: :func:`parse_infer_request` (strict JSON, declared shapes
+checked against the values sent, inputs decoded to numpy; each refusal one :class:`RequestError`
+sentence), :meth:`InferRequest.encode` (canonical binary form, so Triton reads what was checked)
+and :func:`parse_infer_response`. Must not know about HTTP, Triton's process or what an endpoint
+computes. Design notes (what tritonserver trusts): docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

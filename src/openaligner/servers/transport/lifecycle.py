@@ -1,18 +1,10 @@
 """The life of a served model on every rank: start on rank 0, serve until asked, stop everything.
 
-A mixin shared by the reward server and the critic server. The class that uses it provides
-``handlers()`` (its opcode table), ``url``, ``_describe`` (for messages) and ``start()`` (rank 0:
-create ``_dispatcher``, then :meth:`ServerLifecycle._start_host`); the ranks are those of
-:mod:`openaligner.distributed`. Knows nothing of what the endpoints compute.
-
-A stop request may come at any moment, also while Triton is still starting (several seconds, with
-PyTriton polling Triton in blocking calls). Called from a signal handler during the start,
-:meth:`ServerLifecycle.request_stop` raises :class:`StartInterrupted` into the start, which stops
-whatever was started so far; the server then ends as after any stop. Where the interrupted start
-cannot unwind promptly (the signal can land inside PyTriton code that waits on Triton), a
-watchdog ends the Triton tree and the process after :data:`STOP_WHILE_STARTING_S`, so a server
-signalled at any moment exits within seconds (armed only by a caller that owns the process: the
-``serve-*`` commands' signal handlers).
+Owns :class:`ServerLifecycle`, a mixin of the reward and critic servers (they provide
+``handlers()``, ``url``, ``_describe`` and ``start()``), and stopping at any moment, also during
+the start (:class:`StartInterrupted`, a watchdog after :data:`STOP_WHILE_STARTING_S`).
+Must not know what the endpoints compute.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """JSON request bodies read strictly, for every wire format the HTTP front answers.
 
-Python's ``json`` module reads some bodies differently from other parsers, or not at all: of a key
-given twice it keeps the last (tritonserver's parser keeps the first), it accepts ``NaN`` and
-``Infinity``, it fails on integers of over 4,300 digits, and it passes lone UTF-16 surrogates
-through into strings that cannot be encoded again. :func:`read_json` refuses all of those with one
-:class:`RequestError` sentence that says what to send instead, and keeps numbers no 64-bit type
-holds (and non-standard literals) as :class:`Unreadable` values, so that the check of the field they
-belong to can name them. :func:`kind` and :func:`short` describe a value in messages.
-
-Must not know any wire format's fields, nor HTTP.
+Owns :func:`read_json` (a key twice, ``NaN``/``Infinity``, lone surrogates refused with one
+:class:`RequestError` sentence; numbers no 64-bit type holds kept as :class:`Unreadable`) and
+:func:`kind` / :func:`short` for messages. Must not know any wire format's fields, nor HTTP.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -81,7 +76,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def read_json(body: bytes, expected: str) -> Any:
-    """The JSON document ``body`` holds, read strictly (see the module docstring).
+    """The JSON document ``body`` holds, read strictly (docs/serving.md, "Module notes").
 
     Args:
         body: the request body (UTF-8 JSON, no byte-order mark, nothing after the document).

@@ -1,21 +1,10 @@
 """The PyTriton binding: start a real Triton server and connect endpoint logic to it.
 
-Owns everything PyTriton-specific and nothing else: the runtime fixes that let Triton start on a
-fresh machine (this interpreter's libpython first on ``LD_LIBRARY_PATH``, a private workspace with
-a local model store, loopback HTTP only, a short exit timeout), the model configuration (dynamic
-batcher), the HTTP front that clients actually reach (:class:`~.http_guard.HTTPGuard` on the
-served address, Triton on a private loopback port behind it), and the thin per-call path —
-decode each request, validate it, lock, call the endpoint, encode the outputs. Must not know what
-an endpoint computes, nor about models or torch.distributed.
-
-An endpoint is an ordinary object (see :class:`Endpoint`) tested without Triton. Each request is
-judged on its own in the HTTP front, by the endpoint's own ``validate``, before Triton sees it:
-Triton answers every request of an inference call with the same error (PyTriton 0.7 raises one
-exception for the whole call; it has no per-request error), so an invalid request merged into a
-batch would fail the valid ones with it. The callable validates again — the one line of defence
-for a request sent to Triton's private port directly — and then refuses the whole call, naming
-the invalid requests and telling the valid ones to resend (see
-:class:`openaligner.servers.protocol.ErrorEnvelope`).
+Owns everything PyTriton-specific: the runtime fixes that let Triton start on a fresh machine, the
+model configuration (dynamic batcher), the HTTP front clients reach, and the thin per-call path
+(decode, validate, lock, call the :class:`Endpoint`, encode). Must not know what an endpoint
+computes, nor about models or torch.distributed.
+Design notes (per-request errors): docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations

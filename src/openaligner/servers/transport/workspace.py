@@ -1,20 +1,10 @@
 """Where a Triton server's files and processes live on this machine, and what dead servers left.
 
-Owns one directory per running server under a root the user chooses (``server.workspace_dir``;
-default ``<tmp>/openaligner-servers-<uid>``): PyTriton's workspace (model store, the copy of the
-tritonserver binaries, sockets) and tritonserver's log. Nothing of a server is written anywhere
-else but the python backend's shared memory in ``/dev/shm`` and its empty ``/tmp/python_env_*``
-directory (both compiled-in places; removed too, see :meth:`ServerWorkspace.release`).
-
-Who is alive. A server holds an exclusive ``flock`` on its directory for its whole life; the
-kernel drops the lock however the process ends, SIGKILL included, so a starting server tells the
-directories of dead servers from those of live ones without trusting pids, and removes the dead
-ones (:func:`remove_dead_servers`). Processes belong to a workspace when the program they run lies
-inside it — tritonserver and its python-backend stubs are started from the binaries PyTriton copies
-there — plus their descendants; they are found through ``/proc`` (Linux), so a stub that outlived
-its tritonserver and was re-parented to init is still found.
-
+Owns one directory per running server under ``server.workspace_dir`` (PyTriton's workspace,
+tritonserver's log), telling live servers from dead ones by an ``flock``, finding a workspace's
+processes through ``/proc``, and removing what dead servers left (:func:`remove_dead_servers`).
 Must not know about PyTriton's API, HTTP, or what is served.
+Design notes: docs/serving.md, "Module notes".
 """
 
 from __future__ import annotations
