@@ -25,8 +25,6 @@ from openaligner.data.preference import PreferencePair, build_preference_pairs, 
 from openaligner.data.render import LayoutError, Renderer, check_chat_template_mode
 from openaligner.models.precision import (
     MASTER_DTYPE,
-    Precision,
-    resolve_save_dtype,
 )
 from openaligner.models.reward import RewardModel
 from openaligner.models.source import SourceError, load_reward_model, pick_device, resolve_tokenizer
@@ -151,22 +149,6 @@ def build_rm_trainer(cfg: RMConfig) -> SupervisedTrainer[PreferencePair]:
         rank_seed=cfg.trainer.seed,
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return SupervisedTrainer(
-        RMObjective(model),
-        train,
-        val,
-        lambda items: collate_pairs(items, pad_id),
-        cfg.trainer,
-        cfg.optim,
-        cfg.output_dir,
-        tokenizer,
-        device,
-        resume=cfg.resume,
-        progress=cfg.progress,
-        tensorboard=cfg.tensorboard,
-        wandb_project=cfg.wandb_project,
-        precision=Precision.resolve(cfg.precision, device),
-        save_dtype=resolve_save_dtype(cfg.save_dtype, cfg.model.path),
-        export_merged=cfg.lora.merge_on_save,
-        layout=layout,
+    return SupervisedTrainer.for_run(
+        cfg, RMObjective(model), train, val, partial(collate_pairs, pad_id=pad_id), tokenizer, device, layout
     )

@@ -23,8 +23,6 @@ from openaligner.data.render import LayoutError, Renderer, check_chat_template_m
 from openaligner.data.sft import SFTExample, build_sft_examples, collate_sft
 from openaligner.models.precision import (
     MASTER_DTYPE,
-    Precision,
-    resolve_save_dtype,
     save_pretrained_as,
 )
 from openaligner.models.source import SourceError, load_causal_lm, pick_device, resolve_tokenizer
@@ -140,22 +138,6 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
         rank_seed=cfg.trainer.seed,
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return SupervisedTrainer(
-        SFTObjective(model),
-        train,
-        val,
-        lambda items: collate_sft(items, pad_id),
-        cfg.trainer,
-        cfg.optim,
-        cfg.output_dir,
-        tokenizer,
-        device,
-        resume=cfg.resume,
-        progress=cfg.progress,
-        tensorboard=cfg.tensorboard,
-        wandb_project=cfg.wandb_project,
-        precision=Precision.resolve(cfg.precision, device),
-        save_dtype=resolve_save_dtype(cfg.save_dtype, cfg.model.path),
-        export_merged=cfg.lora.merge_on_save,
-        layout=layout,
+    return SupervisedTrainer.for_run(
+        cfg, SFTObjective(model), train, val, partial(collate_sft, pad_id=pad_id), tokenizer, device, layout
     )

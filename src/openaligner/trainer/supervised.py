@@ -32,7 +32,13 @@ from openaligner.data.render import LayoutError, SequenceLayout, use_chat_templa
 from openaligner.io.checkpoint import CheckpointManager, rng_state
 from openaligner.io.metrics import open_run_logs
 from openaligner.models.lora import MERGED_DIR, LoraConfig, merged_export_copy
-from openaligner.models.precision import Precision, check_precision, check_save_dtype, save_pretrained_as
+from openaligner.models.precision import (
+    Precision,
+    check_precision,
+    check_save_dtype,
+    resolve_save_dtype,
+    save_pretrained_as,
+)
 from openaligner.models.sharding import ParallelConfig, is_sharded
 from openaligner.models.source import (
     ModelSourceConfig,
@@ -318,6 +324,39 @@ class SupervisedTrainer(Generic[T]):
     Raises:
         StartupError: the global batch does not split over the ranks (:func:`rank_share`).
     """
+
+    @classmethod
+    def for_run(
+        cls,
+        cfg: SupervisedRunConfig,
+        objective: Objective,
+        train_items: Sequence[T],
+        val_items: Sequence[T],
+        collate: Callable[[Sequence[T]], Batch],
+        tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
+        layout: SequenceLayout,
+    ) -> SupervisedTrainer[T]:
+        """The trainer of a train-sft or train-rm run: every setting but the data from ``cfg``."""
+        return cls(
+            objective,
+            train_items,
+            val_items,
+            collate,
+            cfg.trainer,
+            cfg.optim,
+            cfg.output_dir,
+            tokenizer,
+            device,
+            resume=cfg.resume,
+            progress=cfg.progress,
+            tensorboard=cfg.tensorboard,
+            wandb_project=cfg.wandb_project,
+            precision=Precision.resolve(cfg.precision, device),
+            save_dtype=resolve_save_dtype(cfg.save_dtype, cfg.model.path),
+            export_merged=cfg.lora.merge_on_save,
+            layout=layout,
+        )
 
     def __init__(
         self,
