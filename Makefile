@@ -53,7 +53,8 @@ lint: setup
 
 # pytest exits 5 when it collects no test; make treats that as a failure like any other.
 # `test` runs every test but the heavy tier (pyproject's addopts deselect it); `test-heavy` runs
-# that tier alone. CI (.ci/run) runs both.
+# that tier alone (its `vllm` tests skip, naming the target, without `make rollout-setup`). CI
+# (.ci/run) runs `make test rollout-setup test-heavy`.
 test: lint
 	$(BIN)/pytest -q
 
