@@ -48,7 +48,7 @@ GOLD_FUNCTION = "openaligner.tasks.reverse_text:gold_reward"
 MAX_NEW_TOKENS = 24
 SEQ_LENGTH = 80  # prompts are ~35 Gemma tokens (BOS included) + 24 new tokens
 WORDS = (2, 3)  # words per text (min, max): reversals of ≤ 3 words fit 24 tokens
-N_TRAIN, N_EVAL, N_VAL = 512, 64, 16
+N_TRAIN, N_EVAL, N_VAL = 512, 32, 16
 ROLLOUTS_PER_STEP = 8  # responses per step for both algorithms: PPO 8 prompts × 1, GRPO 2 × 4
 GRPO_SAMPLES = 4
 
@@ -104,15 +104,17 @@ class Server:
             self.proc.wait()
 
 
-def train(model: Path, run_dir: Path, algorithm: str, seed: int, steps: int, lr: float, beta: float) -> dict[str, Any]:
+def train(
+    model: Path, run_dir: Path, algorithm: str, seed: int, steps: int, lr: float, beta: float
+) -> dict[str, Any]:
     """Servers + train-ppo for one run; returns wall time and peak RSS of each process."""
     data = run_dir / "data"
     servers: list[Server] = []
     try:
         reward = Server(
             _openaligner(
-                "serve-reward", str(ROOT / "configs" / "serve_reward.yaml"), f"reward.function={GOLD_FUNCTION}",
-                "reward.workers=2", "server.port=0", "threads=1",
+                "serve-reward", str(ROOT / "configs" / "serve_reward.yaml"),
+                f"reward.function={GOLD_FUNCTION}", "reward.workers=2", "server.port=0", "threads=1",
             ),
             run_dir / "serve_reward.log",
         )  # fmt: skip
@@ -122,9 +124,11 @@ def train(model: Path, run_dir: Path, algorithm: str, seed: int, steps: int, lr:
             critic = Server(
                 _openaligner(
                     "serve-critic", str(ROOT / "configs" / "serve_critic.yaml"), f"model.path={model}",
-                    "server.port=0", "server.combine_rm_and_critic_server=false", "lora.r=16", "lora.alpha=32",
-                    "optim.lr=3e-4", "optim.scheduler=constant", "optim.warmup_steps=0", "optim.weight_decay=0.0",
-                    f"train.global_batch_size={ROLLOUTS_PER_STEP}", f"train.micro_batch_size={ROLLOUTS_PER_STEP}",
+                    "server.port=0", "server.combine_rm_and_critic_server=false",
+                    "lora.r=16", "lora.alpha=32", "optim.lr=3e-4", "optim.scheduler=constant",
+                    "optim.warmup_steps=0", "optim.weight_decay=0.0",
+                    f"train.global_batch_size={ROLLOUTS_PER_STEP}",
+                    f"train.micro_batch_size={ROLLOUTS_PER_STEP}",
                     f"server.inference_micro_batch_size=[{ROLLOUTS_PER_STEP}]",
                     f"server.model_forward_micro_batch_size={ROLLOUTS_PER_STEP}",
                     f"checkpoint.dir={run_dir / 'critic'}", "checkpoint.keep_last=1", "threads=1",
@@ -134,16 +138,18 @@ def train(model: Path, run_dir: Path, algorithm: str, seed: int, steps: int, lr:
             servers.append(critic)
             remote.append(f"remote.critic.port={critic.port()}")
         per_prompt = 1 if algorithm == "ppo" else GRPO_SAMPLES
-        interval = max(steps // 4, 1)
+        interval = max(steps // 2, 1)  # validations cost a rollout of N_VAL prompts each
         cmd = _openaligner(
             "train-ppo", str(ROOT / "configs" / "train_ppo.yaml"), f"actor.path={model}", "device=cpu",
             f"data.train_path={data / 'train.jsonl'}", f"data.val_path={data / 'heldout.jsonl'}",
             f"data.seq_length={SEQ_LENGTH}", "data.chat_template=false",
-            f"trainer.max_steps={steps}", f"trainer.advantage_estimator={'gae' if algorithm == 'ppo' else 'grpo'}",
+            f"trainer.max_steps={steps}",
+            f"trainer.advantage_estimator={'gae' if algorithm == 'ppo' else 'grpo'}",
             f"trainer.num_rollout_samples={ROLLOUTS_PER_STEP // per_prompt}",
             f"trainer.n_samples_per_prompt={per_prompt}",
-            f"trainer.rollout_micro_batch_size={ROLLOUTS_PER_STEP}", f"trainer.global_batch_size={ROLLOUTS_PER_STEP}",
-            "trainer.micro_batch_size=4", f"trainer.num_val_samples={N_VAL}", f"trainer.val_rollout_micro_batch_size={N_VAL}",
+            f"trainer.rollout_micro_batch_size={ROLLOUTS_PER_STEP}",
+            f"trainer.global_batch_size={ROLLOUTS_PER_STEP}", "trainer.micro_batch_size=4",
+            f"trainer.num_val_samples={N_VAL}", f"trainer.val_rollout_micro_batch_size={N_VAL}",
             f"trainer.val_check_interval={interval}", f"trainer.save_interval={interval}",
             f"trainer.initial_policy_kl_penalty={beta}", 'trainer.sampling.end_strings=["\\n"]',
             f"trainer.length.max_length={MAX_NEW_TOKENS}", f"trainer.seed={seed}",
@@ -155,7 +161,9 @@ def train(model: Path, run_dir: Path, algorithm: str, seed: int, steps: int, lr:
         print("$", " ".join(cmd[1:]), file=sys.stderr)
         started = time.monotonic()
         with (run_dir / "train_ppo.log").open("wb") as log:
-            rc = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=log, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(
+                ["/usr/bin/time", "-v", *cmd], stdout=log, stderr=subprocess.STDOUT
+            ).returncode
         wall_s = time.monotonic() - started
         log_text = (run_dir / "train_ppo.log").read_text(errors="replace")
         if rc != 0:
@@ -199,14 +207,18 @@ def evaluate_child(model: str, base: str, prompts_path: str, seed: int) -> dict[
     text = torch.zeros(len(ids), int(lengths.max()), dtype=torch.long)
     for i, row in enumerate(ids):
         text[i, : len(row)] = torch.tensor(row)
-    sampled = actor.infer({"text": text, "length": lengths}, generator=torch.Generator().manual_seed(seed + 17))
+    sampled = actor.infer(
+        {"text": text, "length": lengths}, generator=torch.Generator().manual_seed(seed + 17)
+    )
     tokens, ends, starts = sampled["response_tokens"], sampled["response_lengths"], sampled["prompt_lengths"]
     responses = [
         tokenizer.decode(tokens[i, int(starts[i]) : int(ends[i])].tolist(), skip_special_tokens=True)
         for i in range(len(prompts))
     ]
     logp = actor.get_inference_log_probs(tokens, ends, None, starts)
-    ref = CausalLMActor.from_pretrained(base, dtype=torch.float32, tokenizer=tokenizer, sampling=sampling, init_policy=False)
+    ref = CausalLMActor.from_pretrained(
+        base, dtype=torch.float32, tokenizer=tokenizer, sampling=sampling, init_policy=False
+    )
     logp_ref = ref.get_inference_log_probs(tokens, ends, None, starts)
     mask = response_mask(starts, ends, tokens.shape[1] - 1)
     return {
@@ -228,6 +240,15 @@ def evaluate(model: Path, base: Path, run_dir: Path, seed: int) -> dict[str, flo
     return result
 
 
+def start_scores(args: argparse.Namespace, run_dir: Path, seed: int) -> dict[str, float]:
+    """The start's held-out scores; computed once per seed (every algorithm's prompts are the same)."""
+    path = args.out / f"start-seed{seed}.json"
+    if not path.is_file():
+        path.write_text(json.dumps(evaluate(args.model, args.model, run_dir, seed)))
+    scores: dict[str, float] = json.loads(path.read_text())
+    return scores
+
+
 def metrics_of(run_dir: Path) -> list[dict[str, float]]:
     path = run_dir / "train" / "logs" / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -247,10 +268,12 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, An
         "algorithm": algorithm,
         "seed": seed,
         "steps": len(steps),
-        "start": evaluate(args.model, args.model, run_dir, seed),
+        "start": start_scores(args, run_dir, seed),
         "end": evaluate(run_dir / "train" / "actor" / "merged", args.model, run_dir, seed),
         "tokens_per_s": sum(m["timing/tokens_per_s"] for m in steps) / max(len(steps), 1),
-        "step_s_median": sorted(m["timing/step_s"] for m in steps)[len(steps) // 2] if steps else float("nan"),
+        "step_s_median": sorted(m["timing/step_s"] for m in steps)[len(steps) // 2]
+        if steps
+        else float("nan"),
         "load_average": [load_before, os.getloadavg()[0]],
         **measured,
     }
@@ -260,8 +283,9 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, An
 
 def table(results: list[dict[str, Any]]) -> str:
     rows = [
-        "| algorithm | seed | steps | gold, start → end (sampled) | gold greedy, start → end | KL to start (nats/response) "
-        "| tokens/s | median step | train-ppo wall | peak RSS: trainer / critic / reward |",
+        "| algorithm | seed | steps | gold, start → end (sampled) | gold greedy, start → end "
+        "| KL to start (nats/response) | tokens/s | median step | train-ppo wall "
+        "| peak RSS: trainer / critic / reward |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -273,7 +297,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {r['start']['gold_greedy']:.3f} → {r['end']['gold_greedy']:.3f} "
             f"| {r['end']['kl_to_start']:.2f} | {r['tokens_per_s']:.1f} | {r['step_s_median']:.0f} s "
             f"| {r['train_wall_s'] / 60:.1f} min "
-            f"| {r['trainer_peak_rss_mib'] / 1024:.2f} GiB / {critic} / {rss['serve_reward'] / 1024:.2f} GiB |"
+            f"| {r['trainer_peak_rss_mib'] / 1024:.2f} GiB / {critic} "
+            f"/ {rss['serve_reward'] / 1024:.2f} GiB |"
         )
     return "\n".join(rows)
 
@@ -289,14 +314,18 @@ def plot(runs: list[tuple[dict[str, Any], list[dict[str, float]]]], path: Path) 
         label = f"{result['algorithm'].upper()} seed {result['seed']}"
         color = "C0" if result["algorithm"] == "ppo" else "C1"
         style = "-" if result["seed"] == 0 else "--"
-        val = [(0, result["start"]["gold"])] + [(m["step"], m["val/score"]) for m in metrics if "val/score" in m]
-        axes[0].plot(*zip(*val), style, color=color, marker="o", label=label)
+        val = [(0, result["start"]["gold"])] + [
+            (m["step"], m["val/score"]) for m in metrics if "val/score" in m
+        ]
+        axes[0].plot(*zip(*val, strict=True), style, color=color, marker="o", label=label)
         steps = [m for m in metrics if "rollout/score" in m]
-        axes[1].plot([m["step"] for m in steps], [m["rollout/score"] for m in steps], style, color=color, label=label)
-        axes[2].plot([m["step"] for m in steps], [m.get("rollout/init_policy_kl", 0.0) for m in steps], style,
-                     color=color, label=label)  # fmt: skip
-    for ax, title in zip(axes, ("held-out gold score (validation)", "rollout gold score", "KL to start per token"),
-                         strict=True):  # fmt: skip
+        axes[1].plot(
+            [m["step"] for m in steps], [m["rollout/score"] for m in steps], style, color=color, label=label
+        )
+        kl = [m.get("rollout/init_policy_kl", 0.0) for m in steps]
+        axes[2].plot([m["step"] for m in steps], kl, style, color=color, label=label)
+    titles = ("held-out gold score (validation)", "rollout gold score", "KL to start per token")
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_title(title)
         ax.set_xlabel("step")
     axes[0].legend(fontsize=8)
@@ -307,11 +336,13 @@ def plot(runs: list[tuple[dict[str, Any], list[dict[str, float]]]], path: Path) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="the converted Hugging Face directory (convert-gguf's OUT)")
+    parser.add_argument(
+        "--model", type=Path, help="the converted Hugging Face directory (convert-gguf's OUT)"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/real"))
     parser.add_argument("--algorithms", default="ppo,grpo")
     parser.add_argument("--seeds", default="0,1")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--beta", type=float, default=0.05, help="KL penalty to the start")
     parser.add_argument("--plot", type=Path, default=None)
@@ -319,7 +350,9 @@ def main() -> None:
     parser.add_argument("--evaluate-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.evaluate_child:
-        print(json.dumps(evaluate_child(args.evaluate_child, str(args.model), str(args.out), int(args.seeds))))
+        print(
+            json.dumps(evaluate_child(args.evaluate_child, str(args.model), str(args.out), int(args.seeds)))
+        )
         return
     results: list[dict[str, Any]] = []
     for algorithm in args.algorithms.split(","):
@@ -333,8 +366,8 @@ def main() -> None:
     import torch
     import transformers
 
-    print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{os.cpu_count()} CPUs")  # fmt: skip
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    print(f"python {platform.python_version()}, {versions}, {os.cpu_count()} CPUs")
     print(table(results))
     if args.plot:
         plot([(r, metrics_of(args.out / f"{r['algorithm']}-seed{r['seed']}")) for r in results], args.plot)

@@ -73,14 +73,17 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _critic(checkpoint_dir: Path) -> tuple[Served, int]:
     return _serve(
-        "serve-critic", f"model.path={GEMMA_DIR}", "server.port=0", "server.combine_rm_and_critic_server=false",
-        "lora.r=4", "optim.lr=1e-4", "optim.scheduler=constant", "optim.warmup_steps=0",
+        "serve-critic", f"model.path={GEMMA_DIR}", "server.port=0",
+        "server.combine_rm_and_critic_server=false", "lora.r=4", "optim.lr=1e-4",
+        "optim.scheduler=constant", "optim.warmup_steps=0",
         "train.global_batch_size=2", "train.micro_batch_size=2", "server.inference_micro_batch_size=[2]",
         "server.model_forward_micro_batch_size=2", f"checkpoint.dir={checkpoint_dir}", "threads=1",
     )  # fmt: skip
 
 
-def _train(out: Path, prompts: Path, estimator: str, steps: int, reward_port: int, critic_port: int | None) -> int:
+def _train(
+    out: Path, prompts: Path, estimator: str, steps: int, reward_port: int, critic_port: int | None
+) -> int:
     torch.set_num_threads(2)
     per_prompt = 2 if estimator == "grpo" else 1
     critic = [f"remote.critic.port={critic_port}"] if critic_port is not None else []
@@ -118,7 +121,9 @@ def _adapter(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("estimator", ["gae", "grpo"], ids=["ppo", "grpo"])
-def test_one_step_checkpoint_and_exact_resume(tmp_path: Path, prompts: Path, reward_port: int, estimator: str) -> None:
+def test_one_step_checkpoint_and_exact_resume(
+    tmp_path: Path, prompts: Path, reward_port: int, estimator: str
+) -> None:
     _run(tmp_path / "straight", prompts, estimator, [2], reward_port)
     _run(tmp_path / "resumed", prompts, estimator, [1, 2], reward_port)
 
