@@ -105,7 +105,7 @@ class Server:
 
 
 def train(
-    model: Path, run_dir: Path, algorithm: str, seed: int, steps: int, lr: float, beta: float
+    model: Path, run_dir: Path, algorithm: str, seed: int, steps: int, lr: float, beta: float, max_time: str
 ) -> dict[str, Any]:
     """Servers + train-ppo for one run; returns wall time and peak RSS of each process."""
     data = run_dir / "data"
@@ -143,7 +143,7 @@ def train(
             "train-ppo", str(ROOT / "configs" / "train_ppo.yaml"), f"actor.path={model}", "device=cpu",
             f"data.train_path={data / 'train.jsonl'}", f"data.val_path={data / 'heldout.jsonl'}",
             f"data.seq_length={SEQ_LENGTH}", "data.chat_template=false",
-            f"trainer.max_steps={steps}",
+            f"trainer.max_steps={steps}", f"trainer.max_time_per_run={max_time}",
             f"trainer.advantage_estimator={'gae' if algorithm == 'ppo' else 'grpo'}",
             f"trainer.num_rollout_samples={ROLLOUTS_PER_STEP // per_prompt}",
             f"trainer.n_samples_per_prompt={per_prompt}",
@@ -262,7 +262,7 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, An
         return cached
     write_data(run_dir / "data", seed)
     load_before = os.getloadavg()[0]
-    measured = train(args.model, run_dir, algorithm, seed, args.steps, args.lr, args.beta)
+    measured = train(args.model, run_dir, algorithm, seed, args.steps, args.lr, args.beta, args.max_time)
     steps = [m for m in metrics_of(run_dir) if "timing/tokens_per_s" in m]
     result = {
         "algorithm": algorithm,
@@ -345,6 +345,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--beta", type=float, default=0.05, help="KL penalty to the start")
+    parser.add_argument(
+        "--max-time", default="00:00:25:00", help="train-ppo's trainer.max_time_per_run (DD:HH:MM:SS)"
+    )
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--report-only", action="store_true", help="only report the runs in --out")
     parser.add_argument("--evaluate-child", default=None, help=argparse.SUPPRESS)
