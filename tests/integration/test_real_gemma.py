@@ -120,6 +120,7 @@ def _adapter(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "run" / "actor" / "adapter_model.safetensors"))
 
 
+@pytest.mark.timeout(3600)  # 6 Gemma loads and 4 steps; 11 min were not enough for PPO on a loaded 2-core CPU
 @pytest.mark.parametrize("estimator", ["gae", "grpo"], ids=["ppo", "grpo"])
 def test_one_step_checkpoint_and_exact_resume(
     tmp_path: Path, prompts: Path, reward_port: int, estimator: str
