@@ -271,6 +271,7 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, An
         "start": start_scores(args, run_dir, seed),
         "end": evaluate(run_dir / "train" / "actor" / "merged", args.model, run_dir, seed),
         "tokens_per_s": sum(m["timing/tokens_per_s"] for m in steps) / max(len(steps), 1),
+        "step_s": [m["timing/step_s"] for m in steps],
         "step_s_median": sorted(m["timing/step_s"] for m in steps)[len(steps) // 2]
         if steps
         else float("nan"),
@@ -284,18 +285,23 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, An
 def table(results: list[dict[str, Any]]) -> str:
     rows = [
         "| algorithm | seed | steps | gold, start → end (sampled) | gold greedy, start → end "
-        "| KL to start (nats/response) | tokens/s | median step | train-ppo wall "
+        "| KL to start (nats/response) | tokens/s | step times | train-ppo wall "
         "| peak RSS: trainer / critic / reward |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         rss = r["server_peak_rss_mib"]
         critic = f"{rss['serve_critic'] / 1024:.2f} GiB" if "serve_critic" in rss else "—"
+        steps = (
+            ", ".join(f"{t:.0f}" for t in r["step_s"]) + " s"
+            if "step_s" in r
+            else f"{r['step_s_median']:.0f} s"
+        )
         rows.append(
             f"| {r['algorithm'].upper()} (LoRA) | {r['seed']} | {r['steps']} "
             f"| {r['start']['gold']:.3f} → **{r['end']['gold']:.3f}** "
             f"| {r['start']['gold_greedy']:.3f} → {r['end']['gold_greedy']:.3f} "
-            f"| {r['end']['kl_to_start']:.2f} | {r['tokens_per_s']:.1f} | {r['step_s_median']:.0f} s "
+            f"| {r['end']['kl_to_start']:.2f} | {r['tokens_per_s']:.2f} | {steps} "
             f"| {r['train_wall_s'] / 60:.1f} min "
             f"| {r['trainer_peak_rss_mib'] / 1024:.2f} GiB / {critic} "
             f"/ {rss['serve_reward'] / 1024:.2f} GiB |"
