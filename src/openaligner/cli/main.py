@@ -44,6 +44,10 @@ TOOLS: dict[str, tuple[str, str]] = {
         "openaligner.cli.convert_gguf",
         "convert a GGUF model (a .gguf file or a package shipping one) into a Hugging Face directory",
     ),
+    "evaluate-task": (
+        "openaligner.cli.evaluate_task",
+        "a model's gold score on a built-in task's prompts (sampled, greedy) and its KL to a reference",
+    ),
 }
 
 

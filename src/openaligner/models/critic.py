@@ -8,6 +8,8 @@ value loss, GAE, training or serving: those live in ``algorithms``, ``trainer`` 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import PreTrainedModel
 
@@ -29,6 +31,25 @@ class CriticModel(ScalarHeadModel):
                 f"{type(hf_model).__name__} is an encoder classifier (its head reads the sequence pooled at "
                 "the first token), so it has no value per position and cannot be a critic; initialise the "
                 "critic from a decoder (a causal LM or a decoder reward model)"
+            )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        standardization: Standardization | None = None,
+    ) -> CriticModel:
+        """As :meth:`ScalarHeadModel.from_pretrained`, with a seeded fresh head: a directory without
+        one (a causal LM, a backbone) gets the same head in every process, so two critic servers
+        started from one directory (a run and its rerun) give the same values; the caller's random
+        stream is left as it was."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return super().from_pretrained(
+                directory, dtype=dtype, device=device, standardization=standardization
             )
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
