@@ -10,7 +10,9 @@ directory, so each can be re-run on its own. Servers are stopped on exit, Ctrl-C
 ``algorithm`` swaps PPO for a critic-free estimator (GRPO, RLOO, REINFORCE: no critic server)
 and ``reward=gold`` serves the gold scorer itself as the reward function (no reward model unless
 PPO's critic starts from it); ``reuse_models`` compares them on one run directory's SFT and
-reward models (see :class:`~openaligner.cli.demo.presets.Variant`).
+reward models (see :class:`~openaligner.cli.demo.presets.Variant`). ``rollout_engine=vllm``
+generates the RL stage's rollouts with train-ppo's vLLM engine (``rollout.engine=vllm``; its tiny
+models then have 2 attention heads, see ``model_heads``).
 
 This module is the recipe; its parts live beside it: ``presets`` (sizes and each command's
 settings), ``stages`` (data, YAML, running a command), ``processes`` (the servers), ``evaluate``
@@ -27,9 +29,11 @@ from rich.console import Console
 from openaligner.cli.demo.evaluate import evaluate
 from openaligner.cli.demo.presets import (
     ALGORITHMS,
+    ENGINES,
     PRESETS,
     REWARDS,
     ROLLOUTS_PER_STEP,
+    TINY_HEADS,
     Variant,
     ppo_overrides,
     rm_overrides,
@@ -59,6 +63,11 @@ class DemoConfig:
     algorithm: str = "ppo"  # ppo (with a served critic) | grpo | rloo | reinforce (critic-free, 4 per prompt)
     reward: str = "model"  # model (the learned reward model) | gold (the gold scorer as a reward function)
     reuse_models: bool = False  # skip SFT/RM training: reuse this seed's models in output_dir (else refuse)
+    # hf (the project's sampling loop) | vllm (train-ppo's rollout.engine=vllm: `make rollout-setup`)
+    rollout_engine: str = "hf"
+    # attention heads of the tiny models (hidden size 64); 0 = 4 with hf, 2 with vllm, whose CPU
+    # attention refuses head size 16. model_heads=2 with hf trains the models the vllm run uses.
+    model_heads: int = 0
     sft_steps: int = 0  # SFT optimizer steps; 0 = the preset of the mode
     rm_steps: int = 0  # reward-model optimizer steps; 0 = the preset of the mode
     ppo_steps: int = 0  # RL (PPO or critic-free) steps; 0 = the preset of the mode
@@ -74,10 +83,25 @@ class DemoConfig:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         if self.reward not in REWARDS:
             raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
+        self.rollout_engine = self.rollout_engine.strip().lower()
+        if self.rollout_engine not in ENGINES:
+            raise ValueError(f"rollout_engine must be one of {', '.join(ENGINES)}, got {self.rollout_engine!r}")
+        if self.model_heads not in (0, 1, 2, 4):  # divisors of the hidden size 64 with a head size ≥ 16
+            raise ValueError(f"model_heads must be 0 (the engine's default), 1, 2 or 4, got {self.model_heads}")
+        if self.rollout_engine == "vllm" and self.model_heads == 4:
+            raise ValueError(
+                "model_heads=4 is head size 16, which vLLM's CPU attention refuses: with rollout_engine=vllm "
+                "use model_heads=2 (or 0, its default)"
+            )
 
     @property
     def variant(self) -> Variant:
-        return Variant(self.algorithm, self.reward)
+        return Variant(self.algorithm, self.reward, self.rollout_engine)
+
+    @property
+    def heads(self) -> int:
+        """Attention heads of the tiny models: ``model_heads``, or the engine's default."""
+        return self.model_heads or TINY_HEADS[self.rollout_engine]
 
 
 SCHEMA = DemoConfig
@@ -94,7 +118,7 @@ def run(cfg: DemoConfig) -> int:
     ppo_steps = cfg.ppo_steps or preset.ppo_steps
     run_dir = Path(cfg.output_dir).resolve()
     configs, logs = run_dir / "configs", run_dir / "logs"
-    sft_args = sft_overrides(run_dir, cfg.seed, sft_steps)
+    sft_args = sft_overrides(run_dir, cfg.seed, sft_steps, cfg.heads)
     rm_args = rm_overrides(run_dir, cfg.seed, rm_steps)
     if cfg.reuse_models:
         problem = reuse_problem(run_dir / "sft", configs / "sft.yaml", "train-sft", sft_args)
@@ -197,6 +221,8 @@ def run(cfg: DemoConfig) -> int:
     plot = plot_ppo_curves(metrics_path, run_dir / f"ppo_curves{tag}.png", variant)
     mode = "quick" if cfg.quick else "full"
     reused = " (SFT and reward models reused)" if cfg.reuse_models else ""
+    if cfg.heads != TINY_HEADS["hf"]:
+        reused += f" ({cfg.heads} attention heads)"
     heading = f"{variant.title}: seed {cfg.seed}, {mode} mode{reused}, {cfg.eval_samples} held-out prompts."
     write_report(run_dir, variant, report, rm_metrics, times.seconds, plot, heading, metrics_path)
     print_summary(console, variant, report, times.seconds, run_dir)
