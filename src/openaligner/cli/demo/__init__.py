@@ -85,9 +85,13 @@ class DemoConfig:
             raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
         self.rollout_engine = self.rollout_engine.strip().lower()
         if self.rollout_engine not in ENGINES:
-            raise ValueError(f"rollout_engine must be one of {', '.join(ENGINES)}, got {self.rollout_engine!r}")
+            raise ValueError(
+                f"rollout_engine must be one of {', '.join(ENGINES)}, got {self.rollout_engine!r}"
+            )
         if self.model_heads not in (0, 1, 2, 4):  # divisors of the hidden size 64 with a head size ≥ 16
-            raise ValueError(f"model_heads must be 0 (the engine's default), 1, 2 or 4, got {self.model_heads}")
+            raise ValueError(
+                f"model_heads must be 0 (the engine's default), 1, 2 or 4, got {self.model_heads}"
+            )
         if self.rollout_engine == "vllm" and self.model_heads == 4:
             raise ValueError(
                 "model_heads=4 is head size 16, which vLLM's CPU attention refuses: with rollout_engine=vllm "
