@@ -97,8 +97,8 @@ def write_report(
 ) -> None:
     """Write ``report{tag}.md`` (``heading`` under the title, the tables, the plot, the commands to
     re-run each stage) and ``report{tag}.json`` (``algorithm``, ``reward``, ``rollout_engine``,
-    ``eval``, ``rm``, ``seconds`` and ``rollout_score``: ``[step, gold score of the step's rollouts]`` per RL step
-    from ``metrics_path``) into ``run_dir`` (``tag``: :attr:`Variant.tag`)."""
+    ``eval``, ``rm``, ``seconds`` and ``rollout_score``: ``[step, gold score of the step's
+    rollouts]`` per RL step from ``metrics_path``) into ``run_dir`` (``tag``: :attr:`Variant.tag`)."""
     sft, rl = report["sft"], report["ppo"]
     name = variant.algorithm.upper()
     rows = [
