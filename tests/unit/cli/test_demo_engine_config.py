@@ -40,7 +40,10 @@ def test_the_vllm_engine_gets_head_size_32_and_its_own_rl_stage_directory(tmp_pa
     (tmp_path / "sft" / "config.json").write_text("{}")
     (tmp_path / "tokenizer").mkdir()
     ppo = load_config(TrainPPOConfig, None, ppo_overrides(tmp_path, 0, 10, "127.0.0.1", None, 3, variant))
-    assert ppo.rollout.engine == "vllm"
+    assert ppo.rollout.engine == "vllm" and ppo.rollout.vllm.python == ".venv-rollout/bin/python"
+    own = Variant("ppo", "model", "vllm", "/opt/rollout/bin/python")
+    own_ppo = load_config(TrainPPOConfig, None, ppo_overrides(tmp_path, 0, 10, "127.0.0.1", 2, 3, own))
+    assert own_ppo.rollout.vllm.python == "/opt/rollout/bin/python"
     assert ppo.exp.output_dir == str(tmp_path / "ppo-grpo-model-vllm")
     # hf on the vllm run's models (the comparison of engines on one SFT and reward model)
     same = load_config(DemoConfig, None, ["model_heads=2"])
@@ -65,3 +68,11 @@ def test_the_command_line_refuses_vllm_with_four_heads_exit_2(capsys):
     assert main(["demo", "rollout_engine=vllm", "model_heads=4", "--print-config"]) == 2
     err = capsys.readouterr().err
     assert "model_heads=2" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_engine_interpreter_is_refused_before_any_stage_runs(tmp_path, capsys):
+    out = tmp_path / "demo"
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    assert main(["demo", "rollout_engine=vllm", f"rollout_python={missing}", f"output_dir={out}"]) == 2
+    assert "make rollout-setup" in capsys.readouterr().out
+    assert not out.exists()  # no data, no SFT: refused first

@@ -65,6 +65,7 @@ class DemoConfig:
     reuse_models: bool = False  # skip SFT/RM training: reuse this seed's models in output_dir (else refuse)
     # hf (the project's sampling loop) | vllm (train-ppo's rollout.engine=vllm: `make rollout-setup`)
     rollout_engine: str = "hf"
+    rollout_python: str = ""  # the vllm engine's interpreter (rollout.vllm.python); "" = train-ppo's default
     # attention heads of the tiny models (hidden size 64); 0 = 4 with hf, 2 with vllm, whose CPU
     # attention refuses head size 16. model_heads=2 with hf trains the models the vllm run uses.
     model_heads: int = 0
@@ -100,7 +101,7 @@ class DemoConfig:
 
     @property
     def variant(self) -> Variant:
-        return Variant(self.algorithm, self.reward, self.rollout_engine)
+        return Variant(self.algorithm, self.reward, self.rollout_engine, self.rollout_python)
 
     @property
     def heads(self) -> int:
@@ -111,9 +112,22 @@ class DemoConfig:
 SCHEMA = DemoConfig
 
 
+def _engine_problem(python: str) -> str | None:
+    """Why the vllm engine could not start with interpreter ``python`` ("" = train-ppo's default);
+    None when the interpreter is there (whether it imports vllm is found out when it starts)."""
+    from openaligner.models.rollout_engine import EngineSetupError, VLLMConfig
+    from openaligner.models.vllm_engine import resolve_python
+
+    try:
+        resolve_python(python or VLLMConfig().python)
+    except EngineSetupError as e:
+        return str(e)
+    return None
+
+
 def run(cfg: DemoConfig) -> int:
     """Run the six stages; 0 if RL raised the held-out gold score, 1 if not, 2 if ``reuse_models``
-    found no models to reuse, 130 if interrupted."""
+    found no models to reuse or the vllm engine has no interpreter, 130 if interrupted."""
     console = Console()
     preset = PRESETS["quick" if cfg.quick else "full"]
     variant = cfg.variant
@@ -122,6 +136,11 @@ def run(cfg: DemoConfig) -> int:
     ppo_steps = cfg.ppo_steps or preset.ppo_steps
     run_dir = Path(cfg.output_dir).resolve()
     configs, logs = run_dir / "configs", run_dir / "logs"
+    if variant.engine == "vllm":  # refuse now, not after minutes of SFT and reward-model training
+        problem = _engine_problem(variant.engine_python)
+        if problem is not None:
+            console.print(f"[bold red]rollout_engine=vllm[/]: {problem}")
+            return 2
     sft_args = sft_overrides(run_dir, cfg.seed, sft_steps, cfg.heads)
     rm_args = rm_overrides(run_dir, cfg.seed, rm_steps)
     if cfg.reuse_models:

@@ -60,6 +60,7 @@ class Variant:
     algorithm: str = "ppo"  # a key of ALGORITHMS
     reward: str = "model"  # model (the learned reward model) | gold (the gold scorer as a function)
     engine: str = "hf"  # what generates the RL stage's rollouts: one of ENGINES
+    engine_python: str = ""  # the vllm engine's interpreter (rollout.vllm.python); "" = train-ppo's default
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -212,6 +213,8 @@ def ppo_overrides(
     )
     # the hf engine is train-ppo's default: its YAML is the one the demo wrote before engines existed
     engine = [] if variant.engine == "hf" else [f"rollout.engine={variant.engine}"]
+    if variant.engine == "vllm" and variant.engine_python:
+        engine.append(f"rollout.vllm.python={variant.engine_python}")
     return [
         f"actor.path={run_dir / 'sft'}",
         f"tokenizer.path={run_dir / 'tokenizer'}",
