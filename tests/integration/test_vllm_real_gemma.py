@@ -26,7 +26,13 @@ from openaligner.algorithms import response_mask
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.generation import SamplingParams
 from openaligner.models.lora import LoraConfig, add_lora
-from openaligner.models.rollout_engine import HFRolloutEngine, RolloutRequest, VLLMConfig, row_seeds
+from openaligner.models.rollout_engine import (
+    HFRolloutEngine,
+    RolloutEngine,
+    RolloutRequest,
+    VLLMConfig,
+    row_seeds,
+)
 from openaligner.models.source import ModelSourceConfig, load_causal_lm
 from openaligner.models.vllm_engine import VLLMRolloutEngine
 
@@ -73,9 +79,7 @@ def _request(actor: CausalLMActor) -> RolloutRequest:
     return RolloutRequest(prompts, lengths, actor.sampling, row_seeds(0, len(ids)))
 
 
-def _agree(
-    engine: VLLMRolloutEngine, actor: CausalLMActor, request: RolloutRequest, what: str
-) -> torch.Tensor:
+def _agree(engine: RolloutEngine, actor: CausalLMActor, request: RolloutRequest, what: str) -> torch.Tensor:
     """The engine's greedy tokens after asserting they are the hf engine's and its log-probs the
     trainer's; prints the largest |Δ log p| (recorded in docs/rollout-engine.md)."""
     out = engine.generate(request)
