@@ -9,8 +9,8 @@ stop being the identity) and a push, and (3) after every base weight is perturbe
 change changes the continuations, so a stale engine would fail.
 
 Tolerance: both sides float32; vLLM's CPU kernels sum in another order than PyTorch's over a
-640-wide, 18-layer model with a 262k vocabulary, so log-probs agree to LOGPROB_ATOL, not the tiny
-models' 2e-4.
+640-wide, 18-layer model with a 262k vocabulary: measured max |Δ log p| 4e-5 to 5e-5 (mean ~1.5e-5),
+so LOGPROB_ATOL leaves a 10x margin.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.realmodel, pytest.mark.vllm, pytest.mark.heavy, pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GEMMA_DIR = os.environ.get("OPENALIGNER_GEMMA_DIR", "")
-LOGPROB_ATOL = 5e-3
+LOGPROB_ATOL = 5e-4
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there", "1, 2, 3, 4,"]
 
 
