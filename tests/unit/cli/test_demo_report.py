@@ -30,6 +30,7 @@ def test_report_files_hold_the_evaluation_the_gain_and_the_stage_times(tmp_path)
     assert saved == {
         "algorithm": "ppo",
         "reward": "model",
+        "rollout_engine": "hf",
         "eval": evaluation,
         "rm": rm_metrics,
         "seconds": seconds,

@@ -17,9 +17,11 @@ from rich.console import Console
 from openaligner.cli.demo.evaluate import evaluate
 from openaligner.cli.demo.presets import (
     ALGORITHMS,
+    ENGINES,
     PRESETS,
     REWARDS,
     ROLLOUTS_PER_STEP,
+    TINY_HEADS,
     Variant,
     ppo_overrides,
     rm_overrides,
@@ -49,6 +51,12 @@ class DemoConfig:
     algorithm: str = "ppo"  # ppo (with a served critic) | grpo | rloo | reinforce (critic-free, 4 per prompt)
     reward: str = "model"  # model (the learned reward model) | gold (the gold scorer as a reward function)
     reuse_models: bool = False  # skip SFT/RM training: reuse this seed's models in output_dir (else refuse)
+    # hf (the project's sampling loop) | vllm (train-ppo's rollout.engine=vllm: `make rollout-setup`)
+    rollout_engine: str = "hf"
+    rollout_python: str = ""  # the vllm engine's interpreter (rollout.vllm.python); "" = train-ppo's default
+    # attention heads of the tiny models (hidden size 64); 0 = 4 with hf, 2 with vllm, whose CPU
+    # attention refuses head size 16. model_heads=2 with hf trains the models the vllm run uses.
+    model_heads: int = 0
     sft_steps: int = 0  # SFT optimizer steps; 0 = the preset of the mode
     rm_steps: int = 0  # reward-model optimizer steps; 0 = the preset of the mode
     ppo_steps: int = 0  # RL (PPO or critic-free) steps; 0 = the preset of the mode
@@ -64,18 +72,50 @@ class DemoConfig:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         if self.reward not in REWARDS:
             raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
+        self.rollout_engine = self.rollout_engine.strip().lower()
+        if self.rollout_engine not in ENGINES:
+            raise ValueError(
+                f"rollout_engine must be one of {', '.join(ENGINES)}, got {self.rollout_engine!r}"
+            )
+        if self.model_heads not in (0, 1, 2, 4):  # divisors of the hidden size 64 with a head size ≥ 16
+            raise ValueError(
+                f"model_heads must be 0 (the engine's default), 1, 2 or 4, got {self.model_heads}"
+            )
+        if self.rollout_engine == "vllm" and self.model_heads == 4:
+            raise ValueError(
+                "model_heads=4 is head size 16, which vLLM's CPU attention refuses: with rollout_engine=vllm "
+                "use model_heads=2 (or 0, its default)"
+            )
 
     @property
     def variant(self) -> Variant:
-        return Variant(self.algorithm, self.reward)
+        return Variant(self.algorithm, self.reward, self.rollout_engine, self.rollout_python)
+
+    @property
+    def heads(self) -> int:
+        """Attention heads of the tiny models: ``model_heads``, or the engine's default."""
+        return self.model_heads or TINY_HEADS[self.rollout_engine]
 
 
 SCHEMA = DemoConfig
 
 
+def _engine_problem(python: str) -> str | None:
+    """Why the vllm engine could not start with interpreter ``python`` ("" = train-ppo's default);
+    None when the interpreter is there (whether it imports vllm is found out when it starts)."""
+    from openaligner.models.rollout_engine import EngineSetupError, VLLMConfig
+    from openaligner.models.vllm_engine import resolve_python
+
+    try:
+        resolve_python(python or VLLMConfig().python)
+    except EngineSetupError as e:
+        return str(e)
+    return None
+
+
 def run(cfg: DemoConfig) -> int:
     """Run the six stages; 0 if RL raised the held-out gold score, 1 if not, 2 if ``reuse_models``
-    found no models to reuse, 130 if interrupted."""
+    found no models to reuse or the vllm engine has no interpreter, 130 if interrupted."""
     console = Console()
     preset = PRESETS["quick" if cfg.quick else "full"]
     variant = cfg.variant
@@ -84,7 +124,12 @@ def run(cfg: DemoConfig) -> int:
     ppo_steps = cfg.ppo_steps or preset.ppo_steps
     run_dir = Path(cfg.output_dir).resolve()
     configs, logs = run_dir / "configs", run_dir / "logs"
-    sft_args = sft_overrides(run_dir, cfg.seed, sft_steps)
+    if variant.engine == "vllm":  # refuse now, not after minutes of SFT and reward-model training
+        problem = _engine_problem(variant.engine_python)
+        if problem is not None:
+            console.print(f"[bold red]rollout_engine=vllm[/]: {problem}")
+            return 2
+    sft_args = sft_overrides(run_dir, cfg.seed, sft_steps, cfg.heads)
     rm_args = rm_overrides(run_dir, cfg.seed, rm_steps)
     if cfg.reuse_models:
         problem = reuse_problem(run_dir / "sft", configs / "sft.yaml", "train-sft", sft_args)
@@ -187,6 +232,8 @@ def run(cfg: DemoConfig) -> int:
     plot = plot_ppo_curves(metrics_path, run_dir / f"ppo_curves{tag}.png", variant)
     mode = "quick" if cfg.quick else "full"
     reused = " (SFT and reward models reused)" if cfg.reuse_models else ""
+    if cfg.heads != TINY_HEADS["hf"]:
+        reused += f" ({cfg.heads} attention heads)"
     heading = f"{variant.title}: seed {cfg.seed}, {mode} mode{reused}, {cfg.eval_samples} held-out prompts."
     write_report(run_dir, variant, report, rm_metrics, times.seconds, plot, heading, metrics_path)
     print_summary(console, variant, report, times.seconds, run_dir)

@@ -36,6 +36,11 @@ KL_PENALTY = 0.2  # β for every algorithm: strong enough that the policy does n
 ALGORITHMS: dict[str, str] = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce": "reinforce"}
 """The demo's ``algorithm`` → train-ppo's ``trainer.advantage_estimator``."""
 REWARDS = ("model", "gold")
+ENGINES = ("hf", "vllm")
+"""The demo's ``rollout_engine`` → train-ppo's ``rollout.engine``."""
+TINY_HEADS = {"hf": 4, "vllm": 2}
+"""Attention heads of the tiny models per rollout engine when ``model_heads=0``: hidden size 64 over
+4 heads is head size 16, which vLLM's CPU attention refuses; 2 heads (head size 32) it serves."""
 GOLD_REWARD_FUNCTION = "openaligner.tasks.sorting:gold_reward"
 """The gold scorer as the reward function ``serve-reward`` serves with ``reward=gold``."""
 
@@ -48,16 +53,22 @@ class Variant:
     ``configs/ppo.yaml``, ``report.md``, ...); every other variant's RL stage writes beside it with
     its :attr:`tag` appended (``ppo-grpo-gold/``, ``configs/ppo-grpo-gold.yaml``,
     ``report-grpo-gold.md``), so that variants can share one run directory's SFT and reward models.
+    The ``vllm`` engine appends ``-vllm`` (``ppo-vllm/``, ``ppo-grpo-gold-vllm/``), so that both
+    engines' RL stages can share them too.
     """
 
     algorithm: str = "ppo"  # a key of ALGORITHMS
     reward: str = "model"  # model (the learned reward model) | gold (the gold scorer as a function)
+    engine: str = "hf"  # what generates the RL stage's rollouts: one of ENGINES
+    engine_python: str = ""  # the vllm engine's interpreter (rollout.vllm.python); "" = train-ppo's default
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         if self.reward not in REWARDS:
             raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"rollout_engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
 
     @property
     def uses_critic(self) -> bool:
@@ -80,8 +91,9 @@ class Variant:
 
     @property
     def tag(self) -> str:
-        """Appended to the RL stage's file names; empty for the original ``ppo``/``model`` run."""
-        return "" if (self.algorithm, self.reward) == ("ppo", "model") else f"-{self.algorithm}-{self.reward}"
+        """Appended to the RL stage's file names; empty for the original ``ppo``/``model``/``hf`` run."""
+        base = "" if (self.algorithm, self.reward) == ("ppo", "model") else f"-{self.algorithm}-{self.reward}"
+        return base + ("" if self.engine == "hf" else f"-{self.engine}")
 
     @property
     def rl_dir(self) -> str:
@@ -92,23 +104,26 @@ class Variant:
     def title(self) -> str:
         """E.g. ``GRPO against the gold scorer``."""
         against = "the learned reward model" if self.reward == "model" else "the gold scorer"
-        return f"{self.algorithm.upper()} against {against}"
+        engine = "" if self.engine == "hf" else f" ({self.engine} rollouts)"
+        return f"{self.algorithm.upper()} against {against}{engine}"
 
 
-def _tiny_model(seed: int) -> list[str]:
+def _tiny_model(seed: int, heads: int) -> list[str]:
     return [
         "model.tiny=gpt2",
         "model.tiny_hidden_size=64",
         "model.tiny_num_layers=2",
-        "model.tiny_num_heads=4",
+        f"model.tiny_num_heads={heads}",
         "model.tiny_max_positions=64",
         f"model.tiny_seed={seed}",
     ]
 
 
-def sft_overrides(run_dir: Path, seed: int, steps: int) -> list[str]:
+def sft_overrides(run_dir: Path, seed: int, steps: int, heads: int = TINY_HEADS["hf"]) -> list[str]:
+    """train-sft's settings; ``heads``: attention heads of the tiny GPT-2 (the reward model and
+    critic start from it, so they have as many)."""
     return [
-        *_tiny_model(seed),
+        *_tiny_model(seed, heads),
         f"tokenizer.path={run_dir / 'tokenizer'}",
         f"data.train_path={run_dir / 'data' / 'sft.jsonl'}",
         "data.val_fraction=0.05",
@@ -196,10 +211,15 @@ def ppo_overrides(
     critic = (
         [f"remote.critic.ip={host}", f"remote.critic.port={critic_port}"] if critic_port is not None else []
     )
+    # the hf engine is train-ppo's default: its YAML is the one the demo wrote before engines existed
+    engine = [] if variant.engine == "hf" else [f"rollout.engine={variant.engine}"]
+    if variant.engine == "vllm" and variant.engine_python:
+        engine.append(f"rollout.vllm.python={variant.engine_python}")
     return [
         f"actor.path={run_dir / 'sft'}",
         f"tokenizer.path={run_dir / 'tokenizer'}",
         "device=cpu",
+        *engine,
         f"data.train_path={run_dir / 'data' / 'ppo_prompts.jsonl'}",
         f"data.val_path={run_dir / 'data' / 'val_prompts.jsonl'}",
         "data.seq_length=64",

@@ -96,9 +96,9 @@ def write_report(
     metrics_path: Path,
 ) -> None:
     """Write ``report{tag}.md`` (``heading`` under the title, the tables, the plot, the commands to
-    re-run each stage) and ``report{tag}.json`` (``algorithm``, ``reward``, ``eval``, ``rm``,
-    ``seconds`` and ``rollout_score``: ``[step, gold score of the step's rollouts]`` per RL step
-    from ``metrics_path``) into ``run_dir`` (``tag``: :attr:`Variant.tag`)."""
+    re-run each stage) and ``report{tag}.json`` (``algorithm``, ``reward``, ``rollout_engine``,
+    ``eval``, ``rm``, ``seconds`` and ``rollout_score``: ``[step, gold score of the step's
+    rollouts]`` per RL step from ``metrics_path``) into ``run_dir`` (``tag``: :attr:`Variant.tag`)."""
     sft, rl = report["sft"], report["ppo"]
     name = variant.algorithm.upper()
     rows = [
@@ -167,6 +167,7 @@ def write_report(
             {
                 "algorithm": variant.algorithm,
                 "reward": variant.reward,
+                "rollout_engine": variant.engine,
                 "eval": report,
                 "rm": rm_metrics,
                 "seconds": seconds,
@@ -198,7 +199,7 @@ def print_summary(
     gain = gold_gain(report)
     color = "green" if gain > 0 else "red"
     console.print(
-        f"algorithm {variant.algorithm}, reward {variant.reward}: "
+        f"algorithm {variant.algorithm}, reward {variant.reward}, rollout engine {variant.engine}: "
         f"gold-score gain [bold {color}]{gain:+.1f}[/] points; total {seconds.get('total', 0):.0f} s"
     )
     console.print(f"report: {run_dir / f'report{variant.tag}.md'}")
