@@ -177,53 +177,40 @@ def _common(plan: Plan) -> list[str]:
     return [f"device={plan.device}", "precision=bf16-mixed", "progress=false", "tensorboard=false"]
 
 
-def train_sft(plan: Plan) -> dict[str, Any]:
-    rows = [{"prompt": _prompt(i), "response": _prompt(i + 3)} for i in range(16)]
-    data = write_jsonl(plan.out / "sft.jsonl", rows)
+def _train_supervised(plan: Plan, name: str, rows: list[dict[str, str]], *expected: str) -> dict[str, Any]:
+    """``openaligner train-{name}`` under torchrun, bf16-mixed, 2 steps on ``rows``; its output
+    must hold ``precision bf16-mixed`` and every ``expected`` line."""
+    data = write_jsonl(plan.out / f"{name}.jsonl", rows)
     text = command(
         plan,
-        "train_sft",
+        f"train_{name}",
         [
             *TORCHRUN,
             "-m",
             "openaligner",
-            "train-sft",
+            f"train-{name}",
             *(f"model.{t}" for t in TINY),
             f"data.train_path={data}",
             "trainer.max_steps=2",
             "trainer.global_batch_size=4",
             "trainer.micro_batch_size=4",
-            f"output_dir={plan.out / 'sft'}",
+            f"output_dir={plan.out / name}",
             *_common(plan),
         ],
     )
-    expect(text, "precision bf16-mixed", "train-sft")
-    expect(text, "model saved to", "train-sft")
+    for line in ("precision bf16-mixed", *expected):
+        expect(text, line, f"train-{name}")
     return {"precision": "bf16-mixed", "device": plan.device, "steps": 2}
+
+
+def train_sft(plan: Plan) -> dict[str, Any]:
+    rows = [{"prompt": _prompt(i), "response": _prompt(i + 3)} for i in range(16)]
+    return _train_supervised(plan, "sft", rows, "model saved to")
 
 
 def train_rm(plan: Plan) -> dict[str, Any]:
     rows = [{"prompt": _prompt(i), "chosen": WORDS[i % 8], "rejected": WORDS[(i + 1) % 8]} for i in range(16)]
-    data = write_jsonl(plan.out / "rm.jsonl", rows)
-    text = command(
-        plan,
-        "train_rm",
-        [
-            *TORCHRUN,
-            "-m",
-            "openaligner",
-            "train-rm",
-            *(f"model.{t}" for t in TINY),
-            f"data.train_path={data}",
-            "trainer.max_steps=2",
-            "trainer.global_batch_size=4",
-            "trainer.micro_batch_size=4",
-            f"output_dir={plan.out / 'rm'}",
-            *_common(plan),
-        ],
-    )
-    expect(text, "precision bf16-mixed", "train-rm")
-    return {"precision": "bf16-mixed", "device": plan.device, "steps": 2}
+    return _train_supervised(plan, "rm", rows)
 
 
 class CriticUnderTorchrun:
