@@ -42,7 +42,36 @@ from typing import Any
 from openaligner.cli.demo.presets import ALGORITHMS, REWARDS, Variant
 
 
-def run_demo(out: Path, seed: int, variant: Variant, quick: bool, target: float, log: Path) -> dict[str, Any]:
+def demo_args(
+    run_dir: Path, seed: int, variant: Variant, quick: bool, models: bool, model_heads: int
+) -> list[str]:
+    """The ``openaligner demo`` arguments of one run; ``models``: the seed's SFT (and reward) models
+    exist and are reused. ``model_heads`` 0 is the demo's default for the variant's engine."""
+    return [
+        f"seed={seed}",
+        f"output_dir={run_dir}",
+        f"algorithm={variant.algorithm}",
+        f"reward={variant.reward}",
+        f"reuse_models={str(models).lower()}",
+        f"rollout_engine={variant.engine}",
+        *([f"model_heads={model_heads}"] if model_heads else []),
+        *([f"rollout_python={variant.engine_python}"] if variant.engine_python else []),
+        *(["quick=true"] if quick else []),
+    ]
+
+
+def shared_model_heads(engines: list[str], model_heads: int) -> int:
+    """The heads every run's models get: ``model_heads`` when given; else 2 when ``vllm`` is among
+    ``engines`` (its CPU attention refuses the ``hf`` default's head size 16, and the runs of one
+    seed share their models, so every engine's runs must use the same); else 0 (the default)."""
+    if model_heads:
+        return model_heads
+    return 2 if "vllm" in engines else 0
+
+
+def run_demo(
+    out: Path, seed: int, variant: Variant, quick: bool, target: float, log: Path, model_heads: int = 0
+) -> dict[str, Any]:
     """One demo run (or its report, when already there) → the per-run record (module doc)."""
     run_dir = out / f"seed{seed}"
     report_path = run_dir / f"report{variant.tag}.json"
@@ -52,14 +81,7 @@ def run_demo(out: Path, seed: int, variant: Variant, quick: bool, target: float,
         models = (run_dir / "sft" / "config.json").is_file() and (
             not variant.needs_reward_model or (run_dir / "rm" / "config.json").is_file()
         )
-        args = [
-            f"seed={seed}",
-            f"output_dir={run_dir}",
-            f"algorithm={variant.algorithm}",
-            f"reward={variant.reward}",
-            f"reuse_models={str(models).lower()}",
-            *(["quick=true"] if quick else []),
-        ]
+        args = demo_args(run_dir, seed, variant, quick, models, model_heads)
         load_before, t0 = os.getloadavg()[0], time.perf_counter()
         busy0, ours0 = _busy_cpu_s(), _children_cpu_s()
         with log.open("ab") as f:
@@ -109,6 +131,7 @@ def record(report: dict[str, Any], seed: int, variant: Variant, target: float) -
     return {
         "algorithm": variant.algorithm,
         "reward": variant.reward,
+        "engine": variant.engine,
         "seed": seed,
         "gold": round(rl["gold"], 2),
         "gold_greedy": round(rl["gold_greedy"], 2),
@@ -127,12 +150,18 @@ def first_step_at(curve: dict[int, float], target: float) -> int | None:
     return next((step for step, score in sorted(curve.items()) if score >= target), None)
 
 
+def group_name(run: dict[str, Any]) -> str:
+    """``algorithm/reward``, with ``/engine`` appended for an engine other than ``hf``."""
+    engine = run.get("engine", "hf")
+    return f"{run['algorithm']}/{run['reward']}" + ("" if engine == "hf" else f"/{engine}")
+
+
 def summarise(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """Per ``algorithm/reward``: mean, sd, median, min, max of each of ``keys`` over seeds, and the
+    """Per :func:`group_name`: mean, sd, median, min, max of each of ``keys`` over seeds, and the
     seeds' steps to the target (None where a seed never reached it)."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
-        groups.setdefault(f"{r['algorithm']}/{r['reward']}", []).append(r)
+        groups.setdefault(group_name(r), []).append(r)
     out: dict[str, dict[str, Any]] = {}
     for name, rs in groups.items():
         entry: dict[str, Any] = {"seeds": [r["seed"] for r in rs]}
@@ -151,10 +180,15 @@ def summarise(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, di
 
 
 def plot(
-    runs: list[dict[str, Any]], rewards: list[str], algorithms: list[str], target: float, path: Path
+    runs: list[dict[str, Any]],
+    rewards: list[str],
+    algorithms: list[str],
+    target: float,
+    path: Path,
+    engines: tuple[str, ...] = ("hf",),
 ) -> None:
-    """Mean over seeds of the rollouts' gold score per step, one line per algorithm, one panel per
-    reward; the band spans the seeds' min and max."""
+    """Mean over seeds of the rollouts' gold score per step, one line per algorithm (and engine, when
+    several), one panel per reward; the band spans the seeds' min and max."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -162,13 +196,18 @@ def plot(
 
     fig, axes = plt.subplots(1, len(rewards), figsize=(6 * len(rewards), 4), sharey=True, squeeze=False)
     for ax, reward in zip(axes[0], rewards, strict=True):
-        for algorithm in algorithms:
-            curves = [r["curve"] for r in runs if r["algorithm"] == algorithm and r["reward"] == reward]
+        for algorithm, engine in [(a, e) for a in algorithms for e in engines]:
+            curves = [
+                r["curve"]
+                for r in runs
+                if (r["algorithm"], r["reward"], r.get("engine", "hf")) == (algorithm, reward, engine)
+            ]
             if not curves:
                 continue
             steps = sorted(set.intersection(*(set(c) for c in curves)))
             values = [[c[s] for c in curves] for s in steps]
-            (line,) = ax.plot(steps, [statistics.fmean(v) for v in values], lw=1.6, label=algorithm)
+            label = algorithm if len(engines) == 1 else f"{algorithm} ({engine})"
+            (line,) = ax.plot(steps, [statistics.fmean(v) for v in values], lw=1.6, label=label)
             ax.fill_between(
                 steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.15
             )
@@ -192,6 +231,11 @@ def main() -> None:
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
     parser.add_argument("--rewards", default=",".join(REWARDS))
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--engines", default="hf", help="rollout engines, e.g. hf,vllm")
+    parser.add_argument(
+        "--model-heads", type=int, default=0, help="the models' attention heads (0: 2 with vllm, else 4)"
+    )
+    parser.add_argument("--rollout-python", default="", help="the vllm engine's interpreter")
     parser.add_argument("--quick", action="store_true", help="the demo's quick mode (CI size)")
     parser.add_argument(
         "--out", type=Path, default=Path("runs/bench_demo"), help="one run directory per seed"
@@ -206,6 +250,8 @@ def main() -> None:
     algorithms = ns.algorithms.split(",")
     rewards = ns.rewards.split(",")
     seeds = [int(s) for s in ns.seeds.split(",")]
+    engines = ns.engines.split(",")
+    model_heads = shared_model_heads(engines, ns.model_heads)
     if ns.fresh and ns.out.exists():
         shutil.rmtree(ns.out)
     ns.out.mkdir(parents=True, exist_ok=True)
@@ -215,7 +261,11 @@ def main() -> None:
     for reward in rewards:
         for seed in seeds:
             for algorithm in algorithms:
-                runs.append(run_demo(ns.out, seed, Variant(algorithm, reward), ns.quick, ns.target, log))
+                for engine in engines:
+                    variant = Variant(
+                        algorithm, reward, engine, ns.rollout_python if engine == "vllm" else ""
+                    )
+                    runs.append(run_demo(ns.out, seed, variant, ns.quick, ns.target, log, model_heads))
 
     import torch
     import transformers
@@ -225,6 +275,7 @@ def main() -> None:
         "benchmark": "demo_algorithms",
         "command": " ".join(["python", *sys.argv]),
         "mode": "quick" if ns.quick else "full",
+        "model_heads": model_heads,
         "target_gold": ns.target,
         "summary": summarise(runs, keys),
         "runs": runs,
@@ -244,7 +295,7 @@ def main() -> None:
         ns.json.parent.mkdir(parents=True, exist_ok=True)
         ns.json.write_text(text)
     if ns.plot is not None:
-        plot(runs, rewards, algorithms, ns.target, ns.plot)
+        plot(runs, rewards, algorithms, ns.target, ns.plot, tuple(engines))
     print(text)
 
 
