@@ -81,9 +81,8 @@ def _number(body: dict[str, Any], name: str, kind: type) -> Any:
 class Engine:
     """The ``vllm.LLM`` and the two operations the trainer needs."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        from vllm import LLM
-
+    def __init__(self, args: argparse.Namespace, llm: Any = None) -> None:
+        """``llm``: an engine built elsewhere (tests); None builds ``vllm.LLM`` from ``args``."""
         kwargs: dict[str, Any] = {
             "model": args.model,
             "skip_tokenizer_init": True,  # token ids in and out: the trainer owns the tokenizer
@@ -120,7 +119,11 @@ class Engine:
             fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(self.local_token)
-        self.llm = LLM(**kwargs)
+        if llm is None:
+            from vllm import LLM
+
+            llm = LLM(**kwargs)
+        self.llm = llm
 
     @property
     def weights_dir(self) -> str:
@@ -410,7 +413,8 @@ def _exit_with_parent(parent: int, workdir: str | None) -> None:
         time.sleep(1.0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The engine's command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--model", required=True, help="a Hugging Face model directory (config + weights)")
     p.add_argument("--host", default="127.0.0.1")
@@ -433,7 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--lease-ttl-s", type=float, default=60.0, help="a lease lapses this long after its last request"
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.parent_pid:
         watch = threading.Thread(target=_exit_with_parent, args=(args.parent_pid, args.workdir), daemon=True)
         watch.start()
