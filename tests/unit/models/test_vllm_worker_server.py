@@ -83,6 +83,9 @@ def test_info_reports_the_model_and_one_trainer_holds_the_engine_at_a_time(engin
     assert code == 200 and not second["local"]
     code, reply = call(port, "POST", "/heartbeat", {}, lease(first["lease"]))
     assert code == 409 and "attached to b:2" in reply["error"]
+    # a body size that is not a number is the client's mistake (it was answered 500 before)
+    code, reply = call(port, "POST", "/heartbeat", b"{}", {**lease(second["lease"]), "Content-Length": "x"})
+    assert code == 400 and "Content-Length must be a byte count" in reply["error"]
     assert call(port, "POST", "/detach", {}, lease(second["lease"])) == (200, {"ok": True})
     assert call(port, "GET", "/info")[1]["lease"] is None
 
