@@ -263,7 +263,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.local_dir = weights_dir if local else None
         every = max(1.0, float(self._info.get("lease_ttl_s", 60.0)) / 4)
         self._beating = threading.Event()
-        threading.Thread(target=self._heartbeat, args=(self._beating, every), daemon=True).start()
+        beat = (self._beating, every, self.url, self.lease)
+        threading.Thread(target=self._heartbeat, args=beat, name="vllm-lease", daemon=True).start()
         log.info(
             "vllm rollout engine: attached to %s (weights %s)",
             self.url,
@@ -271,11 +272,16 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         return self.url
 
-    def _heartbeat(self, stop: threading.Event, every: float) -> None:
-        """Keep the lease while the run is busy elsewhere (long training phases)."""
+    @staticmethod
+    def _heartbeat(stop: threading.Event, every: float, url: str, lease: str) -> None:
+        """Keep the lease while the run is busy elsewhere (long training phases); a beat that
+        fails is only skipped (the run's own next request says what is wrong)."""
         while not stop.wait(every):
-            with contextlib.suppress(RolloutEngineError):
-                self._post("/heartbeat", {}, timeout=every)
+            req = urllib.request.Request(
+                url + "/heartbeat", data=b"{}", headers={LEASE_HEADER: lease}, method="POST"
+            )
+            with contextlib.suppress(Exception), urllib.request.urlopen(req, timeout=every):
+                pass
 
     def _detach(self) -> None:
         if self._beating is not None:

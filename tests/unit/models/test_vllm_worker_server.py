@@ -129,3 +129,38 @@ def test_a_spawned_engine_has_no_lease_and_refuses_the_standalone_endpoints(tmp_
     engine.check_lease(None)  # its one trainer needs none
     with pytest.raises(vllm_worker.BadRequest, match=r"/attach is for a standalone engine"):
         engine.attach({"client": "a"})
+
+
+@pytest.mark.parametrize("transfer", ["auto", "http"])
+def test_an_attached_trainer_keeps_its_lease_pushes_its_weights_and_detaches(tmp_path, transfer):
+    from openaligner.models.actor import CausalLMActor
+    from openaligner.models.rollout_engine import VLLMConfig
+    from openaligner.models.vllm_engine import VLLMRolloutEngine
+
+    tiny = build_tiny_causal_lm("llama", TinySize(vocab_size=100, num_heads=2), seed=0)
+    tiny.save_pretrained(tmp_path / "model")
+    (tmp_path / "work").mkdir()
+    args = vllm_worker.parser().parse_args(
+        [f"--model={tmp_path / 'model'}", "--ready-file=x", f"--workdir={tmp_path / 'work'}", "--standalone"]
+    )
+    args.lease_ttl_s = 2.0
+    llm = FakeLLM()
+    server = HTTPServer(("127.0.0.1", 0), vllm_worker.make_handler(vllm_worker.Engine(args, llm=llm)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        actor = CausalLMActor(tiny, init_policy=False)
+        cfg = VLLMConfig(url=f"http://127.0.0.1:{port}", weight_transfer=transfer)
+        with VLLMRolloutEngine(actor, cfg) as engine:
+            # same machine: through the engine's directory unless told to upload
+            assert (engine.local_dir is not None) == (transfer == "auto")
+            time.sleep(3.0)  # longer than the lease: the heartbeat keeps it
+            code, reply = call(port, "POST", "/attach", {"client": "b:2"})
+            assert code == 409 and "attached to another trainer" in reply["error"]
+            engine._push()  # what the first generate does
+            assert llm.reloads == [("reload_weights", ["model.safetensors"])]
+            assert set(engine.pop_metrics()) == {"timing/weight_sync_s"}
+        assert call(port, "GET", "/info")[1]["lease"] is None  # detached; the engine serves on
+    finally:
+        server.shutdown()
+        server.server_close()
