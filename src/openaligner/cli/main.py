@@ -24,6 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("openaligner.cli.demo", "run the built-in end-to-end example and report what it shows"),
     "serve-reward": ("openaligner.cli.serve_reward", "serve a frozen reward model over HTTP (Triton)"),
     "serve-critic": ("openaligner.cli.serve_critic", "serve a trainable critic and the reward model (HTTP)"),
+    "serve-rollout": (
+        "openaligner.cli.serve_rollout",
+        "serve a vLLM rollout engine that train-ppo runs attach to (rollout.vllm.url)",
+    ),
     "train-sft": (
         "openaligner.cli.train_supervised:TRAIN_SFT",
         "supervised fine-tuning on prompt/response JSONL",

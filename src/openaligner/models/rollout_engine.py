@@ -200,8 +200,9 @@ generates for."""
 
 
 @dataclass
-class VLLMConfig:
-    """``rollout.vllm``: the vLLM engine's process (docs/rollout-engine.md)."""
+class VLLMProcessConfig:
+    """How a vLLM engine process runs: ``rollout.vllm`` of train-ppo (the engine it starts) and
+    ``vllm`` of ``openaligner serve-rollout`` (docs/rollout-engine.md)."""
 
     # the rollout environment's interpreter (`make rollout-setup`); a relative path is looked up
     # from the working directory, then from the source checkout
@@ -215,28 +216,78 @@ class VLLMConfig:
     enforce_eager: bool = True  # no CUDA graphs (the CPU build needs it; a GPU is faster without)
     cpu_kv_cache_gib: int = 1  # KV cache of the CPU build, GiB (VLLM_CPU_KVCACHE_SPACE)
     start_timeout_s: float = 600.0  # the engine's start-up limit (importing vLLM alone: 30-90 s)
+
+    def __post_init__(self) -> None:
+        # {section}: this section's key in the command's schema (rollout.vllm, vllm)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"{{section}}.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"{{section}}.tensor_parallel_size must be ≥ 1, got {self.tensor_parallel_size}")
+        if not 0.0 <= self.gpu_memory_utilization < 1.0:
+            raise ValueError(
+                f"{{section}}.gpu_memory_utilization must lie in [0, 1) (0: vLLM's default), got "
+                f"{self.gpu_memory_utilization}"
+            )
+        for key in ("start_timeout_s", "cpu_kv_cache_gib"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{{section}}.{key} must be > 0, got {getattr(self, key)}")
+        if self.max_model_len < 0:
+            raise ValueError(f"{{section}}.max_model_len must be ≥ 0, got {self.max_model_len}")
+
+
+@dataclass
+class VLLMConfig(VLLMProcessConfig):
+    """``rollout.vllm``: the vLLM engine train-ppo starts, or the one it attaches to (``url``)."""
+
+    # http://HOST:PORT of an engine started with `openaligner serve-rollout`: attach to it instead of
+    # starting one (the settings above are then that engine's, and refused here); null: start one
+    url: str | None = None
+    # attached: auto = through the engine's directory when it is on this machine (else an upload);
+    # http = always upload the weights over HTTP
+    weight_transfer: str = "auto"
     request_timeout_s: float = 600.0  # limit of one generate or weight push
     # mean |engine − trainer log-prob| on the first rollout after a weight push above which the
     # run stops (the weights did not arrive); 0 = never
     max_logprob_diff: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"rollout.vllm.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.tensor_parallel_size < 1:
+        super().__post_init__()
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"{{section}}.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.max_logprob_diff < 0:
+            raise ValueError(f"{{section}}.max_logprob_diff must be ≥ 0, got {self.max_logprob_diff}")
+        if self.weight_transfer not in ("auto", "http"):
             raise ValueError(
-                f"rollout.vllm.tensor_parallel_size must be ≥ 1, got {self.tensor_parallel_size}"
+                f"{{section}}.weight_transfer must be auto or http, got {self.weight_transfer!r}"
             )
-        if not 0.0 <= self.gpu_memory_utilization < 1.0:
-            raise ValueError(
-                f"rollout.vllm.gpu_memory_utilization must lie in [0, 1) (0: vLLM's default), got "
-                f"{self.gpu_memory_utilization}"
-            )
-        for key in ("start_timeout_s", "request_timeout_s", "cpu_kv_cache_gib"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"rollout.vllm.{key} must be > 0, got {getattr(self, key)}")
-        if self.max_model_len < 0 or self.max_logprob_diff < 0:
-            raise ValueError("rollout.vllm.max_model_len and rollout.vllm.max_logprob_diff must be ≥ 0")
+        if self.url is not None:
+            check_engine_url(self.url, "{section}.url")
+            spawn_only = VLLMProcessConfig()
+            for key in VLLMProcessConfig.__dataclass_fields__:
+                if getattr(self, key) != getattr(spawn_only, key):
+                    raise ValueError(
+                        f"{{section}}.{key} is a setting of an engine train-ppo starts; with "
+                        "{section}.url the engine's own apply (give them to openaligner serve-rollout): "
+                        f"leave {{section}}.{key} at its default ({getattr(spawn_only, key)!r}) or "
+                        "{section}.url unset"
+                    )
+
+
+def check_engine_url(url: str, key: str) -> tuple[str, int]:
+    """``(host, port)`` of an engine URL ``http://HOST:PORT``; a ``ValueError`` naming ``key``
+    for anything else."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host = port = None
+    if parts.scheme != "http" or not host or port is None or parts.path not in ("", "/"):
+        raise ValueError(
+            f"{key} must be http://HOST:PORT (what openaligner serve-rollout prints), got {url!r}"
+        )
+    return host, port
 
 
 @dataclass
@@ -250,6 +301,11 @@ class RolloutConfig:
         if self.engine not in ROLLOUT_ENGINES:
             raise ValueError(
                 f"rollout.engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {self.engine!r}"
+            )
+        if self.vllm.url is not None and self.engine != "vllm":
+            raise ValueError(
+                f"rollout.vllm.url is set but rollout.engine={self.engine}: set rollout.engine=vllm to "
+                "attach to that engine, or rollout.vllm.url=null"
             )
 
 

@@ -1,13 +1,13 @@
 """The ``vllm`` rollout engine, trainer side: starts one vLLM engine process with the rollout
-environment's Python, talks to it over HTTP on loopback, and pushes the policy's weights into it.
+environment's Python (or attaches to one ``openaligner serve-rollout`` started), talks to it over
+HTTP, and pushes the policy's weights into it.
 
 Owns the engine process's lifecycle (its whole process group is ended on :meth:`close`; the
-engine also ends itself when the trainer's process is gone), the model directory in shared
-memory the engine loads from, the mapping of :class:`~openaligner.models.generation.SamplingParams`
-onto vLLM's, and the weight push. Must not import vLLM (it lives in another virtualenv:
-``rollout.vllm.python``) nor know about rewards, losses or the PPO loop. The engine's side is
-``vllm_worker.py`` beside this file; docs/rollout-engine.md says why the design is this one
-and, under "Module notes", what travels on the wire.
+engine also ends itself when the trainer's process is gone; an attached engine is only detached),
+the model directory the engine loads from, the mapping of
+:class:`~openaligner.models.generation.SamplingParams` onto vLLM's, and the weight push. Must not
+import vLLM (it lives in another virtualenv) nor know about rewards, losses or the PPO loop. The
+engine's side is ``vllm_worker.py``; docs/rollout-engine.md says why, and what travels on the wire.
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ import http.client
 import json
 import logging
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,7 +40,9 @@ from openaligner.models.rollout_engine import (
     RolloutEngineError,
     RolloutRequest,
     VLLMConfig,
+    VLLMProcessConfig,
     WeightSource,
+    check_engine_url,
 )
 
 if TYPE_CHECKING:
@@ -49,12 +54,15 @@ log = logging.getLogger(__name__)
 WORKER = Path(__file__).with_name("vllm_worker.py")
 """The script the engine process runs (stdlib + vLLM only)."""
 
+LEASE_HEADER = "X-Openaligner-Lease"
+"""The header carrying an attached trainer's lease (``vllm_worker.LEASE_HEADER``)."""
+
 T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_python(spec: str) -> Path:
+def resolve_python(spec: str, key: str = "rollout.vllm.python") -> Path:
     """The rollout environment's interpreter: ``spec`` if absolute, else relative to the working
     directory, else to the source checkout holding this package (where ``make rollout-setup``
     puts ``.venv-rollout``).
@@ -68,8 +76,8 @@ def resolve_python(spec: str) -> Path:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return candidate.absolute()  # not resolved: a venv's python is a symlink out of the venv
     raise EngineSetupError(
-        f"rollout.vllm.python={spec} is not an interpreter (looked at {', '.join(map(str, candidates))}): "
-        "run `make rollout-setup` (a virtualenv with vLLM in .venv-rollout) or point rollout.vllm.python "
+        f"{key}={spec} is not an interpreter (looked at {', '.join(map(str, candidates))}): "
+        f"run `make rollout-setup` (a virtualenv with vLLM in .venv-rollout) or point {key} "
         "at a Python that can import vllm"
     )
 
@@ -90,6 +98,48 @@ def engine_state_dict(
         if embed:
             out["lm_head.weight"] = out[embed[0]].clone()
     return out
+
+
+def shm_dir(prefix: str) -> Path:
+    """A new private directory in ``/dev/shm`` (memory, not disk) when there is one, else in the
+    temporary directory."""
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=shm if shm.is_dir() else None))
+
+
+def spawn_worker(
+    python: Path,
+    model_dir: Path,
+    workdir: Path,
+    cfg: VLLMProcessConfig,
+    stdout: Any,
+    extra: list[str],
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start ``vllm_worker.py`` with ``python`` on ``model_dir``, in its own session (its process
+    group is ended as one by :func:`end_group`), exiting by itself when this process is gone.
+    Returns the process and the ready file it writes once it serves (``{"port": N}``)."""
+    ready = workdir / "ready.json"
+    cmd = [
+        str(python),
+        "-I",  # no PYTHONPATH, no user site, and not this package's directory on sys.path
+        str(WORKER),
+        f"--model={model_dir}",
+        f"--ready-file={ready}",
+        f"--dtype={cfg.dtype}",
+        f"--tensor-parallel-size={cfg.tensor_parallel_size}",
+        f"--gpu-memory-utilization={cfg.gpu_memory_utilization}",
+        f"--max-model-len={cfg.max_model_len}",
+        "--enforce-eager" if cfg.enforce_eager else "--no-enforce-eager",
+        f"--parent-pid={os.getpid()}",
+        f"--workdir={workdir}",
+        *extra,
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env |= {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib)}
+    if cfg.tensor_parallel_size == 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the server's process
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, ready
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -119,8 +169,13 @@ class VLLMRolloutEngine(RolloutEngine):
     shares_weights = False
 
     def __init__(self, actor: CausalLMActor, cfg: VLLMConfig) -> None:
+        """Raises :class:`EngineSetupError` when the engine cannot be started (no interpreter) or,
+        with ``cfg.url``, attached to (nothing answers there, it serves another architecture or
+        vocabulary, or another trainer holds it)."""
         self.cfg = cfg
-        self.python = resolve_python(cfg.python)
+        self.attached = cfg.url is not None  # attach to an engine of `openaligner serve-rollout`
+        self.python = None if self.attached else resolve_python(cfg.python)
+        self.dtype = cfg.dtype  # of the weights pushed: the engine's (an attached one reports it)
         self.policy: WeightSource = actor
         self.pad_id = int(actor.pad_id)
         self.tokenizer = actor.tokenizer
@@ -134,6 +189,109 @@ class VLLMRolloutEngine(RolloutEngine):
         self._check_next = False  # the next rollout is the first after a push: check its log-probs
         self._sync_s = 0.0
         self._syncs = 0
+        self.lease = ""  # attached: the lease every request carries
+        self.local_dir: Path | None = None  # attached: the engine's weights directory, if writable here
+        self._beating: threading.Event | None = None  # set to stop the heartbeat thread
+        self._info: dict[str, Any] = {}  # attached: the engine's GET /info
+        if self.attached:
+            self.dtype = self._probe()["dtype"]
+
+    # ------------------------------------------------------------------ attaching
+    def _probe(self) -> dict[str, Any]:
+        """``GET /info`` of the engine at ``rollout.vllm.url``, checked against the actor and for a
+        lease held by another trainer.
+
+        Raises:
+            EngineSetupError: naming ``rollout.vllm.url`` and what is wrong.
+        """
+        assert self.cfg.url is not None
+        url = self.cfg.url.rstrip("/")
+        where = f"rollout.vllm.url={self.cfg.url}"
+        try:
+            with urllib.request.urlopen(url + "/info", timeout=min(30.0, self.cfg.request_timeout_s)) as r:
+                info = dict(json.loads(r.read()))
+            model, lease = dict(info["model"]), info["lease"]
+            _DTYPES[info["dtype"]]  # one this side can cast to
+        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as e:
+            raise EngineSetupError(
+                f"{where}: no vllm rollout engine answers there ({type(e).__name__}: {e}); start one with "
+                "`openaligner serve-rollout model=DIR` and set the URL it prints"
+            ) from None
+        if not info.get("standalone"):
+            raise EngineSetupError(
+                f"{where} is an engine another run started for itself, not one of openaligner serve-rollout"
+            )
+        mine = self.hf_config.to_dict()
+        differ = [
+            f"{k} {v!r} (the actor's: {mine[k]!r})"
+            for k, v in model.items()
+            if mine.get(k) is not None and v is not None and v != mine[k]
+        ]
+        if differ:
+            raise EngineSetupError(
+                f"{where} serves another model than the actor: {', '.join(differ)}; its weights cannot "
+                "take the actor's: start openaligner serve-rollout on the actor's model (or one of its "
+                "architecture and vocabulary)"
+            )
+        if lease is not None and float(lease["idle_s"]) < float(info.get("lease_ttl_s", 0)):
+            raise EngineSetupError(
+                f"{where} is attached to another trainer ({lease['holder']}, last request "
+                f"{float(lease['idle_s']):.0f} s ago): two runs would overwrite each other's weights; stop "
+                "that run, or start another engine with openaligner serve-rollout"
+            )
+        self._info = info
+        return info
+
+    def _attach(self) -> str:
+        """Take the engine's lease (rank 0); the weights go through its directory when it is on
+        this machine (it can read the engine's token file there), else as an upload."""
+        assert self.cfg.url is not None
+        self.url = self.cfg.url.rstrip("/")
+        token: str | None = None
+        with contextlib.suppress(OSError, TypeError):
+            token = (Path(self._info["workdir"]) / "local-token").read_text().strip()
+        try:
+            out = self._post(
+                "/attach", {"client": f"{socket.gethostname()}:{os.getpid()}", "local_token": token}
+            )
+        except RolloutEngineError:
+            self.url = ""
+            raise
+        self.lease = str(out["lease"])
+        weights_dir = Path(out["weights_dir"])
+        local = bool(out["local"]) and self.cfg.weight_transfer == "auto" and os.access(weights_dir, os.W_OK)
+        self.local_dir = weights_dir if local else None
+        every = max(1.0, float(self._info.get("lease_ttl_s", 60.0)) / 4)
+        self._beating = threading.Event()
+        beat = (self._beating, every, self.url, self.lease)
+        threading.Thread(target=self._heartbeat, args=beat, name="vllm-lease", daemon=True).start()
+        log.info(
+            "vllm rollout engine: attached to %s (weights %s)",
+            self.url,
+            f"written into {weights_dir}" if local else "uploaded over HTTP",
+        )
+        return self.url
+
+    @staticmethod
+    def _heartbeat(stop: threading.Event, every: float, url: str, lease: str) -> None:
+        """Keep the lease while the run is busy elsewhere (long training phases); a beat that
+        fails is only skipped (the run's own next request says what is wrong)."""
+        while not stop.wait(every):
+            req = urllib.request.Request(
+                url + "/heartbeat", data=b"{}", headers={LEASE_HEADER: lease}, method="POST"
+            )
+            with contextlib.suppress(Exception), urllib.request.urlopen(req, timeout=every):
+                pass
+
+    def _detach(self) -> None:
+        if self._beating is not None:
+            self._beating.set()
+            self._beating = None
+        if self.lease:
+            with contextlib.suppress(RolloutEngineError):
+                self._post("/detach", {}, timeout=30.0)
+            log.info("vllm rollout engine: detached from %s (it keeps serving)", self.url)
+        self.lease, self.url = "", ""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -141,41 +299,26 @@ class VLLMRolloutEngine(RolloutEngine):
         Every rank calls it (gathering a sharded policy's weights is a collective)."""
         if self.url:
             return
+        if self.attached:
+            # the engine may hold another run's weights, or this run's before a resume: the first
+            # rollout pushes the actor's, and is checked against them
+            self.url = _on_leader(self._attach)
+            self._dirty = True
+            return
         state = self.policy.inference_state_dict()
         self.url = _on_leader(lambda: self._start(state))
 
     def _start(self, state: dict[str, torch.Tensor] | None) -> str:
-        shm = Path("/dev/shm")
-        self.workdir = Path(tempfile.mkdtemp(prefix="openaligner-vllm-", dir=shm if shm.is_dir() else None))
+        self.workdir = shm_dir("openaligner-vllm-")
         model_dir = self.workdir / "model"
         model_dir.mkdir()
         self.hf_config.save_pretrained(model_dir)
         self._write_weights(model_dir, state)
-        ready = self.workdir / "ready.json"
         c = self.cfg
-        cmd = [
-            str(self.python),
-            "-I",  # no PYTHONPATH, no user site, and not this package's directory on sys.path
-            str(WORKER),
-            f"--model={model_dir}",
-            f"--ready-file={ready}",
-            f"--dtype={c.dtype}",
-            f"--tensor-parallel-size={c.tensor_parallel_size}",
-            f"--gpu-memory-utilization={c.gpu_memory_utilization}",
-            f"--max-model-len={c.max_model_len}",
-            "--enforce-eager" if c.enforce_eager else "--no-enforce-eager",
-            f"--parent-pid={os.getpid()}",
-            f"--workdir={self.workdir}",
-        ]
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env |= {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": str(c.cpu_kv_cache_gib)}
-        if c.tensor_parallel_size == 1:
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the server's process
+        assert self.python is not None
         self.log_path = self.workdir / "engine.log"
         with self.log_path.open("wb") as log_file:
-            self.proc = subprocess.Popen(
-                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+            self.proc, ready = spawn_worker(self.python, model_dir, self.workdir, c, log_file, [])
         log.info("vllm rollout engine: starting (pid %d, log %s)", self.proc.pid, self.log_path)
         deadline = time.monotonic() + c.start_timeout_s
         while not ready.exists():
@@ -196,13 +339,14 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def stop(self) -> None:
         """End the engine's whole process group (SIGTERM, then SIGKILL after 15 s) and remove its
-        directory."""
+        directory; an attached engine is detached from (its lease given back) and keeps serving."""
+        if self.attached:
+            self._detach()
+            return
         proc, self.proc, self.url = self.proc, None, ""
         if proc is not None:
-            _end_group(proc)
+            end_group(proc)
         if self.workdir is not None:
-            import shutil
-
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
 
@@ -217,7 +361,7 @@ class VLLMRolloutEngine(RolloutEngine):
         from safetensors.torch import save_file
 
         assert state is not None, "rank 0 holds the whole state dict"
-        tensors = engine_state_dict(state, _DTYPES[self.cfg.dtype], self.tied)
+        tensors = engine_state_dict(state, _DTYPES[self.dtype], self.tied)
         tmp = model_dir / "model.safetensors.tmp"  # not *.safetensors: never read half-written
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, model_dir / "model.safetensors")
@@ -227,10 +371,17 @@ class VLLMRolloutEngine(RolloutEngine):
         state = self.policy.inference_state_dict()  # a collective for a sharded policy
 
         def push() -> None:
-            assert self.workdir is not None
-            model_dir = self.workdir / "model"
-            self._write_weights(model_dir, state)
-            self._post("/reload_weights", {"path": str(model_dir)})
+            if not self.attached:
+                assert self.workdir is not None
+                model_dir = self.workdir / "model"
+                self._write_weights(model_dir, state)
+                self._post("/reload_weights", {"path": str(model_dir)})
+                return
+            if self.local_dir is not None:  # the engine is on this machine: through its directory
+                self._write_weights(self.local_dir, state)
+            else:
+                self._upload(state)
+            self._post("/reload_weights", {})  # from its weights directory
 
         _on_leader(push)
         self._dirty = False
@@ -339,13 +490,48 @@ class VLLMRolloutEngine(RolloutEngine):
         return stats
 
     # ------------------------------------------------------------------ transport
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        data = json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
-        )
+    def _upload(self, state: dict[str, torch.Tensor] | None) -> None:
+        """``PUT /weights``: the weights as one safetensors file, written here (in ``/dev/shm``)
+        and streamed from it with its size; the engine refuses a body of another size."""
+        staging = shm_dir("openaligner-push-")
         try:
-            with urllib.request.urlopen(req, timeout=self.cfg.request_timeout_s) as r:
+            self._write_weights(staging, state)
+            path = staging / "model.safetensors"
+            size = path.stat().st_size
+            host, port = check_engine_url(self.url, "rollout.vllm.url")
+            conn = http.client.HTTPConnection(host, port, timeout=self.cfg.request_timeout_s)
+            try:
+                with path.open("rb") as f:
+                    headers = {
+                        "Content-Length": str(size),
+                        "Content-Type": "application/octet-stream",
+                        LEASE_HEADER: self.lease,
+                    }
+                    conn.request("PUT", "/weights", body=f, headers=headers)
+                    reply = conn.getresponse()
+                    payload = reply.read().decode(errors="replace")
+            except (OSError, http.client.HTTPException) as e:
+                raise RolloutEngineError(
+                    f"the vllm rollout engine at {self.url} did not take the weights (PUT /weights, {size} "
+                    f"bytes): {type(e).__name__}: {e}"
+                ) from None
+            finally:
+                conn.close()
+            if reply.status != 200:
+                raise RolloutEngineError(
+                    f"the vllm rollout engine at {self.url} refused PUT /weights: {payload}"
+                )
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _post(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.lease:
+            headers[LEASE_HEADER] = self.lease
+        req = urllib.request.Request(self.url + path, data=data, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.cfg.request_timeout_s) as r:
                 return dict(json.loads(r.read()))
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")
@@ -428,7 +614,7 @@ def _plain_config(actor: CausalLMActor) -> Any:
     return config
 
 
-def _end_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+def end_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
     """SIGTERM to ``proc``'s process group (it leads its own session), then SIGKILL if it is
     still there after ``grace_s``; reaps ``proc``."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):

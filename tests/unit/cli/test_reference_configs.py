@@ -19,6 +19,7 @@ REQUIRED = {
     "train-ppo": ["data.train_path=x.jsonl"],
     "serve-reward": ["model.tiny=gpt2"],
     "serve-critic": ["model.tiny=gpt2"],
+    "serve-rollout": ["model=/models/sft"],
 }
 
 
