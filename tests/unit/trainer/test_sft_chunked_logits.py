@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from openaligner.config import ConfigError, load_config
 from openaligner.models.builders import TINY_ARCHS
@@ -47,7 +49,7 @@ def _loss_and_grads(
     return mean.detach(), count, grads
 
 
-def _head_widths(model: torch.nn.Module) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
+def _head_widths(model: Any) -> tuple[list[int], RemovableHandle]:
     """The positions each call of ``model``'s output layer sees (forward and recomputation)."""
     widths: list[int] = []
     layer = model.get_output_embeddings()
@@ -162,7 +164,7 @@ def test_a_train_sft_step_in_chunks_equals_one_on_the_whole_logits(tmp_path: Pat
         )
     )
 
-    def one_step(chunk_mb: str) -> dict[str, torch.Tensor]:
+    def one_step(chunk_mb: str) -> dict[str, float]:
         cfg = load_config(
             SFTConfig,
             overrides=[
@@ -185,9 +187,10 @@ def test_a_train_sft_step_in_chunks_equals_one_on_the_whole_logits(tmp_path: Pat
             ],
         )
         trainer = build_sft_trainer(cfg)
-        trainer.objective._head_checked = True  # its 9-token check is not the subject here
+        objective: Any = trainer.objective
+        objective._head_checked = True  # its 9-token check is not the subject here
         positions: list[int] = []
-        layer = trainer.objective.module.get_output_embeddings()
+        layer = objective.module.get_output_embeddings()
         hook = layer.register_forward_hook(
             lambda m, i, o: positions.append(o.shape[:-1].numel()) if m.training else None
         )
