@@ -90,12 +90,12 @@ def main() -> None:
         return
     results = []
     for rows in args.rows:
-        for chunk in ("none", "256"):
-            cmd = [sys.executable, __file__, "--width", str(args.width), "--child", chunk, str(rows)]
+        for setting in ("none", "256"):
+            cmd = [sys.executable, __file__, "--width", str(args.width), "--child", setting, str(rows)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 tail = done.stderr.strip().splitlines()[-1:] or ["?"]
-                result: dict[str, object] = {"logits_chunk_mb": chunk, "rows": rows, "failed": tail[0]}
+                result: dict[str, object] = {"logits_chunk_mb": setting, "rows": rows, "failed": tail[0]}
             else:
                 result = json.loads(done.stdout.strip().splitlines()[-1])
             print(json.dumps(result), flush=True)
