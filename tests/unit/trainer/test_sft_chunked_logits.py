@@ -156,7 +156,13 @@ def test_train_sft_reads_and_checks_logits_chunk_mb():
         load_config(SFTConfig, overrides=[*required, "trainer.logits_chunk_mb=0"])
 
 
-def test_a_train_sft_step_in_chunks_equals_one_on_the_whole_logits(tmp_path: Path):
+# activation checkpointing recomputes the body's layers too; under bf16-mixed the head runs in
+# bfloat16 under the trainer's autocast (and its check at bf16's tolerance)
+@pytest.mark.parametrize(
+    ("extra", "rel"),
+    [([], 1e-5), (["parallel.activation_checkpointing=true"], 1e-5), (["precision=bf16-mixed"], 2e-2)],
+)
+def test_a_train_sft_step_in_chunks_equals_one_on_the_whole_logits(tmp_path: Path, extra, rel):
     data = tmp_path / "sft.jsonl"
     data.write_text(
         "".join(
@@ -184,13 +190,13 @@ def test_a_train_sft_step_in_chunks_equals_one_on_the_whole_logits(tmp_path: Pat
                 "tensorboard=false",
                 "device=cpu",
                 "resume=false",
+                *extra,
             ],
         )
         trainer = build_sft_trainer(cfg)
-        objective: Any = trainer.objective
-        objective._head_checked = True  # its 9-token check is not the subject here
         positions: list[int] = []
-        layer = objective.module.get_output_embeddings()
+        module: Any = trainer.objective.module
+        layer = module.get_output_embeddings()
         hook = layer.register_forward_hook(
             lambda m, i, o: positions.append(o.shape[:-1].numel()) if m.training else None
         )
@@ -203,4 +209,4 @@ def test_a_train_sft_step_in_chunks_equals_one_on_the_whole_logits(tmp_path: Pat
     vocab = 100  # the built-in char tokenizer
     whole, chunked = one_step("null"), one_step(str(_budget_for(2, 4, vocab)))
     for key in ("train/loss", "train/grad_norm", "val/loss"):
-        assert chunked[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+        assert chunked[key] == pytest.approx(whole[key], rel=rel, abs=1e-6), key
