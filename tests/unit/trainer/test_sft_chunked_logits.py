@@ -157,12 +157,13 @@ def test_train_sft_reads_and_checks_logits_chunk_mb():
 
 
 # activation checkpointing recomputes the body's layers too; under bf16-mixed the head runs in
-# bfloat16 under the trainer's autocast (and its check at bf16's tolerance)
+# bfloat16 under the trainer's autocast (and its check at bf16's tolerance): the same losses, the
+# gradients to bfloat16's rounding (the chunks' backward sums in another order)
 @pytest.mark.parametrize(
-    ("extra", "rel"),
-    [([], 1e-5), (["parallel.activation_checkpointing=true"], 1e-5), (["precision=bf16-mixed"], 2e-2)],
+    ("extra", "grad_rel"),
+    [([], 1e-5), (["parallel.activation_checkpointing=true"], 1e-5), (["precision=bf16-mixed"], 1e-2)],
 )
-def test_a_train_sft_step_in_chunks_equals_one_on_the_whole_logits(tmp_path: Path, extra, rel):
+def test_a_train_sft_step_in_chunks_equals_one_on_the_whole_logits(tmp_path: Path, extra, grad_rel):
     data = tmp_path / "sft.jsonl"
     data.write_text(
         "".join(
@@ -208,5 +209,6 @@ def test_a_train_sft_step_in_chunks_equals_one_on_the_whole_logits(tmp_path: Pat
 
     vocab = 100  # the built-in char tokenizer
     whole, chunked = one_step("null"), one_step(str(_budget_for(2, 4, vocab)))
-    for key in ("train/loss", "train/grad_norm", "val/loss"):
-        assert chunked[key] == pytest.approx(whole[key], rel=rel, abs=1e-6), key
+    for key in ("train/loss", "val/loss"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-5), key
+    assert chunked["train/grad_norm"] == pytest.approx(whole["train/grad_norm"], rel=grad_rel)
