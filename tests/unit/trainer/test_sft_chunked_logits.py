@@ -123,7 +123,7 @@ def test_the_chunked_sft_loss_never_builds_the_whole_logits(tiny):
     assert max(kept, default=0) <= 3 * 2, kept  # at most a chunk's (the whole: 3 × 10 positions)
 
 
-def test_small_batches_and_sharded_or_budgetless_models_take_the_whole_logits(tiny):
+def test_small_batches_and_no_budget_take_the_whole_logits(tiny):
     model = tiny.causal_lm("gpt2")
     vocab = tiny.size.vocab_size
     widths, hook = _head_widths(model)
