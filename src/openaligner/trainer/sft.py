@@ -2,8 +2,9 @@
 
 Owns the SFT config schema and objective (negative log-likelihood of the response tokens only,
 token mean over the global batch, in the project's next-token layout: the loss mask is
-``[prompt_len-1, len-1)`` as for PPO). The loop, checkpoints and export come from
-:mod:`openaligner.trainer.supervised`.
+``[prompt_len-1, len-1)`` as for PPO), through the output head in chunks when a micro-batch's
+logits would be large (:mod:`openaligner.models.output_head`, as the actor scores). The loop,
+checkpoints and export come from :mod:`openaligner.trainer.supervised`.
 """
 
 from __future__ import annotations
@@ -73,9 +74,7 @@ class SFTDataConfig:
 
 @dataclass
 class SFTLoopConfig(LoopConfig):
-    logits_chunk_mb: float | None = (
-        LOGITS_CHUNK_MB  # largest fp32 logits block (MiB), else the head in chunks
-    )
+    logits_chunk_mb: float | None = LOGITS_CHUNK_MB  # largest fp32 logits block (MiB); null = whole
 
     def __post_init__(self) -> None:
         super().__post_init__()
