@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -34,15 +34,20 @@ from openaligner.models.generation import (
     generate,
     mask_early_stops,
 )
-from openaligner.models.lora import is_peft_model, merged_export_copy, unwrap
+from openaligner.models.lora import is_peft_model, merged_export_copy
+from openaligner.models.output_head import (
+    LOGITS_CHUNK_MB,
+    attention_mask,
+    check_logits_chunk_mb,
+    check_output_head,
+    chunk_columns,
+    final_hidden,
+    output_head,
+)
 from openaligner.models.precision import Precision, save_pretrained_as
 from openaligner.models.sharding import any_rank_going, compute_device, full_state_dict, gathered, is_sharded
 
 log = logging.getLogger(__name__)
-
-LOGITS_CHUNK_MB = 256.0
-"""Default largest float32 logits block built at once (see ``CausalLMActor``'s ``logits_chunk_mb``):
-a 262,144-token vocabulary fills it with 256 positions."""
 
 
 class CausalLMActor:
@@ -97,8 +102,7 @@ class CausalLMActor:
         gather_for_generation: bool = True,
         logits_chunk_mb: float | None = LOGITS_CHUNK_MB,
     ) -> None:
-        if logits_chunk_mb is not None and not logits_chunk_mb > 0:
-            raise ValueError(f"logits_chunk_mb must be > 0 or None, got {logits_chunk_mb}")
+        check_logits_chunk_mb(logits_chunk_mb)
         if forward_micro_batch_size is not None and forward_micro_batch_size < 1:
             raise ValueError(f"forward_micro_batch_size must be ≥ 1, got {forward_micro_batch_size}")
         model.eval()
@@ -423,111 +427,43 @@ class CausalLMActor:
 
     def _chunk_columns(self, model: nn.Module, rows: int, columns: int) -> int | None:
         """Positions per chunk of the output head for ``rows`` × ``columns`` scored positions, or
-        None: the whole logits at once (they fit ``logits_chunk_mb``, or the model is sharded)."""
-        if self.logits_chunk_mb is None or rows * columns == 0 or is_sharded(model):
-            return None
-        try:
-            _, _, vocab = _body_and_head(model)
-        except TypeError:
-            return None  # the whole logits, as the model's own forward gives them
-        fit = int(self.logits_chunk_mb * 2**20) // (rows * vocab * 4)
-        if fit >= columns:
-            return None
-        if id(model) not in self._heads_checked:
-            self._check_head(model)
+        None: the whole logits at once (:func:`~openaligner.models.output_head.chunk_columns`)."""
+        fit = chunk_columns(self.logits_chunk_mb, model, rows, columns)
+        if fit is not None and id(model) not in self._heads_checked:
+            check_output_head(model, self.precision, partial(scoring_forward, model))
             self._heads_checked.add(id(model))
-        return max(1, fit)
+        return fit
 
     def _final_hidden(
         self, model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None, first_position: int
     ) -> torch.Tensor:
-        """The final hidden states feeding the output head at positions ``first_position`` … S-2 of
-        right-padded ``tokens`` [B, S]: [B, S-1-first_position, H] (the model's body alone: no logits)."""
-        body, _, _ = _body_and_head(model)
+        """:func:`~openaligner.models.output_head.final_hidden` in the scoring forward's context."""
         with scoring_forward(model), self.precision.autocast():
-            out = body(input_ids=tokens, attention_mask=_attention(tokens, lengths), use_cache=False)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        assert isinstance(hidden, torch.Tensor)
-        return hidden[:, first_position : tokens.shape[1] - 1]
-
-    def _raw_head(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        """[..., H] → [..., V]: the output layer under the precision's autocast, soft-capped as the
-        model's own forward does (Gemma 2)."""
-        _, layer, _ = _body_and_head(model)
-        cap = getattr(unwrap(model).config, "final_logit_softcapping", None)
-
-        def head(hidden: torch.Tensor) -> torch.Tensor:
-            with self.precision.autocast():
-                logits = layer(hidden)
-            assert isinstance(logits, torch.Tensor)
-            return torch.tanh(logits / cap) * cap if cap else logits
-
-        return head
+            return final_hidden(model, tokens, lengths, first_position)
 
     def _head(self, model: nn.Module, first_position: int, prompt_lengths: torch.Tensor | None) -> Head:
         """The output head as :func:`~openaligner.algorithms.chunked_token_stats` calls it: hidden
         columns from ``first_position + c0`` → the logits sampling drew from (stop ids banned early
         as sampling banned them)."""
-        raw = self._raw_head(model)
+        raw = output_head(model, self.precision)
 
         def head(hidden: torch.Tensor, c0: int) -> torch.Tensor:
             return self._sampled_distribution(raw(hidden), first_position + c0, prompt_lengths)
 
         return head
 
-    def _check_head(self, model: nn.Module) -> None:
-        """Once per model: the body + output head give the model's own logits (an architecture
-        that scales or post-processes its logits in a way :meth:`_raw_head` does not know is
-        refused instead of scored wrong)."""
-        _, _, vocab = _body_and_head(model)
-        tokens = (torch.arange(9, device=self.device) * 7919 % vocab).unsqueeze(0)
-        with torch.no_grad():
-            own = self._logits(model, tokens, None)[:, :-1].float()
-            mine = self._raw_head(model)(self._final_hidden(model, tokens, None, 0)).float()
-        scale = float(own.abs().max()) + 1.0
-        tolerance = (1e-4 if self.precision.compute_dtype == torch.float32 else 2e-2) * scale
-        if not torch.allclose(mine, own, rtol=0.0, atol=tolerance):
-            raise RuntimeError(
-                f"{type(unwrap(model)).__name__}: its body and output head do not reproduce its own "
-                f"logits (max difference {float((mine - own).abs().max()):.3g}), so chunked log-probs "
-                "would be wrong for it; set trainer.logits_chunk_mb=null (the whole logits at once)"
-            )
-
     def _logits(
         self, model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None, keep: int = 0
     ) -> torch.Tensor:
         """Logits [B, S, V] of right-padded ``tokens`` [B, S] (in the compute dtype: callers take
         log-probs in float32); with ``keep`` > 0 only those of the last ``keep`` positions, [B, keep, V]."""
-        attention = _attention(tokens, lengths)
+        attention = attention_mask(tokens, lengths)
         kwargs = {"logits_to_keep": keep} if 0 < keep < tokens.shape[1] else {}
         with scoring_forward(model), self.precision.autocast():
             out = model(input_ids=tokens, attention_mask=attention, use_cache=False, **kwargs)
         logits = out.logits
         assert isinstance(logits, torch.Tensor)
         return logits
-
-
-def _body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module, int]:
-    """A causal LM's body (``base_model``: embeddings, layers, final norm), its output layer (with
-    LoRA, the adapted model's, possibly itself adapted) and the vocabulary size it scores.
-
-    Raises:
-        TypeError: the model has no such parts.
-    """
-    inner: Any = unwrap(model)
-    body, layer = getattr(inner, "base_model", None), inner.get_output_embeddings()
-    weight = getattr(getattr(layer, "base_layer", layer), "weight", None)
-    if not isinstance(body, nn.Module) or not isinstance(layer, nn.Module) or weight is None or body is inner:
-        raise TypeError(f"{type(inner).__name__} has no body and output layer to score in chunks")
-    return body, layer, int(weight.shape[0])
-
-
-def _attention(tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """[B, S] int64 attention mask of right-padded ``tokens`` [B, S] with ``lengths`` [B]."""
-    if lengths is None:
-        return torch.ones_like(tokens)
-    col = torch.arange(tokens.shape[1], device=tokens.device)
-    return (col < lengths.to(tokens.device).unsqueeze(-1)).long()
 
 
 GPTActorModel = CausalLMActor

@@ -2,8 +2,9 @@
 
 Owns the SFT config schema and objective (negative log-likelihood of the response tokens only,
 token mean over the global batch, in the project's next-token layout: the loss mask is
-``[prompt_len-1, len-1)`` as for PPO). The loop, checkpoints and export come from
-:mod:`openaligner.trainer.supervised`.
+``[prompt_len-1, len-1)`` as for PPO), through the output head in chunks when a micro-batch's
+logits would be large (:mod:`openaligner.models.output_head`, as the actor scores). The loop,
+checkpoints and export come from :mod:`openaligner.trainer.supervised`.
 """
 
 from __future__ import annotations
@@ -16,13 +17,22 @@ import torch
 from transformers import PreTrainedModel
 
 from openaligner import distributed as dp
-from openaligner.algorithms import next_token_logprobs, response_mask
+from openaligner.algorithms import chunked_token_stats, next_token_logprobs, response_mask
 from openaligner.config import as_startup_error
 from openaligner.data.formats import sft_record, sft_shape
 from openaligner.data.render import LayoutError, Renderer, check_chat_template_mode
 from openaligner.data.sft import SFTExample, build_sft_examples, collate_sft
+from openaligner.models.output_head import (
+    LOGITS_CHUNK_MB,
+    check_logits_chunk_mb,
+    check_output_head,
+    chunk_columns,
+    final_hidden,
+    output_head,
+)
 from openaligner.models.precision import (
     MASTER_DTYPE,
+    Precision,
     save_pretrained_as,
 )
 from openaligner.models.source import SourceError, load_causal_lm, pick_device, resolve_tokenizer
@@ -30,6 +40,7 @@ from openaligner.trainer.model_build import build_trainable_model
 from openaligner.trainer.startup import model_source_name, starting, tokenizing
 from openaligner.trainer.supervised import (
     Batch,
+    LoopConfig,
     SupervisedRunConfig,
     SupervisedTrainer,
     load_train_val_records,
@@ -62,16 +73,50 @@ class SFTDataConfig:
 
 
 @dataclass
+class SFTLoopConfig(LoopConfig):
+    logits_chunk_mb: float | None = LOGITS_CHUNK_MB  # largest fp32 logits block (MiB); null = whole
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.logits_chunk_mb is not None and not self.logits_chunk_mb > 0:
+            got = self.logits_chunk_mb
+            raise ValueError(f"trainer.logits_chunk_mb: must be > 0 (MiB) or null (whole logits), got {got}")
+
+
+@dataclass
 class SFTConfig(SupervisedRunConfig):
     data: SFTDataConfig = field(default_factory=SFTDataConfig)  # training and validation data
+    trainer: SFTLoopConfig = field(default_factory=SFTLoopConfig)  # steps, batches, logits budget
     output_dir: str = "runs/sft"  # final HF model + tokenizer, checkpoints/ and metrics.jsonl
 
 
 class SFTObjective:
-    """Response-only negative log-likelihood of a causal LM."""
+    """Response-only negative log-likelihood of a causal LM.
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    Args:
+        model: the causal LM (optionally LoRA-wrapped or FSDP-sharded).
+        logits_chunk_mb: the largest float32 logits block a forward builds at once, in MiB: above
+            it the output head runs over the final hidden states a few positions at a time, each
+            chunk recomputed in the backward (:func:`~openaligner.algorithms.chunked_token_stats`,
+            as the actor scores; the same loss and gradients without the [B, S, V] logits). None:
+            always the model's own forward and its whole logits, as do a sharded model and batches
+            whose logits fit the budget.
+        precision: the autocast the trainer runs the loss under (the chunked head runs under it
+            too; its compute dtype sets the tolerance of the one-time head check).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        logits_chunk_mb: float | None = LOGITS_CHUNK_MB,
+        precision: Precision | None = None,
+    ) -> None:
+        check_logits_chunk_mb(logits_chunk_mb)
         self.model = model
+        self.logits_chunk_mb = logits_chunk_mb
+        self.precision = precision if precision is not None else Precision()
+        self._head_checked = False
 
     @property
     def module(self) -> PreTrainedModel:
@@ -80,12 +125,28 @@ class SFTObjective:
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """``(sum of response-token NLL, response token count, {"loss": NLL sum})`` for a batch of
         ``tokens`` [B, S], ``lengths`` [B] and ``prompt_lengths`` [B]."""
-        tokens, lengths = batch["tokens"], batch["lengths"]
-        attention = (torch.arange(tokens.shape[1], device=tokens.device) < lengths.unsqueeze(-1)).long()
-        logits = self.module(input_ids=tokens, attention_mask=attention, use_cache=False).logits
-        logprobs = next_token_logprobs(logits, tokens)  # [B, S-1]
-        mask = response_mask(batch["prompt_lengths"], lengths, tokens.shape[1] - 1, dtype=logprobs.dtype)
-        nll = -(logprobs * mask).sum()
+        tokens, lengths, prompts = batch["tokens"], batch["lengths"], batch["prompt_lengths"]
+        mask = response_mask(prompts, lengths, tokens.shape[1] - 1, dtype=torch.float32)
+        # no row scores a position before its prompt's last token: the chunked head skips them
+        first = max(0, int(prompts.min()) - 1) if tokens.shape[0] else 0
+        columns = chunk_columns(
+            self.logits_chunk_mb, self.module, tokens.shape[0], tokens.shape[1] - 1 - first
+        )
+        if columns is None:
+            attention = (torch.arange(tokens.shape[1], device=tokens.device) < lengths.unsqueeze(-1)).long()
+            logits = self.module(input_ids=tokens, attention_mask=attention, use_cache=False).logits
+            logprobs = next_token_logprobs(logits, tokens)  # [B, S-1]
+        else:
+            if not self._head_checked:
+                check_output_head(self.module, self.precision)
+                self._head_checked = True
+            head = output_head(self.module, self.precision)
+            hidden = final_hidden(self.module, tokens, lengths, first)  # [B, S-1-first, H]
+            logprobs, _ = chunked_token_stats(
+                hidden, tokens[:, first + 1 :], lambda h, c0: head(h), 1.0, columns, entropy=False
+            )
+            mask = mask[:, first:]
+        nll = -(logprobs * mask.to(logprobs.dtype)).sum()
         return nll, mask.sum(), {"loss": nll.detach()}
 
     def save(self, directory: Path, dtype: torch.dtype | None = None) -> None:
@@ -138,6 +199,9 @@ def build_sft_trainer(cfg: SFTConfig) -> SupervisedTrainer[SFTExample]:
         rank_seed=cfg.trainer.seed,
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    objective = SFTObjective(
+        model, logits_chunk_mb=cfg.trainer.logits_chunk_mb, precision=Precision.resolve(cfg.precision, device)
+    )
     return SupervisedTrainer.for_run(
-        cfg, SFTObjective(model), train, val, partial(collate_sft, pad_id=pad_id), tokenizer, device, layout
+        cfg, objective, train, val, partial(collate_sft, pad_id=pad_id), tokenizer, device, layout
     )
