@@ -52,7 +52,7 @@ class PPOConfig:
 
     # ---- loop and schedule
     max_epochs: int = 1  # passes over the prompt set
-    max_steps: int = -1  # PPO steps cap; -1 = max_epochs whole passes
+    max_steps: int = -1  # PPO steps cap (≥ 1); -1 = max_epochs whole passes
     max_time_per_run: str | None = None  # wall-clock limit "DD:HH:MM:SS"; the run saves and stops
     val_check_interval: int = 10  # validate every N steps (0 disables; also at the last step)
     save_interval: int = 10  # checkpoint every N steps (0 disables; also at the last step)
@@ -335,6 +335,9 @@ def _check_ppo(c: PPOConfig) -> None:
         bad("initial_policy_kl_penalty", "must be ≥ 0 (0 disables the KL penalty)")
     if c.max_epochs < 1:
         bad("max_epochs", "must be ≥ 1")
+    if c.max_steps == 0 or c.max_steps < -1:
+        # 0 would run no step and export the initial policy as if trained
+        bad("max_steps", f"must be ≥ 1, or -1 (max_epochs whole passes), got {c.max_steps}")
     if c.ppo_epochs < 1:
         bad("ppo_epochs", "must be ≥ 1")
     if c.max_nonfinite_steps_in_a_row < 1:

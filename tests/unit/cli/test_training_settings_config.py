@@ -1,0 +1,44 @@
+"""Training settings that would make a run silently learn less or nothing are refused at load: exit
+2, one line naming the key and a value that works. Their legitimate neighbours still load."""
+
+from pathlib import Path
+
+import pytest
+
+from openaligner.cli.main import command, main
+from openaligner.config import ConfigError, load_config
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+REQUIRED = {
+    "train-ppo": ["data.train_path=x.jsonl"],
+    "train-sft": ["data.train_path=x.jsonl"],
+    "train-rm": ["data.train_path=x.jsonl"],
+    "serve-critic": ["model.tiny=gpt2"],
+}
+
+
+def load(cmd: str, *overrides: str):
+    yaml = CONFIGS / f"{cmd.replace('-', '_')}.yaml"
+    return load_config(command(cmd).SCHEMA, yaml, [*REQUIRED[cmd], *overrides])
+
+
+def assert_refused(capsys, cmd: str, overrides: list[str], *needles: str) -> None:
+    """``openaligner cmd`` exits 2 at load with one line that holds each of ``needles``."""
+    yaml = CONFIGS / f"{cmd.replace('-', '_')}.yaml"
+    assert main([cmd, str(yaml), *REQUIRED[cmd], *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+
+
+# ---------------------------------------------------------------- train-ppo: the loop
+@pytest.mark.parametrize("steps", ["0", "-2"])
+def test_ppo_max_steps_that_run_no_step_or_mean_nothing_are_refused(capsys, steps):
+    # 0 ran no PPO step and exported the SFT policy as if trained; -2 silently meant -1
+    assert_refused(capsys, "train-ppo", [f"trainer.max_steps={steps}"], "trainer.max_steps", "-1")
+
+
+def test_ppo_max_steps_minus_one_and_positive_load():
+    assert load("train-ppo", "trainer.max_steps=-1").trainer.max_steps == -1
+    assert load("train-ppo", "trainer.max_steps=1").trainer.max_steps == 1
