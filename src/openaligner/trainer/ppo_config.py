@@ -85,7 +85,7 @@ class PPOConfig:
     loss_aggregation: str | None = None  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     gate_unfinished: bool = True  # samples that never ended get no policy gradient (NeMo-Aligner)
     tis_cap: float = 0.0  # truncated importance sampling: weigh pg by min(π_trainer/π_engine, cap); 0 = off
-    gradient_clip_val: float = 1.0  # actor gradient-norm clip; 0 disables
+    gradient_clip_val: float = 1.0  # actor gradient-norm clip (≥ 0); 0 disables
     max_nonfinite_steps_in_a_row: int = 3  # stop after this many inf/NaN-gradient (skipped) steps in a row
     ppo_epochs: int = 1  # passes over each rollout (NeMo-Aligner: 1)
     critic_warmup_steps: int = 0  # extra critic-only rollouts before the first actor update
@@ -340,6 +340,8 @@ def _check_ppo(c: PPOConfig) -> None:
         bad("max_steps", f"must be ≥ 1, or -1 (max_epochs whole passes), got {c.max_steps}")
     if c.ppo_epochs < 1:
         bad("ppo_epochs", "must be ≥ 1")
+    if c.gradient_clip_val < 0:
+        bad("gradient_clip_val", f"must be ≥ 0 (0 disables clipping, e.g. 1.0), got {c.gradient_clip_val}")
     if c.max_nonfinite_steps_in_a_row < 1:
         bad("max_nonfinite_steps_in_a_row", "must be ≥ 1 (steps with an inf/NaN gradient are always skipped)")
     if c.critic_warmup_steps < 0:

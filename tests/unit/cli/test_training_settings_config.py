@@ -42,3 +42,17 @@ def test_ppo_max_steps_that_run_no_step_or_mean_nothing_are_refused(capsys, step
 def test_ppo_max_steps_minus_one_and_positive_load():
     assert load("train-ppo", "trainer.max_steps=-1").trainer.max_steps == -1
     assert load("train-ppo", "trainer.max_steps=1").trainer.max_steps == 1
+
+
+def test_ppo_negative_gradient_clip_val_is_refused(capsys):
+    # a negative norm silently turned clipping off (0 is the documented way); sft, rm and the
+    # critic already refused it
+    assert_refused(capsys, "train-ppo", ["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val", "0")
+    assert load("train-ppo", "trainer.gradient_clip_val=0").trainer.gradient_clip_val == 0
+
+
+@pytest.mark.parametrize("clip", ["0", "-1"])
+def test_ppo_score_clip_that_makes_every_score_equal_is_refused(capsys, clip):
+    # clamp(s, -c, c) with c <= 0 gives every response the same score: no reward signal at all
+    assert_refused(capsys, "train-ppo", [f"trainer.score_clip={clip}"], "trainer.score_clip", "null")
+    assert load("train-ppo", "trainer.score_clip=0.5").trainer.score_clip == 0.5
