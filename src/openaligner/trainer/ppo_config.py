@@ -72,7 +72,7 @@ class PPOConfig:
     kl_target: float = 6.0  # adaptive KL: target mean sequence KL
     kl_horizon: float = 10000.0  # adaptive KL: horizon in samples
     missing_eos_penalty: float | None = None  # score given to responses that never ended; null = RM score
-    score_clip: float | None = None  # clip RM scores to [−c, c]; null = no clipping
+    score_clip: float | None = None  # clip RM scores to [−c, c] (c > 0); null = no clipping
     # ---- advantages
     discount_factor: float = 1.0  # γ
     gae_lambda: float = 0.95  # λ
@@ -331,6 +331,9 @@ def _check_ppo(c: PPOConfig) -> None:
         bad("adaptive_kl", "needs initial_policy_kl_penalty > 0 as the starting β; set it (e.g. 0.05)")
     if c.adaptive_kl and (c.kl_target <= 0 or c.kl_horizon <= 0):
         bad("kl_target", "adaptive KL needs kl_target > 0 and kl_horizon > 0")
+    if c.score_clip is not None and not c.score_clip > 0:
+        # clipping to [−c, c] with c ≤ 0 gives every response the same score: no reward signal
+        bad("score_clip", f"must be > 0 (e.g. 5.0) or null (no clipping), got {c.score_clip}")
     if c.initial_policy_kl_penalty < 0:
         bad("initial_policy_kl_penalty", "must be ≥ 0 (0 disables the KL penalty)")
     if c.max_epochs < 1:
