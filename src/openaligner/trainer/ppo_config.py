@@ -390,6 +390,20 @@ def _check_ppo(c: PPOConfig) -> None:
         )
     if c.length.max_length < 1 or not 0 <= c.length.min_length <= c.length.max_length:
         bad("length.min_length", "need 0 ≤ min_length ≤ max_length and max_length ≥ 1")
+    if c.length.min_length == c.length.max_length and (c.gate_unfinished or c.missing_eos_penalty is not None):
+        # stop ids are banned before min_length tokens, so no response can end on one
+        why = (
+            "gate_unfinished=true gives none of them a policy gradient"
+            if c.gate_unfinished
+            else "missing_eos_penalty gives all of them the same score"
+        )
+        bad(
+            "length.min_length",
+            f"min_length = max_length = {c.length.max_length} bans the stop tokens at every position, so "
+            f"no response ends and {why}: the policy learns nothing. Set min_length ≤ "
+            f"{c.length.max_length - 1} (or, for fixed-length responses, gate_unfinished=false and "
+            "missing_eos_penalty=null)",
+        )
     parse_duration_s(c.max_time_per_run)
     # last: an estimator's own refusals may rely on every general check above
     estimator = ESTIMATORS[c.advantage_estimator]

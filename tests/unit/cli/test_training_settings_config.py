@@ -56,3 +56,22 @@ def test_ppo_score_clip_that_makes_every_score_equal_is_refused(capsys, clip):
     # clamp(s, -c, c) with c <= 0 gives every response the same score: no reward signal at all
     assert_refused(capsys, "train-ppo", [f"trainer.score_clip={clip}"], "trainer.score_clip", "null")
     assert load("train-ppo", "trainer.score_clip=0.5").trainer.score_clip == 0.5
+
+
+# ---------------------------------------------------------------- train-ppo: responses
+@pytest.mark.parametrize(
+    "extra", [[], ["trainer.gate_unfinished=false", "trainer.missing_eos_penalty=-1"]], ids=["gate", "penalty"]
+)
+def test_ppo_min_length_that_lets_no_response_end_is_refused_when_unfinished_ones_learn_nothing(capsys, extra):
+    # stop ids are banned before min_length tokens: at min_length = max_length no response ends, so
+    # gate_unfinished gives none a policy gradient, and missing_eos_penalty gives all the same score
+    over = ["trainer.length.max_length=8", "trainer.length.min_length=8", *extra]
+    assert_refused(capsys, "train-ppo", over, "trainer.length.min_length", "7")
+
+
+def test_ppo_fixed_length_responses_load_when_unfinished_ones_are_trained_on():
+    cfg = load(
+        "train-ppo", "trainer.length.max_length=8", "trainer.length.min_length=8", "trainer.gate_unfinished=false"
+    )
+    assert cfg.trainer.length.min_length == cfg.trainer.length.max_length == 8
+    assert load("train-ppo", "trainer.length.max_length=8", "trainer.length.min_length=7").trainer.gate_unfinished
