@@ -81,7 +81,7 @@ class PPOConfig:
     ratio_eps: float = 0.2  # PPO clip ε
     ratio_eps_high: float | None = None  # upper ε ("clip-higher"); null = ratio_eps
     dual_clip: float | None = None  # dual-clip constant c > 1; null disables
-    entropy_bonus: float = 0.0  # weight of the entropy bonus
+    entropy_bonus: float = 0.0  # weight of the entropy bonus; 0 = off, < 0 penalises entropy
     loss_aggregation: str | None = None  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     gate_unfinished: bool = True  # samples that never ended get no policy gradient (NeMo-Aligner)
     tis_cap: float = 0.0  # truncated importance sampling: weigh pg by min(π_trainer/π_engine, cap); 0 = off
