@@ -75,3 +75,29 @@ def test_ppo_fixed_length_responses_load_when_unfinished_ones_are_trained_on():
     )
     assert cfg.trainer.length.min_length == cfg.trainer.length.max_length == 8
     assert load("train-ppo", "trainer.length.max_length=8", "trainer.length.min_length=7").trainer.gate_unfinished
+
+
+# ---------------------------------------------------------------- train-ppo: advantages
+ONE_RESPONSE = [
+    "trainer.num_rollout_samples=1",
+    "trainer.rollout_micro_batch_size=1",
+    "trainer.global_batch_size=1",
+    "trainer.micro_batch_size=1",
+]
+
+
+@pytest.mark.parametrize(
+    ("estimator", "key"),
+    [("gae", "trainer.normalize_advantages"), ("reinforce_pp", "trainer.num_rollout_samples")],
+)
+def test_whitening_the_advantages_of_one_response_per_step_is_refused(capsys, estimator, key):
+    # whitened over its own tokens, one response loses its mean advantage: at γ = λ = 1 (and for
+    # REINFORCE++ without KL) every token's advantage is the same, so all become 0
+    over = [*ONE_RESPONSE, f"trainer.advantage_estimator={estimator}"]
+    assert_refused(capsys, "train-ppo", over, key, "num_rollout_samples")
+
+
+def test_one_response_per_step_loads_without_whitening():
+    cfg = load("train-ppo", *ONE_RESPONSE, "trainer.normalize_advantages=false")
+    assert cfg.trainer.rollout_rows == 1
+    assert load("train-ppo", *ONE_RESPONSE[1:], "trainer.num_rollout_samples=2").trainer.rollout_rows == 2
