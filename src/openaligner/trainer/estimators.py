@@ -153,7 +153,8 @@ def get_estimator(name: str) -> Estimator:
 # ---------------------------------------------------------------- the built-in estimators
 def _one_response_whitened(c: PPOConfig) -> bool:
     """Whether a step whitens the advantages of one response only: whitened over its own tokens,
-    it loses its mean advantage (at γ = λ = 1, with no KL, every token's is the same: all become 0)."""
+    it loses its mean advantage, and with it the reward: REINFORCE++ without KL gives every token
+    the score as its return, so all become 0; GAE at γ = λ = 1 keeps only the values' deviations."""
     return c.rollout_rows == 1
 
 

@@ -91,8 +91,8 @@ ONE_RESPONSE = [
     [("gae", "trainer.normalize_advantages"), ("reinforce_pp", "trainer.num_rollout_samples")],
 )
 def test_whitening_the_advantages_of_one_response_per_step_is_refused(capsys, estimator, key):
-    # whitened over its own tokens, one response loses its mean advantage: at γ = λ = 1 (and for
-    # REINFORCE++ without KL) every token's advantage is the same, so all become 0
+    # whitened over its own tokens, one response loses its mean advantage and so its reward
+    # (REINFORCE++ without KL: every token's return is the score, all advantages become 0)
     over = [*ONE_RESPONSE, f"trainer.advantage_estimator={estimator}"]
     assert_refused(capsys, "train-ppo", over, key, "num_rollout_samples")
 
