@@ -390,7 +390,9 @@ def _check_ppo(c: PPOConfig) -> None:
         )
     if c.length.max_length < 1 or not 0 <= c.length.min_length <= c.length.max_length:
         bad("length.min_length", "need 0 ≤ min_length ≤ max_length and max_length ≥ 1")
-    if c.length.min_length == c.length.max_length and (c.gate_unfinished or c.missing_eos_penalty is not None):
+    if c.length.min_length == c.length.max_length and (
+        c.gate_unfinished or c.missing_eos_penalty is not None
+    ):
         # stop ids are banned before min_length tokens, so no response can end on one
         why = (
             "gate_unfinished=true gives none of them a policy gradient"
