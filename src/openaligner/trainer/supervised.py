@@ -124,6 +124,13 @@ class SupervisedRunConfig:
         check_precision(self.precision, "precision")
         self.parallel.check_precision(self.precision)
         check_save_dtype(self.save_dtype, "save_dtype")
+        steps = self.trainer.max_steps
+        if steps > 0 and self.optim.warmup_steps >= steps:  # -1: known once the data is read
+            raise ValueError(
+                f"optim.warmup_steps={self.optim.warmup_steps} is not shorter than trainer.max_steps="
+                f"{steps}, so the learning rate would never reach optim.lr={self.optim.lr:g}; set "
+                f"optim.warmup_steps < {steps} (e.g. {steps // 10})"
+            )
 
 
 # ---------------------------------------------------------------------- sources

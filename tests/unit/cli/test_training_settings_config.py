@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from openaligner.cli.main import command, main
-from openaligner.config import ConfigError, load_config
+from openaligner.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 REQUIRED = {
@@ -60,9 +60,13 @@ def test_ppo_score_clip_that_makes_every_score_equal_is_refused(capsys, clip):
 
 # ---------------------------------------------------------------- train-ppo: responses
 @pytest.mark.parametrize(
-    "extra", [[], ["trainer.gate_unfinished=false", "trainer.missing_eos_penalty=-1"]], ids=["gate", "penalty"]
+    "extra",
+    [[], ["trainer.gate_unfinished=false", "trainer.missing_eos_penalty=-1"]],
+    ids=["gate", "penalty"],
 )
-def test_ppo_min_length_that_lets_no_response_end_is_refused_when_unfinished_ones_learn_nothing(capsys, extra):
+def test_ppo_min_length_that_lets_no_response_end_is_refused_when_unfinished_ones_learn_nothing(
+    capsys, extra
+):
     # stop ids are banned before min_length tokens: at min_length = max_length no response ends, so
     # gate_unfinished gives none a policy gradient, and missing_eos_penalty gives all the same score
     over = ["trainer.length.max_length=8", "trainer.length.min_length=8", *extra]
@@ -71,10 +75,15 @@ def test_ppo_min_length_that_lets_no_response_end_is_refused_when_unfinished_one
 
 def test_ppo_fixed_length_responses_load_when_unfinished_ones_are_trained_on():
     cfg = load(
-        "train-ppo", "trainer.length.max_length=8", "trainer.length.min_length=8", "trainer.gate_unfinished=false"
+        "train-ppo",
+        "trainer.length.max_length=8",
+        "trainer.length.min_length=8",
+        "trainer.gate_unfinished=false",
     )
     assert cfg.trainer.length.min_length == cfg.trainer.length.max_length == 8
-    assert load("train-ppo", "trainer.length.max_length=8", "trainer.length.min_length=7").trainer.gate_unfinished
+    assert load(
+        "train-ppo", "trainer.length.max_length=8", "trainer.length.min_length=7"
+    ).trainer.gate_unfinished
 
 
 # ---------------------------------------------------------------- train-ppo: advantages
@@ -101,3 +110,32 @@ def test_one_response_per_step_loads_without_whitening():
     cfg = load("train-ppo", *ONE_RESPONSE, "trainer.normalize_advantages=false")
     assert cfg.trainer.rollout_rows == 1
     assert load("train-ppo", *ONE_RESPONSE[1:], "trainer.num_rollout_samples=2").trainer.rollout_rows == 2
+
+
+# ---------------------------------------------------------------- the learning-rate schedule
+def test_serve_critic_refuses_a_warmup_that_outlasts_the_decay(capsys):
+    # the rate would fall from its peak straight to min_lr, the decay never running
+    assert_refused(
+        capsys, "serve-critic", ["optim.warmup_steps=10000"], "optim.warmup_steps", "decay_steps=10000"
+    )
+    assert (
+        load("serve-critic", "optim.warmup_steps=10000", "optim.scheduler=constant").optim.warmup_steps
+        == 10000
+    )
+
+
+@pytest.mark.parametrize("cmd", ["train-sft", "train-rm"])
+def test_supervised_refuses_a_warmup_as_long_as_max_steps(capsys, cmd):
+    assert_refused(
+        capsys, cmd, ["trainer.max_steps=10", "optim.warmup_steps=10"], "optim.warmup_steps", "< 10"
+    )
+    assert load(cmd, "trainer.max_steps=10", "optim.warmup_steps=9").optim.warmup_steps == 9
+
+
+def test_the_demo_warms_up_for_less_than_a_short_run(tmp_path):
+    from openaligner.cli.demo.presets import rm_overrides, sft_overrides
+
+    assert "optim.warmup_steps=20" in sft_overrides(tmp_path, 0, 800)  # the presets' values
+    assert "optim.warmup_steps=10" in rm_overrides(tmp_path, 0, 200)
+    assert "optim.warmup_steps=0" in sft_overrides(tmp_path, 0, 5)
+    assert "optim.warmup_steps=1" in rm_overrides(tmp_path, 0, 10)
