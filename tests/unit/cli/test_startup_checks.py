@@ -208,6 +208,16 @@ def test_ppo_refuses_a_schedule_that_does_not_fit_the_run_before_loading_the_act
     assert says in refused(capsys, "train-ppo", *ppo_args, *schedule)
 
 
+def test_ppo_refuses_a_critic_warmup_that_leaves_the_actor_no_step(capsys, ppo_args, monkeypatch):
+    import openaligner.trainer.ppo_recipe as recipe
+
+    monkeypatch.setattr(recipe, "build_trainable_model", None)  # refused before any model is built
+    # 8 prompts in rollouts of 4: one epoch is 2 rollouts, both taken by the critic's warm-up
+    by_epochs = ["trainer.max_steps=-1", "trainer.max_epochs=1", "trainer.critic_warmup_steps=2"]
+    line = refused(capsys, "train-ppo", *ppo_args, *by_epochs)
+    assert "trainer.critic_warmup_steps=2 takes all 2 rollouts" in line and "trainer.max_epochs" in line
+
+
 def test_ppo_names_the_actor_key_for_a_bad_actor_path(capsys, ppo_args, tmp_path):
     line = refused(capsys, "train-ppo", *ppo_args, f"actor.path={tmp_path}")
     assert f"actor.path='{tmp_path}'" in line and "model.path" not in line
