@@ -352,6 +352,9 @@ def _check_ppo(c: PPOConfig) -> None:
     for key in ("num_rollout_samples", "rollout_micro_batch_size", "global_batch_size", "micro_batch_size"):
         if getattr(c, key) < 1:
             bad(key, "must be ≥ 1")
+    for key in ("forward_micro_batch_size", "val_rollout_micro_batch_size", "num_val_samples"):
+        if (size := getattr(c, key)) is not None and size < 1:  # 0 would silently mean null
+            bad(key, f"must be ≥ 1, or null (its default), got {size}")
     if c.rollout_rows % c.global_batch_size:
         rows = (
             f"num_rollout_samples × n_samples_per_prompt = {c.rollout_rows}"

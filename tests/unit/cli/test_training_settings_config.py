@@ -139,3 +139,13 @@ def test_the_demo_warms_up_for_less_than_a_short_run(tmp_path):
     assert "optim.warmup_steps=10" in rm_overrides(tmp_path, 0, 200)
     assert "optim.warmup_steps=0" in sft_overrides(tmp_path, 0, 5)
     assert "optim.warmup_steps=1" in rm_overrides(tmp_path, 0, 10)
+
+
+@pytest.mark.parametrize(
+    "key", ["forward_micro_batch_size", "val_rollout_micro_batch_size", "num_val_samples"]
+)
+@pytest.mark.parametrize("value", ["0", "-4"])
+def test_ppo_optional_sizes_below_one_are_refused(capsys, key, value):
+    # 0 silently meant the default (`x or default`), or divided by zero once the run started
+    assert_refused(capsys, "train-ppo", [f"trainer.{key}={value}"], f"trainer.{key}", "null")
+    assert getattr(load("train-ppo", f"trainer.{key}=8").trainer, key) == 8
