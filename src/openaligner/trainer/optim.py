@@ -23,9 +23,9 @@ from openaligner.config import StartupError
 class OptimConfig:
     lr: float = 1e-5  # AdamW peak learning rate (> 0)
     min_lr: float = 0.0  # learning rate at the end of the cosine/linear decay
-    weight_decay: float = 0.0  # AdamW weight decay
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
-    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.0  # AdamW weight decay (>= 0)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas, each in [0, 1)
+    eps: float = 1e-8  # AdamW epsilon (> 0)
     warmup_steps: int = 0  # linear warm-up over this many optimizer steps
     scheduler: str = "constant"  # after warm-up: constant, or cosine / linear decay to min_lr
     decay_steps: int | None = None  # steps warm-up + decay span (> warmup_steps); null: the whole run
@@ -42,6 +42,14 @@ class OptimConfig:
             raise ValueError(f"{{section}}.scheduler must be one of {SCHEDULES}, got {self.scheduler!r}")
         if len(self.betas) != 2:
             raise ValueError(f"{{section}}.betas needs two values, got {self.betas}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(
+                f"{{section}}.betas must each lie in [0, 1) (e.g. [0.9, 0.999]), got {self.betas}"
+            )
+        if self.weight_decay < 0:
+            raise ValueError(f"{{section}}.weight_decay must be >= 0 (0 = none), got {self.weight_decay}")
+        if not self.eps > 0:  # 0 divides 0 by 0 for a parameter that never had a gradient
+            raise ValueError(f"{{section}}.eps must be > 0 (e.g. 1e-8), got {self.eps}")
         if self.warmup_steps < 0:
             raise ValueError(f"{{section}}.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.decay_steps is not None and self.decay_steps < 1:

@@ -78,6 +78,10 @@ def test_only_trainable_parameters_are_optimized():
         ("optim.scheduler=step", r"optim\.scheduler must be one of"),
         ("optim.betas=[0.9]", r"optim\.betas needs two values"),
         ("optim.decay_steps=0", r"optim\.decay_steps must be >= 1"),
+        # AdamW's own checks would raise only once the model is built, with a traceback
+        ("optim.weight_decay=-0.1", r"optim\.weight_decay must be >= 0"),
+        ("optim.betas=[0.9,1.0]", r"optim\.betas must each lie in \[0, 1\)"),
+        ("optim.eps=0", r"optim\.eps must be > 0"),
         (
             "optim.scheduler=cosine optim.warmup_steps=10 optim.decay_steps=10",
             r"optim\.warmup_steps=10 must be <",
