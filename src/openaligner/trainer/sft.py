@@ -32,6 +32,7 @@ from openaligner.trainer.supervised import (
     Batch,
     SupervisedRunConfig,
     SupervisedTrainer,
+    check_data_lengths,
     load_train_val_records,
     rank_share,
     require_full_batch,
@@ -59,6 +60,7 @@ class SFTDataConfig:
 
     def __post_init__(self) -> None:
         self.chat_template = check_chat_template_mode(self.chat_template, "data.chat_template")
+        check_data_lengths(self.max_length, self.val_fraction)
 
 
 @dataclass

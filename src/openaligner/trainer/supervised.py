@@ -93,6 +93,14 @@ class LoopConfig:
             )
         if self.max_steps == 0 or self.max_steps < -1 or self.max_epochs < 1:
             raise ValueError("trainer.max_steps must be ≥ 1 or -1, and trainer.max_epochs ≥ 1")
+        for key in ("val_check_interval", "save_interval"):
+            if getattr(self, key) < 0:
+                raise ValueError(
+                    f"trainer.{key} must be >= 0 (0 = only at the end), got {getattr(self, key)}"
+                )
+        for key in ("val_micro_batch_size", "log_interval"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"trainer.{key} must be >= 1 (e.g. 1), got {getattr(self, key)}")
         if self.save_every_minutes < 0:
             raise ValueError(
                 f"trainer.save_every_minutes must be >= 0 (0 = off), got {self.save_every_minutes}"
@@ -134,6 +142,17 @@ class SupervisedRunConfig:
 
 
 # ---------------------------------------------------------------------- sources
+def check_data_lengths(max_length: int, val_fraction: float) -> None:
+    """Refuse, at load, a ``data.max_length`` or ``data.val_fraction`` (of train-sft and train-rm)
+    that no run can use."""
+    if max_length < 0:
+        raise ValueError(f"data.max_length must be >= 0 (0 = the model's position limit), got {max_length}")
+    if not 0 <= val_fraction < 1:
+        raise ValueError(
+            f"data.val_fraction must lie in [0, 1) (e.g. 0.1; 0 = no holdout), got {val_fraction}"
+        )
+
+
 def load_train_val_records(
     train_path: str,
     val_path: str | None,

@@ -149,3 +149,25 @@ def test_ppo_optional_sizes_below_one_are_refused(capsys, key, value):
     # 0 silently meant the default (`x or default`), or divided by zero once the run started
     assert_refused(capsys, "train-ppo", [f"trainer.{key}={value}"], f"trainer.{key}", "null")
     assert getattr(load("train-ppo", f"trainer.{key}=8").trainer, key) == 8
+
+
+# ---------------------------------------------------------------- train-sft / train-rm
+@pytest.mark.parametrize("cmd", ["train-sft", "train-rm"])
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        # a traceback once the data was read
+        ("data.val_fraction=1.0", "[0, 1)"),
+        ("data.val_fraction=-0.1", "[0, 1)"),
+        # every example dropped as too long, blamed on the data
+        ("data.max_length=-3", "0 = the model's position limit"),
+        # a traceback at the first validation, after training
+        ("trainer.val_micro_batch_size=0", ">= 1"),
+        # silently only at the end, as 0 is documented to mean (or, for log_interval, undocumented)
+        ("trainer.log_interval=0", ">= 1"),
+        ("trainer.val_check_interval=-1", ">= 0"),
+        ("trainer.save_interval=-5", ">= 0"),
+    ],
+)
+def test_supervised_loop_and_data_values_that_mean_nothing_are_refused(capsys, cmd, setting, says):
+    assert_refused(capsys, cmd, [setting], setting.split("=")[0], says)
