@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from openaligner.cli.main import command, main
-from openaligner.config import load_config
+from openaligner.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 REQUIRED = {
@@ -14,6 +14,7 @@ REQUIRED = {
     "train-sft": ["data.train_path=x.jsonl"],
     "train-rm": ["data.train_path=x.jsonl"],
     "serve-critic": ["model.tiny=gpt2"],
+    "serve-reward": [],
 }
 
 
@@ -171,3 +172,35 @@ def test_ppo_optional_sizes_below_one_are_refused(capsys, key, value):
 )
 def test_supervised_loop_and_data_values_that_mean_nothing_are_refused(capsys, cmd, setting, says):
     assert_refused(capsys, cmd, [setting], setting.split("=")[0], says)
+
+
+# ---------------------------------------------------------------- serve-reward: the reward's weights
+MODEL, FUNCTION = "model.tiny=gpt2", "reward.function=rewards.py:score"
+
+
+@pytest.mark.parametrize(
+    ("served", "weight", "says"),
+    [
+        # a model alone answers its score as it is: the weights were silently ignored
+        ([MODEL], "reward.model_weight=2", "without reward.function"),
+        ([MODEL], "reward.function_weight=0.5", "without reward.function"),
+        # the function alone: every reward 0; or its weight on a model that is not there, ignored
+        ([FUNCTION], "reward.function_weight=0", "reward.function=null"),
+        ([FUNCTION], "reward.model_weight=0.5", "no reward model"),
+        # both: the model, or the function, loaded and called to be ignored
+        ([MODEL, FUNCTION], "reward.model_weight=0", "serve the function alone"),
+        ([MODEL, FUNCTION], "reward.function_weight=0", "reward.function=null"),
+    ],
+)
+def test_reward_weights_that_do_nothing_or_silence_the_reward_are_refused(served, weight, says):
+    # load_config, not main: a serve-reward that is not refused would start serving
+    with pytest.raises(ConfigError) as refused:
+        load("serve-reward", *served, weight)
+    message = str(refused.value)
+    assert weight.split("=")[0] in message and says in message and len(message.splitlines()) == 1
+
+
+def test_reward_weights_that_mix_a_model_and_a_function_load():
+    cfg = load("serve-reward", MODEL, FUNCTION, "reward.model_weight=0.5", "reward.function_weight=-2")
+    assert (cfg.reward.model_weight, cfg.reward.function_weight) == (0.5, -2)
+    assert load("serve-reward", FUNCTION, "reward.function_weight=3").reward.function_weight == 3
