@@ -204,3 +204,10 @@ def test_reward_weights_that_mix_a_model_and_a_function_load():
     cfg = load("serve-reward", MODEL, FUNCTION, "reward.model_weight=0.5", "reward.function_weight=-2")
     assert (cfg.reward.model_weight, cfg.reward.function_weight) == (0.5, -2)
     assert load("serve-reward", FUNCTION, "reward.function_weight=3").reward.function_weight == 3
+
+
+def test_rm_refuses_the_same_field_as_chosen_and_rejected(capsys):
+    # every pair would compare a response with itself: margin 0 for any weights, gradient exactly 0
+    over = ["data.chosen_key=response", "data.rejected_key=response"]
+    assert_refused(capsys, "train-rm", over, "data.rejected_key", "data.chosen_key")
+    assert load("train-rm", "data.chosen_key=good", "data.rejected_key=bad").data.rejected_key == "bad"
