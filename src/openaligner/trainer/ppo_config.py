@@ -317,6 +317,13 @@ def _check_ppo(c: PPOConfig) -> None:
 
     if c.kl_estimator is not None and c.kl_estimator not in KL_KINDS:
         bad("kl_estimator", f"must be one of {', '.join(KL_KINDS)} or null, got {c.kl_estimator!r}")
+    if c.kl_estimator == "k1" and c.kl_in == "loss" and c.initial_policy_kl_penalty > 0:
+        # ∇(log π − log π_ref) = ∇log π, of expectation 0 over the tokens sampled from π
+        bad(
+            "kl_estimator",
+            "k1 as a loss term has zero expected gradient, so the KL penalty would do nothing; "
+            "use k3 (or k2, or null) with kl_in=loss, or kl_in=reward for k1",
+        )
     if c.loss_aggregation not in LOSS_AGGREGATIONS:
         bad("loss_aggregation", f"must be one of {', '.join(LOSS_AGGREGATIONS)}, got {c.loss_aggregation!r}")
     if c.logits_chunk_mb is not None and not c.logits_chunk_mb > 0:

@@ -211,3 +211,18 @@ def test_rm_refuses_the_same_field_as_chosen_and_rejected(capsys):
     over = ["data.chosen_key=response", "data.rejected_key=response"]
     assert_refused(capsys, "train-rm", over, "data.rejected_key", "data.chosen_key")
     assert load("train-rm", "data.chosen_key=good", "data.rejected_key=bad").data.rejected_key == "bad"
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_k1_as_a_kl_loss_term_is_refused(capsys, estimator):
+    # ∇ β·(log π − log π_ref) = β·∇log π, whose expectation over the sampled tokens is 0: the
+    # penalty would pull nothing toward the initial policy
+    over = [f"trainer.advantage_estimator={estimator}", "trainer.kl_in=loss", "trainer.kl_estimator=k1"]
+    assert_refused(capsys, "train-ppo", over, "trainer.kl_estimator", "k3")
+
+
+def test_k1_in_the_reward_and_k2_k3_abs_in_the_loss_load():
+    assert load("train-ppo", "trainer.kl_estimator=k1").trainer.kl_kind == "k1"  # kl_in=reward
+    for kind in ("k2", "k3", "abs"):
+        cfg = load("train-ppo", "trainer.kl_in=loss", f"trainer.kl_estimator={kind}")
+        assert cfg.trainer.kl_kind == kind
