@@ -416,7 +416,8 @@ def _check_ppo(c: PPOConfig) -> None:
             f"{c.length.max_length - 1} (or, for fixed-length responses, gate_unfinished=false and "
             "missing_eos_penalty=null)",
         )
-    parse_duration_s(c.max_time_per_run)
+    if parse_duration_s(c.max_time_per_run) == 0:  # checked after each step: one step, then a stop
+        bad("max_time_per_run", "must be longer than 00:00:00:00 (e.g. 00:04:00:00), or null (no limit)")
     # last: an estimator's own refusals may rely on every general check above
     estimator = ESTIMATORS[c.advantage_estimator]
     refusal = estimator.refuse(c) if estimator.refuse is not None else None

@@ -226,3 +226,9 @@ def test_k1_in_the_reward_and_k2_k3_abs_in_the_loss_load():
     for kind in ("k2", "k3", "abs"):
         cfg = load("train-ppo", "trainer.kl_in=loss", f"trainer.kl_estimator={kind}")
         assert cfg.trainer.kl_kind == kind
+
+
+def test_ppo_max_time_per_run_of_zero_is_refused(capsys):
+    # checked after each step: a zero limit ran one step, then saved and stopped as if done
+    assert_refused(capsys, "train-ppo", ["trainer.max_time_per_run=00:00:00:00"], "trainer.max_time_per_run")
+    assert load("train-ppo", "trainer.max_time_per_run=00:00:00:01").trainer.max_time_per_run == "00:00:00:01"
