@@ -279,6 +279,11 @@ class TrainPPOConfig:
                 "trainer's; the hf engine samples with the trainer's own modules (there is nothing to "
                 "correct): set trainer.tis_cap=0, or rollout.engine=vllm"
             )
+        if self.lora.enabled and self.lora.dropout > 0:
+            raise ValueError(
+                f"lora.dropout={self.lora.dropout:g} would never apply: the actor trains in eval mode (its "
+                "log-probs must be those of the distribution it sampled from); set lora.dropout=0"
+            )
         if self.trainer.length.max_length >= self.data.seq_length:
             raise ValueError(
                 f"trainer.length.max_length={self.trainer.length.max_length} leaves no room for prompts in "

@@ -25,6 +25,13 @@ def load(cmd: str, *overrides: str):
 
 def assert_refused(capsys, cmd: str, overrides: list[str], *needles: str) -> None:
     """``openaligner cmd`` exits 2 at load with one line that holds each of ``needles``."""
+    if cmd.startswith("serve-"):  # through load_config: a server that is not refused would serve
+        with pytest.raises(ConfigError) as refused:
+            load(cmd, *overrides)
+        message = str(refused.value)
+        assert len(message.splitlines()) == 1, message
+        assert all(needle in message for needle in needles), message
+        return
     yaml = CONFIGS / f"{cmd.replace('-', '_')}.yaml"
     assert main([cmd, str(yaml), *REQUIRED[cmd], *overrides]) == 2
     err = capsys.readouterr().err.strip()
@@ -192,12 +199,8 @@ MODEL, FUNCTION = "model.tiny=gpt2", "reward.function=rewards.py:score"
         ([MODEL, FUNCTION], "reward.function_weight=0", "reward.function=null"),
     ],
 )
-def test_reward_weights_that_do_nothing_or_silence_the_reward_are_refused(served, weight, says):
-    # load_config, not main: a serve-reward that is not refused would start serving
-    with pytest.raises(ConfigError) as refused:
-        load("serve-reward", *served, weight)
-    message = str(refused.value)
-    assert weight.split("=")[0] in message and says in message and len(message.splitlines()) == 1
+def test_reward_weights_that_do_nothing_or_silence_the_reward_are_refused(capsys, served, weight, says):
+    assert_refused(capsys, "serve-reward", [*served, weight], weight.split("=")[0], says)
 
 
 def test_reward_weights_that_mix_a_model_and_a_function_load():
@@ -232,3 +235,17 @@ def test_ppo_max_time_per_run_of_zero_is_refused(capsys):
     # checked after each step: a zero limit ran one step, then saved and stopped as if done
     assert_refused(capsys, "train-ppo", ["trainer.max_time_per_run=00:00:00:00"], "trainer.max_time_per_run")
     assert load("train-ppo", "trainer.max_time_per_run=00:00:00:01").trainer.max_time_per_run == "00:00:00:01"
+
+
+# ---------------------------------------------------------------- LoRA
+@pytest.mark.parametrize("cmd", ["train-ppo", "serve-critic"])
+def test_lora_dropout_where_the_model_trains_in_eval_mode_is_refused(capsys, cmd):
+    # the PPO actor and the critic train in eval mode (their log-probs and values must match what
+    # inference computed), so adapter dropout never applied
+    over = ["lora.r=4", "lora.dropout=0.1"]
+    assert_refused(capsys, cmd, over, "lora.dropout", "0")
+    assert load(cmd, "lora.r=4", "lora.dropout=0").lora.r == 4
+
+
+def test_lora_dropout_trains_in_sft():
+    assert load("train-sft", "lora.r=4", "lora.dropout=0.1").lora.dropout == 0.1
