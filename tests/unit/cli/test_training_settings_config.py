@@ -249,3 +249,16 @@ def test_lora_dropout_where_the_model_trains_in_eval_mode_is_refused(capsys, cmd
 
 def test_lora_dropout_trains_in_sft():
     assert load("train-sft", "lora.r=4", "lora.dropout=0.1").lora.dropout == 0.1
+
+
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ("trainer.micro_batch_size=5", "global_batch_size=16"),
+        ("trainer.rollout_micro_batch_size=5", "n_samples_per_prompt=64"),
+        ("trainer.val_rollout_micro_batch_size=5", "num_val_samples=64"),
+    ],
+)
+def test_ppo_micro_batches_that_do_not_split_their_batch_are_refused_at_load(capsys, setting, says):
+    # refused before only once the models were loaded and the servers reached, with a traceback
+    assert_refused(capsys, "train-ppo", [setting], setting.split("=")[0], says)
