@@ -402,6 +402,7 @@ def ppo_step(
         "trainer.rollout_log_rows=0",
         f"trainer.length.max_length={new_tokens}",
         f"trainer.length.min_length={new_tokens}",
+        "trainer.gate_unfinished=false",  # fixed-length responses (none ends) are all trained on
         f"remote.critic.port={critic_port}",
         f"exp.output_dir={run / 'out'}",
         "exp.progress=false",

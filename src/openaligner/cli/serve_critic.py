@@ -118,6 +118,11 @@ class ServeCriticConfig:
                 f"optim.scheduler={self.optim.scheduler} needs optim.decay_steps: the critic server "
                 "cannot know how many steps training will take"
             )
+        if self.lora.enabled and self.lora.dropout > 0:
+            raise ValueError(
+                f"lora.dropout={self.lora.dropout:g} would never apply: the critic trains in eval mode "
+                "(the values it regresses are those critic_infer serves); set lora.dropout=0"
+            )
         if self.lora.merge_on_save:
             raise ValueError(
                 "lora.merge_on_save does not apply to the critic server: it has no final export "

@@ -62,8 +62,40 @@ class ServeRewardConfig:
     log_level: str = "INFO"  # Python logging level of this process
 
     def __post_init__(self) -> None:
-        if self.reward.function is None or self.model.path is not None or self.model.tiny is not None:
+        has_model = self.model.path is not None or self.model.tiny is not None
+        if self.reward.function is None or has_model:
             serving.check_model_choice(self.model)
+        _check_weights(self.reward, has_model)
+
+
+def _check_weights(r: RewardFunctionConfig, has_model: bool) -> None:
+    """Refuse reward weights that would be ignored, or that would silence what is served."""
+    weights = {"model_weight": r.model_weight, "function_weight": r.function_weight}
+    if r.function is None:
+        for key, w in weights.items():
+            if w != 1.0:  # a model alone answers its own score
+                raise ValueError(
+                    f"reward.{key}={w:g} weighs a reward function against the model, and does nothing "
+                    "without reward.function: leave it 1.0 (runtime.reward_mean/reward_std rescale a "
+                    "model's reward)"
+                )
+        return
+    if r.function_weight == 0:
+        rewards = "the model's alone" if has_model else "0"
+        raise ValueError(
+            f"reward.function_weight=0 ignores reward.function (every reward would be {rewards}): set "
+            "a weight other than 0 (e.g. 1.0), or reward.function=null"
+        )
+    if not has_model and r.model_weight != 1.0:
+        raise ValueError(
+            f"reward.model_weight={r.model_weight:g} does nothing with no reward model (model.path/"
+            "model.tiny unset): leave it 1.0"
+        )
+    if has_model and r.model_weight == 0:
+        raise ValueError(
+            "reward.model_weight=0 loads the reward model to ignore it: set a weight other than 0 "
+            "(e.g. 1.0), or serve the function alone (no model.path/model.tiny)"
+        )
 
 
 SCHEMA = ServeRewardConfig

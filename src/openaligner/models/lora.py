@@ -41,7 +41,7 @@ class LoraError(ValueError):
 class LoraConfig:
     r: int = 0  # adapter rank; 0 = no LoRA (every weight trains); > 0 trains only the adapters (and heads)
     alpha: float = 16.0  # the adapters' output is scaled by alpha / r (peft's lora_alpha)
-    dropout: float = 0.0  # dropout on the adapters' input while training (off in the PPO actor: eval mode)
+    dropout: float = 0.0  # adapters' input dropout in training (> 0 refused where models train in eval mode)
     target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])  # layer names, or all-linear
     merge_on_save: bool = False  # final export also writes <export>/merged: a plain HF model, adapters merged
 

@@ -151,7 +151,36 @@ def get_estimator(name: str) -> Estimator:
 
 
 # ---------------------------------------------------------------- the built-in estimators
-@register_estimator("gae", needs_critic=True, title="PPO")
+def _one_response_whitened(c: PPOConfig) -> bool:
+    """Whether a step whitens the advantages of one response only: whitened over its own tokens,
+    it loses its mean advantage, and with it the reward: REINFORCE++ without KL gives every token
+    the score as its return, so all become 0; GAE at γ = λ = 1 keeps only the values' deviations."""
+    return c.rollout_rows == 1
+
+
+def _refuse_gae(c: PPOConfig) -> tuple[str, str] | None:
+    if c.normalize_advantages and _one_response_whitened(c):
+        return (
+            "normalize_advantages",
+            "whitening the advantages of one response per step (num_rollout_samples × "
+            "n_samples_per_prompt = 1) subtracts that response's own mean advantage, so its reward "
+            "is lost: set num_rollout_samples ≥ 2, or normalize_advantages=false",
+        )
+    return None
+
+
+def _refuse_reinforce_pp(c: PPOConfig) -> tuple[str, str] | None:
+    if _one_response_whitened(c):
+        return (
+            "num_rollout_samples",
+            "REINFORCE++ whitens the returns over the step's responses; with one (num_rollout_samples "
+            "× n_samples_per_prompt = 1) its own score is subtracted and it learns nothing of the "
+            "reward: set num_rollout_samples ≥ 2",
+        )
+    return None
+
+
+@register_estimator("gae", needs_critic=True, refuse=_refuse_gae, title="PPO")
 def gae_estimate(x: EstimatorInputs) -> Estimate:
     """PPO (Schulman et al. 2016/2017; NeMo-Aligner): KL-shaped per-token rewards, GAE over the
     critic's values, whitened over the global batch with ``normalize_advantages``."""
@@ -196,7 +225,7 @@ def dr_grpo_estimate(x: EstimatorInputs) -> Estimate:
     return Estimate(broadcast_to_tokens(per_sample, x.mask), rewards)
 
 
-@register_estimator("reinforce_pp", title="REINFORCE++")
+@register_estimator("reinforce_pp", refuse=_refuse_reinforce_pp, title="REINFORCE++")
 def reinforce_pp_estimate(x: EstimatorInputs) -> Estimate:
     """REINFORCE++ (Hu 2025): per-token rewards ``−β·KL_t`` plus the score at the last response
     token; returns-to-go (``gamma``), whitened over every valid token of the global batch."""

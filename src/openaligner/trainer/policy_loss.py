@@ -50,7 +50,7 @@ class PolicyLossConfig:
     clip_eps: float = 0.2  # PPO ratio clip ε (trainer.ratio_eps)
     clip_eps_high: float | None = None  # upper ε, "clip-higher"; None: clip_eps (trainer.ratio_eps_high)
     dual_clip: float | None = None  # dual-clip constant c > 1, or None (trainer.dual_clip)
-    entropy_coef: float = 0.0  # weight of the entropy bonus (trainer.entropy_bonus)
+    entropy_coef: float = 0.0  # weight of the entropy bonus; < 0 penalises entropy (trainer.entropy_bonus)
     aggregation: LossAggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     norm_length: int | None = None  # the token count seq_mean_token_sum_norm divides by (the budget)
     kl_kind: KLKind = "k3"  # the KL estimator of the KL loss term (trainer.kl_kind with kl_in=loss)
@@ -140,7 +140,7 @@ class PolicyLoss:
             batch.get("sequence_lengths"),
             batch.get("prompt_lengths"),
             first_position=first,
-            entropy_grad=c.entropy_coef > 0,
+            entropy_grad=c.entropy_coef != 0,  # a negative weight trains toward lower entropy
         )  # [B, S-1-first] each
         init_lp = batch.get("init_logprobs")
         is_weights = batch.get("is_weights")

@@ -52,7 +52,7 @@ class PPOConfig:
 
     # ---- loop and schedule
     max_epochs: int = 1  # passes over the prompt set
-    max_steps: int = -1  # PPO steps cap; -1 = max_epochs whole passes
+    max_steps: int = -1  # PPO steps cap (≥ 1); -1 = max_epochs whole passes
     max_time_per_run: str | None = None  # wall-clock limit "DD:HH:MM:SS"; the run saves and stops
     val_check_interval: int = 10  # validate every N steps (0 disables; also at the last step)
     save_interval: int = 10  # checkpoint every N steps (0 disables; also at the last step)
@@ -72,7 +72,7 @@ class PPOConfig:
     kl_target: float = 6.0  # adaptive KL: target mean sequence KL
     kl_horizon: float = 10000.0  # adaptive KL: horizon in samples
     missing_eos_penalty: float | None = None  # score given to responses that never ended; null = RM score
-    score_clip: float | None = None  # clip RM scores to [−c, c]; null = no clipping
+    score_clip: float | None = None  # clip RM scores to [−c, c] (c > 0); null = no clipping
     # ---- advantages
     discount_factor: float = 1.0  # γ
     gae_lambda: float = 0.95  # λ
@@ -81,11 +81,11 @@ class PPOConfig:
     ratio_eps: float = 0.2  # PPO clip ε
     ratio_eps_high: float | None = None  # upper ε ("clip-higher"); null = ratio_eps
     dual_clip: float | None = None  # dual-clip constant c > 1; null disables
-    entropy_bonus: float = 0.0  # weight of the entropy bonus
+    entropy_bonus: float = 0.0  # weight of the entropy bonus; 0 = off, < 0 penalises entropy
     loss_aggregation: str | None = None  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     gate_unfinished: bool = True  # samples that never ended get no policy gradient (NeMo-Aligner)
     tis_cap: float = 0.0  # truncated importance sampling: weigh pg by min(π_trainer/π_engine, cap); 0 = off
-    gradient_clip_val: float = 1.0  # actor gradient-norm clip; 0 disables
+    gradient_clip_val: float = 1.0  # actor gradient-norm clip (≥ 0); 0 disables
     max_nonfinite_steps_in_a_row: int = 3  # stop after this many inf/NaN-gradient (skipped) steps in a row
     ppo_epochs: int = 1  # passes over each rollout (NeMo-Aligner: 1)
     critic_warmup_steps: int = 0  # extra critic-only rollouts before the first actor update
@@ -279,6 +279,11 @@ class TrainPPOConfig:
                 "trainer's; the hf engine samples with the trainer's own modules (there is nothing to "
                 "correct): set trainer.tis_cap=0, or rollout.engine=vllm"
             )
+        if self.lora.enabled and self.lora.dropout > 0:
+            raise ValueError(
+                f"lora.dropout={self.lora.dropout:g} would never apply: the actor trains in eval mode (its "
+                "log-probs must be those of the distribution it sampled from); set lora.dropout=0"
+            )
         if self.trainer.length.max_length >= self.data.seq_length:
             raise ValueError(
                 f"trainer.length.max_length={self.trainer.length.max_length} leaves no room for prompts in "
@@ -317,6 +322,13 @@ def _check_ppo(c: PPOConfig) -> None:
 
     if c.kl_estimator is not None and c.kl_estimator not in KL_KINDS:
         bad("kl_estimator", f"must be one of {', '.join(KL_KINDS)} or null, got {c.kl_estimator!r}")
+    if c.kl_estimator == "k1" and c.kl_in == "loss" and c.initial_policy_kl_penalty > 0:
+        # ∇(log π − log π_ref) = ∇log π, of expectation 0 over the tokens sampled from π
+        bad(
+            "kl_estimator",
+            "k1 as a loss term has zero expected gradient, so the KL penalty would do nothing; "
+            "use k3 (or k2, or null) with kl_in=loss, or kl_in=reward for k1",
+        )
     if c.loss_aggregation not in LOSS_AGGREGATIONS:
         bad("loss_aggregation", f"must be one of {', '.join(LOSS_AGGREGATIONS)}, got {c.loss_aggregation!r}")
     if c.logits_chunk_mb is not None and not c.logits_chunk_mb > 0:
@@ -331,12 +343,20 @@ def _check_ppo(c: PPOConfig) -> None:
         bad("adaptive_kl", "needs initial_policy_kl_penalty > 0 as the starting β; set it (e.g. 0.05)")
     if c.adaptive_kl and (c.kl_target <= 0 or c.kl_horizon <= 0):
         bad("kl_target", "adaptive KL needs kl_target > 0 and kl_horizon > 0")
+    if c.score_clip is not None and not c.score_clip > 0:
+        # clipping to [−c, c] with c ≤ 0 gives every response the same score: no reward signal
+        bad("score_clip", f"must be > 0 (e.g. 5.0) or null (no clipping), got {c.score_clip}")
     if c.initial_policy_kl_penalty < 0:
         bad("initial_policy_kl_penalty", "must be ≥ 0 (0 disables the KL penalty)")
     if c.max_epochs < 1:
         bad("max_epochs", "must be ≥ 1")
+    if c.max_steps == 0 or c.max_steps < -1:
+        # 0 would run no step and export the initial policy as if trained
+        bad("max_steps", f"must be ≥ 1, or -1 (max_epochs whole passes), got {c.max_steps}")
     if c.ppo_epochs < 1:
         bad("ppo_epochs", "must be ≥ 1")
+    if c.gradient_clip_val < 0:
+        bad("gradient_clip_val", f"must be ≥ 0 (0 disables clipping, e.g. 1.0), got {c.gradient_clip_val}")
     if c.max_nonfinite_steps_in_a_row < 1:
         bad("max_nonfinite_steps_in_a_row", "must be ≥ 1 (steps with an inf/NaN gradient are always skipped)")
     if c.critic_warmup_steps < 0:
@@ -344,6 +364,9 @@ def _check_ppo(c: PPOConfig) -> None:
     for key in ("num_rollout_samples", "rollout_micro_batch_size", "global_batch_size", "micro_batch_size"):
         if getattr(c, key) < 1:
             bad(key, "must be ≥ 1")
+    for key in ("forward_micro_batch_size", "val_rollout_micro_batch_size", "num_val_samples"):
+        if (size := getattr(c, key)) is not None and size < 1:  # 0 would silently mean null
+            bad(key, f"must be ≥ 1, or null (its default), got {size}")
     if c.rollout_rows % c.global_batch_size:
         rows = (
             f"num_rollout_samples × n_samples_per_prompt = {c.rollout_rows}"
@@ -355,6 +378,16 @@ def _check_ppo(c: PPOConfig) -> None:
             f"{rows} must be a multiple of global_batch_size={c.global_batch_size} so every actor step "
             "sees a full batch",
         )
+    # the split on one rank, here; on several, check_world_size once the ranks are known
+    splits = (
+        ("micro_batch_size", c.global_batch_size, "global_batch_size"),
+        ("rollout_micro_batch_size", c.rollout_rows, "num_rollout_samples × n_samples_per_prompt"),
+        ("val_rollout_micro_batch_size", c.val_samples if c.val_check_interval > 0 else 0, "num_val_samples"),
+    )
+    for key, rows, what in splits:
+        size = getattr(c, key) or c.rollout_micro_batch_size  # val_rollout_micro_batch_size: null
+        if rows % size:
+            bad(key, f"must divide {what}={rows} (whole micro-batches), got {size}")
     if c.rollout_log_rows is not None and c.rollout_log_rows < 0:
         bad(
             "rollout_log_rows",
@@ -382,7 +415,24 @@ def _check_ppo(c: PPOConfig) -> None:
         )
     if c.length.max_length < 1 or not 0 <= c.length.min_length <= c.length.max_length:
         bad("length.min_length", "need 0 ≤ min_length ≤ max_length and max_length ≥ 1")
-    parse_duration_s(c.max_time_per_run)
+    if c.length.min_length == c.length.max_length and (
+        c.gate_unfinished or c.missing_eos_penalty is not None
+    ):
+        # stop ids are banned before min_length tokens, so no response can end on one
+        why = (
+            "gate_unfinished=true gives none of them a policy gradient"
+            if c.gate_unfinished
+            else "missing_eos_penalty gives all of them the same score"
+        )
+        bad(
+            "length.min_length",
+            f"min_length = max_length = {c.length.max_length} bans the stop tokens at every position, so "
+            f"no response ends and {why}: the policy learns nothing. Set min_length ≤ "
+            f"{c.length.max_length - 1} (or, for fixed-length responses, gate_unfinished=false and "
+            "missing_eos_penalty=null)",
+        )
+    if parse_duration_s(c.max_time_per_run) == 0:  # checked after each step: one step, then a stop
+        bad("max_time_per_run", "must be longer than 00:00:00:00 (e.g. 00:04:00:00), or null (no limit)")
     # last: an estimator's own refusals may rely on every general check above
     estimator = ESTIMATORS[c.advantage_estimator]
     refusal = estimator.refuse(c) if estimator.refuse is not None else None

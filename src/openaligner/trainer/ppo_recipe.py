@@ -58,7 +58,7 @@ from openaligner.models.source import (
 from openaligner.tasks import task_scorer
 from openaligner.trainer.estimators import get_estimator
 from openaligner.trainer.model_build import SharedState, build_trainable_model
-from openaligner.trainer.optim import build_optimizer
+from openaligner.trainer.optim import build_optimizer, check_schedule
 from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
 from openaligner.trainer.ppo import (
     ActorOptim,
@@ -100,11 +100,35 @@ class PPORun:
         return Path(self.cfg.exp.output_dir)
 
 
+def run_optimizer_steps(cfg: TrainPPOConfig, steps_per_epoch: int) -> int:
+    """The actor's optimizer steps in a run whose prompts fill ``steps_per_epoch`` rollout batches,
+    checked against the learning-rate schedule (:func:`~openaligner.trainer.optim.check_schedule`).
+
+    Raises:
+        StartupError: critic warm-up takes every rollout of ``max_epochs``, so the actor would
+            never train; or the schedule does not fit the run.
+    """
+    c = cfg.trainer
+    steps = c.total_steps(steps_per_epoch)
+    if steps == 0:  # steps_per_epoch ≥ 1 (load_prompt_sets) and max_steps ≥ 1: only warm-up is left
+        rollouts = steps_per_epoch * c.max_epochs
+        raise StartupError(
+            f"trainer.critic_warmup_steps={c.critic_warmup_steps} takes all {rollouts} rollouts of "
+            f"trainer.max_epochs={c.max_epochs} ({steps_per_epoch} per epoch of data.train_path), so the "
+            f"actor would never train; set trainer.critic_warmup_steps < {rollouts} or raise "
+            "trainer.max_epochs"
+        )
+    optim_steps = steps * c.ppo_epochs * (c.rollout_rows // c.global_batch_size)
+    check_schedule(cfg.optim, optim_steps)
+    return optim_steps
+
+
 def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     """Build every part of the run (call after ``dp.init_from_env()`` under torchrun).
 
     Raises:
         StartupError: the run cannot work (see :func:`check_seq_length`, :func:`load_prompt_sets`,
+            :func:`run_optimizer_steps`,
             and the tokenizer/vocabulary checks), raised before the actor's weights load.
     """
     c = cfg.trainer
@@ -122,6 +146,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     with as_startup_error(LayoutError):
         train_set, val_set = load_prompt_sets(cfg, Renderer(tokenizer, layout))
     train_prompts, val_prompts = train_set.prompts, val_set.prompts
+    optim_steps = run_optimizer_steps(cfg, len(train_prompts) // c.num_rollout_samples)
     conversations = RolloutConversations(
         train_prompts + val_prompts,
         train_set.sources + val_set.sources,
@@ -175,10 +200,7 @@ def prepare_ppo_run(cfg: TrainPPOConfig) -> PPORun:
     if c.val_check_interval > 0:
         val_loader = PromptLoader(val_prompts, c.val_samples, c.seed, False, rank, world)
     prompts = Prompts(train=train_loader, val=val_loader, collate=make_prompt_collate(actor.pad_id))
-    # 4. optimizer and schedule over the run's optimizer steps
-    optim_steps = (
-        c.total_steps(train_loader.steps_per_epoch) * c.ppo_epochs * (c.rollout_rows // c.global_batch_size)
-    )
+    # 4. optimizer and schedule over the run's optimizer steps (counted and checked in 1.)
     optimizer, scheduler = build_optimizer(actor.parameters(), cfg.optim, optim_steps)
     optim = ActorOptim(optimizer, scheduler, precision.grad_scaler())
     # 5. checkpoints

@@ -34,6 +34,7 @@ from openaligner.trainer.supervised import (
     Batch,
     SupervisedRunConfig,
     SupervisedTrainer,
+    check_data_lengths,
     load_train_val_records,
     rank_share,
     require_full_batch,
@@ -61,6 +62,13 @@ class RMDataConfig:
 
     def __post_init__(self) -> None:
         self.chat_template = check_chat_template_mode(self.chat_template, "data.chat_template")
+        check_data_lengths(self.max_length, self.val_fraction)
+        if self.chosen_key == self.rejected_key:  # each pair's margin would be 0 whatever the weights
+            raise ValueError(
+                f"data.rejected_key={self.rejected_key!r} is data.chosen_key too: every pair would compare "
+                "a response with itself and the reward model learns nothing; name the dispreferred "
+                "response's field (e.g. rejected)"
+            )
 
 
 @dataclass

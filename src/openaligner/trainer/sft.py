@@ -43,6 +43,7 @@ from openaligner.trainer.supervised import (
     LoopConfig,
     SupervisedRunConfig,
     SupervisedTrainer,
+    check_data_lengths,
     load_train_val_records,
     rank_share,
     require_full_batch,
@@ -70,6 +71,7 @@ class SFTDataConfig:
 
     def __post_init__(self) -> None:
         self.chat_template = check_chat_template_mode(self.chat_template, "data.chat_template")
+        check_data_lengths(self.max_length, self.val_fraction)
 
 
 @dataclass

@@ -93,6 +93,14 @@ class LoopConfig:
             )
         if self.max_steps == 0 or self.max_steps < -1 or self.max_epochs < 1:
             raise ValueError("trainer.max_steps must be ≥ 1 or -1, and trainer.max_epochs ≥ 1")
+        for key in ("val_check_interval", "save_interval"):
+            if getattr(self, key) < 0:
+                raise ValueError(
+                    f"trainer.{key} must be >= 0 (0 = only at the end), got {getattr(self, key)}"
+                )
+        for key in ("val_micro_batch_size", "log_interval"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"trainer.{key} must be >= 1 (e.g. 1), got {getattr(self, key)}")
         if self.save_every_minutes < 0:
             raise ValueError(
                 f"trainer.save_every_minutes must be >= 0 (0 = off), got {self.save_every_minutes}"
@@ -124,9 +132,27 @@ class SupervisedRunConfig:
         check_precision(self.precision, "precision")
         self.parallel.check_precision(self.precision)
         check_save_dtype(self.save_dtype, "save_dtype")
+        steps = self.trainer.max_steps
+        if steps > 0 and self.optim.warmup_steps >= steps:  # -1: known once the data is read
+            raise ValueError(
+                f"optim.warmup_steps={self.optim.warmup_steps} is not shorter than trainer.max_steps="
+                f"{steps}, so the learning rate would never reach optim.lr={self.optim.lr:g}; set "
+                f"optim.warmup_steps < {steps} (e.g. {steps // 10})"
+            )
 
 
 # ---------------------------------------------------------------------- sources
+def check_data_lengths(max_length: int, val_fraction: float) -> None:
+    """Refuse, at load, a ``data.max_length`` or ``data.val_fraction`` (of train-sft and train-rm)
+    that no run can use."""
+    if max_length < 0:
+        raise ValueError(f"data.max_length must be >= 0 (0 = the model's position limit), got {max_length}")
+    if not 0 <= val_fraction < 1:
+        raise ValueError(
+            f"data.val_fraction must lie in [0, 1) (e.g. 0.1; 0 = no holdout), got {val_fraction}"
+        )
+
+
 def load_train_val_records(
     train_path: str,
     val_path: str | None,

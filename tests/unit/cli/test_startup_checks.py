@@ -187,6 +187,37 @@ def test_ppo_refuses_a_learning_rate_that_is_not_positive(capsys, ppo_args, lr):
     assert "optim.lr" in line and "> 0" in line
 
 
+@pytest.mark.parametrize(
+    ("schedule", "says"),
+    [
+        # 1 PPO step of 1 optimizer step: the rate would never leave the warm-up
+        (["optim.warmup_steps=1"], "optim.warmup_steps=1 is not shorter than the run's 1 optimizer steps"),
+        # 2 epochs × 2 steps: the decay to 0 would end half way
+        (
+            ["trainer.max_steps=-1", "trainer.max_epochs=2", "optim.scheduler=linear", "optim.decay_steps=2"],
+            "the last 2 would train at learning rate 0",
+        ),
+    ],
+)
+def test_ppo_refuses_a_schedule_that_does_not_fit_the_run_before_loading_the_actor(
+    capsys, ppo_args, schedule, says, monkeypatch
+):
+    import openaligner.trainer.ppo_recipe as recipe
+
+    monkeypatch.setattr(recipe, "build_trainable_model", None)  # refused before any model is built
+    assert says in refused(capsys, "train-ppo", *ppo_args, *schedule)
+
+
+def test_ppo_refuses_a_critic_warmup_that_leaves_the_actor_no_step(capsys, ppo_args, monkeypatch):
+    import openaligner.trainer.ppo_recipe as recipe
+
+    monkeypatch.setattr(recipe, "build_trainable_model", None)  # refused before any model is built
+    # 8 prompts in rollouts of 4: one epoch is 2 rollouts, both taken by the critic's warm-up
+    by_epochs = ["trainer.max_steps=-1", "trainer.max_epochs=1", "trainer.critic_warmup_steps=2"]
+    line = refused(capsys, "train-ppo", *ppo_args, *by_epochs)
+    assert "trainer.critic_warmup_steps=2 takes all 2 rollouts" in line and "trainer.max_epochs" in line
+
+
 def test_ppo_names_the_actor_key_for_a_bad_actor_path(capsys, ppo_args, tmp_path):
     line = refused(capsys, "train-ppo", *ppo_args, f"actor.path={tmp_path}")
     assert f"actor.path='{tmp_path}'" in line and "model.path" not in line
@@ -326,6 +357,17 @@ def test_supervised_refuses_a_learning_rate_that_is_not_positive(capsys, supervi
     command, args, _ = supervised
     line = refused(capsys, command, *args, f"optim.lr={lr}")
     assert "optim.lr" in line
+
+
+def test_supervised_refuses_a_warmup_as_long_as_the_run(capsys, supervised):
+    command, args, _ = supervised
+    # at load when trainer.max_steps says the run's length; once the data is read when it is -1
+    line = refused(capsys, command, *args, "optim.warmup_steps=1")
+    assert "optim.warmup_steps=1 is not shorter than trainer.max_steps=1" in line
+    line = refused(
+        capsys, command, *args, "trainer.max_steps=-1", "trainer.max_epochs=1", "optim.warmup_steps=2"
+    )
+    assert "optim.warmup_steps=2 is not shorter than the run's 2 optimizer steps" in line
 
 
 def test_supervised_still_names_the_model_key(capsys, supervised, tmp_path):

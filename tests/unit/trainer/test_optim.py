@@ -29,8 +29,32 @@ def test_cosine_warmup_then_decay_to_min_lr_at_the_run_length():
 
 
 def test_decay_steps_overrides_the_run_length():
-    cfg = OptimConfig(lr=1.0, scheduler="linear", decay_steps=4)
-    assert lrs(cfg, run_steps=100, steps=6) == [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    cfg = OptimConfig(lr=1.0, min_lr=0.2, scheduler="linear", decay_steps=4)
+    assert lrs(cfg, run_steps=100, steps=6) == [1.0, 0.8, 0.6, 0.4, 0.2, 0.2]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "needle"),
+    [
+        # the rate would never reach optim.lr: at most 10/11 of it
+        (OptimConfig(lr=1.0, warmup_steps=10), r"optim\.warmup_steps=10 is not shorter than the run's 10"),
+        (OptimConfig(lr=1.0, warmup_steps=20, scheduler="cosine"), r"optim\.warmup_steps < 10 \(e\.g\. 1\)"),
+        # the last 6 steps would train at learning rate 0
+        (
+            OptimConfig(lr=1.0, scheduler="linear", decay_steps=4),
+            r"the last 6 would train at learning rate 0",
+        ),
+    ],
+)
+def test_a_schedule_that_trains_part_of_the_run_at_less_than_asked_is_refused(cfg, needle):
+    with pytest.raises(ConfigError, match=needle):
+        build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg, run_steps=10)
+
+
+def test_schedules_that_fit_the_run_are_built():
+    assert lrs(OptimConfig(lr=1.0, warmup_steps=9), run_steps=10, steps=10)[-1] == 1.0
+    assert lrs(OptimConfig(lr=1.0, scheduler="linear", decay_steps=10), run_steps=10, steps=10)[-1] == 0.1
+    assert lrs(OptimConfig(lr=1.0, min_lr=0.5, scheduler="linear", decay_steps=2), 10, 10)[-1] == 0.5
 
 
 def test_a_decay_without_a_length_is_refused_and_constant_needs_none():
@@ -54,13 +78,21 @@ def test_only_trainable_parameters_are_optimized():
         ("optim.scheduler=step", r"optim\.scheduler must be one of"),
         ("optim.betas=[0.9]", r"optim\.betas needs two values"),
         ("optim.decay_steps=0", r"optim\.decay_steps must be >= 1"),
+        # AdamW's own checks would raise only once the model is built, with a traceback
+        ("optim.weight_decay=-0.1", r"optim\.weight_decay must be >= 0"),
+        ("optim.betas=[0.9,1.0]", r"optim\.betas must each lie in \[0, 1\)"),
+        ("optim.eps=0", r"optim\.eps must be > 0"),
+        (
+            "optim.scheduler=cosine optim.warmup_steps=10 optim.decay_steps=10",
+            r"optim\.warmup_steps=10 must be <",
+        ),
     ],
 )
 def test_bad_values_name_the_commands_key(override, needle):
     from openaligner.trainer.sft import SFTConfig
 
     with pytest.raises(ConfigError, match=needle):
-        load_config(SFTConfig, None, ["data.train_path=x.jsonl", override])
+        load_config(SFTConfig, None, ["data.train_path=x.jsonl", *override.split()])
 
 
 @pytest.mark.parametrize(

@@ -146,6 +146,26 @@ def test_entropy_bonus_lowers_the_loss(tiny, actor):
     torch.testing.assert_close(bonus.detach(), plain.detach() - 0.1 * m["entropy"], rtol=1e-5, atol=1e-6)
 
 
+def test_a_negative_entropy_bonus_trains_toward_lower_entropy(tiny, actor):
+    """The entropy term's gradient is ``-coef × ∇entropy`` for either sign of ``trainer.entropy_bonus``
+    (a negative one used to add no gradient at all: the entropy was computed under no_grad)."""
+    out = _rollout(actor, tiny.size.vocab_size)
+    prev = actor.get_inference_log_probs(out["response_tokens"], out["response_lengths"])
+    batch = _ppo_batch(out, prev)
+
+    def grads(coef: float) -> torch.Tensor:
+        actor.model.zero_grad(set_to_none=True)
+        loss, _ = PolicyLoss(PolicyLossConfig(entropy_coef=coef))(actor, batch)
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in actor.model.parameters() if p.grad is not None])
+
+    plain = grads(0.0)
+    bonus, penalty = grads(0.1) - plain, grads(-0.1) - plain
+    assert bonus.abs().max() > 1e-6
+    # differences of fp32 gradients: compared up to a small share of their largest entry
+    torch.testing.assert_close(penalty, -bonus, rtol=0, atol=1e-3 * float(bonus.abs().max()))
+
+
 def test_gate_unfinished_decides_which_rows_train_and_count(actor, tiny):
     """``gate_unfinished``: rows that never ended add no units and no gradient; off, they do."""
     out = _rollout(actor, tiny.size.vocab_size)

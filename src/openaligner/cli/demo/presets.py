@@ -130,7 +130,7 @@ def sft_overrides(run_dir: Path, seed: int, steps: int, heads: int = TINY_HEADS[
         "optim.lr=3e-3",
         "optim.scheduler=cosine",
         "optim.min_lr=3e-4",
-        "optim.warmup_steps=20",
+        f"optim.warmup_steps={min(20, steps // 10)}",  # shorter than the run, or it is refused
         f"trainer.max_steps={steps}",
         "trainer.global_batch_size=64",
         "trainer.micro_batch_size=64",
@@ -152,7 +152,7 @@ def rm_overrides(run_dir: Path, seed: int, steps: int) -> list[str]:
         "optim.lr=1e-3",
         "optim.scheduler=cosine",
         "optim.min_lr=1e-4",
-        "optim.warmup_steps=10",
+        f"optim.warmup_steps={min(10, steps // 10)}",  # shorter than the run, or it is refused
         f"trainer.max_steps={steps}",
         "trainer.global_batch_size=64",
         "trainer.micro_batch_size=64",
