@@ -384,10 +384,10 @@ def _check_ppo(c: PPOConfig) -> None:
         ("rollout_micro_batch_size", c.rollout_rows, "num_rollout_samples × n_samples_per_prompt"),
         ("val_rollout_micro_batch_size", c.val_samples if c.val_check_interval > 0 else 0, "num_val_samples"),
     )
-    for key, rows, what in splits:
+    for key, n_rows, what in splits:
         size = getattr(c, key) or c.rollout_micro_batch_size  # val_rollout_micro_batch_size: null
-        if rows % size:
-            bad(key, f"must divide {what}={rows} (whole micro-batches), got {size}")
+        if n_rows % size:
+            bad(key, f"must divide {what}={n_rows} (whole micro-batches), got {size}")
     if c.rollout_log_rows is not None and c.rollout_log_rows < 0:
         bad(
             "rollout_log_rows",
