@@ -294,7 +294,8 @@ def test_stop_is_quick_and_leaves_no_process_or_files(short_dir):
     assert keepalive.is_model_ready("reward_model")  # an open keep-alive connection used to cost 30 s
     server.stop()
     keepalive.close()
-    assert server.triton.stop_time_s is not None and server.triton.stop_time_s < 3.0
+    # the defect was 30 s (Triton waiting out the keep-alive); 10 s leaves a loaded machine room
+    assert server.triton.stop_time_s is not None and server.triton.stop_time_s < 10.0
     assert not _processes_under(str(own)) and not any(alive(p) for p in processes)
     assert not own.exists() and list(tmp_path.iterdir()) == []
 
