@@ -20,6 +20,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -82,12 +83,34 @@ def main() -> None:
         chunk = None if args.child[0] == "none" else float(args.child[0])
         print(json.dumps(child(args.model, chunk, int(args.child[1]), args.width, args.lora)))
         return
+    results = run_children(
+        args.rows,
+        lambda chunk, rows: [
+            "--model",
+            args.model,
+            "--width",
+            str(args.width),
+            "--lora",
+            str(args.lora),
+            "--child",
+            chunk,
+            str(rows),
+        ],
+    )
+    write_record(Path(args.out), results)
+
+
+def run_children(all_rows: list[int], child_argv: Callable[[str, int], list[str]]) -> list[dict[str, object]]:
+    """Run this script once per ``rows`` × chunk setting (``none``: the whole logits, ``256`` MiB) in
+    a fresh process (peak RSS is per process), with ``child_argv(chunk, rows)`` as its arguments;
+    each child prints its result as the last line of JSON. A child that fails gives its last error
+    line instead. Every result is printed as it comes."""
     results = []
-    for rows in args.rows:
+    for rows in all_rows:
         for chunk in ("none", "256"):
-            cmd = [sys.executable, __file__, "--model", args.model, "--width", str(args.width)]
-            cmd += ["--lora", str(args.lora), "--child", chunk, str(rows)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            done = subprocess.run(
+                [sys.executable, sys.argv[0], *child_argv(chunk, rows)], capture_output=True, text=True
+            )
             if done.returncode != 0:
                 tail = done.stderr.strip().splitlines()[-1:] or ["?"]
                 result: dict[str, object] = {"logits_chunk_mb": chunk, "rows": rows, "failed": tail[0]}
@@ -95,6 +118,11 @@ def main() -> None:
                 result = json.loads(done.stdout.strip().splitlines()[-1])
             print(json.dumps(result), flush=True)
             results.append(result)
+    return results
+
+
+def write_record(out: Path, results: list[dict[str, object]]) -> None:
+    """``results`` with the command, the machine and the versions, as JSON to ``out``."""
     import torch
     import transformers
 
@@ -108,7 +136,7 @@ def main() -> None:
         },
         "results": results,
     }
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    out.write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

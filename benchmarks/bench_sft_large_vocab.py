@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from bench_large_vocab import run_children, write_record  # this directory: sys.path[0]
 
 VOCAB = 262_144  # Gemma 3's
 
@@ -88,32 +86,10 @@ def main() -> None:
         chunk = None if args.child[0] == "none" else float(args.child[0])
         print(json.dumps(child(chunk, int(args.child[1]), args.width)))
         return
-    results = []
-    for rows in args.rows:
-        for setting in ("none", "256"):
-            cmd = [sys.executable, __file__, "--width", str(args.width), "--child", setting, str(rows)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                tail = done.stderr.strip().splitlines()[-1:] or ["?"]
-                result: dict[str, object] = {"logits_chunk_mb": setting, "rows": rows, "failed": tail[0]}
-            else:
-                result = json.loads(done.stdout.strip().splitlines()[-1])
-            print(json.dumps(result), flush=True)
-            results.append(result)
-    import torch
-    import transformers
-
-    record = {
-        "command": " ".join(sys.argv),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}",
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
-        "results": results,
-    }
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    results = run_children(
+        args.rows, lambda chunk, rows: ["--width", str(args.width), "--child", chunk, str(rows)]
+    )
+    write_record(Path(args.out), results)
 
 
 if __name__ == "__main__":

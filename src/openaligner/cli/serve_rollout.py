@@ -10,7 +10,6 @@ Design notes: docs/rollout-engine.md, "A standalone engine".
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import shutil
@@ -24,6 +23,7 @@ from types import FrameType
 
 from openaligner.config import StartupError, as_startup_error
 from openaligner.models.rollout_engine import EngineSetupError, VLLMProcessConfig
+from openaligner.servers.transport.triton import is_loopback
 
 log = logging.getLogger("openaligner.serve_rollout")
 
@@ -72,7 +72,7 @@ def run(cfg: ServeRolloutConfig) -> int:
     with as_startup_error(EngineSetupError):
         python = resolve_python(cfg.vllm.python, key="vllm.python")
     host, port = cfg.server.host, check_port_free(cfg.server.host, cfg.server.port)
-    if not _is_loopback(host):
+    if not is_loopback(host):
         log.warning(
             "serving on %s: anyone who reaches it can attach and generate (no authentication); "
             "keep it on a trusted network",
@@ -156,15 +156,6 @@ def check_port_free(host: str, port: int) -> int:
                 "uses it; choose another port, or server.port=0 for any free one"
             ) from None
     return port
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _display_host(host: str) -> str:
