@@ -179,6 +179,7 @@ class CriticTrainEndpoint:
         vocab_size: every token id must lie in ``[0, vocab_size)``; None skips the check.
         max_rows: most rows per request.
         max_sequence_length: widest accepted ``tokens``; None skips the check.
+        refusal: says why the server cannot train now (checked before the inputs), or None.
     """
 
     inputs = CRITIC_TRAIN_INPUTS
@@ -192,8 +193,10 @@ class CriticTrainEndpoint:
         vocab_size: int | None = None,
         max_rows: int = 16384,
         max_sequence_length: int | None = None,
+        refusal: Callable[[], str | None] | None = None,
     ) -> None:
         self.train = train
+        self.refusal = refusal
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.max_rows = max_rows
@@ -203,8 +206,12 @@ class CriticTrainEndpoint:
         """Check dtypes, shapes (``[N, S]`` and three ``[N, S-1]``), ids, finiteness and the mask.
 
         Raises:
-            RequestError: naming the input, and the row and position where it matters.
+            RequestError: naming the input, and the row and position where it matters; or the
+                server's :attr:`refusal`.
         """
+        why = self.refusal() if self.refusal is not None else None
+        if why is not None:
+            raise RequestError(why)
         check_known_inputs(inputs, self.inputs)
         tokens = check_whole_input(inputs, TRAIN_TOKENS)
         aligned = {spec.name: check_whole_input(inputs, spec) for spec in (RETURNS, PREV_VALUES, MASK)}
@@ -382,6 +389,7 @@ class CriticServerTrainer(ServerLifecycle):
             vocab_size=vocab_size,
             max_rows=cfg.max_train_rows,
             max_sequence_length=self.max_sequence_length,
+            refusal=self._spent_schedule,
         )
         self.save_endpoint = CriticSaveEndpoint(
             self._save_from_rank0,
@@ -409,6 +417,18 @@ class CriticServerTrainer(ServerLifecycle):
         request = self.infer_endpoint.validate(inputs)
         with self.lock:
             return self.infer_endpoint.run([request])[0]
+
+    def _spent_schedule(self) -> str | None:
+        """Why ``critic_train`` is refused once the learning rate has decayed to 0 for good: a pass
+        would change nothing, and the PPO run would go on with a critic that no longer learns."""
+        if not self.trainer.schedule_spent():
+            return None
+        return (
+            f"the critic's learning rate has decayed to 0 (critic step {self.trainer.step}: the decay "
+            "to optim.min_lr=0 ended at optim.decay_steps), so critic_train would change nothing; "
+            "restart serve-critic (it resumes from its checkpoint) with optim.decay_steps ≥ the "
+            "critic steps the run needs, or optim.min_lr > 0"
+        )
 
     def run_training(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
         """``critic_train`` on one request's arrays: ``loss_mean`` [1] and the diagnostics."""

@@ -336,6 +336,12 @@ class CriticTrainer:
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def schedule_spent(self) -> bool:
+        """Whether the schedule has brought the learning rate to 0 for good, so that a further
+        pass would train at rate 0: a decay to ``optim.min_lr=0`` whose ``optim.decay_steps`` have
+        passed (warm-up never starts at 0, and a constant rate is never 0)."""
+        return self.scheduler is not None and self._lr() == 0.0
+
     def _explained_variance(self, kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> float:
         """Explained variance over every rank's trained positions (values before each step)."""
         if kept:

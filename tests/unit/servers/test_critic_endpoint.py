@@ -471,3 +471,25 @@ def test_constructor_checks(tiny):
     with pytest.raises(ValueError, match="max_train_rows"):
         CriticServerConfig(max_train_rows=0)
     copy.deepcopy(CriticServerConfig())
+
+
+def test_critic_train_is_refused_once_the_schedule_has_decayed_the_rate_to_zero(tiny):
+    """A decay to optim.min_lr=0 that ends before the PPO run does used to train every later pass at
+    rate 0: the critic silently stopped learning. Now those passes are refused, naming the keys."""
+    from openaligner.trainer.optim import OptimConfig, build_optimizer
+
+    server = make_trainer(tiny, combined=False, gbs=6, mbs=6)
+    cfg = OptimConfig(lr=1e-2, min_lr=0.0, scheduler="linear", decay_steps=2)
+    server.trainer.optimizer, server.trainer.scheduler = build_optimizer(server.model.parameters(), cfg, None)
+    tokens, _, mask = batch()
+    inputs = train_inputs(tokens, torch.randn(mask.shape), torch.zeros(mask.shape), mask)
+    lrs = []
+    for _ in range(2):  # steps 0 and 1 of the decay: rates 1e-2 and 5e-3
+        before = weights(server)
+        lrs.append(float(server.run_training(**inputs)["lr"][0]))
+        assert not same_weights(before, weights(server))
+    assert lrs == pytest.approx([1e-2, 5e-3])
+    before = weights(server)
+    with pytest.raises(RequestError, match=r"decayed to 0.*optim\.decay_steps.*optim\.min_lr > 0"):
+        server.run_training(**inputs)
+    assert same_weights(before, weights(server)) and server.trainer.step == 2
