@@ -401,6 +401,11 @@ def make_handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def make_server(engine: Engine, host: str, port: int) -> HTTPServer:
+    """The engine's HTTP server on ``host:port`` (0: any free port), not yet serving."""
+    return HTTPServer((host, port), make_handler(engine))
+
+
 def _exit_with_parent(parent: int, workdir: str | None) -> None:
     """End this process when the trainer that started it is gone (killed without a chance to
     stop the engine): an orphaned engine would hold its memory (and a GPU) for nothing. Its
@@ -446,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         watch = threading.Thread(target=_exit_with_parent, args=(args.parent_pid, args.workdir), daemon=True)
         watch.start()
     engine = Engine(args)
-    server = HTTPServer((args.host, args.port), make_handler(engine))
+    server = make_server(engine, args.host, args.port)
     tmp = args.ready_file + ".tmp"
     with open(tmp, "w") as f:
         json.dump({"port": server.server_address[1], "pid": os.getpid()}, f)
