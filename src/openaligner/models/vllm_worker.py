@@ -13,14 +13,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import secrets
 import shutil
 import struct
 import sys
+import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from typing import Any
 
 
@@ -37,9 +39,22 @@ class Conflict(BadRequest):
 
 
 class TooLarge(BadRequest):
-    """An upload that does not fit where the engine keeps pushed weights."""
+    """A body larger than the engine takes (an upload that does not fit, a JSON body over
+    :data:`MAX_JSON_BYTES`)."""
 
     code = 413
+
+
+class LengthRequired(BadRequest):
+    """A body without a ``Content-Length`` (chunked): the engine reads bodies of a known size only."""
+
+    code = 411
+
+
+class BodyTimeout(BadRequest):
+    """A body that stopped arriving before its ``Content-Length`` bytes (the client stalled)."""
+
+    code = 408
 
 
 LEASE_HEADER = "X-Openaligner-Lease"
@@ -63,19 +78,81 @@ MODEL_KEYS = (
 actor differs in any of them must not push its weights here."""
 
 
-def _int_list(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise BadRequest(f"{name} must be a list of integers")
+MAX_JSON_BYTES = 1 << 28
+"""The largest JSON body the engine reads (256 MiB: a /generate of thousands of long prompts is
+far smaller); a larger ``Content-Length`` is answered 413 before a byte of it is read."""
+
+MAX_SAFETENSORS_HEADER = 100_000_000
+"""The largest safetensors header an upload may carry (the safetensors library's own limit)."""
+
+SAFETENSORS_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+"""Bytes per element of the safetensors dtypes an upload may hold."""
+
+GENERATE_FIELDS = (
+    "prompts", "seeds", "greedy", "temperature", "top_k", "top_p",
+    "max_tokens", "min_tokens", "stop_token_ids",
+)  # fmt: skip
+"""The fields of a ``POST /generate`` body; any other is refused (a misspelt setting would be ignored)."""
+
+INT_LIMIT = 1 << 31  # token counts, top_k and token ids beyond this are no model's
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_list(value: Any, name: str, low: int = 0, high: int = INT_LIMIT) -> list[int]:
+    """``value`` as a list of integers in ``[low, high)``, or a 400 naming ``name``."""
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise BadRequest(f"{name} must be a list of integers, got {_short(value)}")
+    bad = [v for v in value if not low <= v < high]
+    if bad:
+        raise BadRequest(f"{name} must hold integers in [{low}, {high}), got {_short(bad[0])}")
     return value
 
 
-def _number(body: dict[str, Any], name: str, kind: type) -> Any:
+def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float) -> Any:
+    """``body[name]`` as a finite ``kind`` in ``[low, high]``, or a 400 naming ``name``."""
     value = body.get(name)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    if kind is float and _is_int(value):
         value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise BadRequest(f"{name} must be a {kind.__name__}, got {value!r}")
+    if not isinstance(value, kind) or isinstance(value, bool) or (kind is float and not math.isfinite(value)):
+        raise BadRequest(f"{name} must be a finite {kind.__name__}, got {_short(value)}")
+    if not low <= value <= high:
+        raise BadRequest(f"{name} must lie in [{low:g}, {high:g}], got {_short(value)}")
     return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _not_a_number(name: str) -> Any:
+    raise BadRequest(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadRequest(f"{text} is too large for a float (JSON has no Infinity)")
+    return value
+
+
+def parse_json(data: bytes) -> Any:
+    """A request body as JSON: UTF-8, no NaN/Infinity, nesting as deep as Python parses; anything
+    else is a :class:`BadRequest` naming what was wrong."""
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_not_a_number, parse_float=_finite)
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the body is not UTF-8 JSON ({e})") from None
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"the body is not JSON ({e})") from None
+    except RecursionError:
+        raise BadRequest("the body is not JSON this engine reads (nested too deep)") from None
 
 
 class Engine:
@@ -102,6 +179,10 @@ class Engine:
         self.workdir = os.path.realpath(args.workdir) if args.workdir else None
         self.standalone = args.standalone
         self.lease_ttl_s = args.lease_ttl_s
+        self.request_timeout_s = float(getattr(args, "request_timeout_s", 300.0))
+        # requests are read concurrently (a stalled client must not hold the others); the engine
+        # itself (vllm.LLM is not thread-safe, the lease, the weights file) serves one at a time
+        self.lock = threading.Lock()
         self.lease: str | None = None  # standalone: the attached trainer's lease
         self.holder = ""  # and who it is (for the message refusing a second one)
         self.last_seen = 0.0  # when the holder last sent a request (monotonic)
@@ -149,7 +230,8 @@ class Engine:
         holder renews its lease."""
         if not self.standalone:
             return
-        if self.lease is None or lease != self.lease:
+        given = (lease or "").encode("utf-8", "replace")
+        if self.lease is None or not secrets.compare_digest(given, self.lease.encode()):
             held = f"it is attached to {self.holder}" if self.lease is not None else "no trainer is attached"
             raise Conflict(
                 f"the {LEASE_HEADER} header must carry the lease from POST /attach ({held}; a lease "
@@ -191,10 +273,14 @@ class Engine:
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True}
 
-    def upload_weights(self, length: int | None, stream: Any) -> dict[str, Any]:
+    def upload_weights(self, length: int | None, stream: Any, lease: str | None) -> dict[str, Any]:
         """``PUT /weights``: the body (``Content-Length`` bytes, a safetensors file) becomes
-        ``weights_dir/model.safetensors`` once it has all arrived and its header agrees with its
-        size; a short or malformed body is refused and leaves nothing behind."""
+        ``weights_dir/model.safetensors`` once it has all arrived and its header describes exactly
+        its bytes; a short, stalled or malformed body is refused and leaves nothing behind (the
+        last whole upload stays). The body is received without the engine's lock, so a slow
+        upload does not hold other requests; ``lease`` is checked before and again after it."""
+        with self.lock:
+            self.check_lease(lease)
         if not self.standalone:
             raise BadRequest("PUT /weights is for a standalone engine (openaligner serve-rollout)")
         if length is None or length <= 8:
@@ -204,47 +290,58 @@ class Engine:
             raise TooLarge(
                 f"the weights ({length} bytes) do not fit in {self.weights_dir} ({free} bytes free)"
             )
-        final = os.path.join(self.weights_dir, WEIGHTS_FILE)
-        part = final + ".part"  # not *.safetensors: never loaded half-written
-        received = 0
+        # a name of its own (not *.safetensors: never loaded half-written)
+        fd, part = tempfile.mkstemp(suffix=".part", dir=self.weights_dir)
         try:
-            with open(part, "wb") as f:
-                while received < length:
-                    chunk = stream.read(min(1 << 20, length - received))
-                    if not chunk:
-                        break
-                    f.write(chunk)
-                    received += len(chunk)
-            if received != length:
-                raise BadRequest(f"PUT /weights: the body ended after {received} of {length} bytes")
+            with os.fdopen(fd, "wb") as f:
+                receive(stream, length, f.write, self.request_timeout_s)
             _check_safetensors(part, length)
-            os.replace(part, final)
+            with self.lock:
+                self.check_lease(lease)
+                os.replace(part, os.path.join(self.weights_dir, WEIGHTS_FILE))
         finally:
             _remove_file(part)
-        return {"bytes": received}
+        return {"bytes": length}
 
     def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /generate``: every field is checked (types, ranges, token ids inside the
+        served model's vocabulary, one seed per prompt) before anything reaches vLLM."""
         from vllm import SamplingParams
 
+        unknown = sorted(set(body) - set(GENERATE_FIELDS))
+        if unknown:
+            raise BadRequest(
+                f"unknown field(s) {', '.join(unknown)}; a /generate body has {', '.join(GENERATE_FIELDS)}"
+            )
+        vocab = self.model.get("vocab_size")
+        vocab = vocab if _is_int(vocab) and vocab > 0 else INT_LIMIT
         prompts = body.get("prompts")
         if not isinstance(prompts, list) or not prompts:
-            raise BadRequest("prompts must be a non-empty list of token-id lists")
-        prompts = [_int_list(p, "prompts[i]") for p in prompts]
+            raise BadRequest(f"prompts must be a non-empty list of token-id lists, got {_short(prompts)}")
+        prompts = [_int_list(p, f"prompts[{i}]", high=vocab) for i, p in enumerate(prompts)]
         if any(not p for p in prompts):
             raise BadRequest("prompts[i] must hold at least one token id")
-        seeds = _int_list(body.get("seeds"), "seeds")
+        seeds = _int_list(body.get("seeds"), "seeds", high=1 << 63)
         if len(seeds) != len(prompts):
             raise BadRequest(f"seeds must hold one seed per prompt ({len(prompts)}), got {len(seeds)}")
         greedy = body.get("greedy")
         if not isinstance(greedy, bool):
-            raise BadRequest("greedy must be true or false")
+            raise BadRequest(f"greedy must be true or false, got {_short(greedy)}")
+        # checked even when greedy ignores them: a bad value is the trainer's bug either way
+        temperature = _number(body, "temperature", float, 0.0, math.inf)
+        top_k = _number(body, "top_k", int, -1, INT_LIMIT - 1)  # -1 and 0: no top-k
+        top_p = _number(body, "top_p", float, 0.0, 1.0)
+        if top_p == 0.0:
+            raise BadRequest("top_p must lie in (0, 1], got 0.0")
+        max_tokens = _number(body, "max_tokens", int, 1, INT_LIMIT - 1)
+        min_tokens = _number(body, "min_tokens", int, 0, max_tokens)
         common = {
-            "temperature": 0.0 if greedy else _number(body, "temperature", float),
-            "top_k": 0 if greedy else _number(body, "top_k", int),
-            "top_p": 1.0 if greedy else _number(body, "top_p", float),
-            "max_tokens": _number(body, "max_tokens", int),
-            "min_tokens": _number(body, "min_tokens", int),
-            "stop_token_ids": _int_list(body.get("stop_token_ids"), "stop_token_ids"),
+            "temperature": 0.0 if greedy else temperature,
+            "top_k": 0 if greedy else top_k,
+            "top_p": 1.0 if greedy else top_p,
+            "max_tokens": max_tokens,
+            "min_tokens": min_tokens,
+            "stop_token_ids": _int_list(body.get("stop_token_ids"), "stop_token_ids", high=vocab),
             # only the trainer's stop ids end a response (they include its tokenizer's EOS);
             # min_tokens then bans exactly those
             "ignore_eos": True,
@@ -272,12 +369,11 @@ class Engine:
         path = body.get("path", self.weights_dir if self.standalone else None)
         if not isinstance(path, str) or not os.path.isdir(path):
             raise BadRequest(f"path must name a directory of .safetensors files, got {path!r}")
-        if (
-            self.workdir is not None
-            and os.path.commonpath([os.path.realpath(path), self.workdir]) != self.workdir
-        ):
-            # the engine loads only what was written into its own directory, never any file named to it
-            raise BadRequest(f"path must lie in the engine's directory {self.workdir}, got {path!r}")
+        if self.workdir is not None:
+            if os.path.commonpath([os.path.realpath(path), self.workdir]) != self.workdir:
+                # the engine loads only what was written into its own directory, never any file named to it
+                raise BadRequest(f"path must lie in the engine's directory {self.workdir}, got {path!r}")
+            path = os.path.realpath(path)  # what was checked is what is loaded
         if not any(name.endswith(".safetensors") for name in os.listdir(path)):
             raise BadRequest(f"{path} holds no .safetensors file: write or PUT /weights first")
         t0 = time.perf_counter()
@@ -295,21 +391,83 @@ def _remove_file(path: str) -> None:
         os.remove(path)
 
 
+def receive(stream: Any, length: int, sink: Any, timeout_s: float) -> None:
+    """Pass exactly ``length`` bytes of ``stream`` to ``sink``; a body that ends early or stalls
+    (the socket's timeout) is a :class:`BadRequest` (408 for a stall) naming how much came."""
+    received = 0
+    try:
+        while received < length:
+            chunk = stream.read(min(1 << 20, length - received))
+            if not chunk:
+                break
+            sink(chunk)
+            received += len(chunk)
+    except TimeoutError:
+        raise BodyTimeout(
+            f"the body stopped arriving after {received} of {length} bytes "
+            f"(nothing for {timeout_s:g} s; --request-timeout-s)"
+        ) from None
+    except OSError as e:  # the client went away mid-body
+        raise BadRequest(f"the body ended after {received} of {length} bytes ({e})") from None
+    if received != length:
+        raise BadRequest(f"the body ended after {received} of {length} bytes")
+
+
 def _check_safetensors(path: str, size: int) -> None:
-    """Refuse a file whose safetensors header does not describe exactly ``size`` bytes."""
+    """Refuse a file that is not a safetensors file whose tensors fill exactly its ``size`` bytes:
+    each tensor's bytes match its dtype and shape, and they tile the data with no gap or overlap
+    (what vLLM would otherwise find out while loading it, if at all)."""
+
+    def refuse(why: str) -> BadRequest:
+        return BadRequest(f"not a safetensors file of {size} bytes ({why})")
+
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        if n > size - 8:
-            raise BadRequest(f"PUT /weights: not a safetensors file (a header of {n} bytes in {size})")
-        try:
-            header = json.loads(f.read(n))
-            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            raise BadRequest("PUT /weights: not a safetensors file (its header is not valid)") from None
-    if not ends or max(ends) != size - 8 - n:
-        raise BadRequest(
-            f"PUT /weights: the safetensors header describes other data than the {size} bytes sent"
-        )
+        if n > min(size - 8, MAX_SAFETENSORS_HEADER):
+            raise refuse(f"its header length {n} exceeds the file or {MAX_SAFETENSORS_HEADER} bytes")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise refuse("its header is not UTF-8 JSON") from None
+    if not isinstance(header, dict):
+        raise refuse("its header is not a JSON object")
+    spans = []
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(t, dict):
+            raise refuse(f"tensor {_short(name)} is not an object")
+        dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+        if dtype not in SAFETENSORS_DTYPE_BYTES:
+            raise refuse(
+                f"tensor {_short(name)} has dtype {_short(dtype)}, "
+                f"not one of {', '.join(SAFETENSORS_DTYPE_BYTES)}"
+            )
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise refuse(f"tensor {_short(name)} has shape {_short(shape)}, not a list of sizes")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_int(o) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise refuse(f"tensor {_short(name)} has data_offsets {_short(offsets)}, not [begin, end]")
+        if offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_DTYPE_BYTES[dtype]:
+            raise refuse(
+                f"tensor {_short(name)}: data_offsets {offsets} do not hold {dtype} of shape {shape}"
+            )
+        spans.append((offsets[0], offsets[1], name))
+    if not spans:
+        raise refuse("its header describes no tensor")
+    spans.sort()
+    end = 0
+    for begin, stop, name in spans:
+        if begin != end:
+            raise refuse(f"tensor {_short(name)} begins at {begin}, not where the one before ends ({end})")
+        end = stop
+    if end != size - 8 - n:
+        raise refuse(f"its header describes other data than was sent: {end} bytes, not {size - 8 - n}")
 
 
 def _model_summary(model_dir: str) -> dict[str, Any]:
@@ -333,30 +491,54 @@ def make_handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
         "/detach": (engine.detach, True),
     }
 
+    methods = "GET /health or /info, POST " + ", ".join(routes) + ", PUT /weights"
+
     class Handler(BaseHTTPRequestHandler):
-        timeout = 300  # a client that stops sending must not hold the (one-request-at-a-time) server
+        # a client that stops sending is dropped (408) after this long; the others are served meanwhile
+        timeout = engine.request_timeout_s
 
         def _reply(self, code: int, payload: dict[str, Any]) -> None:
             data = json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError:  # the client is gone: nothing to answer
+                self.close_connection = True
 
-        def _length(self) -> int | None:
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """http.server's own refusals (an unknown method, a malformed request line or
+            header), as JSON like every other answer; an unknown method is the client's (405)."""
+            self.close_connection = True
+            if code == 501:
+                code, message = 405, f"no {self.command} method here; {methods}"
+            self._reply(code, {"error": f"{self.command} {self.path}: {message or explain}"})
+
+        def _length(self, limit: int | None) -> int | None:
+            if self.headers.get("Transfer-Encoding") is not None:
+                raise LengthRequired(
+                    f"Transfer-Encoding {self.headers['Transfer-Encoding']!r} is not read here: "
+                    "send the body with a Content-Length header"
+                )
             value = self.headers.get("Content-Length")
             if value is None:
                 return None
-            if not value.strip().isdigit():
+            value = value.strip()
+            if not (value.isascii() and value.isdigit()):
                 raise BadRequest(f"Content-Length must be a byte count, got {value!r}")
+            if limit is not None and int(value) > limit:
+                raise TooLarge(f"Content-Length {value} exceeds the {limit} bytes a JSON body may have")
             return int(value)
 
         def do_GET(self) -> None:
             if self.path == "/health":
                 self._reply(200, {"ok": True})
             elif self.path == "/info":
-                self._reply(200, engine.info())
+                with engine.lock:
+                    info = engine.info()
+                self._reply(200, info)
             else:
                 self._reply(404, {"error": f"no GET {self.path}; GET /health or /info"})
 
@@ -364,7 +546,8 @@ def make_handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
             if self.path != "/weights":
                 self._reply(404, {"error": f"no PUT {self.path}; PUT /weights"})
                 return
-            self._serve(lambda: engine.upload_weights(self._length(), self.rfile), lease=True)
+            lease = self.headers.get(LEASE_HEADER)
+            self._serve(lambda: engine.upload_weights(self._length(None), self.rfile, lease))
 
         def do_POST(self) -> None:
             route = routes.get(self.path)
@@ -374,23 +557,27 @@ def make_handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
             operation, lease = route
 
             def call() -> dict[str, Any]:
-                body = json.loads(self.rfile.read(self._length() or 0) or b"null")
+                if lease:  # before reading: a client without the lease is not read at all
+                    with engine.lock:
+                        engine.check_lease(self.headers.get(LEASE_HEADER))
+                data = bytearray()
+                receive(self.rfile, self._length(MAX_JSON_BYTES) or 0, data.extend, engine.request_timeout_s)
+                body = parse_json(bytes(data) or b"null")
                 if not isinstance(body, dict):
-                    raise BadRequest("the body must be a JSON object")
-                return dict(operation(body))
+                    raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+                with engine.lock:  # and again with the engine: the lease may have lapsed meanwhile
+                    if lease:
+                        engine.check_lease(self.headers.get(LEASE_HEADER))
+                    return dict(operation(body))
 
-            self._serve(call, lease)
+            self._serve(call)
 
-        def _serve(self, call: Any, lease: bool) -> None:
+        def _serve(self, call: Any) -> None:
             try:
-                if lease:
-                    engine.check_lease(self.headers.get(LEASE_HEADER))
                 self._reply(200, call())
             except BadRequest as e:
                 self.close_connection = True  # the body may be partly unread
                 self._reply(e.code, {"error": f"{self.command} {self.path}: {e}"})
-            except json.JSONDecodeError as e:
-                self._reply(400, {"error": f"{self.command} {self.path}: the body is not JSON ({e})"})
             except Exception as e:  # the engine's own failure: answered, logged, and the server goes on
                 print(f"{self.path} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 self._reply(500, {"error": f"{self.path}: {type(e).__name__}: {e}"})
@@ -402,8 +589,12 @@ def make_handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
 
 
 def make_server(engine: Engine, host: str, port: int) -> HTTPServer:
-    """The engine's HTTP server on ``host:port`` (0: any free port), not yet serving."""
-    return HTTPServer((host, port), make_handler(engine))
+    """The engine's HTTP server on ``host:port`` (0: any free port), not yet serving: a thread per
+    connection reads requests (a stalled client holds only its own), the engine serves them one
+    at a time (:attr:`Engine.lock`)."""
+    server = ThreadingHTTPServer((host, port), make_handler(engine))
+    server.daemon_threads = True
+    return server
 
 
 def _exit_with_parent(parent: int, workdir: str | None) -> None:
@@ -441,6 +632,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--lease-ttl-s", type=float, default=60.0, help="a lease lapses this long after its last request"
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=300.0,
+        help="a client that sends nothing for this long mid-request is answered 408 and dropped",
     )
     return p
 

@@ -39,8 +39,15 @@ class FakeLLM:
         self.generated.append((prompts, sampling_params))
         step = types.SimpleNamespace
         return [
-            step(outputs=[step(token_ids=[7, 2], logprobs=[{7: step(logprob=-0.5)}, {2: step(logprob=-0.25)}],
-                               finish_reason="stop")])
+            step(
+                outputs=[
+                    step(
+                        token_ids=[7, 2],
+                        logprobs=[{7: step(logprob=-0.5)}, {2: step(logprob=-0.25)}],
+                        finish_reason="stop",
+                    )
+                ]
+            )
             for _ in prompts
         ]
 
@@ -82,7 +89,9 @@ def ctx(tmp_path, monkeypatch):
     server.server_close()
 
 
-def call(port: int, method: str, path: str, body: Any = None, headers: dict | None = None, timeout: float = 10.0):
+def call(
+    port: int, method: str, path: str, body: Any = None, headers: dict | None = None, timeout: float = 10.0
+):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     conn.request(method, path, body=data, headers=headers or {})
@@ -108,7 +117,8 @@ def raw_request(port: int, head: bytes, body: bytes = b"", wait_s: float = 10.0)
             head_end = data.find(b"\r\n\r\n")
             if head_end >= 0:
                 length = [
-                    int(line.split(b":")[1]) for line in data[:head_end].split(b"\r\n")
+                    int(line.split(b":")[1])
+                    for line in data[:head_end].split(b"\r\n")
                     if line.lower().startswith(b"content-length:")
                 ]
                 if length and len(data) >= head_end + 4 + length[0]:
@@ -192,19 +202,57 @@ def test_nan_and_infinity_are_not_json_numbers(ctx, path, constant):
 
 
 BAD_GENERATE = [
-    ("prompts", None), ("prompts", {}), ("prompts", "1 2 3"), ("prompts", []), ("prompts", [[]]),
-    ("prompts", [["1"], [2]]), ("prompts", [[1.0], [2]]), ("prompts", [[True], [2]]), ("prompts", [[-1], [2]]),
-    ("prompts", [[100], [2]]), ("prompts", [[2**70], [2]]), ("prompts", [[1], 2]),
-    ("seeds", None), ("seeds", [1]), ("seeds", [1, 2, 3]), ("seeds", ["1", "2"]), ("seeds", [1.0, 2.0]),
-    ("seeds", [-1, 2]), ("seeds", [2**64, 1]), ("seeds", [True, 2]),
-    ("greedy", None), ("greedy", "true"), ("greedy", 1),
-    ("temperature", None), ("temperature", -0.5), ("temperature", "1.0"), ("temperature", True),
-    ("top_k", -2), ("top_k", 1.5), ("top_k", "5"), ("top_k", True), ("top_k", 2**70),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.1), ("top_p", "0.5"), ("top_p", None),
-    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", "4"), ("max_tokens", True),
+    ("prompts", None),
+    ("prompts", {}),
+    ("prompts", "1 2 3"),
+    ("prompts", []),
+    ("prompts", [[]]),
+    ("prompts", [["1"], [2]]),
+    ("prompts", [[1.0], [2]]),
+    ("prompts", [[True], [2]]),
+    ("prompts", [[-1], [2]]),
+    ("prompts", [[100], [2]]),
+    ("prompts", [[2**70], [2]]),
+    ("prompts", [[1], 2]),
+    ("seeds", None),
+    ("seeds", [1]),
+    ("seeds", [1, 2, 3]),
+    ("seeds", ["1", "2"]),
+    ("seeds", [1.0, 2.0]),
+    ("seeds", [-1, 2]),
+    ("seeds", [2**64, 1]),
+    ("seeds", [True, 2]),
+    ("greedy", None),
+    ("greedy", "true"),
+    ("greedy", 1),
+    ("temperature", None),
+    ("temperature", -0.5),
+    ("temperature", "1.0"),
+    ("temperature", True),
+    ("top_k", -2),
+    ("top_k", 1.5),
+    ("top_k", "5"),
+    ("top_k", True),
+    ("top_k", 2**70),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_p", -0.1),
+    ("top_p", "0.5"),
+    ("top_p", None),
+    ("max_tokens", 0),
+    ("max_tokens", -1),
+    ("max_tokens", 1.5),
+    ("max_tokens", "4"),
+    ("max_tokens", True),
     ("max_tokens", 2**70),
-    ("min_tokens", -1), ("min_tokens", 5), ("min_tokens", "0"), ("min_tokens", None),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [100]), ("stop_token_ids", "2"), ("stop_token_ids", [2.0]),
+    ("min_tokens", -1),
+    ("min_tokens", 5),
+    ("min_tokens", "0"),
+    ("min_tokens", None),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", [100]),
+    ("stop_token_ids", "2"),
+    ("stop_token_ids", [2.0]),
     ("stop_token_ids", None),
 ]
 
@@ -233,7 +281,7 @@ def test_a_bad_attach_field_is_refused_and_the_holder_keeps_the_engine(ctx, fiel
         value = 5
     body = {"client": "b:2", field: value}
     status, reply = call(ctx.port, "POST", "/attach", body)
-    assert status in (400, 409) and field in reply["error"] or "another trainer" in reply["error"]
+    assert (status in (400, 409) and field in reply["error"]) or "another trainer" in reply["error"]
     assert_still_serving(ctx)
 
 
@@ -262,9 +310,16 @@ def test_a_request_without_the_holders_lease_is_refused_and_changes_nothing(ctx,
 @pytest.mark.parametrize(
     ("method", "path"),
     [
-        ("DELETE", "/weights"), ("PATCH", "/generate"), ("OPTIONS", "/info"), ("GET", "/generate"),
-        ("POST", "/weights"), ("PUT", "/generate"), ("GET", "/../../etc/passwd"), ("POST", "/generate/../attach"),
-        ("GET", "/info?x=1"), ("POST", "//generate"),
+        ("DELETE", "/weights"),
+        ("PATCH", "/generate"),
+        ("OPTIONS", "/info"),
+        ("GET", "/generate"),
+        ("POST", "/weights"),
+        ("PUT", "/generate"),
+        ("GET", "/../../etc/passwd"),
+        ("POST", "/generate/../attach"),
+        ("GET", "/info?x=1"),
+        ("POST", "//generate"),
     ],
 )
 def test_an_unknown_method_or_path_gets_a_4xx_json_error(ctx, method, path):
@@ -275,7 +330,18 @@ def test_an_unknown_method_or_path_gets_a_4xx_json_error(ctx, method, path):
 
 
 @pytest.mark.parametrize(
-    "path", ["{w}/..", "{w}/../..", "/etc", "/", "weights/../../..", "{w}/weights/../../x", "{w}/link", 5, "a\u0000b"]
+    "path",
+    [
+        "{w}/..",
+        "{w}/../..",
+        "/etc",
+        "/",
+        "weights/../../..",
+        "{w}/weights/../../x",
+        "{w}/link",
+        5,
+        "a\u0000b",
+    ],
 )
 def test_a_reload_path_outside_the_engines_directory_is_refused(ctx, tmp_path, path):
     outside = tmp_path / "outside"
@@ -305,14 +371,22 @@ def head(method: str, path: str, c: Ctx, extra: str) -> bytes:
 def test_a_json_body_larger_than_the_limit_is_refused_before_it_is_read(ctx, path):
     size = vllm_worker.MAX_JSON_BYTES + 1
     t0 = time.monotonic()
-    assert_refused(raw_request(ctx.port, head("POST", path, ctx, f"Content-Length: {size}\r\n"), b"{}"), 413,
-                   "Content-Length", str(vllm_worker.MAX_JSON_BYTES))
+    assert_refused(
+        raw_request(ctx.port, head("POST", path, ctx, f"Content-Length: {size}\r\n"), b"{}"),
+        413,
+        "Content-Length",
+        str(vllm_worker.MAX_JSON_BYTES),
+    )
     assert time.monotonic() - t0 < TIMEOUT_S  # answered at once, not after waiting for the body
-    assert_refused(raw_request(ctx.port, head("POST", path, ctx, f"Content-Length: {10**18}\r\n"), b"{}"), 413)
+    assert_refused(
+        raw_request(ctx.port, head("POST", path, ctx, f"Content-Length: {10**18}\r\n"), b"{}"), 413
+    )
     assert_still_serving(ctx)
 
 
-@pytest.mark.parametrize(("method", "path"), [("POST", "/generate"), ("POST", "/heartbeat"), ("PUT", "/weights")])
+@pytest.mark.parametrize(
+    ("method", "path"), [("POST", "/generate"), ("POST", "/heartbeat"), ("PUT", "/weights")]
+)
 def test_chunked_transfer_encoding_is_refused_naming_content_length(ctx, method, path):
     chunked = b"2\r\n{}\r\n0\r\n\r\n"
     reply = raw_request(ctx.port, head(method, path, ctx, "Transfer-Encoding: chunked\r\n"), chunked)
@@ -320,14 +394,18 @@ def test_chunked_transfer_encoding_is_refused_naming_content_length(ctx, method,
     assert_still_serving(ctx)
 
 
-@pytest.mark.parametrize(("method", "path"), [("POST", "/generate"), ("POST", "/heartbeat"), ("PUT", "/weights")])
-def test_a_body_shorter_than_its_content_length_is_answered_408_and_the_server_serves_others(ctx, method, path):
+@pytest.mark.parametrize(
+    ("method", "path"), [("POST", "/generate"), ("POST", "/heartbeat"), ("PUT", "/weights")]
+)
+def test_a_body_shorter_than_its_content_length_is_answered_408_and_the_server_serves_others(
+    ctx, method, path
+):
     body = a_good_file() if method == "PUT" else json.dumps(good_generate()).encode()
     with socket.create_connection(("127.0.0.1", ctx.port), timeout=10) as s:
         s.sendall(head(method, path, ctx, f"Content-Length: {len(body) + 1000}\r\n") + body)
         t0 = time.monotonic()
         # while that client keeps its connection open and sends nothing more, others are served
-        code, out = call(ctx.port, "POST", "/generate", good_generate(), lease(ctx), timeout=TIMEOUT_S * 3)
+        code, _out = call(ctx.port, "POST", "/generate", good_generate(), lease(ctx), timeout=TIMEOUT_S * 3)
         assert code == 200 and time.monotonic() - t0 < TIMEOUT_S / 2
         data = s.recv(65536)
     status = int(data.split(b" ", 2)[1])
@@ -376,9 +454,15 @@ MALFORMED = {
         },
         b"\0" * 12,
     ),
-    "unknown dtype": safetensors_bytes({"w": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8),
-    "negative shape": safetensors_bytes({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8),
-    "offsets backwards": safetensors_bytes({"w": {"dtype": "U8", "shape": [0], "data_offsets": [8, 0]}}, b"\0" * 8),
+    "unknown dtype": safetensors_bytes(
+        {"w": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8
+    ),
+    "negative shape": safetensors_bytes(
+        {"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8
+    ),
+    "offsets backwards": safetensors_bytes(
+        {"w": {"dtype": "U8", "shape": [0], "data_offsets": [8, 0]}}, b"\0" * 8
+    ),
     "tensor not an object": safetensors_bytes({"w": [0, 8]}, b"\0" * 8),
 }
 
@@ -387,7 +471,10 @@ MALFORMED = {
 def test_a_malformed_safetensors_upload_is_refused_and_leaves_nothing(ctx, data):
     assert_refused(call(ctx.port, "PUT", "/weights", data, lease(ctx)), 400, "safetensors")
     assert_still_serving(ctx)
-    assert call(ctx.port, "PUT", "/weights", a_good_file(), lease(ctx)) == (200, {"bytes": len(a_good_file())})
+    assert call(ctx.port, "PUT", "/weights", a_good_file(), lease(ctx)) == (
+        200,
+        {"bytes": len(a_good_file())},
+    )
     assert call(ctx.port, "POST", "/reload_weights", {}, lease(ctx))[0] == 200
 
 
@@ -396,7 +483,9 @@ def test_an_upload_cut_off_mid_body_leaves_no_partial_file_and_keeps_the_last_wh
     assert call(ctx.port, "PUT", "/weights", a_good_file(), lease(ctx))[0] == 200
     big = safetensors_bytes({"w": {"dtype": "U8", "shape": [1 << 22], "data_offsets": [0, 1 << 22]}}, b"")
     with socket.create_connection(("127.0.0.1", ctx.port), timeout=10) as s:
-        s.sendall(head("PUT", "/weights", ctx, f"Content-Length: {len(big) + (1 << 22)}\r\n") + big + b"\1" * 65536)
+        s.sendall(
+            head("PUT", "/weights", ctx, f"Content-Length: {len(big) + (1 << 22)}\r\n") + big + b"\1" * 65536
+        )
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, not a FIN
     for _ in range(50):
         if [p.name for p in weights.parent.iterdir()] == ["model.safetensors"]:
@@ -412,7 +501,7 @@ def test_a_bad_client_does_not_fail_a_good_clients_requests(ctx):
     errors: list[Any] = []
 
     def bad() -> None:
-        for body in NOT_AN_OBJECT[:6] + [json.dumps({**good_generate(), "top_p": 7}).encode()]:
+        for body in [*NOT_AN_OBJECT[:6], json.dumps({**good_generate(), "top_p": 7}).encode()]:
             status, _ = call(ctx.port, "POST", "/generate", body, lease(ctx))
             if status != 400:
                 errors.append(status)
