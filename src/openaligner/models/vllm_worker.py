@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 
 
 class BadRequest(ValueError):
@@ -116,12 +116,15 @@ def _int_list(value: Any, name: str, low: int = 0, high: int = INT_LIMIT) -> lis
 
 def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float) -> Any:
     """``body[name]`` as a finite ``kind`` in ``[low, high]``, or a 400 naming ``name``."""
-    value = body.get(name)
+    value: Any = body.get(name)
     if kind is float and _is_int(value):
         value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) or (kind is float and not math.isfinite(value)):
+    if type(value) is not kind:  # True is no int here
         raise BadRequest(f"{name} must be a finite {kind.__name__}, got {_short(value)}")
-    if not low <= value <= high:
+    number = cast(float, value)
+    if not math.isfinite(number):
+        raise BadRequest(f"{name} must be a finite {kind.__name__}, got {_short(value)}")
+    if not low <= number <= high:
         raise BadRequest(f"{name} must lie in [{low:g}, {high:g}], got {_short(value)}")
     return value
 
@@ -313,8 +316,8 @@ class Engine:
             raise BadRequest(
                 f"unknown field(s) {', '.join(unknown)}; a /generate body has {', '.join(GENERATE_FIELDS)}"
             )
-        vocab = self.model.get("vocab_size")
-        vocab = vocab if _is_int(vocab) and vocab > 0 else INT_LIMIT
+        size = self.model.get("vocab_size")
+        vocab: int = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else INT_LIMIT
         prompts = body.get("prompts")
         if not isinstance(prompts, list) or not prompts:
             raise BadRequest(f"prompts must be a non-empty list of token-id lists, got {_short(prompts)}")
