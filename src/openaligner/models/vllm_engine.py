@@ -433,7 +433,9 @@ class VLLMRolloutEngine(RolloutEngine):
             "min_tokens": s.min_new_tokens,
             "stop_token_ids": list(s.stop_token_ids),
         }
-        out = _on_leader(lambda: self._post("/generate", body))
+        out = _on_leader(
+            lambda: check_generate_reply(self._post("/generate", body), len(body["prompts"]), self.url)
+        )
         start = sum(len(prompts) for prompts, _ in rows[: dp.rank()])
         mine = slice(start, start + len(plens))
         responses, lps, finish = out["token_ids"][mine], out["logprobs"][mine], out["finish_reasons"][mine]
@@ -532,7 +534,7 @@ class VLLMRolloutEngine(RolloutEngine):
         req = urllib.request.Request(self.url + path, data=data, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.cfg.request_timeout_s) as r:
-                return dict(json.loads(r.read()))
+                raw = r.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")
             raise RolloutEngineError(
@@ -551,6 +553,18 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"({type(e).__name__}: {e}; rollout.vllm.request_timeout_s={self.cfg.request_timeout_s:g})"
             ) from None
 
+        try:
+            reply = json.loads(raw)
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
+            # a KeyError or JSONDecodeError here would leave the other ranks waiting in _on_leader
+            raise RolloutEngineError(
+                f"the vllm rollout engine at {self.url} answered {path} with other than a JSON object: "
+                f"{raw[:200]!r}"
+            )
+        return reply
+
     def _describe_exit(self) -> str:
         assert self.proc is not None
         rc = self.proc.returncode
@@ -563,6 +577,34 @@ class VLLMRolloutEngine(RolloutEngine):
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
+
+
+def check_generate_reply(out: dict[str, Any], rows: int, url: str | None) -> dict[str, Any]:
+    """``out``, a ``POST /generate`` answer, if it holds ``rows`` rows of ``token_ids`` (non-negative
+    integers), ``logprobs`` (one number per token) and ``finish_reasons`` (strings); otherwise a
+    :class:`RolloutEngineError` (not an IndexError deep in :meth:`VLLMRolloutEngine.generate`)."""
+    tokens, lps, finish = out.get("token_ids"), out.get("logprobs"), out.get("finish_reasons")
+    ok = (
+        isinstance(tokens, list)
+        and isinstance(lps, list)
+        and isinstance(finish, list)
+        and len(tokens) == len(lps) == len(finish) == rows
+        and all(isinstance(f, str) for f in finish)
+        and all(
+            isinstance(t, list)
+            and isinstance(lp, list)
+            and len(t) == len(lp)
+            and all(type(x) is int and x >= 0 for x in t)
+            and all(type(x) in (int, float) for x in lp)
+            for t, lp in zip(tokens, lps, strict=True)
+        )
+    )
+    if not ok:
+        raise RolloutEngineError(
+            f"the vllm rollout engine at {url} answered /generate with other than {rows} rows of token_ids "
+            f"(ids >= 0), logprobs (one number per token) and finish_reasons (strings): {str(out)[:300]}"
+        )
+    return out
 
 
 def _on_leader(work: Callable[[], T]) -> T:

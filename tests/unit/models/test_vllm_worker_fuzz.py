@@ -6,6 +6,7 @@ lease intact and no stray file in its directory. test_vllm_worker_server.py cove
 from __future__ import annotations
 
 import http.client
+import http.server
 import json
 import socket
 import struct
@@ -518,3 +519,68 @@ def test_a_bad_client_does_not_fail_a_good_clients_requests(ctx):
         t.join()
     assert errors == []
     assert_still_serving(ctx, generated_before=10)
+
+
+# ---------------------------------------------------------------------------- the trainer's side
+GOOD_REPLY = {
+    "token_ids": [[7, 2], [3]],
+    "logprobs": [[-0.5, -0.25], [-1.0]],
+    "finish_reasons": ["stop", "length"],
+}
+BAD_REPLIES = [
+    {},
+    {**GOOD_REPLY, "token_ids": [[7, 2]]},  # a row short
+    {**GOOD_REPLY, "logprobs": [[-0.5], [-1.0]]},  # fewer log-probs than tokens
+    {**GOOD_REPLY, "token_ids": [[7, "2"], [3]]},
+    {**GOOD_REPLY, "token_ids": [[7, -2], [3]]},
+    {**GOOD_REPLY, "logprobs": [[-0.5, None], [-1.0]]},
+    {**GOOD_REPLY, "finish_reasons": ["stop", None]},
+    {**GOOD_REPLY, "token_ids": "7 2"},
+]
+
+
+@pytest.mark.parametrize("reply", BAD_REPLIES, ids=lambda r: str(r)[:30])
+def test_the_trainer_refuses_a_malformed_generate_answer_with_an_engine_error(reply):
+    from openaligner.models.rollout_engine import RolloutEngineError
+    from openaligner.models.vllm_engine import check_generate_reply
+
+    assert check_generate_reply(GOOD_REPLY, 2, "http://e") is GOOD_REPLY
+    with pytest.raises(RolloutEngineError, match=r"http://e answered /generate with other than 2 rows"):
+        check_generate_reply(reply, 2, "http://e")
+
+
+@pytest.mark.parametrize("answer", [b"not json", b"[1, 2]", b"null", b"\xff"])
+def test_the_trainer_refuses_an_answer_that_is_not_a_json_object_with_an_engine_error(answer):
+    """Not a JSONDecodeError or TypeError: on rank 0 of a multi-rank run only RolloutEngineError
+    reaches the other ranks (``_on_leader``); anything else leaves them waiting."""
+    from http.server import BaseHTTPRequestHandler
+
+    from openaligner.models.rollout_engine import RolloutEngineError
+    from openaligner.models.vllm_engine import VLLMRolloutEngine
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        # the transport alone: _post reads only these attributes of its engine
+        engine = types.SimpleNamespace(
+            url=f"http://127.0.0.1:{server.server_address[1]}",
+            lease=None,
+            proc=None,
+            cfg=types.SimpleNamespace(request_timeout_s=5.0),
+        )
+        with pytest.raises(RolloutEngineError, match=r"answered /heartbeat with other than a JSON object"):
+            VLLMRolloutEngine._post(engine, "/heartbeat", {})  # type: ignore[arg-type]
+    finally:
+        server.shutdown()
+        server.server_close()
