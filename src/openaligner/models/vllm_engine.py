@@ -433,9 +433,8 @@ class VLLMRolloutEngine(RolloutEngine):
             "min_tokens": s.min_new_tokens,
             "stop_token_ids": list(s.stop_token_ids),
         }
-        out = _on_leader(
-            lambda: check_generate_reply(self._post("/generate", body), len(body["prompts"]), self.url)
-        )
+        n_rows = sum(len(prompts) for prompts, _ in rows)
+        out = _on_leader(lambda: check_generate_reply(self._post("/generate", body), n_rows, self.url))
         start = sum(len(prompts) for prompts, _ in rows[: dp.rank()])
         mine = slice(start, start + len(plens))
         responses, lps, finish = out["token_ids"][mine], out["logprobs"][mine], out["finish_reasons"][mine]
