@@ -80,7 +80,7 @@ def ctx(tmp_path, monkeypatch):
     args.request_timeout_s = TIMEOUT_S
     llm = FakeLLM()
     server = vllm_worker.make_server(vllm_worker.Engine(args, llm=llm), "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()  # quick shutdown
     port = server.server_address[1]
     code, reply = call(port, "POST", "/attach", {"client": "fuzz:1"})
     assert code == 200
@@ -407,7 +407,7 @@ def test_a_body_shorter_than_its_content_length_is_answered_408_and_the_server_s
         t0 = time.monotonic()
         # while that client keeps its connection open and sends nothing more, others are served
         code, _out = call(ctx.port, "POST", "/generate", good_generate(), lease(ctx), timeout=TIMEOUT_S * 3)
-        assert code == 200 and time.monotonic() - t0 < TIMEOUT_S / 2
+        assert code == 200 and time.monotonic() - t0 < TIMEOUT_S  # before that client is dropped
         data = b""
         while chunk := s.recv(65536):  # the engine closes the connection after its answer
             data += chunk
