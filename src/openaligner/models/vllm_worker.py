@@ -3,8 +3,9 @@ run by the rollout environment's Python (``rollout.vllm.python``), never importe
 
 Owns the endpoints (``/health``, ``/info``, ``/generate``, ``/reload_weights``; standalone, for
 ``openaligner serve-rollout``: the one-trainer lease and weight uploads), read on a thread per
-connection and served one at a time; a malformed request gets a 4xx JSON error naming the field. Must not import anything but the standard library and
-vLLM (it runs in a virtualenv without the project: ``python -I``).
+connection and served one at a time; a malformed request gets a 4xx JSON error naming the field.
+Must not import anything but the standard library and vLLM (it runs in a virtualenv without the
+project: ``python -I``).
 Design notes (the wire format): docs/rollout-engine.md, "Module notes".
 """
 
