@@ -122,6 +122,26 @@ def test_after_a_weight_push_the_engine_generates_the_trainers_tokens_and_logpro
             refused.value.code == 400
             and "seeds must hold one seed per prompt" in refused.value.read().decode()
         )
+        # a prompt with no room for max_tokens in the engine's window: vLLM's own check would be a
+        # 500 (a full window) or a response cut short unfinished; the worker refuses it, naming the keys
+        with urllib.request.urlopen(engine.url + "/info", timeout=60) as r:
+            window = json.loads(r.read())["max_model_len"]
+        assert isinstance(window, int) and window > 0
+        long_prompt = {
+            "prompts": [[5] * (window - 3)],
+            "seeds": [0],
+            "greedy": True,
+            "temperature": 1.0,
+            "top_k": 0,
+            "top_p": 1.0,
+            "max_tokens": 4,
+            "min_tokens": 0,
+            "stop_token_ids": [1],
+        }
+        over = urllib.request.Request(engine.url + "/generate", data=json.dumps(long_prompt).encode())
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(over, timeout=60)
+        assert refused.value.code == 400 and f"max_model_len={window}" in refused.value.read().decode()
 
         # new weights: the engine must generate from them after the push, and only then
         with torch.no_grad():

@@ -209,6 +209,7 @@ class Engine:
 
             llm = LLM(**kwargs)
         self.llm = llm
+        self.max_model_len = _max_model_len(llm)
 
     @property
     def weights_dir(self) -> str:
@@ -227,6 +228,7 @@ class Engine:
             "workdir": self.workdir,
             "lease": lease,
             "lease_ttl_s": self.lease_ttl_s,
+            "max_model_len": self.max_model_len,
         }
 
     def check_lease(self, lease: str | None) -> None:
@@ -339,6 +341,19 @@ class Engine:
             raise BadRequest("top_p must lie in (0, 1], got 0.0")
         max_tokens = _number(body, "max_tokens", int, 1, INT_LIMIT - 1)
         min_tokens = _number(body, "min_tokens", int, 0, max_tokens)
+        if self.max_model_len is not None:
+            # vLLM refuses only a prompt that fills the window (a ValueError, once a 500); a prompt
+            # that leaves less room than max_tokens would end at the window unfinished, and a
+            # trainer that gates unfinished responses would learn nothing from it: refused whole
+            for i, p in enumerate(prompts):
+                if len(p) + max_tokens > self.max_model_len:
+                    raise BadRequest(
+                        f"prompts[{i}] has {len(p)} tokens: with max_tokens={max_tokens} that is "
+                        f"{len(p) + max_tokens}, over the engine's max_model_len={self.max_model_len}; "
+                        "start the engine with a larger max_model_len (rollout.vllm.max_model_len, or "
+                        "serve-rollout's vllm.max_model_len; 0 = the model's own limit) or shorten the "
+                        "prompts or the responses (data.seq_length, trainer.length.max_length)"
+                    )
         common = {
             "temperature": 0.0 if greedy else temperature,
             "top_k": 0 if greedy else top_k,
@@ -388,6 +403,14 @@ class Engine:
         if self.standalone:  # loaded: a second copy of the model in shared memory would be waste
             _remove_file(os.path.join(path, WEIGHTS_FILE))
         return {"seconds": time.perf_counter() - t0}
+
+
+def _max_model_len(llm: Any) -> int | None:
+    """The longest prompt + response ``llm`` serves (vLLM's resolved ``max_model_len``: the
+    flag, else the model's own limit); None when the engine does not say."""
+    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    value = getattr(config, "max_model_len", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _remove_file(path: str) -> None:

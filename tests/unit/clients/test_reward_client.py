@@ -168,7 +168,9 @@ def test_readiness_timeout_names_host_port_model_and_what_to_check():
     with pytest.raises(ServerTimeoutError) as info, client_for(port, init_timeout_s=0.6):
         pass
     message = str(info.value)
-    assert time.monotonic() - started < 3.0
+    # the bound sits far from a correct run's 0.6 s under load and far below the defect it guards
+    # (waiting out a default readiness timeout of minutes)
+    assert time.monotonic() - started < 10.0
     assert f"http://127.0.0.1:{port} (model 'reward_model')" in message
     assert "connection refused" in message and "init_timeout_s=0.6" in message
     assert "openaligner serve-reward" in message and "server.port" in message
@@ -257,7 +259,9 @@ def test_close_never_hangs_and_settles_every_future(fake):
     time.sleep(0.3)  # the first is in flight, the others queued
     started = time.monotonic()
     rm._client.close(timeout_s=0.5)
-    assert time.monotonic() - started < 2.0
+    # a hanging close waits for the stuck request (10 s) or its timeout (30 s); 6 s leaves a
+    # loaded machine room above the 0.5 s a correct close takes
+    assert time.monotonic() - started < 6.0
     assert all(f.done() for f in futures)
     with pytest.raises(ClientClosedError):
         futures[0].result()

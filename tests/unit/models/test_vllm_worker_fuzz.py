@@ -33,6 +33,9 @@ class SamplingParams:
 class FakeLLM:
     """What the worker calls on ``vllm.LLM``; records generate calls and reloads."""
 
+    # vLLM's resolved window (prompt + response), as ``LLM.llm_engine.model_config`` reports it
+    llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=64))
+
     def __init__(self) -> None:
         self.generated: list[tuple[list, list]] = []
         self.reloads: list[str] = []
@@ -269,6 +272,23 @@ def test_a_bad_generate_field_is_refused_naming_it_and_never_reaches_vllm(ctx, f
     assert_refused(call(ctx.port, "POST", "/generate", body, lease(ctx)), 400, field)
     assert ctx.llm.generated == []
     assert_still_serving(ctx)
+
+
+def test_a_prompt_without_room_for_max_tokens_in_the_window_is_refused_naming_the_keys(ctx):
+    assert call(ctx.port, "GET", "/info")[1]["max_model_len"] == 64
+    fits = {**good_generate(), "prompts": [[5] * 60, [5]], "max_tokens": 4}
+    assert call(ctx.port, "POST", "/generate", fits, lease(ctx))[0] == 200  # 60 + 4 = 64 fits
+    over = {**fits, "prompts": [[5], [5] * 61]}
+    assert_refused(
+        call(ctx.port, "POST", "/generate", over, lease(ctx)),
+        400,
+        "prompts[1] has 61 tokens",
+        "max_model_len=64",
+        "rollout.vllm.max_model_len",
+        "data.seq_length",
+    )
+    assert len(ctx.llm.generated) == 1  # the refused request never reached vLLM
+    assert_still_serving(ctx, generated_before=1)
 
 
 def test_an_unknown_generate_field_is_refused_naming_it(ctx):
