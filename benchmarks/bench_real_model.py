@@ -48,7 +48,7 @@ GOLD_FUNCTION = "openaligner.tasks.reverse_text:gold_reward"
 MAX_NEW_TOKENS = 24
 SEQ_LENGTH = 80  # prompts are ~35 Gemma tokens (BOS included) + 24 new tokens
 WORDS = (2, 3)  # words per text (min, max): reversals of ≤ 3 words fit 24 tokens
-N_TRAIN, N_EVAL, N_VAL = 512, 32, 16
+N_TRAIN, N_VAL = 512, 16  # held-out prompts: --eval-prompts (the first N_VAL validate)
 ROLLOUTS_PER_STEP = 8  # responses per step for both algorithms: PPO 8 prompts × 1, GRPO 2 × 4
 GRPO_SAMPLES = 4
 
@@ -57,13 +57,13 @@ def _openaligner(*args: str) -> list[str]:
     return [sys.executable, "-m", "openaligner", *args]
 
 
-def write_data(data_dir: Path, seed: int) -> None:
+def write_data(data_dir: Path, seed: int, n_eval: int) -> None:
     """Train prompts (train split) and held-out prompts (held-out split; the first N_VAL validate)."""
     from openaligner.tasks.reverse_text import ReverseTextConfig, prompt_records
 
     cfg = ReverseTextConfig(min_words=WORDS[0], max_words=WORDS[1])
     data_dir.mkdir(parents=True, exist_ok=True)
-    for name, held_out, n in (("train", False, N_TRAIN), ("heldout", True, N_EVAL)):
+    for name, held_out, n in (("train", False, N_TRAIN), ("heldout", True, n_eval)):
         records = prompt_records(seed, n, held_out, cfg)
         (data_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -104,11 +104,42 @@ class Server:
             self.proc.wait()
 
 
-def train(
-    model: Path, run_dir: Path, algorithm: str, seed: int, steps: int, lr: float, beta: float, max_time: str
-) -> dict[str, Any]:
-    """Servers + train-ppo for one run; returns wall time and peak RSS of each process."""
+def train_command(
+    args: argparse.Namespace, run_dir: Path, algorithm: str, seed: int, remote: list[str]
+) -> list[str]:
+    """train-ppo's command line for one run: ``remote`` names the served reward (and critic);
+    LoRA adapters merged on save, or every weight with ``--full``."""
+    model, steps, lr, beta, max_time = args.model, args.steps, args.lr, args.beta, args.max_time
     data = run_dir / "data"
+    per_prompt = 1 if algorithm == "ppo" else GRPO_SAMPLES
+    interval = max(steps // 4, 1)  # validations cost a rollout of N_VAL prompts each
+    actor_lora = [] if args.full else ["lora.r=16", "lora.alpha=32", "lora.merge_on_save=true"]
+    return _openaligner(
+        "train-ppo", str(ROOT / "configs" / "train_ppo.yaml"), f"actor.path={model}", "device=cpu",
+        f"data.train_path={data / 'train.jsonl'}", f"data.val_path={data / 'heldout.jsonl'}",
+        f"data.seq_length={SEQ_LENGTH}", "data.chat_template=false",
+        f"trainer.max_steps={steps}", f"trainer.max_time_per_run={max_time}",
+        f"trainer.advantage_estimator={'gae' if algorithm == 'ppo' else 'grpo'}",
+        f"trainer.num_rollout_samples={ROLLOUTS_PER_STEP // per_prompt}",
+        f"trainer.n_samples_per_prompt={per_prompt}",
+        f"trainer.rollout_micro_batch_size={ROLLOUTS_PER_STEP}",
+        f"trainer.global_batch_size={ROLLOUTS_PER_STEP}", "trainer.micro_batch_size=4",
+        f"trainer.num_val_samples={N_VAL}", f"trainer.val_rollout_micro_batch_size={N_VAL}",
+        f"trainer.val_check_interval={interval}", f"trainer.save_interval={interval}",
+        f"trainer.initial_policy_kl_penalty={beta}", 'trainer.sampling.end_strings=["\\n"]',
+        f"trainer.length.max_length={MAX_NEW_TOKENS}", f"trainer.seed={seed}",
+        f"optim.lr={lr}", *actor_lora,
+        *remote, f"remote.pad_to_length={SEQ_LENGTH}",
+        f"exp.output_dir={run_dir / 'train'}", "exp.task_scorer=reverse_text", "exp.keep_last=1",
+        "exp.progress=false", "exp.tensorboard=false",
+    )  # fmt: skip
+
+
+def train(args: argparse.Namespace, run_dir: Path, algorithm: str, seed: int) -> dict[str, Any]:
+    """Servers + train-ppo for one run; returns wall time and peak RSS of each process. The actor
+    trains LoRA adapters (merged on save) or, with ``--full``, every weight; the critic is a LoRA
+    critic either way (a full one would double the memory for a value estimate)."""
+    model = args.model
     servers: list[Server] = []
     try:
         reward = Server(
@@ -137,27 +168,7 @@ def train(
             )  # fmt: skip
             servers.append(critic)
             remote.append(f"remote.critic.port={critic.port()}")
-        per_prompt = 1 if algorithm == "ppo" else GRPO_SAMPLES
-        interval = max(steps // 2, 1)  # validations cost a rollout of N_VAL prompts each
-        cmd = _openaligner(
-            "train-ppo", str(ROOT / "configs" / "train_ppo.yaml"), f"actor.path={model}", "device=cpu",
-            f"data.train_path={data / 'train.jsonl'}", f"data.val_path={data / 'heldout.jsonl'}",
-            f"data.seq_length={SEQ_LENGTH}", "data.chat_template=false",
-            f"trainer.max_steps={steps}", f"trainer.max_time_per_run={max_time}",
-            f"trainer.advantage_estimator={'gae' if algorithm == 'ppo' else 'grpo'}",
-            f"trainer.num_rollout_samples={ROLLOUTS_PER_STEP // per_prompt}",
-            f"trainer.n_samples_per_prompt={per_prompt}",
-            f"trainer.rollout_micro_batch_size={ROLLOUTS_PER_STEP}",
-            f"trainer.global_batch_size={ROLLOUTS_PER_STEP}", "trainer.micro_batch_size=4",
-            f"trainer.num_val_samples={N_VAL}", f"trainer.val_rollout_micro_batch_size={N_VAL}",
-            f"trainer.val_check_interval={interval}", f"trainer.save_interval={interval}",
-            f"trainer.initial_policy_kl_penalty={beta}", 'trainer.sampling.end_strings=["\\n"]',
-            f"trainer.length.max_length={MAX_NEW_TOKENS}", f"trainer.seed={seed}",
-            f"optim.lr={lr}", "lora.r=16", "lora.alpha=32", "lora.merge_on_save=true",
-            *remote, f"remote.pad_to_length={SEQ_LENGTH}",
-            f"exp.output_dir={run_dir / 'train'}", "exp.task_scorer=reverse_text", "exp.keep_last=1",
-            "exp.progress=false", "exp.tensorboard=false",
-        )  # fmt: skip
+        cmd = train_command(args, run_dir, algorithm, seed, remote)
         print("$", " ".join(cmd[1:]), file=sys.stderr)
         started = time.monotonic()
         with (run_dir / "train_ppo.log").open("wb") as log:
@@ -254,22 +265,30 @@ def metrics_of(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def run_name(args: argparse.Namespace, algorithm: str, seed: int) -> str:
+    return f"{algorithm}{'-full' if args.full else ''}-seed{seed}"
+
+
 def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, Any]:
-    run_dir = args.out / f"{algorithm}-seed{seed}"
+    run_dir = args.out / run_name(args, algorithm, seed)
     result_path = run_dir / "result.json"
     if result_path.is_file():  # done before: a rerun only reports
         cached: dict[str, Any] = json.loads(result_path.read_text())
         return cached
-    write_data(run_dir / "data", seed)
+    write_data(run_dir / "data", seed, args.eval_prompts)
     load_before = os.getloadavg()[0]
-    measured = train(args.model, run_dir, algorithm, seed, args.steps, args.lr, args.beta, args.max_time)
+    measured = train(args, run_dir, algorithm, seed)
     steps = [m for m in metrics_of(run_dir) if "timing/tokens_per_s" in m]
+    actor_dir = run_dir / "train" / "actor"
     result = {
         "algorithm": algorithm,
         "seed": seed,
         "steps": len(steps),
         "start": start_scores(args, run_dir, seed),
-        "end": evaluate(run_dir / "train" / "actor" / "merged", args.model, run_dir, seed),
+        # a LoRA run's plain model is the merged export; a full run's actor directory is one
+        "end": evaluate(actor_dir if args.full else actor_dir / "merged", args.model, run_dir, seed),
+        "mode": "full" if args.full else "LoRA",
+        "lr": args.lr,
         "tokens_per_s": sum(m["timing/tokens_per_s"] for m in steps) / max(len(steps), 1),
         "step_s": [m["timing/step_s"] for m in steps],
         "step_s_median": sorted(m["timing/step_s"] for m in steps)[len(steps) // 2]
@@ -292,13 +311,15 @@ def table(results: list[dict[str, Any]]) -> str:
     for r in results:
         rss = r["server_peak_rss_mib"]
         critic = f"{rss['serve_critic'] / 1024:.2f} GiB" if "serve_critic" in rss else "—"
+        times = r.get("step_s", [])
         steps = (
-            ", ".join(f"{t:.0f}" for t in r["step_s"]) + " s"
-            if "step_s" in r
-            else f"{r['step_s_median']:.0f} s"
+            ", ".join(f"{t:.0f}" for t in times) + " s"
+            if 0 < len(times) <= 4
+            else f"median {r['step_s_median']:.0f} s"
+            + (f" ({min(times):.0f}–{max(times):.0f})" if times else "")
         )
         rows.append(
-            f"| {r['algorithm'].upper()} (LoRA) | {r['seed']} | {r['steps']} "
+            f"| {r['algorithm'].upper()} ({r.get('mode', 'LoRA')}) | {r['seed']} | {r['steps']} "
             f"| {r['start']['gold']:.3f} → **{r['end']['gold']:.3f}** "
             f"| {r['start']['gold_greedy']:.3f} → {r['end']['gold_greedy']:.3f} "
             f"| {r['end']['kl_to_start']:.2f} | {r['tokens_per_s']:.2f} | {steps} "
@@ -317,7 +338,7 @@ def plot(runs: list[tuple[dict[str, Any], list[dict[str, float]]]], path: Path) 
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for result, metrics in runs:
-        label = f"{result['algorithm'].upper()} seed {result['seed']}"
+        label = f"{result['algorithm'].upper()} ({result.get('mode', 'LoRA')}) seed {result['seed']}"
         color = "C0" if result["algorithm"] == "ppo" else "C1"
         style = "-" if result["seed"] == 0 else "--"
         val = [(0, result["start"]["gold"])] + [
@@ -354,6 +375,10 @@ def main() -> None:
     parser.add_argument(
         "--max-time", default="00:00:25:00", help="train-ppo's trainer.max_time_per_run (DD:HH:MM:SS)"
     )
+    parser.add_argument("--full", action="store_true", help="train every actor weight, not LoRA adapters")
+    parser.add_argument(
+        "--eval-prompts", type=int, default=32, help="held-out prompts scored before and after"
+    )
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--report-only", action="store_true", help="only report the runs in --out")
     parser.add_argument("--evaluate-child", default=None, help=argparse.SUPPRESS)
@@ -366,7 +391,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for algorithm in args.algorithms.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
-            run_dir = args.out / f"{algorithm}-seed{seed}"
+            run_dir = args.out / run_name(args, algorithm, seed)
             if args.report_only and not (run_dir / "result.json").is_file():
                 continue
             result = run_one(args, algorithm, seed)
