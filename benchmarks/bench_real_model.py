@@ -269,6 +269,12 @@ def run_name(args: argparse.Namespace, algorithm: str, seed: int) -> str:
     return f"{algorithm}{'-full' if args.full else ''}-seed{seed}"
 
 
+def result_name(result: dict[str, Any]) -> str:
+    """The run directory's name of a finished run's ``result.json``."""
+    full = "-full" if result.get("mode") == "full" else ""
+    return f"{result['algorithm']}{full}-seed{result['seed']}"
+
+
 def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, Any]:
     run_dir = args.out / run_name(args, algorithm, seed)
     result_path = run_dir / "result.json"
@@ -389,14 +395,14 @@ def main() -> None:
         )
         return
     results: list[dict[str, Any]] = []
-    for algorithm in args.algorithms.split(","):
-        for seed in (int(s) for s in args.seeds.split(",")):
-            run_dir = args.out / run_name(args, algorithm, seed)
-            if args.report_only and not (run_dir / "result.json").is_file():
-                continue
-            result = run_one(args, algorithm, seed)
-            print(json.dumps(result), flush=True)
-            results.append(result)
+    if args.report_only:  # every finished run in --out, LoRA and full alike
+        results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*/result.json"))]
+    else:
+        for algorithm in args.algorithms.split(","):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                result = run_one(args, algorithm, seed)
+                print(json.dumps(result), flush=True)
+                results.append(result)
     import torch
     import transformers
 
@@ -404,7 +410,7 @@ def main() -> None:
     print(f"python {platform.python_version()}, {versions}, {os.cpu_count()} CPUs")
     print(table(results))
     if args.plot:
-        plot([(r, metrics_of(args.out / f"{r['algorithm']}-seed{r['seed']}")) for r in results], args.plot)
+        plot([(r, metrics_of(args.out / result_name(r))) for r in results], args.plot)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from bench_real_model import run_name, table, train_command
+from bench_real_model import result_name, run_name, table, train_command
 from openaligner.cli import train_ppo
 from openaligner.config import load_config
 
@@ -51,6 +51,10 @@ def test_a_lora_run_trains_merged_adapters_and_a_full_run_every_weight(tmp_path)
         "ppo-full-seed1",
         "ppo-seed1",
     )
+    # a finished run's result leads the report back to its directory (curves), either mode
+    for full in (True, False):
+        mode = {"algorithm": "ppo", "seed": 1, "mode": "full" if full else "LoRA"}
+        assert result_name(mode) == run_name(options(full), "ppo", 1)
 
 
 def test_the_table_names_the_mode_and_summarises_a_long_runs_step_times():
