@@ -40,7 +40,7 @@ def engine(tmp_path):
     workdir = tmp_path / "work"
     workdir.mkdir()
     args = vllm_worker.parser().parse_args(
-        [f"--model={model}", "--ready-file=x", f"--workdir={workdir}", "--standalone", "--lease-ttl-s=0.5"]
+        [f"--model={model}", "--ready-file=x", f"--workdir={workdir}", "--standalone", "--lease-ttl-s=2"]
     )
     llm = FakeLLM()
     server = HTTPServer(("127.0.0.1", 0), vllm_worker.make_handler(vllm_worker.Engine(args, llm=llm)))
@@ -78,7 +78,9 @@ def test_info_reports_the_model_and_one_trainer_holds_the_engine_at_a_time(engin
     code, reply = call(port, "POST", "/generate", {"prompts": [[5]]}, lease("not-the-lease"))
     assert code == 409 and "POST /attach" in reply["error"]
     assert call(port, "POST", "/heartbeat", {}, lease(first["lease"])) == (200, {"ok": True})
-    time.sleep(0.6)  # the lease lapses without a request: the next trainer may take the engine
+    # the lease lapses without a request: the next trainer may take the engine (a lease of 2 s
+    # leaves the calls above room on a loaded machine: b:2 must come while a:1 still holds it)
+    time.sleep(2.2)
     code, second = call(port, "POST", "/attach", {"client": "b:2", "local_token": "guess"})
     assert code == 200 and not second["local"]
     code, reply = call(port, "POST", "/heartbeat", {}, lease(first["lease"]))
@@ -143,7 +145,7 @@ def test_an_attached_trainer_keeps_its_lease_pushes_its_weights_and_detaches(tmp
     args = vllm_worker.parser().parse_args(
         [f"--model={tmp_path / 'model'}", "--ready-file=x", f"--workdir={tmp_path / 'work'}", "--standalone"]
     )
-    args.lease_ttl_s = 2.0
+    args.lease_ttl_s = 4.0  # heartbeats every 1 s: three may be late before the lease would lapse
     llm = FakeLLM()
     server = HTTPServer(("127.0.0.1", 0), vllm_worker.make_handler(vllm_worker.Engine(args, llm=llm)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -154,7 +156,7 @@ def test_an_attached_trainer_keeps_its_lease_pushes_its_weights_and_detaches(tmp
         with VLLMRolloutEngine(actor, cfg) as engine:
             # same machine: through the engine's directory unless told to upload
             assert (engine.local_dir is not None) == (transfer == "auto")
-            time.sleep(3.0)  # longer than the lease: the heartbeat keeps it
+            time.sleep(5.0)  # longer than the lease: the heartbeat keeps it
             code, reply = call(port, "POST", "/attach", {"client": "b:2"})
             assert code == 409 and "attached to another trainer" in reply["error"]
             engine._push()  # what the first generate does
