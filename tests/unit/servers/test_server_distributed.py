@@ -59,10 +59,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# heartbeats every 0.5 s: eight may come late on a loaded machine before rank 1's wait times out
+PG_TIMEOUT_S = 4.0
+
+
 def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=2)
-    )
+    address = f"tcp://127.0.0.1:{port}"
+    timeout = timedelta(seconds=PG_TIMEOUT_S)
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2, timeout=timeout)
     calls = []
 
     def forward(payload):
@@ -82,7 +86,8 @@ def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
     if rank == 0:
         d = Rank0Dispatcher(handlers, heartbeat_s=0.5)
         first = d.call(Opcode.FORWARD, torch.arange(12.0).reshape(4, 3))
-        time.sleep(3.0)  # idle past the 2 s process-group timeout: only heartbeats keep rank 1 legal
+        # idle past the process-group timeout: only heartbeats keep rank 1 legal
+        time.sleep(PG_TIMEOUT_S + 1.5)
         second = d.call(Opcode.FORWARD, torch.ones(2, 5, dtype=torch.float64))
         try:
             d.call(Opcode.FORWARD, -torch.ones(2, 1))
