@@ -131,7 +131,7 @@ def train_command(
         f"optim.lr={lr}", *actor_lora,
         *remote, f"remote.pad_to_length={SEQ_LENGTH}",
         f"exp.output_dir={run_dir / 'train'}", "exp.task_scorer=reverse_text", "exp.keep_last=1",
-        "exp.progress=false", "exp.tensorboard=false",
+        "exp.progress=false", "exp.tensorboard=false", *getattr(args, "set", []),
     )  # fmt: skip
 
 
@@ -266,13 +266,15 @@ def metrics_of(run_dir: Path) -> list[dict[str, float]]:
 
 
 def run_name(args: argparse.Namespace, algorithm: str, seed: int) -> str:
-    return f"{algorithm}{'-full' if args.full else ''}-seed{seed}"
+    tag = f"-{args.tag}" if getattr(args, "tag", "") else ""
+    return f"{algorithm}{'-full' if args.full else ''}{tag}-seed{seed}"
 
 
 def result_name(result: dict[str, Any]) -> str:
     """The run directory's name of a finished run's ``result.json``."""
     full = "-full" if result.get("mode") == "full" else ""
-    return f"{result['algorithm']}{full}-seed{result['seed']}"
+    tag = f"-{result['tag']}" if result.get("tag") else ""
+    return f"{result['algorithm']}{full}{tag}-seed{result['seed']}"
 
 
 def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, Any]:
@@ -294,6 +296,8 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, An
         # a LoRA run's plain model is the merged export; a full run's actor directory is one
         "end": evaluate(actor_dir if args.full else actor_dir / "merged", args.model, run_dir, seed),
         "mode": "full" if args.full else "LoRA",
+        "tag": args.tag,
+        "settings": args.set,
         "lr": args.lr,
         "tokens_per_s": sum(m["timing/tokens_per_s"] for m in steps) / max(len(steps), 1),
         "step_s": [m["timing/step_s"] for m in steps],
@@ -325,7 +329,8 @@ def table(results: list[dict[str, Any]]) -> str:
             + (f" ({min(times):.0f}–{max(times):.0f})" if times else "")
         )
         rows.append(
-            f"| {r['algorithm'].upper()} ({r.get('mode', 'LoRA')}) | {r['seed']} | {r['steps']} "
+            f"| {r['algorithm'].upper()} ({r.get('mode', 'LoRA')}{', ' + r['tag'] if r.get('tag') else ''}) "
+            f"| {r['seed']} | {r['steps']} "
             f"| {r['start']['gold']:.3f} → **{r['end']['gold']:.3f}** "
             f"| {r['start']['gold_greedy']:.3f} → {r['end']['gold_greedy']:.3f} "
             f"| {r['end']['kl_to_start']:.2f} | {r['tokens_per_s']:.2f} | {steps} "
@@ -344,7 +349,8 @@ def plot(runs: list[tuple[dict[str, Any], list[dict[str, float]]]], path: Path) 
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for result, metrics in runs:
-        label = f"{result['algorithm'].upper()} ({result.get('mode', 'LoRA')}) seed {result['seed']}"
+        tag = f", {result['tag']}" if result.get("tag") else ""
+        label = f"{result['algorithm'].upper()} ({result.get('mode', 'LoRA')}{tag}) seed {result['seed']}"
         color = "C0" if result["algorithm"] == "ppo" else "C1"
         style = "-" if result["seed"] == 0 else "--"
         val = [(0, result["start"]["gold"])] + [
@@ -384,6 +390,16 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="train every actor weight, not LoRA adapters")
     parser.add_argument(
         "--eval-prompts", type=int, default=32, help="held-out prompts scored before and after"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more train-ppo setting (repeatable)",
+    )
+    parser.add_argument(
+        "--tag", default="", help="names runs that --set changes (their directory, the table)"
     )
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--report-only", action="store_true", help="only report the runs in --out")

@@ -15,8 +15,19 @@ from openaligner.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def options(full: bool, model: Path = Path("gemma")) -> argparse.Namespace:
-    return argparse.Namespace(model=model, steps=40, lr=1e-5, beta=0.05, max_time="00:00:25:00", full=full)
+def options(
+    full: bool, model: Path = Path("gemma"), tag: str = "", settings: tuple = ()
+) -> argparse.Namespace:
+    return argparse.Namespace(
+        model=model,
+        steps=40,
+        lr=1e-5,
+        beta=0.05,
+        max_time="00:00:25:00",
+        full=full,
+        tag=tag,
+        set=list(settings),
+    )
 
 
 def a_model(tmp_path: Path) -> Path:
@@ -55,6 +66,11 @@ def test_a_lora_run_trains_merged_adapters_and_a_full_run_every_weight(tmp_path)
     for full in (True, False):
         mode = {"algorithm": "ppo", "seed": 1, "mode": "full" if full else "LoRA"}
         assert result_name(mode) == run_name(options(full), "ppo", 1)
+    # --set reaches train-ppo (after the script's own settings: it wins), --tag names the run
+    warm = options(False, model, tag="warm5", settings=("trainer.critic_warmup_steps=5",))
+    assert config_of(train_command(warm, tmp_path, "ppo", 1, remote)).trainer.critic_warmup_steps == 5
+    assert run_name(warm, "ppo", 1) == "ppo-warm5-seed1"
+    assert result_name({"algorithm": "ppo", "seed": 1, "mode": "LoRA", "tag": "warm5"}) == "ppo-warm5-seed1"
 
 
 def test_the_table_names_the_mode_and_summarises_a_long_runs_step_times():
