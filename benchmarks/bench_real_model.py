@@ -348,11 +348,11 @@ def plot(runs: list[tuple[dict[str, Any], list[dict[str, float]]]], path: Path) 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for result, metrics in runs:
+    for i, (result, metrics) in enumerate(runs):
         tag = f", {result['tag']}" if result.get("tag") else ""
         label = f"{result['algorithm'].upper()} ({result.get('mode', 'LoRA')}{tag}) seed {result['seed']}"
-        color = "C0" if result["algorithm"] == "ppo" else "C1"
-        style = "-" if result["seed"] == 0 else "--"
+        color = f"C{i % 10}"  # a colour per run; solid GRPO, dashed PPO
+        style = "--" if result["algorithm"] == "ppo" else "-"
         val = [(0, result["start"]["gold"])] + [
             (m["step"], m["val/score"]) for m in metrics if "val/score" in m
         ]
