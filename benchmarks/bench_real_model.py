@@ -131,7 +131,7 @@ def train_command(
         f"optim.lr={lr}", *actor_lora,
         *remote, f"remote.pad_to_length={SEQ_LENGTH}",
         f"exp.output_dir={run_dir / 'train'}", "exp.task_scorer=reverse_text", "exp.keep_last=1",
-        "exp.progress=false", "exp.tensorboard=false", *getattr(args, "set", []),
+        "exp.progress=false", "exp.tensorboard=false", *args.set,
     )  # fmt: skip
 
 
@@ -265,16 +265,18 @@ def metrics_of(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _dir_name(algorithm: str, full: bool, tag: str, seed: int) -> str:
+    return f"{algorithm}{'-full' if full else ''}{f'-{tag}' if tag else ''}-seed{seed}"
+
+
 def run_name(args: argparse.Namespace, algorithm: str, seed: int) -> str:
-    tag = f"-{args.tag}" if getattr(args, "tag", "") else ""
-    return f"{algorithm}{'-full' if args.full else ''}{tag}-seed{seed}"
+    """The directory in ``--out`` of one run these options ask for."""
+    return _dir_name(algorithm, args.full, args.tag, seed)
 
 
 def result_name(result: dict[str, Any]) -> str:
     """The run directory's name of a finished run's ``result.json``."""
-    full = "-full" if result.get("mode") == "full" else ""
-    tag = f"-{result['tag']}" if result.get("tag") else ""
-    return f"{result['algorithm']}{full}{tag}-seed{result['seed']}"
+    return _dir_name(result["algorithm"], result.get("mode") == "full", result.get("tag", ""), result["seed"])
 
 
 def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, Any]:

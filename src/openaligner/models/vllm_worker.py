@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 
 class BadRequest(ValueError):
@@ -101,7 +101,7 @@ GENERATE_FIELDS = (
 INT_LIMIT = 1 << 31  # token counts, top_k and token ids beyond this are no model's
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -320,7 +320,7 @@ class Engine:
                 f"unknown field(s) {', '.join(unknown)}; a /generate body has {', '.join(GENERATE_FIELDS)}"
             )
         size = self.model.get("vocab_size")
-        vocab: int = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else INT_LIMIT
+        vocab: int = size if _is_int(size) and size > 0 else INT_LIMIT
         prompts = body.get("prompts")
         if not isinstance(prompts, list) or not prompts:
             raise BadRequest(f"prompts must be a non-empty list of token-id lists, got {_short(prompts)}")
@@ -410,7 +410,7 @@ def _max_model_len(llm: Any) -> int | None:
     flag, else the model's own limit); None when the engine does not say."""
     config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
     value = getattr(config, "max_model_len", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return value if _is_int(value) and value > 0 else None
 
 
 def _remove_file(path: str) -> None:
