@@ -61,29 +61,46 @@ def _http(url: str, body: dict | None = None) -> tuple[int, dict]:
 
 def _start_serve_rollout(model: Path, python: str, log: Path) -> tuple[subprocess.Popen, str]:
     """``openaligner serve-rollout`` as a user starts it; its URL from the line it prints."""
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "openaligner",
-                "serve-rollout",
-                f"model={model}",
-                "server.port=0",
-                f"vllm.python={python}",
-                "vllm.start_timeout_s=900",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    [(proc, url)] = _start_serve_rollouts([(model, log)], python)
+    return proc, url
+
+
+def _start_serve_rollouts(
+    engines: list[tuple[Path, Path]], python: str
+) -> list[tuple[subprocess.Popen, str]]:
+    """One ``openaligner serve-rollout`` per ``(model, log)``, all started at once; each process
+    and its URL (from the line it prints)."""
+    procs = []
+    for model, log in engines:
+        with log.open("w") as out:
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "openaligner",
+                        "serve-rollout",
+                        f"model={model}",
+                        "server.port=0",
+                        f"vllm.python={python}",
+                        "vllm.start_timeout_s=900",
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                )
+            )
     deadline = time.monotonic() + 900
-    while not (found := re.search(r"ready at (http://\S+)", log.read_text())):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"serve-rollout did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
-    return proc, found.group(1)
+    out = []
+    for proc, (_, log) in zip(procs, engines, strict=True):
+        while not (found := re.search(r"ready at (http://\S+)", log.read_text())):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                pytest.fail(f"serve-rollout did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        out.append((proc, found.group(1)))
+    return out
 
 
 def test_serve_rollout_serves_one_attached_run_at_a_time_and_stops_cleanly(rollout_python, tmp_path):
@@ -121,7 +138,7 @@ def test_serve_rollout_serves_one_attached_run_at_a_time_and_stops_cleanly(rollo
             assert code == 409 and "attached to another trainer" in reply["error"], reply
 
             out = engine.generate(greedy)  # the first rollout pushes the actor's weights
-            assert engine.local_dir is None  # uploaded (weight_transfer=http)
+            assert engine.links[0].local_dir is None  # uploaded (weight_transfer=http)
             assert engine.pop_metrics()["timing/weight_sync_s"] > 0
             assert torch.equal(out.tokens, HFRolloutEngine(actor).generate(greedy).tokens)
             mine, mask = _trainer_logprobs(actor, out)
@@ -162,3 +179,71 @@ def test_serve_rollout_serves_one_attached_run_at_a_time_and_stops_cleanly(rollo
     assert "vllm rollout engine stopped" in log.read_text()
     assert engine_processes(proc.pid) == []
     assert not workdir.exists()
+
+
+def test_one_run_shares_its_rollouts_among_two_engines_and_pushes_into_both(rollout_python, tmp_path):
+    """``rollout.vllm.url=A,B``: each engine draws a share of every rollout; after the push both
+    give the trainer's log-probs (each starts from its own random initialisation, neither the
+    actor's); sampled rows are the same as from one engine (a row's stream is its seed's); train-ppo
+    attached to both for 2 steps."""
+    models = []
+    for i, seed in enumerate((5, 6)):
+        models.append(tmp_path / f"served{i}")
+        build_tiny_causal_lm("llama", SIZE, seed=seed).save_pretrained(models[-1])
+    logs = [tmp_path / f"serve-rollout{i}.log" for i in range(2)]
+    started = _start_serve_rollouts(list(zip(models, logs, strict=True)), rollout_python)
+    (_, url_a), (_, url_b) = started
+    try:
+        actor = CausalLMActor(
+            build_tiny_causal_lm("llama", SIZE, seed=1),
+            sampling=SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=(1,)),
+            init_policy=False,
+        )
+        prompts = torch.randint(3, SIZE.vocab_size, (6, 7), generator=torch.Generator().manual_seed(0))
+        lengths = torch.tensor([4, 7, 2, 6, 5, 3])
+        sampled = RolloutRequest(prompts, lengths, actor.sampling, row_seeds(0, 6))
+        greedy = RolloutRequest(
+            prompts,
+            lengths,
+            SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=(1,)),
+            row_seeds(0, 6),
+        )
+        with VLLMRolloutEngine(actor, VLLMConfig(url=f"{url_a},{url_b}")) as engine:
+            both = engine.generate(sampled)  # the first rollout pushes into both engines
+            assert all(_http(u + "/info")[1]["lease"] is not None for u in (url_a, url_b))
+            out = engine.generate(greedy)
+            assert torch.equal(out.tokens, HFRolloutEngine(actor).generate(greedy).tokens)
+            for gen in (both, out):
+                mine, mask = _trainer_logprobs(actor, gen)
+                assert gen.logprobs is not None
+                # rows 0-2 came from A, 3-5 from B: each engine holds the actor's weights
+                assert torch.allclose(gen.logprobs[mask], mine[mask], atol=LOGPROB_ATOL, rtol=0)
+        with VLLMRolloutEngine(actor, VLLMConfig(url=url_b)) as engine:
+            alone = engine.generate(sampled)
+        assert torch.equal(alone.tokens, both.tokens)
+
+        server = CriticServer(tmp_path / "critic", tmp_path / "critic.log")
+        try:
+            args = _ppo_args(tmp_path / "run", _prompts(tmp_path / "p.jsonl"), server.port, 2, rollout_python)
+            args = [a for a in args if not a.startswith(SPAWN_ONLY)]
+            torch.set_num_threads(2)
+            assert main([*args, f"rollout.vllm.url={url_a},{url_b}"]) == 0
+        finally:
+            server.stop()
+        rows = read_jsonl(tmp_path / "run" / "logs" / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [1, 2]
+        for r in rows:
+            assert r["timing/weight_sync_s"] > 0 and r["rollout/engine_logprob_diff_max"] < LOGPROB_ATOL, r
+        assert all(_http(u + "/info")[1]["lease"] is None for u in (url_a, url_b))
+    finally:
+        for proc, _ in started:
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in started:
+            try:
+                assert proc.wait(timeout=60) == 0
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    for proc, _ in started:
+        assert engine_processes(proc.pid) == []

@@ -239,8 +239,9 @@ class VLLMProcessConfig:
 class VLLMConfig(VLLMProcessConfig):
     """``rollout.vllm``: the vLLM engine train-ppo starts, or the one it attaches to (``url``)."""
 
-    # http://HOST:PORT of an engine started with `openaligner serve-rollout`: attach to it instead of
-    # starting one (the settings above are then that engine's, and refused here); null: start one
+    # http://HOST:PORT of an engine started with `openaligner serve-rollout` (or several, comma-
+    # separated: the rollouts are shared among them): attach to it instead of starting one (the
+    # settings above are then that engine's, and refused here); null: start one
     url: str | None = None
     # attached: auto = through the engine's directory when it is on this machine (else an upload);
     # http = always upload the weights over HTTP
@@ -261,7 +262,7 @@ class VLLMConfig(VLLMProcessConfig):
                 f"{{section}}.weight_transfer must be auto or http, got {self.weight_transfer!r}"
             )
         if self.url is not None:
-            check_engine_url(self.url, "{section}.url")
+            engine_urls(self.url, "{section}.url")
             spawn_only = VLLMProcessConfig()
             for key in VLLMProcessConfig.__dataclass_fields__:
                 if getattr(self, key) != getattr(spawn_only, key):
@@ -271,6 +272,19 @@ class VLLMConfig(VLLMProcessConfig):
                         f"leave {{section}}.{key} at its default ({getattr(spawn_only, key)!r}) or "
                         "{section}.url unset"
                     )
+
+
+def engine_urls(urls: str, key: str = "rollout.vllm.url") -> list[str]:
+    """The engine URLs of ``urls`` (``http://HOST:PORT``, several comma-separated), without
+    trailing slashes; a ``ValueError`` naming ``key`` for a malformed or repeated one (an engine
+    named twice would take two shares of each rollout and two pushes of each step's weights)."""
+    out = [u.strip().rstrip("/") for u in urls.split(",")]
+    for u in out:
+        check_engine_url(u, key)
+    repeated = sorted({u for u in out if out.count(u) > 1})
+    if repeated:
+        raise ValueError(f"{key} names {', '.join(repeated)} more than once: list each engine once")
+    return out
 
 
 def check_engine_url(url: str, key: str) -> tuple[str, int]:

@@ -12,6 +12,7 @@ engine's side is ``vllm_worker.py``; docs/rollout-engine.md says why, and what t
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import http.client
@@ -43,6 +44,7 @@ from openaligner.models.rollout_engine import (
     VLLMProcessConfig,
     WeightSource,
     check_engine_url,
+    engine_urls,
 )
 
 if TYPE_CHECKING:
@@ -57,6 +59,7 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 LEASE_HEADER = "X-Openaligner-Lease"
 """The header carrying an attached trainer's lease (``vllm_worker.LEASE_HEADER``)."""
 
+S = TypeVar("S")
 T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -142,8 +145,192 @@ def spawn_worker(
     return proc, ready
 
 
+class EngineLink:
+    """One engine process the run talks to (rank 0 only): its URL and, for an engine the run
+    started, its process and log; for an attached one, its ``GET /info``, the lease every request
+    carries (kept by a heartbeat thread) and its weights directory when it is on this machine."""
+
+    def __init__(self, url: str, request_timeout_s: float, info: dict[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.request_timeout_s = request_timeout_s
+        self.info: dict[str, Any] = info or {}
+        self.proc: subprocess.Popen[bytes] | None = None  # started by the run: its process
+        self.log_path: Path | None = None
+        self.lease = ""  # attached: the lease every request carries
+        self.local_dir: Path | None = None  # attached: the engine's weights directory, if writable here
+        self._beating: threading.Event | None = None  # set to stop the heartbeat thread
+
+    # ------------------------------------------------------------------ attaching
+    def attach(self, weight_transfer: str) -> None:
+        """Take the engine's lease; the weights go through its directory when it is on this
+        machine (this process can read the engine's token file there) and ``weight_transfer`` is
+        ``auto``, else as an upload."""
+        token: str | None = None
+        with contextlib.suppress(OSError, TypeError, KeyError):
+            token = (Path(self.info["workdir"]) / "local-token").read_text().strip()
+        out = self.post("/attach", {"client": f"{socket.gethostname()}:{os.getpid()}", "local_token": token})
+        self.lease = str(out["lease"])
+        weights_dir = Path(out["weights_dir"])
+        local = bool(out["local"]) and weight_transfer == "auto" and os.access(weights_dir, os.W_OK)
+        self.local_dir = weights_dir if local else None
+        every = max(1.0, float(self.info.get("lease_ttl_s", 60.0)) / 4)
+        self._beating = threading.Event()
+        beat = (self._beating, every, self.url, self.lease)
+        threading.Thread(target=self._heartbeat, args=beat, name="vllm-lease", daemon=True).start()
+        log.info(
+            "vllm rollout engine: attached to %s (weights %s)",
+            self.url,
+            f"written into {weights_dir}" if local else "uploaded over HTTP",
+        )
+
+    @staticmethod
+    def _heartbeat(stop: threading.Event, every: float, url: str, lease: str) -> None:
+        """Keep the lease while the run is busy elsewhere (long training phases); a beat that
+        fails is only skipped (the run's own next request says what is wrong)."""
+        while not stop.wait(every):
+            req = urllib.request.Request(
+                url + "/heartbeat", data=b"{}", headers={LEASE_HEADER: lease}, method="POST"
+            )
+            with contextlib.suppress(Exception), urllib.request.urlopen(req, timeout=every):
+                pass
+
+    def detach(self) -> None:
+        """Give the lease back (the engine keeps serving); a no-op when none is held."""
+        if self._beating is not None:
+            self._beating.set()
+            self._beating = None
+        if self.lease:
+            with contextlib.suppress(RolloutEngineError):
+                self.post("/detach", {}, timeout=30.0)
+            log.info("vllm rollout engine: detached from %s (it keeps serving)", self.url)
+        self.lease = ""
+
+    # ------------------------------------------------------------------ weights
+    def take_weights(self, staged: Path) -> None:
+        """Hand the engine ``staged`` (a whole ``model.safetensors``) and have it reload: into
+        its own directory when it is on this machine (a hard link where the file system allows,
+        renamed into place: never seen half-written), else streamed as ``PUT /weights``."""
+        if self.local_dir is not None:
+            tmp = self.local_dir / "model.safetensors.tmp"  # not *.safetensors: never read half-written
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            try:
+                os.link(staged, tmp)
+            except OSError:  # another file system, or one without hard links
+                shutil.copyfile(staged, tmp)
+            os.replace(tmp, self.local_dir / "model.safetensors")
+        else:
+            self._upload(staged)
+        self.post("/reload_weights", {})  # from its weights directory
+
+    def _upload(self, path: Path) -> None:
+        """``PUT /weights``: ``path`` streamed with its size; the engine refuses a body of another
+        size."""
+        size = path.stat().st_size
+        host, port = check_engine_url(self.url, "rollout.vllm.url")
+        conn = http.client.HTTPConnection(host, port, timeout=self.request_timeout_s)
+        try:
+            with path.open("rb") as f:
+                headers = {
+                    "Content-Length": str(size),
+                    "Content-Type": "application/octet-stream",
+                    LEASE_HEADER: self.lease,
+                }
+                conn.request("PUT", "/weights", body=f, headers=headers)
+                reply = conn.getresponse()
+                payload = reply.read().decode(errors="replace")
+        except (OSError, http.client.HTTPException) as e:
+            raise RolloutEngineError(
+                f"the vllm rollout engine at {self.url} did not take the weights (PUT /weights, {size} "
+                f"bytes): {type(e).__name__}: {e}"
+            ) from None
+        finally:
+            conn.close()
+        if reply.status != 200:
+            raise RolloutEngineError(f"the vllm rollout engine at {self.url} refused PUT /weights: {payload}")
+
+    # ------------------------------------------------------------------ transport
+    def post(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """``POST path`` with the JSON ``body``; its JSON object answer, or a
+        :class:`RolloutEngineError` naming this engine (a refusal's message, an engine that died,
+        one that did not answer within ``timeout``, or an answer that is not a JSON object)."""
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.lease:
+            headers[LEASE_HEADER] = self.lease
+        req = urllib.request.Request(self.url + path, data=data, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.request_timeout_s) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")
+            raise RolloutEngineError(
+                f"the vllm rollout engine at {self.url} refused {path}: {detail}"
+            ) from None
+        except (OSError, http.client.HTTPException) as e:
+            if self.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=2.0)  # a connection reset arrives before the exit status
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RolloutEngineError(
+                    f"the vllm rollout engine died during {path}: {self.describe_exit()}"
+                ) from None
+            raise RolloutEngineError(
+                f"the vllm rollout engine at {self.url} did not answer {path} "
+                f"({type(e).__name__}: {e}; rollout.vllm.request_timeout_s={self.request_timeout_s:g})"
+            ) from None
+        try:
+            reply = json.loads(raw)
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
+            # a KeyError or JSONDecodeError here would leave the other ranks waiting in _on_leader
+            raise RolloutEngineError(
+                f"the vllm rollout engine at {self.url} answered {path} with other than a JSON object: "
+                f"{raw[:200]!r}"
+            )
+        return reply
+
+    def describe_exit(self) -> str:
+        assert self.proc is not None
+        rc = self.proc.returncode
+        how = f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
+        return f"process {self.proc.pid} ended ({how}); its log ends:\n{self.log_tail()}"
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            assert self.log_path is not None
+            text = self.log_path.read_text(errors="replace")
+        except (OSError, AssertionError):
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def split_rows(rows: int, parts: int) -> list[slice]:
+    """``parts`` contiguous slices of ``range(rows)``, sizes differing by at most one, larger
+    first (an engine may get none when there are fewer rows than engines)."""
+    base, extra = divmod(rows, parts)
+    out, start = [], 0
+    for i in range(parts):
+        n = base + (i < extra)
+        out.append(slice(start, start + n))
+        start += n
+    return out
+
+
+def on_each(items: list[S], work: Callable[[S], T]) -> list[T]:
+    """``work(item)`` for every item, at once (a thread each: the engines work in parallel), the
+    results in ``items``' order; the first failure (in that order) is raised once all ended."""
+    if len(items) == 1:
+        return [work(items[0])]
+    with concurrent.futures.ThreadPoolExecutor(len(items), thread_name_prefix="vllm-engine") as pool:
+        futures = [pool.submit(work, item) for item in items]
+        concurrent.futures.wait(futures)
+    return [f.result() for f in futures]
+
+
 class VLLMRolloutEngine(RolloutEngine):
-    """Rollouts from a vLLM engine in its own process (``rollout.engine=vllm``).
+    """Rollouts from vLLM engines in their own processes (``rollout.engine=vllm``).
 
     Sampling means what it means for the ``hf`` engine: temperature, top-k, top-p, min and max
     new tokens and the stop ids (the tokenizer's EOS included; only they end a response, and
@@ -151,7 +338,7 @@ class VLLMRolloutEngine(RolloutEngine):
     engine cannot match them (it runs without a tokenizer), so a response is cut after generation
     where the ``hf`` loop would have ended it (:func:`~openaligner.models.generation.stop_string_length`).
     Seeds: row ``i`` is sampled from its own stream seeded with
-    ``seeds[i]``, so a row's tokens do not depend on its batch-mates.
+    ``seeds[i]``, so a row's tokens do not depend on its batch-mates (nor on which engine drew it).
 
     Weights: :meth:`start` writes the policy's weights and the model's config to a directory in
     ``/dev/shm`` and starts the engine on it. :meth:`update_weights` only records that the weights
@@ -161,8 +348,11 @@ class VLLMRolloutEngine(RolloutEngine):
     ``timing/weight_sync_s``. The first rollout after a push checks the engine's log-probs against
     the trainer's (:meth:`check_logprobs`).
 
-    One engine per run, on rank 0: under torchrun every rank's rows go to it in one request (rank
-    0 sends it; each rank gets its own rows back) and the metrics are over every rank's rows.
+    Engines: one the run starts, or the standalone engines ``rollout.vllm.url`` lists (one or
+    more ``openaligner serve-rollout``). Rank 0 talks to them: under torchrun every rank's rows
+    go out in one round (each engine gets a contiguous share, all at once) and each rank gets its
+    own rows back; a push reaches every engine before the next rollout. The metrics are over every
+    rank's rows.
     """
 
     name = "vllm"
@@ -170,10 +360,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def __init__(self, actor: CausalLMActor, cfg: VLLMConfig) -> None:
         """Raises :class:`EngineSetupError` when the engine cannot be started (no interpreter) or,
-        with ``cfg.url``, attached to (nothing answers there, it serves another architecture or
-        vocabulary, or another trainer holds it)."""
+        with ``cfg.url``, attached to (nothing answers at one of its URLs, one serves another
+        architecture or vocabulary, or another trainer holds it)."""
         self.cfg = cfg
-        self.attached = cfg.url is not None  # attach to an engine of `openaligner serve-rollout`
+        self.attached = cfg.url is not None  # attach to engines of `openaligner serve-rollout`
         self.python = None if self.attached else resolve_python(cfg.python)
         self.dtype = cfg.dtype  # of the weights pushed: the engine's (an attached one reports it)
         self.policy: WeightSource = actor
@@ -181,32 +371,48 @@ class VLLMRolloutEngine(RolloutEngine):
         self.tokenizer = actor.tokenizer
         self.hf_config = _plain_config(actor)
         self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.workdir: Path | None = None
-        self.url = ""
+        self.links: list[EngineLink] = []  # rank 0, once started: the engines it talks to
+        self.started = False  # every rank: the engines serve (and, attached, are leased)
+        self.workdir: Path | None = None  # an engine the run starts: its directory
         self.version = 0
         self._dirty = False  # the policy changed since the engine's weights were written
         self._check_next = False  # the next rollout is the first after a push: check its log-probs
         self._sync_s = 0.0
         self._syncs = 0
-        self.lease = ""  # attached: the lease every request carries
-        self.local_dir: Path | None = None  # attached: the engine's weights directory, if writable here
-        self._beating: threading.Event | None = None  # set to stop the heartbeat thread
-        self._info: dict[str, Any] = {}  # attached: the engine's GET /info
-        if self.attached:
-            self.dtype = self._probe()["dtype"]
+        self._infos: list[dict[str, Any]] = []  # attached: each engine's GET /info
+        if cfg.url is not None:
+            self._infos = [self._probe(url) for url in engine_urls(cfg.url)]
+            dtypes = {info["dtype"] for info in self._infos}
+            if len(dtypes) > 1:
+                raise EngineSetupError(
+                    f"rollout.vllm.url={cfg.url}: the engines compute in different dtypes "
+                    f"({', '.join(sorted(dtypes))}): one run's rollouts must come from one model; start "
+                    "them with the same vllm.dtype"
+                )
+            self.dtype = dtypes.pop()
+
+    @property
+    def url(self) -> str:
+        """The engines' URLs, comma-separated (rank 0, once started; else ``""``)."""
+        return ",".join(link.url for link in self.links)
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The process of the engine the run started (rank 0); None when attached or stopped."""
+        return self.links[0].proc if self.links else None
 
     # ------------------------------------------------------------------ attaching
-    def _probe(self) -> dict[str, Any]:
-        """``GET /info`` of the engine at ``rollout.vllm.url``, checked against the actor and for a
-        lease held by another trainer.
+    def _probe(self, url: str) -> dict[str, Any]:
+        """``GET /info`` of the engine at ``url`` (one of ``rollout.vllm.url``), checked against
+        the actor and for a lease held by another trainer.
 
         Raises:
             EngineSetupError: naming ``rollout.vllm.url`` and what is wrong.
         """
+        url = url.rstrip("/")
         assert self.cfg.url is not None
-        url = self.cfg.url.rstrip("/")
-        where = f"rollout.vllm.url={self.cfg.url}"
+        several = len(engine_urls(self.cfg.url)) > 1
+        where = f"{url} (of rollout.vllm.url)" if several else f"rollout.vllm.url={self.cfg.url}"
         try:
             with urllib.request.urlopen(url + "/info", timeout=min(30.0, self.cfg.request_timeout_s)) as r:
                 info = dict(json.loads(r.read()))
@@ -239,74 +445,40 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"{float(lease['idle_s']):.0f} s ago): two runs would overwrite each other's weights; stop "
                 "that run, or start another engine with openaligner serve-rollout"
             )
-        self._info = info
         return info
 
     def _attach(self) -> str:
-        """Take the engine's lease (rank 0); the weights go through its directory when it is on
-        this machine (it can read the engine's token file there), else as an upload."""
+        """Take every engine's lease (rank 0); if one refuses, those taken are given back."""
         assert self.cfg.url is not None
-        self.url = self.cfg.url.rstrip("/")
-        token: str | None = None
-        with contextlib.suppress(OSError, TypeError):
-            token = (Path(self._info["workdir"]) / "local-token").read_text().strip()
+        links = [
+            EngineLink(url, self.cfg.request_timeout_s, info)
+            for url, info in zip(engine_urls(self.cfg.url), self._infos, strict=True)
+        ]
         try:
-            out = self._post(
-                "/attach", {"client": f"{socket.gethostname()}:{os.getpid()}", "local_token": token}
-            )
+            for link in links:
+                link.attach(self.cfg.weight_transfer)
         except RolloutEngineError:
-            self.url = ""
+            for link in links:
+                link.detach()
             raise
-        self.lease = str(out["lease"])
-        weights_dir = Path(out["weights_dir"])
-        local = bool(out["local"]) and self.cfg.weight_transfer == "auto" and os.access(weights_dir, os.W_OK)
-        self.local_dir = weights_dir if local else None
-        every = max(1.0, float(self._info.get("lease_ttl_s", 60.0)) / 4)
-        self._beating = threading.Event()
-        beat = (self._beating, every, self.url, self.lease)
-        threading.Thread(target=self._heartbeat, args=beat, name="vllm-lease", daemon=True).start()
-        log.info(
-            "vllm rollout engine: attached to %s (weights %s)",
-            self.url,
-            f"written into {weights_dir}" if local else "uploaded over HTTP",
-        )
+        self.links = links
         return self.url
-
-    @staticmethod
-    def _heartbeat(stop: threading.Event, every: float, url: str, lease: str) -> None:
-        """Keep the lease while the run is busy elsewhere (long training phases); a beat that
-        fails is only skipped (the run's own next request says what is wrong)."""
-        while not stop.wait(every):
-            req = urllib.request.Request(
-                url + "/heartbeat", data=b"{}", headers={LEASE_HEADER: lease}, method="POST"
-            )
-            with contextlib.suppress(Exception), urllib.request.urlopen(req, timeout=every):
-                pass
-
-    def _detach(self) -> None:
-        if self._beating is not None:
-            self._beating.set()
-            self._beating = None
-        if self.lease:
-            with contextlib.suppress(RolloutEngineError):
-                self._post("/detach", {}, timeout=30.0)
-            log.info("vllm rollout engine: detached from %s (it keeps serving)", self.url)
-        self.lease, self.url = "", ""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Write the policy's weights, start the engine on them (rank 0) and wait until it serves.
         Every rank calls it (gathering a sharded policy's weights is a collective)."""
-        if self.url:
+        if self.started:
             return
         if self.attached:
-            # the engine may hold another run's weights, or this run's before a resume: the first
+            # the engines may hold another run's weights, or this run's before a resume: the first
             # rollout pushes the actor's, and is checked against them
-            self.url = _on_leader(self._attach)
-            self._dirty = True
+            _on_leader(self._attach)
+            self.started = self._dirty = True
             return
         state = self.policy.inference_state_dict()
-        self.url = _on_leader(lambda: self._start(state))
+        _on_leader(lambda: self._start(state))
+        self.started = True
 
     def _start(self, state: dict[str, torch.Tensor] | None) -> str:
         self.workdir = shm_dir("openaligner-vllm-")
@@ -316,16 +488,18 @@ class VLLMRolloutEngine(RolloutEngine):
         self._write_weights(model_dir, state)
         c = self.cfg
         assert self.python is not None
-        self.log_path = self.workdir / "engine.log"
-        with self.log_path.open("wb") as log_file:
-            self.proc, ready = spawn_worker(self.python, model_dir, self.workdir, c, log_file, [])
-        log.info("vllm rollout engine: starting (pid %d, log %s)", self.proc.pid, self.log_path)
+        link = EngineLink("", c.request_timeout_s)
+        link.log_path = self.workdir / "engine.log"
+        with link.log_path.open("wb") as log_file:
+            link.proc, ready = spawn_worker(self.python, model_dir, self.workdir, c, log_file, [])
+        self.links = [link]  # stopped with the run, whatever happens next
+        log.info("vllm rollout engine: starting (pid %d, log %s)", link.proc.pid, link.log_path)
         deadline = time.monotonic() + c.start_timeout_s
         while not ready.exists():
-            if self.proc.poll() is not None:
-                raise RolloutEngineError(f"the vllm rollout engine failed to start: {self._describe_exit()}")
+            if link.proc.poll() is not None:
+                raise RolloutEngineError(f"the vllm rollout engine failed to start: {link.describe_exit()}")
             if time.monotonic() > deadline:
-                tail = self._log_tail()
+                tail = link.log_tail()
                 self.stop()
                 raise RolloutEngineError(
                     f"the vllm rollout engine did not serve within rollout.vllm.start_timeout_s="
@@ -334,18 +508,19 @@ class VLLMRolloutEngine(RolloutEngine):
             time.sleep(0.2)
         port = json.loads(ready.read_text())["port"]
         self._dirty = False
-        log.info("vllm rollout engine: serving on 127.0.0.1:%d", port)
-        return f"http://127.0.0.1:{port}"
+        link.url = f"http://127.0.0.1:{port}"
+        log.info("vllm rollout engine: serving on %s", link.url)
+        return link.url
 
     def stop(self) -> None:
-        """End the engine's whole process group (SIGTERM, then SIGKILL after 15 s) and remove its
-        directory; an attached engine is detached from (its lease given back) and keeps serving."""
-        if self.attached:
-            self._detach()
-            return
-        proc, self.proc, self.url = self.proc, None, ""
-        if proc is not None:
-            end_group(proc)
+        """End a started engine's whole process group (SIGTERM, then SIGKILL after 15 s) and
+        remove its directory; attached engines are detached from (their leases given back) and
+        keep serving."""
+        links, self.links, self.started = self.links, [], False
+        for link in links:
+            link.detach()
+            if link.proc is not None:
+                end_group(link.proc)
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
@@ -375,13 +550,16 @@ class VLLMRolloutEngine(RolloutEngine):
                 assert self.workdir is not None
                 model_dir = self.workdir / "model"
                 self._write_weights(model_dir, state)
-                self._post("/reload_weights", {"path": str(model_dir)})
+                self.links[0].post("/reload_weights", {"path": str(model_dir)})
                 return
-            if self.local_dir is not None:  # the engine is on this machine: through its directory
-                self._write_weights(self.local_dir, state)
-            else:
-                self._upload(state)
-            self._post("/reload_weights", {})  # from its weights directory
+            # written once, then handed to every engine at once (linked into the directories of
+            # those on this machine, uploaded to the others)
+            staging = shm_dir("openaligner-push-")
+            try:
+                self._write_weights(staging, state)
+                on_each(self.links, lambda link: link.take_weights(staging / "model.safetensors"))
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
 
         _on_leader(push)
         self._dirty = False
@@ -409,22 +587,21 @@ class VLLMRolloutEngine(RolloutEngine):
                 "responses, and this actor has none"
             )
         assert s.stop_token_ids is not None, "a rollout request carries resolved stop ids"
-        if not self.url:
+        if not self.started:
             self.start()
         if self._dirty:
             self._push()
         plens = request.prompt_lengths.tolist()
-        # every rank's rows go to the one engine in one request (rank 0 sends it); each rank takes
-        # its own rows back
+        # every rank's rows go out in one round (rank 0 sends them); each rank takes its own back
         rows = dp.gather_objects(
             (
                 [row[:n] for row, n in zip(request.prompts.tolist(), plens, strict=True)],
                 request.seeds.tolist(),
             )
         )
-        body = {
-            "prompts": [p for prompts, _ in rows for p in prompts],
-            "seeds": [x for _, seeds in rows for x in seeds],
+        prompts = [p for ps, _ in rows for p in ps]
+        seeds = [x for _, ss in rows for x in ss]
+        settings = {
             "greedy": s.greedy,
             "temperature": s.temperature,
             "top_k": s.top_k,
@@ -433,9 +610,8 @@ class VLLMRolloutEngine(RolloutEngine):
             "min_tokens": s.min_new_tokens,
             "stop_token_ids": list(s.stop_token_ids),
         }
-        n_rows = sum(len(prompts) for prompts, _ in rows)
-        out = _on_leader(lambda: check_generate_reply(self._post("/generate", body), n_rows, self.url))
-        start = sum(len(prompts) for prompts, _ in rows[: dp.rank()])
+        out = _on_leader(lambda: self._generate_on_engines(prompts, seeds, settings))
+        start = sum(len(ps) for ps, _ in rows[: dp.rank()])
         mine = slice(start, start + len(plens))
         responses, lps, finish = out["token_ids"][mine], out["logprobs"][mine], out["finish_reasons"][mine]
         if s.stop_strings:
@@ -461,6 +637,26 @@ class VLLMRolloutEngine(RolloutEngine):
             is_end=torch.tensor([f == "stop" for f in finish], dtype=torch.bool),
             logprobs=logprobs,
         )
+
+    def _generate_on_engines(
+        self, prompts: list[list[int]], seeds: list[int], settings: dict[str, Any]
+    ) -> dict[str, list[Any]]:
+        """``POST /generate`` of every row (rank 0): each engine gets a contiguous share, all at
+        once; their answers, checked, joined in the rows' order."""
+        parts = split_rows(len(prompts), len(self.links))
+        shares = [
+            (link, part) for link, part in zip(self.links, parts, strict=True) if part.stop > part.start
+        ]
+
+        def one(share: tuple[EngineLink, slice]) -> dict[str, Any]:
+            link, part = share
+            body = {"prompts": prompts[part], "seeds": seeds[part], **settings}
+            return check_generate_reply(link.post("/generate", body), part.stop - part.start, link.url)
+
+        replies = on_each(shares, one)
+        return {
+            key: [x for r in replies for x in r[key]] for key in ("token_ids", "logprobs", "finish_reasons")
+        }
 
     def check_logprobs(
         self, engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor
@@ -489,93 +685,6 @@ class VLLMRolloutEngine(RolloutEngine):
                 )
             log.warning("%s", message)
         return stats
-
-    # ------------------------------------------------------------------ transport
-    def _upload(self, state: dict[str, torch.Tensor] | None) -> None:
-        """``PUT /weights``: the weights as one safetensors file, written here (in ``/dev/shm``)
-        and streamed from it with its size; the engine refuses a body of another size."""
-        staging = shm_dir("openaligner-push-")
-        try:
-            self._write_weights(staging, state)
-            path = staging / "model.safetensors"
-            size = path.stat().st_size
-            host, port = check_engine_url(self.url, "rollout.vllm.url")
-            conn = http.client.HTTPConnection(host, port, timeout=self.cfg.request_timeout_s)
-            try:
-                with path.open("rb") as f:
-                    headers = {
-                        "Content-Length": str(size),
-                        "Content-Type": "application/octet-stream",
-                        LEASE_HEADER: self.lease,
-                    }
-                    conn.request("PUT", "/weights", body=f, headers=headers)
-                    reply = conn.getresponse()
-                    payload = reply.read().decode(errors="replace")
-            except (OSError, http.client.HTTPException) as e:
-                raise RolloutEngineError(
-                    f"the vllm rollout engine at {self.url} did not take the weights (PUT /weights, {size} "
-                    f"bytes): {type(e).__name__}: {e}"
-                ) from None
-            finally:
-                conn.close()
-            if reply.status != 200:
-                raise RolloutEngineError(
-                    f"the vllm rollout engine at {self.url} refused PUT /weights: {payload}"
-                )
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-
-    def _post(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        data = json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        if self.lease:
-            headers[LEASE_HEADER] = self.lease
-        req = urllib.request.Request(self.url + path, data=data, headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.cfg.request_timeout_s) as r:
-                raw = r.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")
-            raise RolloutEngineError(
-                f"the vllm rollout engine at {self.url} refused {path}: {detail}"
-            ) from None
-        except (OSError, http.client.HTTPException) as e:
-            if self.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(timeout=2.0)  # a connection reset arrives before the exit status
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RolloutEngineError(
-                    f"the vllm rollout engine died during {path}: {self._describe_exit()}"
-                ) from None
-            raise RolloutEngineError(
-                f"the vllm rollout engine at {self.url} did not answer {path} "
-                f"({type(e).__name__}: {e}; rollout.vllm.request_timeout_s={self.cfg.request_timeout_s:g})"
-            ) from None
-
-        try:
-            reply = json.loads(raw)
-        except ValueError:
-            reply = None
-        if not isinstance(reply, dict):
-            # a KeyError or JSONDecodeError here would leave the other ranks waiting in _on_leader
-            raise RolloutEngineError(
-                f"the vllm rollout engine at {self.url} answered {path} with other than a JSON object: "
-                f"{raw[:200]!r}"
-            )
-        return reply
-
-    def _describe_exit(self) -> str:
-        assert self.proc is not None
-        rc = self.proc.returncode
-        how = f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
-        return f"process {self.proc.pid} ended ({how}); its log ends:\n{self._log_tail()}"
-
-    def _log_tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
 
 
 def check_generate_reply(out: dict[str, Any], rows: int, url: str | None) -> dict[str, Any]:

@@ -59,6 +59,11 @@ def test_serve_rollout_refuses_a_missing_model_interpreter_or_port(tmp_path, cap
         (["rollout.vllm.dtype=bfloat16"], "leave rollout.vllm.dtype at its default"),
         (["rollout.engine=hf"], "rollout.vllm.url is set but rollout.engine=hf"),
         (["rollout.vllm.url=localhost:5557"], "rollout.vllm.url must be http://HOST:PORT"),
+        (
+            ["rollout.vllm.url=http://127.0.0.1:5557,http://127.0.0.1:5558,http://127.0.0.1:5557/"],
+            "rollout.vllm.url names http://127.0.0.1:5557 more than once",
+        ),
+        (["rollout.vllm.url=http://127.0.0.1:5557,localhost:5558"], "must be http://HOST:PORT"),
         (["rollout.vllm.weight_transfer=nccl"], "rollout.vllm.weight_transfer must be auto or http"),
     ],
 )
@@ -141,3 +146,24 @@ def test_train_ppo_refuses_an_engine_it_cannot_attach_to_at_start_up(tmp_path, c
         if engine is not None:
             engine.close()
     assert f"rollout.vllm.url={url}" in err and expected in err, err
+
+
+def test_train_ppo_names_the_one_of_several_engines_it_cannot_attach_to(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(64)))
+    good, bad = FakeEngine(model={**MODEL, "vocab_size": 100}), FakeEngine(**LEASED)
+    args = [
+        f"data.train_path={prompts}",
+        "actor.tiny=llama",
+        "actor.tiny_num_heads=2",
+        "remote.critic.port=1",
+        "device=cpu",
+        "rollout.engine=vllm",
+        f"rollout.vllm.url={good.url},{bad.url}",
+    ]
+    try:
+        err = refused(capsys, ["train-ppo", str(YAML), *args])
+    finally:
+        good.close()
+        bad.close()
+    assert f"{bad.url} (of rollout.vllm.url) is attached to another trainer (other:7" in err, err

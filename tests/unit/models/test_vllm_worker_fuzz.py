@@ -588,7 +588,7 @@ def test_the_trainer_refuses_an_answer_that_is_not_a_json_object_with_an_engine_
     from http.server import BaseHTTPRequestHandler
 
     from openaligner.models.rollout_engine import RolloutEngineError
-    from openaligner.models.vllm_engine import VLLMRolloutEngine
+    from openaligner.models.vllm_engine import EngineLink
 
     class Answer(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
@@ -604,15 +604,9 @@ def test_the_trainer_refuses_an_answer_that_is_not_a_json_object_with_an_engine_
     server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        # the transport alone: _post reads only these attributes of its engine
-        engine = types.SimpleNamespace(
-            url=f"http://127.0.0.1:{server.server_address[1]}",
-            lease=None,
-            proc=None,
-            cfg=types.SimpleNamespace(request_timeout_s=5.0),
-        )
+        link = EngineLink(f"http://127.0.0.1:{server.server_address[1]}", request_timeout_s=5.0)
         with pytest.raises(RolloutEngineError, match=r"answered /heartbeat with other than a JSON object"):
-            VLLMRolloutEngine._post(engine, "/heartbeat", {})  # type: ignore[arg-type]
+            link.post("/heartbeat", {})
     finally:
         server.shutdown()
         server.server_close()

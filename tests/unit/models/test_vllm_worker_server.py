@@ -155,7 +155,7 @@ def test_an_attached_trainer_keeps_its_lease_pushes_its_weights_and_detaches(tmp
         cfg = VLLMConfig(url=f"http://127.0.0.1:{port}", weight_transfer=transfer)
         with VLLMRolloutEngine(actor, cfg) as engine:
             # same machine: through the engine's directory unless told to upload
-            assert (engine.local_dir is not None) == (transfer == "auto")
+            assert (engine.links[0].local_dir is not None) == (transfer == "auto")
             time.sleep(5.0)  # longer than the lease: the heartbeat keeps it
             code, reply = call(port, "POST", "/attach", {"client": "b:2"})
             assert code == 409 and "attached to another trainer" in reply["error"]
