@@ -92,8 +92,13 @@ def _trainer_logprobs(actor: CausalLMActor, out) -> tuple[torch.Tensor, torch.Te
     return mine, mask
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2 ties its LM head to the embedding
-def test_after_a_weight_push_the_engine_generates_the_trainers_tokens_and_logprobs(rollout_python, arch):
+# qwen2 ties its LM head to the embedding; collective: the weights broadcast over a gloo group
+@pytest.mark.parametrize(
+    ("arch", "transfer"), [("llama", "auto"), ("qwen2", "auto"), ("qwen2", "collective")]
+)
+def test_after_a_weight_push_the_engine_generates_the_trainers_tokens_and_logprobs(
+    rollout_python, arch, transfer
+):
     actor = CausalLMActor(
         build_tiny_causal_lm(arch, SIZE, seed=0),
         sampling=SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=(1,)),
@@ -101,7 +106,9 @@ def test_after_a_weight_push_the_engine_generates_the_trainers_tokens_and_logpro
     )
     prompts = _prompts_tensor()
     greedy = RolloutRequest(prompts, LENGTHS, actor.sampling, row_seeds(0, 4))
-    engine = VLLMRolloutEngine(actor, VLLMConfig(python=rollout_python, start_timeout_s=900))
+    engine = VLLMRolloutEngine(
+        actor, VLLMConfig(python=rollout_python, start_timeout_s=900, weight_transfer=transfer)
+    )
     with engine:
         before = engine.generate(greedy)
         reference = HFRolloutEngine(actor).generate(greedy)

@@ -235,6 +235,10 @@ class VLLMProcessConfig:
             raise ValueError(f"{{section}}.max_model_len must be ≥ 0, got {self.max_model_len}")
 
 
+WEIGHT_TRANSFERS = ("auto", "http", "collective")
+"""``rollout.vllm.weight_transfer``'s values (docs/rollout-engine.md, "Weight transfer")."""
+
+
 @dataclass
 class VLLMConfig(VLLMProcessConfig):
     """``rollout.vllm``: the vLLM engine train-ppo starts, or the one it attaches to (``url``)."""
@@ -243,8 +247,10 @@ class VLLMConfig(VLLMProcessConfig):
     # separated: the rollouts are shared among them): attach to it instead of starting one (the
     # settings above are then that engine's, and refused here); null: start one
     url: str | None = None
-    # attached: auto = through the engine's directory when it is on this machine (else an upload);
-    # http = always upload the weights over HTTP
+    # how pushed weights reach the engine: auto = a file in its directory in /dev/shm (an attached
+    # engine on another machine: uploaded over HTTP); http = always uploaded (attached only);
+    # collective = broadcast over a process group of the trainer and the engine (gloo on CPU,
+    # NCCL when the engine has a GPU)
     weight_transfer: str = "auto"
     request_timeout_s: float = 600.0  # limit of one generate or weight push
     # mean |engine − trainer log-prob| on the first rollout after a weight push above which the
@@ -257,9 +263,16 @@ class VLLMConfig(VLLMProcessConfig):
             raise ValueError(f"{{section}}.request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.max_logprob_diff < 0:
             raise ValueError(f"{{section}}.max_logprob_diff must be ≥ 0, got {self.max_logprob_diff}")
-        if self.weight_transfer not in ("auto", "http"):
+        if self.weight_transfer not in WEIGHT_TRANSFERS:
             raise ValueError(
-                f"{{section}}.weight_transfer must be auto or http, got {self.weight_transfer!r}"
+                f"{{section}}.weight_transfer must be one of {', '.join(WEIGHT_TRANSFERS)}, got "
+                f"{self.weight_transfer!r}"
+            )
+        if self.weight_transfer == "http" and self.url is None:
+            raise ValueError(
+                "{section}.weight_transfer=http uploads to an engine of openaligner serve-rollout "
+                "({section}.url); an engine the run starts reads its weights from /dev/shm (auto) or "
+                "takes them over a process group (collective)"
             )
         if self.url is not None:
             engine_urls(self.url, "{section}.url")

@@ -159,6 +159,11 @@ class EngineLink:
         self.lease = ""  # attached: the lease every request carries
         self.local_dir: Path | None = None  # attached: the engine's weights directory, if writable here
         self._beating: threading.Event | None = None  # set to stop the heartbeat thread
+        # weight_transfer=collective: the process group with the engine (rank 0 here), its store,
+        # and the device the buckets are sent from; None until the first push (and after a failure)
+        self._group: Any = None
+        self._store: Any = None
+        self._device = torch.device("cpu")
 
     # ------------------------------------------------------------------ attaching
     def attach(self, weight_transfer: str) -> None:
@@ -222,6 +227,119 @@ class EngineLink:
         else:
             self._upload(staged)
         self.post("/reload_weights", {})  # from its weights directory
+
+    def send_collective(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Broadcast ``tensors`` (as the engine loads them) over the process group with the engine
+        and have it reload from them: the plan first (``POST /collective/plan``, checked by the
+        engine before any byte moves), then ``POST /collective/receive`` while the buckets of
+        :func:`~openaligner.models.vllm_worker.bucket_layout` are broadcast. The group is built on
+        the first push and again after one failed."""
+        import torch.distributed as tdist
+
+        from openaligner.models.vllm_worker import COLLECTIVE_BUCKET_BYTES, bucket_bytes_of, bucket_layout
+
+        if self._group is None:
+            self._init_collective()
+        values = list(tensors.values())
+        specs = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()]
+        plan = {"tensors": specs, "bucket_bytes": COLLECTIVE_BUCKET_BYTES}
+        try:
+            self.post("/collective/plan", plan)
+        except RolloutEngineError:
+            # the engine may have lost its end (a receive that timed out, a restart): build the
+            # group anew, once; a second refusal is the engine's answer
+            self._group = None
+            self._init_collective()
+            self.post("/collective/plan", plan)
+        answer: dict[str, Any] = {}
+
+        def receive() -> None:
+            try:
+                answer["reply"] = self.post("/collective/receive", {})
+            except RolloutEngineError as e:
+                answer["error"] = e
+
+        receiver = threading.Thread(target=receive, name="vllm-receive", daemon=True)
+        receiver.start()
+        opts = tdist.BroadcastOptions()
+        opts.rootRank = 0
+        sizes = [t.numel() * t.element_size() for t in values]
+        try:
+            for bucket in bucket_layout(sizes, COLLECTIVE_BUCKET_BYTES):
+                buf = torch.empty(bucket_bytes_of(bucket), dtype=torch.uint8, device=self._device)
+                for index, offset, n in bucket:
+                    buf[offset : offset + n].copy_(values[index].reshape(-1).view(torch.uint8))
+                self._group.broadcast([buf], opts).wait()
+        except RuntimeError as e:
+            self._group = None
+            receiver.join(timeout=10.0)
+            raise RolloutEngineError(
+                f"the vllm rollout engine at {self.url} did not take the weights over the collective "
+                f"group: {answer.get('error') or e}"
+            ) from None
+        receiver.join()
+        if "error" in answer:
+            self._group = None
+            raise answer["error"]
+
+    def _init_collective(self) -> None:
+        """Build the two-member process group with the engine: a TCP store here (rank 0), on the
+        address this machine reaches the engine from; the engine joins it (``POST
+        /collective/init``) while this side builds its own end. Gloo, or NCCL where the engine
+        has a GPU (then this trainer must have one)."""
+        import datetime
+
+        import torch.distributed as tdist
+
+        host, port = check_engine_url(self.url, "rollout.vllm.url")
+        try:
+            with urllib.request.urlopen(self.url + "/info", timeout=30.0) as r:
+                backend = dict(json.loads(r.read())).get("collective_backend", "gloo")
+            with socket.create_connection((host, port), timeout=30.0) as s:
+                here = s.getsockname()[0]  # this machine's address on the route to the engine
+        except (OSError, http.client.HTTPException, ValueError, TypeError) as e:
+            raise RolloutEngineError(
+                f"the vllm rollout engine at {self.url} did not answer GET /info ({type(e).__name__}: {e})"
+            ) from None
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise RolloutEngineError(
+                f"the vllm rollout engine at {self.url} has a GPU (its weights come over NCCL) and this "
+                "trainer has none: set rollout.vllm.weight_transfer=auto"
+            )
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
+        timeout = datetime.timedelta(seconds=self.request_timeout_s)
+        store = tdist.TCPStore(here, 0, 2, True, timeout, wait_for_workers=False)
+        built: dict[str, Any] = {}
+
+        def build() -> None:
+            prefixed = tdist.PrefixStore("openaligner-weights", store)
+            try:
+                if backend == "nccl":
+                    built["group"] = tdist.ProcessGroupNCCL(prefixed, 0, 2, tdist.ProcessGroupNCCL.Options())
+                else:
+                    built["group"] = tdist.ProcessGroupGloo(prefixed, 0, 2, timeout)
+            except RuntimeError as e:
+                built["error"] = e
+
+        builder = threading.Thread(target=build, name="vllm-group", daemon=True)
+        builder.start()
+        # the engine answers once its end is built, which needs this side's end: built meanwhile
+        self.post("/collective/init", {"host": here, "port": store.port, "timeout_s": self.request_timeout_s})
+        builder.join()
+        if "error" in built:
+            raise RolloutEngineError(
+                f"the process group with the vllm rollout engine at {self.url} failed: {built['error']}"
+            )
+        self._group, self._store = built["group"], store
+        log.info(
+            "vllm rollout engine %s: weights pushed over a %s group (%s:%d)",
+            self.url,
+            backend,
+            here,
+            store.port,
+        )
 
     def _upload(self, path: Path) -> None:
         """``PUT /weights``: ``path`` streamed with its size; the engine refuses a body of another
@@ -546,6 +664,11 @@ class VLLMRolloutEngine(RolloutEngine):
         state = self.policy.inference_state_dict()  # a collective for a sharded policy
 
         def push() -> None:
+            if self.cfg.weight_transfer == "collective":
+                assert state is not None, "rank 0 holds the whole state dict"
+                tensors = engine_state_dict(state, _DTYPES[self.dtype], self.tied)
+                on_each(self.links, lambda link: link.send_collective(tensors))
+                return
             if not self.attached:
                 assert self.workdir is not None
                 model_dir = self.workdir / "model"

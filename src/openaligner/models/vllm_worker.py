@@ -1,11 +1,11 @@
 """The vLLM rollout engine's own process: a ``vllm.LLM`` behind a small JSON-over-HTTP server,
 run by the rollout environment's Python (``rollout.vllm.python``), never imported by the project.
 
-Owns the endpoints (``/health``, ``/info``, ``/generate``, ``/reload_weights``; standalone, for
-``openaligner serve-rollout``: the one-trainer lease and weight uploads), read on a thread per
-connection and served one at a time; a malformed request gets a 4xx JSON error naming the field.
-Must not import anything but the standard library and vLLM (it runs in a virtualenv without the
-project: ``python -I``).
+Owns the endpoints (``/health``, ``/info``, ``/generate``, ``/reload_weights``, ``/collective/*``;
+standalone, for ``openaligner serve-rollout``: the one-trainer lease and weight uploads), read on a
+thread per connection and served one at a time; a malformed request gets a 4xx JSON error naming
+the field. Must not import anything but the standard library, vLLM and the torch vLLM brings (it
+runs in a virtualenv without the project: ``python -I``).
 Design notes (the wire format): docs/rollout-engine.md, "Module notes".
 """
 
@@ -44,6 +44,13 @@ class TooLarge(BadRequest):
     :data:`MAX_JSON_BYTES`)."""
 
     code = 413
+
+
+class CollectiveFailed(BadRequest):
+    """A collective weight push that failed between the two sides (the group could not be built,
+    or a broadcast did not complete): the trainer's to retry after a new init."""
+
+    code = 502
 
 
 class LengthRequired(BadRequest):
@@ -99,6 +106,42 @@ GENERATE_FIELDS = (
 """The fields of a ``POST /generate`` body; any other is refused (a misspelt setting would be ignored)."""
 
 INT_LIMIT = 1 << 31  # token counts, top_k and token ids beyond this are no model's
+
+COLLECTIVE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "uint8", "bool")
+"""The tensor dtypes a collective push may carry (by torch's names)."""
+
+COLLECTIVE_ALIGN = 16
+"""Byte alignment of every tensor in a bucket (any dtype may be viewed at such an offset)."""
+
+COLLECTIVE_BUCKET_BYTES = 256 << 20
+"""The trainer's bucket size: each broadcast carries at most this many bytes (a larger tensor
+goes alone), so neither side needs a second copy of the whole model to send or receive."""
+
+
+def bucket_layout(sizes: list[int], bucket_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """How a collective push packs tensors of ``sizes`` bytes (in order) into byte buffers, each
+    broadcast once: per bucket, ``(tensor index, byte offset, bytes)``; offsets are aligned to
+    :data:`COLLECTIVE_ALIGN`, a bucket holds at most ``bucket_bytes`` unless one tensor alone is
+    larger. The trainer and the engine compute it alike from the same list."""
+    buckets: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    end = 0
+    for i, n in enumerate(sizes):
+        offset = -(-end // COLLECTIVE_ALIGN) * COLLECTIVE_ALIGN
+        if current and offset + n > bucket_bytes:
+            buckets.append(current)
+            current, offset = [], 0
+        current.append((i, offset, n))
+        end = offset + n
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def bucket_bytes_of(bucket: list[tuple[int, int, int]]) -> int:
+    """The byte length of one bucket of :func:`bucket_layout`."""
+    _, offset, n = bucket[-1]
+    return offset + n
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
@@ -193,6 +236,11 @@ class Engine:
         self.dtype = args.dtype
         self.model = _model_summary(args.model)
         self.local_token = ""
+        # POST /collective/init: (process group, device) of the trainer's weight broadcasts
+        self.collective: tuple[Any, Any] | None = None
+        self.plan: tuple[list[tuple[str, Any, list[int], int]], int] | None = (
+            None  # the next receive's tensors
+        )
         if self.standalone:
             if self.workdir is None:
                 raise SystemExit("--standalone needs --workdir (where pushed weights are kept)")
@@ -229,6 +277,7 @@ class Engine:
             "lease": lease,
             "lease_ttl_s": self.lease_ttl_s,
             "max_model_len": self.max_model_len,
+            "collective_backend": _collective_backend(),
         }
 
     def check_lease(self, lease: str | None) -> None:
@@ -273,6 +322,7 @@ class Engine:
     def detach(self, body: dict[str, Any]) -> dict[str, Any]:
         print(f"detached: {self.holder}", flush=True)
         self.lease, self.holder = None, ""
+        self.collective = self.plan = None  # the next trainer builds its own
         _remove_file(os.path.join(self.weights_dir, WEIGHTS_FILE))
         return {"ok": True}
 
@@ -384,6 +434,109 @@ class Engine:
             finish.append(str(completion.finish_reason))
         return {"token_ids": token_ids, "logprobs": logprobs, "finish_reasons": finish}
 
+    # ------------------------------------------------------------------ collective weight pushes
+    def collective_init(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /collective/init {"host", "port", "timeout_s"}``: join the trainer's two-member
+        process group (its TCP store at host:port; the trainer is rank 0, this engine rank 1) over
+        which :meth:`collective_receive` takes weights: gloo on CPU, NCCL on a GPU. Answers once
+        the group is up (the trainer builds its side meanwhile); replaces any earlier group."""
+        import datetime
+
+        import torch
+        import torch.distributed as tdist
+
+        host, port = body.get("host"), body.get("port")
+        if not isinstance(host, str) or not host:
+            raise BadRequest(
+                f"host must name the trainer's store (a host name or address), got {_short(host)}"
+            )
+        if not _is_int(port) or not 0 < port < 65536:
+            raise BadRequest(f"port must be the trainer's store port in [1, 65535], got {_short(port)}")
+        timeout_s = _number(body, "timeout_s", float, 1.0, 86400.0)
+        self.collective = self.plan = None
+        timeout = datetime.timedelta(seconds=timeout_s)
+        backend = _collective_backend()
+        group: Any
+        try:
+            store = tdist.TCPStore(host, port, 2, False, timeout)
+            prefixed = tdist.PrefixStore("openaligner-weights", store)
+            if backend == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+                group = tdist.ProcessGroupNCCL(prefixed, 1, 2, tdist.ProcessGroupNCCL.Options())
+            else:
+                device = torch.device("cpu")
+                group = tdist.ProcessGroupGloo(prefixed, 1, 2, timeout)
+        except (RuntimeError, ValueError, OSError) as e:
+            raise CollectiveFailed(f"could not join the trainer's group at {host}:{port}: {e}") from None
+        self.collective = (group, device)
+        print(f"collective weight pushes: joined {host}:{port} ({backend})", flush=True)
+        return {"backend": backend}
+
+    def collective_plan(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /collective/plan {"tensors": [[name, dtype, shape], ...], "bucket_bytes": N}``:
+        what the next :meth:`collective_receive` takes, checked here, before any broadcast starts
+        (a refusal mid-broadcast would leave the trainer waiting out its timeout)."""
+        import torch
+
+        if self.collective is None:
+            raise Conflict("no collective group: POST /collective/init first (after an error, again)")
+        self.plan = None
+        tensors = body.get("tensors")
+        if not isinstance(tensors, list) or not tensors:
+            raise BadRequest(
+                f"tensors must be a non-empty list of [name, dtype, shape], got {_short(tensors)}"
+            )
+        specs: list[tuple[str, Any, list[int], int]] = []
+        for i, t in enumerate(tensors):
+            ok = isinstance(t, list) and len(t) == 3 and isinstance(t[0], str) and bool(t[0])
+            if not ok or t[1] not in COLLECTIVE_DTYPES or not isinstance(t[2], list):
+                raise BadRequest(
+                    f"tensors[{i}] must be [name, dtype, shape] with dtype one of "
+                    f"{', '.join(COLLECTIVE_DTYPES)} and shape a list, got {_short(t)}"
+                )
+            shape = _int_list(t[2], f"tensors[{i}] shape", high=INT_LIMIT) if t[2] else []
+            dtype = getattr(torch, t[1])
+            specs.append((t[0], dtype, shape, math.prod(shape) * torch.empty((), dtype=dtype).element_size()))
+        bucket_bytes = _number(body, "bucket_bytes", int, 1, 1 << 40)
+        total = sum(n for *_, n in specs)
+        free = _free_bytes(self.collective[1])
+        if total > free:
+            raise TooLarge(
+                f"the weights ({total} bytes) do not fit in the engine's free memory ({free} bytes)"
+            )
+        self.plan = (specs, bucket_bytes)
+        return {"bytes": total, "buckets": len(bucket_layout([n for *_, n in specs], bucket_bytes))}
+
+    def collective_receive(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /collective/receive {}``: receive the planned tensors from the trainer's
+        broadcasts (packed as :func:`bucket_layout` says, one broadcast per bucket), then reload
+        the model from them and drop the prefix cache. A broadcast that fails (the trainer gone,
+        a timeout) ends the group: init again."""
+        import torch
+        import torch.distributed as tdist
+
+        if self.collective is None or self.plan is None:
+            raise Conflict("no planned push: POST /collective/init (once) and /collective/plan first")
+        (group, device), (specs, bucket_bytes) = self.collective, self.plan
+        self.plan = None  # a plan is used once
+        opts = tdist.BroadcastOptions()
+        opts.rootRank = 0
+        weights: list[tuple[str, Any]] = []
+        try:
+            for bucket in bucket_layout([n for *_, n in specs], bucket_bytes):
+                buf = torch.empty(bucket_bytes_of(bucket), dtype=torch.uint8, device=device)
+                group.broadcast([buf], opts).wait()
+                for index, offset, n in bucket:
+                    name, dtype, shape, _ = specs[index]
+                    weights.append((name, buf[offset : offset + n].view(dtype).view(shape)))
+        except RuntimeError as e:
+            self.collective = None
+            raise CollectiveFailed(f"the weights did not arrive ({e}); POST /collective/init again") from None
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()  # as after a reload from a file
+        return {"bytes": sum(n for *_, n in specs), "seconds": time.perf_counter() - t0}
+
     def reload_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         path = body.get("path", self.weights_dir if self.standalone else None)
         if not isinstance(path, str) or not os.path.isdir(path):
@@ -403,6 +556,28 @@ class Engine:
         if self.standalone:  # loaded: a second copy of the model in shared memory would be waste
             _remove_file(os.path.join(path, WEIGHTS_FILE))
         return {"seconds": time.perf_counter() - t0}
+
+
+def _collective_backend() -> str:
+    """The process group a collective push uses here: NCCL where this engine has a GPU, else gloo."""
+    try:
+        import torch
+
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    except ImportError:  # only tests run the server without torch
+        return "gloo"
+
+
+def _free_bytes(device: Any) -> int:
+    """Memory free for received weights: the GPU's free memory, or the machine's available RAM."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62
 
 
 def _max_model_len(llm: Any) -> int | None:
@@ -516,6 +691,9 @@ def make_handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
         "/attach": (engine.attach, False),
         "/heartbeat": (engine.heartbeat, True),
         "/detach": (engine.detach, True),
+        "/collective/init": (engine.collective_init, True),
+        "/collective/plan": (engine.collective_plan, True),
+        "/collective/receive": (engine.collective_receive, True),
     }
 
     methods = "GET /health or /info, POST " + ", ".join(routes) + ", PUT /weights"

@@ -64,7 +64,10 @@ def test_serve_rollout_refuses_a_missing_model_interpreter_or_port(tmp_path, cap
             "rollout.vllm.url names http://127.0.0.1:5557 more than once",
         ),
         (["rollout.vllm.url=http://127.0.0.1:5557,localhost:5558"], "must be http://HOST:PORT"),
-        (["rollout.vllm.weight_transfer=nccl"], "rollout.vllm.weight_transfer must be auto or http"),
+        (
+            ["rollout.vllm.weight_transfer=nccl"],
+            "rollout.vllm.weight_transfer must be one of auto, http, collective",
+        ),
     ],
 )
 def test_train_ppo_refuses_settings_that_conflict_with_an_attached_engine(capsys, overrides, expected):

@@ -58,7 +58,10 @@ class FakeLLM:
         return outs
 
     def collective_rpc(self, method: str, kwargs: dict) -> None:
-        self.reloaded.append(load_file(str(Path(kwargs["weights_path"]) / "model.safetensors")))
+        if "weights_iterator" in kwargs:  # weight_transfer=collective: the tensors themselves
+            self.reloaded.append({name: t.clone() for name, t in kwargs["weights_iterator"]})
+        else:
+            self.reloaded.append(load_file(str(Path(kwargs["weights_path"]) / "model.safetensors")))
 
     def reset_prefix_cache(self) -> None:
         return None
@@ -67,6 +70,7 @@ class FakeLLM:
 class Served(types.SimpleNamespace):
     url: str
     llm: FakeLLM
+    engine: vllm_worker.Engine
     server: Any
 
 
@@ -87,9 +91,10 @@ def serve(tmp_path: Path, name: str, *extra: str) -> Served:
         ]
     )
     llm = FakeLLM()
-    server = vllm_worker.make_server(vllm_worker.Engine(args, llm=llm), "127.0.0.1", 0)
+    engine = vllm_worker.Engine(args, llm=llm)
+    server = vllm_worker.make_server(engine, "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    return Served(url=f"http://127.0.0.1:{server.server_address[1]}", llm=llm, server=server)
+    return Served(url=f"http://127.0.0.1:{server.server_address[1]}", llm=llm, engine=engine, server=server)
 
 
 @pytest.fixture
@@ -130,7 +135,7 @@ def test_split_rows_is_contiguous_and_even():
             assert sum(sizes) == rows and max(sizes) - min(sizes) <= 1
 
 
-@pytest.mark.parametrize("transfer", ["auto", "http"])
+@pytest.mark.parametrize("transfer", ["auto", "http", "collective"])
 def test_the_rows_are_shared_among_the_engines_and_every_push_reaches_each(engines, transfer):
     a_, b_ = engines
     a = actor()

@@ -1,0 +1,184 @@
+"""``rollout.vllm.weight_transfer=collective`` without vLLM: the trainer broadcasts the weights over
+a two-member process group (gloo here; NCCL where the engine has a GPU) into a real engine server
+(``vllm_worker``) over a fake ``vllm.LLM`` that records what it reloads. The engine gets exactly
+the trainer's tensors in its dtype; the group is built once and rebuilt after a failure; bad
+plans and broken broadcasts are answered with a 4xx/502 naming what was wrong while the engine
+serves on. tests/integration/test_vllm_engine.py pushes into real vLLM this way."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import threading
+import types
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as tdist
+from test_vllm_several_engines import FakeSamplingParams, actor, request, serve
+
+from openaligner.models import vllm_worker
+from openaligner.models.rollout_engine import RolloutEngineError, VLLMConfig
+from openaligner.models.vllm_engine import VLLMRolloutEngine, engine_state_dict
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=FakeSamplingParams))
+
+
+def post(url: str, path: str, body: dict, lease: str | None = None) -> tuple[int, dict]:
+    headers = {vllm_worker.LEASE_HEADER: lease} if lease else {}
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bucket_layout_aligns_and_caps_every_bucket():
+    layout = vllm_worker.bucket_layout([10, 6, 40, 100, 0, 3], bucket_bytes=64)
+    # offsets aligned to 16 bytes; a tensor that would overrun 64 bytes starts the next bucket;
+    # one larger than a bucket (100) goes alone
+    assert layout == [[(0, 0, 10), (1, 16, 6)], [(2, 0, 40)], [(3, 0, 100)], [(4, 0, 0), (5, 0, 3)]]
+    assert [vllm_worker.bucket_bytes_of(b) for b in layout] == [22, 40, 100, 3]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_reloads_exactly_the_trainers_tensors_in_its_dtype(fake_vllm, tmp_path, dtype):
+    s = serve(tmp_path, "a", f"--dtype={dtype}")
+    try:
+        a = actor()
+        with VLLMRolloutEngine(a, VLLMConfig(url=s.url, weight_transfer="collective")) as engine:
+            groups = []
+            for version in (1, 2):
+                with torch.no_grad():
+                    for p in a.model.parameters():
+                        p.mul_(1.5)
+                engine.update_weights(a, version)
+                engine.generate(request(a, 2))
+                groups.append(engine.links[0]._group)
+                want = engine_state_dict(a.model.state_dict(), getattr(torch, dtype), tied=False)
+                got = s.llm.reloaded[-1]
+                assert list(got) == list(want)
+                for name, t in want.items():
+                    assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+            assert engine.pop_metrics()["timing/weight_sync_s"] > 0
+            assert groups[0] is groups[1] is not None  # one group for the run, reused by every push
+            # the engine loses its end (e.g. its receive failed after a timeout): the next push
+            # builds a new group instead of failing at every step from then on
+            s.engine.collective = None
+            engine.update_weights(a, 3)
+            engine.generate(request(a, 2))
+            assert engine.links[0]._group is not groups[0] and len(s.llm.reloaded) == 3
+    finally:
+        s.server.shutdown()
+        s.server.server_close()
+
+
+def test_bad_plans_are_refused_before_any_broadcast_and_a_broken_one_ends_the_group(fake_vllm, tmp_path):
+    s = serve(tmp_path, "a")
+    try:
+        code, reply = post(s.url, "/attach", {"client": "t:1"})
+        lease = reply["lease"]
+        good_plan = {"tensors": [["w", "float32", [2, 3]]], "bucket_bytes": 1024}
+        code, reply = post(s.url, "/collective/plan", good_plan, lease)
+        assert code == 409 and "POST /collective/init first" in reply["error"]
+        code, reply = post(s.url, "/collective/receive", {}, lease)
+        assert code == 409 and "/collective/plan first" in reply["error"]
+
+        # the trainer's end of a group, built by hand; the engine joins with a 1 s timeout
+        store = tdist.TCPStore(
+            "127.0.0.1", 0, 2, True, datetime.timedelta(seconds=30), wait_for_workers=False
+        )
+        mine: dict[str, Any] = {}
+
+        def build() -> None:
+            prefixed = tdist.PrefixStore("openaligner-weights", store)
+            mine["group"] = tdist.ProcessGroupGloo(prefixed, 0, 2, datetime.timedelta(seconds=30))
+
+        builder = threading.Thread(target=build)
+        builder.start()
+        code, reply = post(
+            s.url, "/collective/init", {"host": "127.0.0.1", "port": store.port, "timeout_s": 1}, lease
+        )
+        builder.join()
+        assert (code, reply) == (200, {"backend": "gloo"})
+
+        for plan, words in [
+            ({"tensors": [["w", "complex64", [2]]], "bucket_bytes": 1024}, "dtype one of float32"),
+            ({"tensors": [["w", "float32", 3]], "bucket_bytes": 1024}, "shape a list"),
+            (
+                {"tensors": [["w", "float32", [-1]]], "bucket_bytes": 1024},
+                "tensors[0] shape must hold integers",
+            ),
+            ({"tensors": [["", "float32", [1]]], "bucket_bytes": 1024}, "must be [name, dtype, shape]"),
+            ({"tensors": [], "bucket_bytes": 1024}, "tensors must be a non-empty list"),
+            ({"tensors": [["w", "float32", [2]]], "bucket_bytes": 0}, "bucket_bytes"),
+            ({"tensors": [["w", "float32", [1 << 30, 1 << 30]]], "bucket_bytes": 1024}, "do not fit"),
+        ]:
+            code, reply = post(s.url, "/collective/plan", plan, lease)
+            assert 400 <= code < 500 and words in reply["error"], (plan, reply)
+        assert post(s.url, "/collective/receive", {}, lease)[0] == 409  # a refused plan is no plan
+
+        # planned, but the trainer never broadcasts: the engine's broadcast times out (1 s)
+        assert post(s.url, "/collective/plan", good_plan, lease)[0] == 200
+        code, reply = post(s.url, "/collective/receive", {}, lease)
+        assert (
+            code == 502 and "did not arrive" in reply["error"] and "/collective/init again" in reply["error"]
+        )
+        assert post(s.url, "/collective/plan", good_plan, lease)[0] == 409  # the group is gone
+        body = {
+            "prompts": [[5, 6]], "seeds": [0], "greedy": True, "temperature": 1.0, "top_k": -1,
+            "top_p": 1.0, "max_tokens": 3, "min_tokens": 0, "stop_token_ids": [1],
+        }  # fmt: skip
+        assert post(s.url, "/generate", body, lease)[0] == 200  # and the engine serves on
+        assert s.llm.reloaded == []
+    finally:
+        s.server.shutdown()
+        s.server.server_close()
+
+
+def test_a_broadcast_that_fails_is_named_and_the_next_push_builds_a_new_group(fake_vllm, tmp_path):
+    s = serve(tmp_path, "a")
+    try:
+        a = actor()
+        cfg = VLLMConfig(url=s.url, weight_transfer="collective", request_timeout_s=2.0)
+        with VLLMRolloutEngine(a, cfg) as engine:
+            engine.generate(request(a, 2))
+            link = engine.links[0]
+            # this side's broadcast fails (the connection lost): the engine's receive times out
+            # (2 s) and ends its group
+            link._group = broken = types.SimpleNamespace(broadcast=_failing_broadcast)
+            engine.update_weights(a, 1)
+            with pytest.raises(
+                RolloutEngineError, match=rf"{s.url} did not take the weights over the collective"
+            ):
+                engine.generate(request(a, 2))
+            assert link._group is None and len(s.llm.reloaded) == 1
+            engine.update_weights(a, 2)
+            engine.generate(request(a, 2))  # a new group, and the push arrives
+            assert link._group is not None and link._group is not broken
+            assert len(s.llm.reloaded) == 2
+    finally:
+        s.server.shutdown()
+        s.server.server_close()
+
+
+def _failing_broadcast(*args: Any) -> Any:
+    raise RuntimeError("Connection closed by peer")
+
+
+def test_an_upload_without_an_attached_engine_is_refused():
+    """An engine the run starts reads /dev/shm or takes a broadcast; ``http`` there meant nothing
+    and was silently ignored."""
+    with pytest.raises(
+        ValueError, match=r"weight_transfer=http uploads to an engine of openaligner serve-rollout"
+    ):
+        VLLMConfig(weight_transfer="http")
+    assert VLLMConfig(weight_transfer="collective").weight_transfer == "collective"
