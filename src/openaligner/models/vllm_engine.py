@@ -294,7 +294,8 @@ class EngineLink:
         host, port = check_engine_url(self.url, "rollout.vllm.url")
         try:
             with urllib.request.urlopen(self.url + "/info", timeout=30.0) as r:
-                backend = dict(json.loads(r.read())).get("collective_backend", "gloo")
+                info = dict(json.loads(r.read()))
+            backend = info.get("collective_backend", "gloo")
             with socket.create_connection((host, port), timeout=30.0) as s:
                 here = s.getsockname()[0]  # this machine's address on the route to the engine
         except (OSError, http.client.HTTPException, ValueError, TypeError) as e:
@@ -309,6 +310,14 @@ class EngineLink:
         self._device = (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
+        if backend == "nccl" and info.get("gpu_uuid") == str(
+            torch.cuda.get_device_properties(self._device).uuid
+        ):
+            raise RolloutEngineError(
+                f"the vllm rollout engine at {self.url} runs on this trainer's GPU, and NCCL cannot join "
+                "two processes on one GPU: set rollout.vllm.weight_transfer=auto (through /dev/shm) "
+                "or give the engine GPUs of its own"
+            )
         timeout = datetime.timedelta(seconds=self.request_timeout_s)
         store = tdist.TCPStore(here, 0, 2, True, timeout, wait_for_workers=False)
         built: dict[str, Any] = {}

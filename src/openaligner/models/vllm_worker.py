@@ -278,6 +278,7 @@ class Engine:
             "lease_ttl_s": self.lease_ttl_s,
             "max_model_len": self.max_model_len,
             "collective_backend": _collective_backend(),
+            "gpu_uuid": _gpu_uuid(),
         }
 
     def check_lease(self, lease: str | None) -> None:
@@ -566,6 +567,19 @@ def _collective_backend() -> str:
         return "nccl" if torch.cuda.is_available() else "gloo"
     except ImportError:  # only tests run the server without torch
         return "gloo"
+
+
+def _gpu_uuid() -> str | None:
+    """The UUID of this engine's (first) GPU, None without one: a trainer on the same GPU cannot
+    form an NCCL group with it (NCCL refuses two ranks on one device)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    except ImportError:  # only tests run the server without torch
+        return None
 
 
 def _free_bytes(device: Any) -> int:

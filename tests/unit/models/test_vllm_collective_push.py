@@ -182,3 +182,33 @@ def test_an_upload_without_an_attached_engine_is_refused():
     ):
         VLLMConfig(weight_transfer="http")
     assert VLLMConfig(weight_transfer="collective").weight_transfer == "collective"
+
+
+def test_an_nccl_engine_is_refused_by_a_trainer_without_a_gpu_or_on_the_engines_gpu(
+    fake_vllm, tmp_path, monkeypatch
+):
+    """NCCL needs a GPU on both sides, and two of them: it cannot join two processes on one GPU
+    (a colocated engine), which would otherwise fail deep inside NCCL at the first push."""
+    s = serve(tmp_path, "a")
+    monkeypatch.setattr(vllm_worker, "_collective_backend", lambda: "nccl")
+    monkeypatch.setattr(vllm_worker, "_gpu_uuid", lambda: "GPU-1")
+    try:
+        a = actor()
+        with VLLMRolloutEngine(a, VLLMConfig(url=s.url, weight_transfer="collective")) as engine:
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+            with pytest.raises(
+                RolloutEngineError,
+                match=r"has a GPU .* this trainer has none: set rollout.vllm.weight_transfer=auto",
+            ):
+                engine.generate(request(a, 2))
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+            monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+            monkeypatch.setattr(
+                torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="GPU-1")
+            )
+            with pytest.raises(RolloutEngineError, match=r"runs on this trainer's GPU, and NCCL cannot join"):
+                engine.generate(request(a, 2))
+        assert s.llm.reloaded == []
+    finally:
+        s.server.shutdown()
+        s.server.server_close()
