@@ -9,6 +9,9 @@ Measured, per engine:
   the vllm engine's start (process, import of vLLM, model load) is excluded and reported apart;
 * weight-push seconds (vllm): the median of ``--pushes`` pushes of changed weights, each the
   ``timing/weight_sync_s`` the engine reports for the next generate;
+* with ``--transfers auto,collective``: the weight push by each ``rollout.vllm.weight_transfer``
+  into one engine, pushes interleaved (auto, collective, auto, ...), the median of ``--pushes``
+  each; ``--pushes-only`` skips the generation timings;
 * with ``--ppo``: one PPO step each, ``openaligner train-ppo rollout.engine=<e>`` against a tiny
   ``serve-critic`` (2 steps; step 2 is the one reported, so vLLM's start and the first step's warm-up
   are outside it): step seconds, generate seconds, rollout tokens/s, actor-update seconds and MFU,
@@ -17,6 +20,8 @@ Measured, per engine:
 ``benchmarks/gpu_check.py`` runs the same PPO-step comparison (:func:`ppo_step`) on a GPU.
 
     .venv/bin/python benchmarks/bench_rollout_engine.py --shape small --ppo     # this CPU
+    .venv/bin/python benchmarks/bench_rollout_engine.py --shape 0.5b --pushes-only \
+        --transfers auto,collective                                              # push by push
     .venv/bin/python benchmarks/bench_rollout_engine.py --shape 0.5b --prompts 64 --samples 4 \\
         --new-tokens 256 --ppo                                                   # one CUDA GPU
 """
@@ -255,6 +260,53 @@ def _pushes(
     return {"seconds": seconds, "median_s": statistics.median(seconds)}
 
 
+def bench_transfers(shape: str, *, pushes: int, transfers: list[str], rollout_python: str) -> dict[str, Any]:
+    """Weight-push seconds of each ``rollout.vllm.weight_transfer`` in ``transfers`` into one vllm
+    engine on a random Qwen2 of ``shape``: pushes interleaved across the transfers (so load
+    drifts hit all alike), each of changed weights followed by a one-row generate; per transfer
+    the seconds, their median, and each median over the first transfer's."""
+    import dataclasses
+
+    from openaligner.models.vllm_engine import VLLMRolloutEngine
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    model = build_qwen2(shape, 64).to(device)
+    actor = CausalLMActor(model, init_policy=False)
+    request = _request(1, 1, 8, 4, model.config.vocab_size, seed=0)
+    cfg = VLLMConfig(
+        python=rollout_python,
+        dtype="bfloat16" if cuda else "float32",
+        enforce_eager=not cuda,
+        gpu_memory_utilization=0.4 if cuda else 0.0,
+        max_model_len=64,
+        start_timeout_s=900,
+    )
+    seconds: dict[str, list[float]] = {t: [] for t in transfers}
+    g = torch.Generator(device=device).manual_seed(1)
+    with VLLMRolloutEngine(actor, cfg) as engine:
+        engine.generate(request)
+        for version in range(1, pushes + 1):
+            for t in transfers:
+                engine.cfg = dataclasses.replace(cfg, weight_transfer=t)
+                with torch.no_grad():
+                    for p in actor.model.parameters():
+                        p.add_(torch.randn(p.shape, generator=g, device=device) * 1e-3)
+                engine.update_weights(actor, version)
+                _timed(engine, request, device)
+                seconds[t].append(engine.pop_metrics()["timing/weight_sync_s"])
+    medians = {t: statistics.median(v) for t, v in seconds.items()}
+    return {
+        "shape": shape,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "dtype": cfg.dtype,
+        "seconds": seconds,
+        "median_s": medians,
+        "vs_first": {t: medians[t] / medians[transfers[0]] for t in transfers},
+    }
+
+
 # ----------------------------------------------------------------------------- PPO step
 def free_port() -> int:
     with socket.socket() as s:
@@ -489,21 +541,31 @@ def main() -> int:
     parser.add_argument("--pushes", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="torch threads on the CPU")
     parser.add_argument("--ppo", action="store_true", help="also one PPO step with each engine")
+    parser.add_argument(
+        "--transfers", default="", help="comma-separated weight_transfer values to time push by push"
+    )
+    parser.add_argument("--pushes-only", action="store_true", help="skip the generation timings")
     parser.add_argument("--workdir", type=Path, default=Path("runs/bench-rollout-engine"))
     parser.add_argument("--rollout-python", default=str(ROOT / ".venv-rollout" / "bin" / "python"))
     a = parser.parse_args()
     torch.set_num_threads(a.threads)
     out: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv)}
-    out["generation"] = bench_generation(
-        a.shape,
-        prompts=a.prompts,
-        samples=a.samples,
-        prompt_len=a.prompt_tokens,
-        new_tokens=a.new_tokens,
-        repeats=a.repeats,
-        pushes=a.pushes,
-        rollout_python=a.rollout_python,
-    )
+    if not a.pushes_only:
+        out["generation"] = bench_generation(
+            a.shape,
+            prompts=a.prompts,
+            samples=a.samples,
+            prompt_len=a.prompt_tokens,
+            new_tokens=a.new_tokens,
+            repeats=a.repeats,
+            pushes=a.pushes,
+            rollout_python=a.rollout_python,
+        )
+    if a.transfers:
+        transfers = a.transfers.split(",")
+        out["transfers"] = bench_transfers(
+            a.shape, pushes=a.pushes, transfers=transfers, rollout_python=a.rollout_python
+        )
     if a.ppo:
         cuda = torch.cuda.is_available()
         a.workdir.mkdir(parents=True, exist_ok=True)
