@@ -1,13 +1,13 @@
 """The ``vllm`` rollout engine, trainer side: starts one vLLM engine process with the rollout
-environment's Python (or attaches to one ``openaligner serve-rollout`` started), talks to it over
-HTTP, and pushes the policy's weights into it.
+environment's Python (or attaches to those ``openaligner serve-rollout`` started), talks to them
+over HTTP, and pushes the policy's weights into them (file, upload, or a group broadcast).
 
 Owns the engine process's lifecycle (its whole process group is ended on :meth:`close`; the
-engine also ends itself when the trainer's process is gone; an attached engine is only detached),
+engine also ends itself when the trainer's process is gone; attached engines are only detached),
 the model directory the engine loads from, the mapping of
 :class:`~openaligner.models.generation.SamplingParams` onto vLLM's, and the weight push. Must not
-import vLLM (it lives in another virtualenv) nor know about rewards, losses or the PPO loop. The
-engine's side is ``vllm_worker.py``; docs/rollout-engine.md says why, and what travels on the wire.
+import vLLM (it lives in another virtualenv) nor know about rewards, losses or the PPO loop.
+Engine side: ``vllm_worker.py``; the why and the wire: docs/rollout-engine.md.
 """
 
 from __future__ import annotations
