@@ -34,6 +34,8 @@ class RolloutEngineError(RuntimeError):
     """The engine failed while the run used it (its process died, refused a request, or generated
     from other weights than the trainer's); the message names the engine and what happened."""
 
+    status: int | None = None  # the HTTP status of an engine's refusal, if it was one
+
 
 @dataclass(frozen=True)
 class RolloutRequest:

@@ -182,11 +182,10 @@ class EngineLink:
         self._beating = threading.Event()
         beat = (self._beating, every, self.url, self.lease)
         threading.Thread(target=self._heartbeat, args=beat, name="vllm-lease", daemon=True).start()
-        log.info(
-            "vllm rollout engine: attached to %s (weights %s)",
-            self.url,
-            f"written into {weights_dir}" if local else "uploaded over HTTP",
+        how = {"collective": "broadcast over a process group", "http": "uploaded over HTTP"}.get(
+            weight_transfer, f"written into {weights_dir}" if local else "uploaded over HTTP"
         )
+        log.info("vllm rollout engine: attached to %s (weights %s)", self.url, how)
 
     @staticmethod
     def _heartbeat(stop: threading.Event, every: float, url: str, lease: str) -> None:
@@ -201,6 +200,7 @@ class EngineLink:
 
     def detach(self) -> None:
         """Give the lease back (the engine keeps serving); a no-op when none is held."""
+        self._end_collective()
         if self._beating is not None:
             self._beating.set()
             self._beating = None
@@ -228,28 +228,36 @@ class EngineLink:
             self._upload(staged)
         self.post("/reload_weights", {})  # from its weights directory
 
-    def send_collective(self, tensors: dict[str, torch.Tensor]) -> None:
+    def send_collective(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
         """Broadcast ``tensors`` (as the engine loads them) over the process group with the engine
-        and have it reload from them: the plan first (``POST /collective/plan``, checked by the
-        engine before any byte moves), then ``POST /collective/receive`` while the buckets of
-        :func:`~openaligner.models.vllm_worker.bucket_layout` are broadcast. The group is built on
-        the first push and again after one failed."""
+        and have it reload from them. The plan first (``POST /collective/plan``, checked by the
+        engine before any byte moves); then ``POST /collective/receive`` in a thread, and only once
+        the engine has set the store key ``ready/<push>`` (or answered: a refusal) the buckets of
+        :func:`~openaligner.models.vllm_worker.bucket_layout` are broadcast from ``device`` (the
+        trainer's; the CPU for gloo). The group is built on the first push, and again when the
+        engine has lost its end (409) or a broadcast failed."""
+        import uuid
+
         import torch.distributed as tdist
 
         from openaligner.models.vllm_worker import COLLECTIVE_BUCKET_BYTES, bucket_bytes_of, bucket_layout
 
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this thread's current device (on_each runs a thread each)
         if self._group is None:
-            self._init_collective()
+            self._init_collective(device)
+        push = uuid.uuid4().hex
         values = list(tensors.values())
         specs = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()]
-        plan = {"tensors": specs, "bucket_bytes": COLLECTIVE_BUCKET_BYTES}
+        plan = {"push": push, "tensors": specs, "bucket_bytes": COLLECTIVE_BUCKET_BYTES}
         try:
             self.post("/collective/plan", plan)
-        except RolloutEngineError:
-            # the engine may have lost its end (a receive that timed out, a restart): build the
-            # group anew, once; a second refusal is the engine's answer
-            self._group = None
-            self._init_collective()
+        except RolloutEngineError as e:
+            if e.status != 409:  # a refused plan (400, 413): the engine's answer, the group is fine
+                raise
+            # the engine lost its end (a receive that failed, a restart): build anew, once
+            self._end_collective()
+            self._init_collective(device)
             self.post("/collective/plan", plan)
         answer: dict[str, Any] = {}
 
@@ -261,6 +269,18 @@ class EngineLink:
 
         receiver = threading.Thread(target=receive, name="vllm-receive", daemon=True)
         receiver.start()
+        # broadcast only to an engine that is receiving: a send to one that refused would block
+        # until the group's timeout
+        deadline = time.monotonic() + self.request_timeout_s
+        while not self._store.check([f"ready/{push}"]):
+            if not receiver.is_alive() or time.monotonic() > deadline:
+                receiver.join(timeout=1.0)
+                self._end_collective()
+                raise answer.get("error") or RolloutEngineError(
+                    f"the vllm rollout engine at {self.url} did not start receiving the weights within "
+                    f"rollout.vllm.request_timeout_s={self.request_timeout_s:g}"
+                )
+            time.sleep(0.002)
         opts = tdist.BroadcastOptions()
         opts.rootRank = 0
         sizes = [t.numel() * t.element_size() for t in values]
@@ -271,7 +291,7 @@ class EngineLink:
                     buf[offset : offset + n].copy_(values[index].reshape(-1).view(torch.uint8))
                 self._group.broadcast([buf], opts).wait()
         except RuntimeError as e:
-            self._group = None
+            self._end_collective()
             receiver.join(timeout=10.0)
             raise RolloutEngineError(
                 f"the vllm rollout engine at {self.url} did not take the weights over the collective "
@@ -279,14 +299,15 @@ class EngineLink:
             ) from None
         receiver.join()
         if "error" in answer:
-            self._group = None
+            self._end_collective()
             raise answer["error"]
 
-    def _init_collective(self) -> None:
+    def _init_collective(self, device: torch.device) -> None:
         """Build the two-member process group with the engine: a TCP store here (rank 0), on the
         address this machine reaches the engine from; the engine joins it (``POST
-        /collective/init``) while this side builds its own end. Gloo, or NCCL where the engine
-        has a GPU (then this trainer must have one)."""
+        /collective/init``, in a thread) and sets the key ``joining``; only then this side builds
+        its end (so a refusal leaves nothing waiting). Gloo, or NCCL where the engine has a GPU:
+        then ``device`` (the trainer's) must be another GPU than the engine's."""
         import datetime
 
         import torch.distributed as tdist
@@ -302,46 +323,63 @@ class EngineLink:
             raise RolloutEngineError(
                 f"the vllm rollout engine at {self.url} did not answer GET /info ({type(e).__name__}: {e})"
             ) from None
-        if backend == "nccl" and not torch.cuda.is_available():
+        if backend == "nccl":
+            if device.type != "cuda":
+                raise RolloutEngineError(
+                    f"the vllm rollout engine at {self.url} has a GPU (its weights come over NCCL) and this "
+                    "trainer runs on the CPU: set rollout.vllm.weight_transfer=auto"
+                )
+            if info.get("gpu_uuid") == str(torch.cuda.get_device_properties(device).uuid):
+                raise RolloutEngineError(
+                    f"the vllm rollout engine at {self.url} runs on this trainer's GPU, and NCCL cannot join "
+                    "two processes on one GPU: set rollout.vllm.weight_transfer=auto (through /dev/shm) "
+                    "or give the engine GPUs of its own"
+                )
+        self._device = device if backend == "nccl" else torch.device("cpu")
+        timeout_s = min(self.request_timeout_s, 86400.0)  # the engine's limit for a group's timeout
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = tdist.TCPStore(here, 0, 2, True, timeout, wait_for_workers=False)
+        except (RuntimeError, ValueError, OSError) as e:
             raise RolloutEngineError(
-                f"the vllm rollout engine at {self.url} has a GPU (its weights come over NCCL) and this "
-                "trainer has none: set rollout.vllm.weight_transfer=auto"
-            )
-        self._device = (
-            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        )
-        if backend == "nccl" and info.get("gpu_uuid") == str(
-            torch.cuda.get_device_properties(self._device).uuid
-        ):
-            raise RolloutEngineError(
-                f"the vllm rollout engine at {self.url} runs on this trainer's GPU, and NCCL cannot join "
-                "two processes on one GPU: set rollout.vllm.weight_transfer=auto (through /dev/shm) "
-                "or give the engine GPUs of its own"
-            )
-        timeout = datetime.timedelta(seconds=self.request_timeout_s)
-        store = tdist.TCPStore(here, 0, 2, True, timeout, wait_for_workers=False)
-        built: dict[str, Any] = {}
+                f"no store for the collective group with {self.url} on {here}: {e}"
+            ) from None
+        answer: dict[str, Any] = {}
 
-        def build() -> None:
-            prefixed = tdist.PrefixStore("openaligner-weights", store)
+        def join() -> None:
             try:
-                if backend == "nccl":
-                    built["group"] = tdist.ProcessGroupNCCL(prefixed, 0, 2, tdist.ProcessGroupNCCL.Options())
-                else:
-                    built["group"] = tdist.ProcessGroupGloo(prefixed, 0, 2, timeout)
-            except RuntimeError as e:
-                built["error"] = e
+                answer["reply"] = self.post(
+                    "/collective/init", {"host": here, "port": store.port, "timeout_s": timeout_s}
+                )
+            except RolloutEngineError as e:
+                answer["error"] = e
 
-        builder = threading.Thread(target=build, name="vllm-group", daemon=True)
-        builder.start()
-        # the engine answers once its end is built, which needs this side's end: built meanwhile
-        self.post("/collective/init", {"host": here, "port": store.port, "timeout_s": self.request_timeout_s})
-        builder.join()
-        if "error" in built:
+        joiner = threading.Thread(target=join, name="vllm-group", daemon=True)
+        joiner.start()
+        while not store.check(["joining"]):
+            if not joiner.is_alive():  # answered before joining: a refusal
+                raise answer.get("error") or RolloutEngineError(
+                    f"the vllm rollout engine at {self.url} did not join the collective group"
+                )
+            time.sleep(0.002)
+        prefixed = tdist.PrefixStore("openaligner-weights", store)
+        try:
+            if backend == "nccl":
+                options = tdist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                group: Any = tdist.ProcessGroupNCCL(prefixed, 0, 2, options)
+            else:
+                group = tdist.ProcessGroupGloo(prefixed, 0, 2, timeout)
+        except RuntimeError as e:
+            joiner.join(timeout=10.0)
+            why = answer.get("error") or e
             raise RolloutEngineError(
-                f"the process group with the vllm rollout engine at {self.url} failed: {built['error']}"
-            )
-        self._group, self._store = built["group"], store
+                f"the process group with the vllm rollout engine at {self.url} failed: {why}"
+            ) from None
+        joiner.join()
+        if "error" in answer:
+            raise answer["error"]
+        self._group, self._store = group, store
         log.info(
             "vllm rollout engine %s: weights pushed over a %s group (%s:%d)",
             self.url,
@@ -349,6 +387,14 @@ class EngineLink:
             here,
             store.port,
         )
+
+    def _end_collective(self) -> None:
+        """Drop the group with the engine (NCCL's shut down); the next push builds a new one."""
+        shutdown = getattr(self._group, "shutdown", None)
+        if callable(shutdown):
+            with contextlib.suppress(Exception):
+                shutdown()
+        self._group = self._store = None
 
     def _upload(self, path: Path) -> None:
         """``PUT /weights``: ``path`` streamed with its size; the engine refuses a body of another
@@ -391,9 +437,9 @@ class EngineLink:
                 raw = r.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")
-            raise RolloutEngineError(
-                f"the vllm rollout engine at {self.url} refused {path}: {detail}"
-            ) from None
+            refused = RolloutEngineError(f"the vllm rollout engine at {self.url} refused {path}: {detail}")
+            refused.status = e.code
+            raise refused from None
         except (OSError, http.client.HTTPException) as e:
             if self.proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -448,8 +494,8 @@ def split_rows(rows: int, parts: int) -> list[slice]:
 def on_each(items: list[S], work: Callable[[S], T]) -> list[T]:
     """``work(item)`` for every item, at once (a thread each: the engines work in parallel), the
     results in ``items``' order; the first failure (in that order) is raised once all ended."""
-    if len(items) == 1:
-        return [work(items[0])]
+    if len(items) <= 1:
+        return [work(item) for item in items]
     with concurrent.futures.ThreadPoolExecutor(len(items), thread_name_prefix="vllm-engine") as pool:
         futures = [pool.submit(work, item) for item in items]
         concurrent.futures.wait(futures)
@@ -494,6 +540,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.python = None if self.attached else resolve_python(cfg.python)
         self.dtype = cfg.dtype  # of the weights pushed: the engine's (an attached one reports it)
         self.policy: WeightSource = actor
+        self.device = actor.device  # the trainer's: a collective push over NCCL is sent from it
         self.pad_id = int(actor.pad_id)
         self.tokenizer = actor.tokenizer
         self.hf_config = _plain_config(actor)
@@ -676,7 +723,7 @@ class VLLMRolloutEngine(RolloutEngine):
             if self.cfg.weight_transfer == "collective":
                 assert state is not None, "rank 0 holds the whole state dict"
                 tensors = engine_state_dict(state, _DTYPES[self.dtype], self.tied)
-                on_each(self.links, lambda link: link.send_collective(tensors))
+                on_each(self.links, lambda link: link.send_collective(tensors, self.device))
                 return
             if not self.attached:
                 assert self.workdir is not None
@@ -848,8 +895,9 @@ def check_generate_reply(out: dict[str, Any], rows: int, url: str | None) -> dic
 
 
 def _on_leader(work: Callable[[], T]) -> T:
-    """``work()`` run on rank 0, its result (or its :class:`RolloutEngineError`) on every rank:
-    the other ranks must not wait forever in the next collective for a rank 0 that failed."""
+    """``work()`` run on rank 0, its result (or its error, as a :class:`RolloutEngineError` unless
+    it is an :class:`EngineSetupError`) on every rank: the other ranks must not wait forever in
+    the next collective for a rank 0 that failed."""
     if not dp.is_distributed():
         return work()
     outcome: tuple[bool, Any] = (True, None)
@@ -858,6 +906,13 @@ def _on_leader(work: Callable[[], T]) -> T:
             outcome = (True, work())
         except (RolloutEngineError, EngineSetupError) as e:
             outcome = (False, e)
+        except Exception as e:  # an OSError of /dev/shm, a store's RuntimeError, ...
+            # reaches every rank as an engine error: the others must not wait in the next collective
+            failed = RolloutEngineError(
+                f"the vllm rollout engine's side of this run failed: {type(e).__name__}: {e}"
+            )
+            failed.__cause__ = e
+            outcome = (False, failed)
     ok, value = dp.broadcast_object(outcome)
     if not ok:
         raise value

@@ -236,11 +236,11 @@ class Engine:
         self.dtype = args.dtype
         self.model = _model_summary(args.model)
         self.local_token = ""
-        # POST /collective/init: (process group, device) of the trainer's weight broadcasts
-        self.collective: tuple[Any, Any] | None = None
-        self.plan: tuple[list[tuple[str, Any, list[int], int]], int] | None = (
-            None  # the next receive's tensors
-        )
+        # POST /collective/init: (process group, device, store) of the trainer's weight broadcasts
+        self.collective: tuple[Any, Any, Any] | None = None
+        # POST /collective/plan: the next receive's push id, tensors (name, dtype, shape, bytes)
+        # and bucket size
+        self.plan: tuple[str, list[tuple[str, Any, list[int], int]], int] | None = None
         if self.standalone:
             if self.workdir is None:
                 raise SystemExit("--standalone needs --workdir (where pushed weights are kept)")
@@ -323,7 +323,7 @@ class Engine:
     def detach(self, body: dict[str, Any]) -> dict[str, Any]:
         print(f"detached: {self.holder}", flush=True)
         self.lease, self.holder = None, ""
-        self.collective = self.plan = None  # the next trainer builds its own
+        self._end_collective()  # the next trainer builds its own
         _remove_file(os.path.join(self.weights_dir, WEIGHTS_FILE))
         return {"ok": True}
 
@@ -439,8 +439,10 @@ class Engine:
     def collective_init(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /collective/init {"host", "port", "timeout_s"}``: join the trainer's two-member
         process group (its TCP store at host:port; the trainer is rank 0, this engine rank 1) over
-        which :meth:`collective_receive` takes weights: gloo on CPU, NCCL on a GPU. Answers once
-        the group is up (the trainer builds its side meanwhile); replaces any earlier group."""
+        which :meth:`collective_receive` takes weights: gloo on CPU, NCCL on a GPU. Sets the store
+        key ``joining`` once connected (the trainer builds its end only then: a refusal before it
+        leaves nothing of the trainer's waiting), and answers once the group is up; replaces any
+        earlier group."""
         import datetime
 
         import torch
@@ -454,34 +456,51 @@ class Engine:
         if not _is_int(port) or not 0 < port < 65536:
             raise BadRequest(f"port must be the trainer's store port in [1, 65535], got {_short(port)}")
         timeout_s = _number(body, "timeout_s", float, 1.0, 86400.0)
-        self.collective = self.plan = None
+        self._end_collective()
         timeout = datetime.timedelta(seconds=timeout_s)
         backend = _collective_backend()
         group: Any
         try:
-            store = tdist.TCPStore(host, port, 2, False, timeout)
+            # a short connect: an address this engine cannot reach must not hold it (and its lock)
+            store = tdist.TCPStore(host, port, 2, False, datetime.timedelta(seconds=min(timeout_s, 30.0)))
+            store.set_timeout(timeout)
+            store.set("joining", "1")
             prefixed = tdist.PrefixStore("openaligner-weights", store)
             if backend == "nccl":
                 device = torch.device("cuda", torch.cuda.current_device())
-                group = tdist.ProcessGroupNCCL(prefixed, 1, 2, tdist.ProcessGroupNCCL.Options())
+                options = tdist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                group = tdist.ProcessGroupNCCL(prefixed, 1, 2, options)
             else:
                 device = torch.device("cpu")
                 group = tdist.ProcessGroupGloo(prefixed, 1, 2, timeout)
         except (RuntimeError, ValueError, OSError) as e:
             raise CollectiveFailed(f"could not join the trainer's group at {host}:{port}: {e}") from None
-        self.collective = (group, device)
+        self.collective = (group, device, store)
         print(f"collective weight pushes: joined {host}:{port} ({backend})", flush=True)
         return {"backend": backend}
 
+    def _end_collective(self) -> None:
+        """Drop the group (and a plan for it); NCCL's is shut down (its communicator aborted)."""
+        if self.collective is not None:
+            shutdown = getattr(self.collective[0], "shutdown", None)
+            if callable(shutdown):
+                with contextlib.suppress(Exception):
+                    shutdown()
+        self.collective = self.plan = None
+
     def collective_plan(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``POST /collective/plan {"tensors": [[name, dtype, shape], ...], "bucket_bytes": N}``:
-        what the next :meth:`collective_receive` takes, checked here, before any broadcast starts
-        (a refusal mid-broadcast would leave the trainer waiting out its timeout)."""
+        """``POST /collective/plan {"push": id, "tensors": [[name, dtype, shape], ...],
+        "bucket_bytes": N}``: what the next :meth:`collective_receive` takes, checked here, before
+        any broadcast starts."""
         import torch
 
         if self.collective is None:
             raise Conflict("no collective group: POST /collective/init first (after an error, again)")
         self.plan = None
+        push = body.get("push")
+        if not isinstance(push, str) or not push or len(push) > 64:
+            raise BadRequest(f"push must be a string of 1-64 characters naming this push, got {_short(push)}")
         tensors = body.get("tensors")
         if not isinstance(tensors, list) or not tensors:
             raise BadRequest(
@@ -505,33 +524,35 @@ class Engine:
             raise TooLarge(
                 f"the weights ({total} bytes) do not fit in the engine's free memory ({free} bytes)"
             )
-        self.plan = (specs, bucket_bytes)
+        self.plan = (push, specs, bucket_bytes)
         return {"bytes": total, "buckets": len(bucket_layout([n for *_, n in specs], bucket_bytes))}
 
     def collective_receive(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /collective/receive {}``: receive the planned tensors from the trainer's
         broadcasts (packed as :func:`bucket_layout` says, one broadcast per bucket), then reload
-        the model from them and drop the prefix cache. A broadcast that fails (the trainer gone,
-        a timeout) ends the group: init again."""
+        the model from them and drop the prefix cache. Sets the store key ``ready/<push>`` first:
+        the trainer broadcasts only after it (a refusal here leaves it waiting on nothing). A
+        broadcast that fails (the trainer gone, a timeout) ends the group: init again."""
         import torch
         import torch.distributed as tdist
 
         if self.collective is None or self.plan is None:
             raise Conflict("no planned push: POST /collective/init (once) and /collective/plan first")
-        (group, device), (specs, bucket_bytes) = self.collective, self.plan
+        (group, device, store), (push, specs, bucket_bytes) = self.collective, self.plan
         self.plan = None  # a plan is used once
         opts = tdist.BroadcastOptions()
         opts.rootRank = 0
         weights: list[tuple[str, Any]] = []
         try:
+            store.set(f"ready/{push}", "1")
             for bucket in bucket_layout([n for *_, n in specs], bucket_bytes):
                 buf = torch.empty(bucket_bytes_of(bucket), dtype=torch.uint8, device=device)
                 group.broadcast([buf], opts).wait()
                 for index, offset, n in bucket:
                     name, dtype, shape, _ = specs[index]
                     weights.append((name, buf[offset : offset + n].view(dtype).view(shape)))
-        except RuntimeError as e:
-            self.collective = None
+        except RuntimeError as e:  # the trainer gone, a timeout (torch.OutOfMemoryError is one too)
+            self._end_collective()
             raise CollectiveFailed(f"the weights did not arrive ({e}); POST /collective/init again") from None
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})

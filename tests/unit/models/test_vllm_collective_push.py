@@ -7,10 +7,12 @@ serves on. tests/integration/test_vllm_engine.py pushes into real vLLM this way.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import sys
 import threading
+import time
 import types
 import urllib.error
 import urllib.request
@@ -86,7 +88,7 @@ def test_bad_plans_are_refused_before_any_broadcast_and_a_broken_one_ends_the_gr
     try:
         code, reply = post(s.url, "/attach", {"client": "t:1"})
         lease = reply["lease"]
-        good_plan = {"tensors": [["w", "float32", [2, 3]]], "bucket_bytes": 1024}
+        good_plan = {"push": "p1", "tensors": [["w", "float32", [2, 3]]], "bucket_bytes": 1024}
         code, reply = post(s.url, "/collective/plan", good_plan, lease)
         assert code == 409 and "POST /collective/init first" in reply["error"]
         code, reply = post(s.url, "/collective/receive", {}, lease)
@@ -110,20 +112,18 @@ def test_bad_plans_are_refused_before_any_broadcast_and_a_broken_one_ends_the_gr
         builder.join()
         assert (code, reply) == (200, {"backend": "gloo"})
 
-        for plan, words in [
-            ({"tensors": [["w", "complex64", [2]]], "bucket_bytes": 1024}, "dtype one of float32"),
-            ({"tensors": [["w", "float32", 3]], "bucket_bytes": 1024}, "shape a list"),
-            (
-                {"tensors": [["w", "float32", [-1]]], "bucket_bytes": 1024},
-                "tensors[0] shape must hold integers",
-            ),
-            ({"tensors": [["", "float32", [1]]], "bucket_bytes": 1024}, "must be [name, dtype, shape]"),
-            ({"tensors": [], "bucket_bytes": 1024}, "tensors must be a non-empty list"),
-            ({"tensors": [["w", "float32", [2]]], "bucket_bytes": 0}, "bucket_bytes"),
-            ({"tensors": [["w", "float32", [1 << 30, 1 << 30]]], "bucket_bytes": 1024}, "do not fit"),
+        for change, words in [
+            ({"push": None}, "push must be a string of 1-64 characters"),
+            ({"tensors": [["w", "complex64", [2]]]}, "dtype one of float32"),
+            ({"tensors": [["w", "float32", 3]]}, "shape a list"),
+            ({"tensors": [["w", "float32", [-1]]]}, "tensors[0] shape must hold integers"),
+            ({"tensors": [["", "float32", [1]]]}, "must be [name, dtype, shape]"),
+            ({"tensors": []}, "tensors must be a non-empty list"),
+            ({"bucket_bytes": 0}, "bucket_bytes"),
+            ({"tensors": [["w", "float32", [1 << 30, 1 << 30]]]}, "do not fit"),
         ]:
-            code, reply = post(s.url, "/collective/plan", plan, lease)
-            assert 400 <= code < 500 and words in reply["error"], (plan, reply)
+            code, reply = post(s.url, "/collective/plan", {**good_plan, **change}, lease)
+            assert 400 <= code < 500 and words in reply["error"], (change, reply)
         assert post(s.url, "/collective/receive", {}, lease)[0] == 409  # a refused plan is no plan
 
         # planned, but the trainer never broadcasts: the engine's broadcast times out (1 s)
@@ -195,20 +195,65 @@ def test_an_nccl_engine_is_refused_by_a_trainer_without_a_gpu_or_on_the_engines_
     try:
         a = actor()
         with VLLMRolloutEngine(a, VLLMConfig(url=s.url, weight_transfer="collective")) as engine:
-            monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
             with pytest.raises(
                 RolloutEngineError,
-                match=r"has a GPU .* this trainer has none: set rollout.vllm.weight_transfer=auto",
+                match=r"has a GPU \(its weights come over NCCL\) and this trainer runs on the CPU: set "
+                r"rollout.vllm.weight_transfer=auto",
             ):
                 engine.generate(request(a, 2))
-            monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-            monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-            monkeypatch.setattr(
-                torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="GPU-1")
-            )
+            # a trainer on the engine's GPU (the same UUID)
+            engine.device = torch.device("cuda", 0)
+            monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+            props = types.SimpleNamespace(uuid="GPU-1")
+            monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
             with pytest.raises(RolloutEngineError, match=r"runs on this trainer's GPU, and NCCL cannot join"):
                 engine.generate(request(a, 2))
         assert s.llm.reloaded == []
+    finally:
+        s.server.shutdown()
+        s.server.server_close()
+
+
+def test_a_refused_receive_or_group_does_not_leave_the_trainer_waiting_out_its_timeout(
+    fake_vllm, tmp_path, monkeypatch
+):
+    """The trainer broadcasts only once the engine is receiving, and builds its end of the group
+    only once the engine is joining: a refusal before either is raised at once, where a send to
+    an engine that refused blocked until the group's timeout (here 120 s) and a refused init left
+    a thread waiting in the group's construction."""
+    lose = vllm_worker.Engine.collective_plan
+
+    def plan_then_lose_it(self: vllm_worker.Engine, body: dict) -> dict:
+        out = lose(self, body)
+        self.plan = None  # as a lapsed lease or a restart would: the receive is refused (409)
+        return out
+
+    a = actor()
+    cfg = VLLMConfig(weight_transfer="collective", request_timeout_s=120.0)
+    monkeypatch.setattr(vllm_worker.Engine, "collective_plan", plan_then_lose_it)
+    s = serve(tmp_path, "a")  # its routes take the patched plan
+    try:
+        with VLLMRolloutEngine(a, dataclasses.replace(cfg, url=s.url)) as engine:
+            t0 = time.monotonic()
+            with pytest.raises(RolloutEngineError, match=r"refused /collective/receive: .*no planned push"):
+                engine.generate(request(a, 2))
+            assert time.monotonic() - t0 < 30.0
+    finally:
+        s.server.shutdown()
+        s.server.server_close()
+
+    def refuse(self: vllm_worker.Engine, body: dict) -> dict:
+        raise vllm_worker.BadRequest("no group here (test)")
+
+    monkeypatch.setattr(vllm_worker.Engine, "collective_init", refuse)
+    s = serve(tmp_path, "b")
+    try:
+        with VLLMRolloutEngine(a, dataclasses.replace(cfg, url=s.url)) as engine:
+            t0 = time.monotonic()
+            with pytest.raises(RolloutEngineError, match=r"refused /collective/init: .*no group here"):
+                engine.generate(request(a, 2))
+            assert time.monotonic() - t0 < 30.0
+            assert not [t for t in threading.enumerate() if t.name == "vllm-group" and t.is_alive()]
     finally:
         s.server.shutdown()
         s.server.server_close()

@@ -209,3 +209,48 @@ def test_an_engine_that_stops_answering_mid_run_is_named(engines):
         b_.server.server_close()
         with pytest.raises(RolloutEngineError, match=rf"engine at {b_.url} did not answer /generate"):
             engine.generate(request(a, 4))
+
+
+def _leader_fails(rank: int, port: int, out_dir: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from openaligner.models.vllm_engine import _on_leader
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=20),
+    )
+
+    def disk_full() -> None:
+        raise OSError(28, "No space left on device")
+
+    try:
+        _on_leader(disk_full)
+        got = ("", "")
+    except Exception as e:
+        got = (type(e).__name__, str(e))
+    torch.save(got, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_any_failure_of_rank_0s_engine_work_reaches_every_rank_as_an_engine_error(tmp_path):
+    """Rank 0 alone talks to the engines; an error of another type than the engine's (a full
+    /dev/shm, a store's RuntimeError) once left the other ranks waiting in the next collective."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_leader_fails, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        kind, message = torch.load(tmp_path / f"rank{rank}.pt")
+        assert kind == "RolloutEngineError", (rank, kind, message)
+        assert "OSError: [Errno 28] No space left on device" in message
