@@ -555,7 +555,17 @@ class VLLMRolloutEngine(RolloutEngine):
         self._syncs = 0
         self._infos: list[dict[str, Any]] = []  # attached: each engine's GET /info
         if cfg.url is not None:
-            self._infos = [self._probe(url) for url in engine_urls(cfg.url)]
+            urls = engine_urls(cfg.url)
+            self._infos = [self._probe(url) for url in urls]
+            workdirs = [info.get("workdir") for info in self._infos]
+            twice = [
+                u for u, w in zip(urls, workdirs, strict=True) if w is not None and workdirs.count(w) > 1
+            ]
+            if twice:
+                raise EngineSetupError(
+                    f"rollout.vllm.url={cfg.url}: {' and '.join(twice)} are one engine (the same "
+                    "working directory): list each engine once"
+                )
             dtypes = {info["dtype"] for info in self._infos}
             if len(dtypes) > 1:
                 raise EngineSetupError(

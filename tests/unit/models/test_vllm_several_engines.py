@@ -175,6 +175,13 @@ def test_an_engine_named_twice_is_refused():
         engine_urls("http://127.0.0.1:5557,127.0.0.1:5558")
 
 
+def test_one_engine_under_two_names_is_refused(engines):
+    a_ = engines[0]
+    other_name = a_.url.replace("127.0.0.1", "localhost")
+    with pytest.raises(EngineSetupError, match=rf"{a_.url} and {other_name} are one engine"):
+        VLLMRolloutEngine(actor(), VLLMConfig(url=f"{a_.url},{other_name}"))
+
+
 def test_engines_of_different_dtypes_are_refused(engines, tmp_path):
     c = serve(tmp_path, "c", "--dtype=bfloat16")
     try:
