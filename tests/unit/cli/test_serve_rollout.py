@@ -119,6 +119,23 @@ LEASED = {"lease": {"holder": "other:7", "idle_s": 1.0}}
 MODEL = {"architectures": ["LlamaForCausalLM"], "vocab_size": 999, "hidden_size": 64}
 
 
+def attached_run(tmp_path: Path, url: str) -> list[str]:
+    """train-ppo's command line for a tiny actor attached to the engine(s) at ``url``."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(64)))
+    return [
+        "train-ppo",
+        str(YAML),
+        f"data.train_path={prompts}",
+        "actor.tiny=llama",
+        "actor.tiny_num_heads=2",
+        "remote.critic.port=1",
+        "device=cpu",
+        "rollout.engine=vllm",
+        f"rollout.vllm.url={url}",
+    ]
+
+
 @pytest.mark.parametrize(
     ("info", "expected"),
     [
@@ -130,21 +147,10 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "vocab_size": 999, "hidden_size"
     ],
 )
 def test_train_ppo_refuses_an_engine_it_cannot_attach_to_at_start_up(tmp_path, capsys, info, expected):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(64)))
     engine = FakeEngine(**info) if info is not None else None
     url = engine.url if engine is not None else f"http://127.0.0.1:{_free_port()}"
-    args = [
-        f"data.train_path={prompts}",
-        "actor.tiny=llama",
-        "actor.tiny_num_heads=2",
-        "remote.critic.port=1",
-        "device=cpu",
-        "rollout.engine=vllm",
-        f"rollout.vllm.url={url}",
-    ]
     try:
-        err = refused(capsys, ["train-ppo", str(YAML), *args])
+        err = refused(capsys, attached_run(tmp_path, url))
     finally:
         if engine is not None:
             engine.close()
@@ -152,20 +158,9 @@ def test_train_ppo_refuses_an_engine_it_cannot_attach_to_at_start_up(tmp_path, c
 
 
 def test_train_ppo_names_the_one_of_several_engines_it_cannot_attach_to(tmp_path, capsys):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(64)))
     good, bad = FakeEngine(model={**MODEL, "vocab_size": 100}), FakeEngine(**LEASED)
-    args = [
-        f"data.train_path={prompts}",
-        "actor.tiny=llama",
-        "actor.tiny_num_heads=2",
-        "remote.critic.port=1",
-        "device=cpu",
-        "rollout.engine=vllm",
-        f"rollout.vllm.url={good.url},{bad.url}",
-    ]
     try:
-        err = refused(capsys, ["train-ppo", str(YAML), *args])
+        err = refused(capsys, attached_run(tmp_path, f"{good.url},{bad.url}"))
     finally:
         good.close()
         bad.close()
