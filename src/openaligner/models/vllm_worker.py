@@ -238,6 +238,10 @@ class Engine:
         self.local_token = ""
         # POST /collective/init: (process group, device, store) of the trainer's weight broadcasts
         self.collective: tuple[Any, Any, Any] | None = None
+        # one engine process: received buckets stream into vLLM's reload (no generator crosses
+        # to tensor-parallel workers, whose arguments are pickled)
+        self.streams_weights = args.tensor_parallel_size == 1
+        self.incomplete = False  # a streamed push failed midway: the weights are part old, part new
         # POST /collective/plan: the next receive's push id, tensors (name, dtype, shape, bytes)
         # and bucket size
         self.plan: tuple[str, list[tuple[str, Any, list[int], int]], int] | None = None
@@ -365,6 +369,11 @@ class Engine:
         served model's vocabulary, one seed per prompt) before anything reaches vLLM."""
         from vllm import SamplingParams
 
+        if self.incomplete:
+            raise Conflict(
+                "the last weight push failed midway and left the engine's weights part old, part new: "
+                "push the weights again before generating"
+            )
         unknown = sorted(set(body) - set(GENERATE_FIELDS))
         if unknown:
             raise BadRequest(
@@ -519,20 +528,28 @@ class Engine:
             specs.append((t[0], dtype, shape, math.prod(shape) * torch.empty((), dtype=dtype).element_size()))
         bucket_bytes = _number(body, "bucket_bytes", int, 1, 1 << 40)
         total = sum(n for *_, n in specs)
+        layout = bucket_layout([n for *_, n in specs], bucket_bytes)
+        # streamed: one bucket at a time; else every bucket is held until the reload
+        needed = max(bucket_bytes_of(b) for b in layout) if self.streams_weights else total
         free = _free_bytes(self.collective[1])
-        if total > free:
+        if needed > free:
             raise TooLarge(
-                f"the weights ({total} bytes) do not fit in the engine's free memory ({free} bytes)"
+                f"receiving the weights ({total} bytes) needs {needed} bytes, over the engine's free memory "
+                f"({free} bytes)"
             )
         self.plan = (push, specs, bucket_bytes)
-        return {"bytes": total, "buckets": len(bucket_layout([n for *_, n in specs], bucket_bytes))}
+        return {"bytes": total, "buckets": len(layout)}
 
     def collective_receive(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /collective/receive {}``: receive the planned tensors from the trainer's
-        broadcasts (packed as :func:`bucket_layout` says, one broadcast per bucket), then reload
-        the model from them and drop the prefix cache. Sets the store key ``ready/<push>`` first:
-        the trainer broadcasts only after it (a refusal here leaves it waiting on nothing). A
-        broadcast that fails (the trainer gone, a timeout) ends the group: init again."""
+        broadcasts (packed as :func:`bucket_layout` says, one broadcast per bucket) and reload
+        the model from them, then drop the prefix cache. Sets the store key ``ready/<push>``
+        first: the trainer broadcasts only after it (a refusal here leaves it waiting on nothing).
+        With one engine process (tensor parallel 1) the buckets are streamed into vLLM's reload
+        as they arrive (one bucket in memory, not a second copy of the model); with more, they
+        are received whole first (vLLM sends them on to its workers). A failure (the trainer
+        gone, a timeout) ends the group (init again); mid-stream it also leaves the weights
+        incomplete, and ``/generate`` is refused until a push succeeds."""
         import torch
         import torch.distributed as tdist
 
@@ -542,20 +559,30 @@ class Engine:
         self.plan = None  # a plan is used once
         opts = tdist.BroadcastOptions()
         opts.rootRank = 0
-        weights: list[tuple[str, Any]] = []
-        try:
-            store.set(f"ready/{push}", "1")
+
+        def arriving() -> Any:
             for bucket in bucket_layout([n for *_, n in specs], bucket_bytes):
                 buf = torch.empty(bucket_bytes_of(bucket), dtype=torch.uint8, device=device)
                 group.broadcast([buf], opts).wait()
                 for index, offset, n in bucket:
                     name, dtype, shape, _ = specs[index]
-                    weights.append((name, buf[offset : offset + n].view(dtype).view(shape)))
-        except RuntimeError as e:  # the trainer gone, a timeout (torch.OutOfMemoryError is one too)
-            self._end_collective()
-            raise CollectiveFailed(f"the weights did not arrive ({e}); POST /collective/init again") from None
+                    yield name, buf[offset : offset + n].view(dtype).view(shape)
+
         t0 = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        try:
+            store.set(f"ready/{push}", "1")
+            if self.streams_weights:
+                self.incomplete = True  # until vLLM has taken the last tensor
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": arriving()})
+            else:
+                weights = list(arriving())
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        except Exception as e:  # the trainer gone, a timeout, out of memory (inside vLLM's reload too)
+            self._end_collective()
+            raise CollectiveFailed(
+                f"the weights did not arrive ({type(e).__name__}: {e}); POST /collective/init again"
+            ) from None
+        self.incomplete = False
         self.llm.reset_prefix_cache()  # as after a reload from a file
         return {"bytes": sum(n for *_, n in specs), "seconds": time.perf_counter() - t0}
 
@@ -572,6 +599,7 @@ class Engine:
             raise BadRequest(f"{path} holds no .safetensors file: write or PUT /weights first")
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        self.incomplete = False
         # cached KV blocks were computed by the old weights: without a reset, prompts sharing a
         # prefix with earlier ones would continue from stale keys and values
         self.llm.reset_prefix_cache()

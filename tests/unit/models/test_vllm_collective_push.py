@@ -120,7 +120,7 @@ def test_bad_plans_are_refused_before_any_broadcast_and_a_broken_one_ends_the_gr
             ({"tensors": [["", "float32", [1]]]}, "must be [name, dtype, shape]"),
             ({"tensors": []}, "tensors must be a non-empty list"),
             ({"bucket_bytes": 0}, "bucket_bytes"),
-            ({"tensors": [["w", "float32", [1 << 30, 1 << 30]]]}, "do not fit"),
+            ({"tensors": [["w", "float32", [1 << 30, 1 << 30]]]}, "over the engine's free memory"),
         ]:
             code, reply = post(s.url, "/collective/plan", {**good_plan, **change}, lease)
             assert 400 <= code < 500 and words in reply["error"], (change, reply)
@@ -137,7 +137,11 @@ def test_bad_plans_are_refused_before_any_broadcast_and_a_broken_one_ends_the_gr
             "prompts": [[5, 6]], "seeds": [0], "greedy": True, "temperature": 1.0, "top_k": -1,
             "top_p": 1.0, "max_tokens": 3, "min_tokens": 0, "stop_token_ids": [1],
         }  # fmt: skip
-        assert post(s.url, "/generate", body, lease)[0] == 200  # and the engine serves on
+        # the weights were streaming into the reload when the broadcast failed: part old, part new,
+        # so the engine generates nothing until a push succeeds (and serves on meanwhile)
+        code, reply = post(s.url, "/generate", body, lease)
+        assert code == 409 and "push the weights again before generating" in reply["error"]
+        assert post(s.url, "/heartbeat", {}, lease)[0] == 200
         assert s.llm.reloaded == []
     finally:
         s.server.shutdown()
