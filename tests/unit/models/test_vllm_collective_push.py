@@ -94,7 +94,8 @@ def test_bad_plans_are_refused_before_any_broadcast_and_a_broken_one_ends_the_gr
         code, reply = post(s.url, "/collective/receive", {}, lease)
         assert code == 409 and "/collective/plan first" in reply["error"]
 
-        # the trainer's end of a group, built by hand; the engine joins with a 3 s timeout (a margin for a loaded machine; the receive below waits it out)
+        # the trainer's end of a group, built by hand; the engine joins with a 3 s timeout (a
+        # margin for a loaded machine; the receive below waits it out)
         store = tdist.TCPStore(
             "127.0.0.1", 0, 2, True, datetime.timedelta(seconds=30), wait_for_workers=False
         )
@@ -157,7 +158,8 @@ def test_a_broadcast_that_fails_is_named_and_the_next_push_builds_a_new_group(fa
             engine.generate(request(a, 2))
             link = engine.links[0]
             # this side's broadcast fails (the connection lost): the engine's receive times out
-            # (10 s: every request of this run has that limit, a margin for a loaded machine) and ends its group
+            # (10 s: every request of this run has that limit, a margin for a loaded machine) and
+            # ends its group
             link._group = broken = types.SimpleNamespace(broadcast=_failing_broadcast)
             engine.update_weights(a, 1)
             with pytest.raises(
