@@ -103,6 +103,20 @@ def _start_serve_rollouts(
     return out
 
 
+def _attached_ppo(tmp_path: Path, url: str, rollout_python: str) -> list[dict]:
+    """train-ppo for 2 steps attached to the engine(s) at ``url`` (a served critic beside it);
+    its metrics rows."""
+    server = CriticServer(tmp_path / "critic", tmp_path / "critic.log")
+    try:
+        args = _ppo_args(tmp_path / "run", _prompts(tmp_path / "p.jsonl"), server.port, 2, rollout_python)
+        args = [a for a in args if not a.startswith(SPAWN_ONLY)]
+        torch.set_num_threads(2)
+        assert main([*args, f"rollout.vllm.url={url}"]) == 0
+    finally:
+        server.stop()
+    return read_jsonl(tmp_path / "run" / "logs" / "metrics.jsonl")
+
+
 def test_serve_rollout_serves_one_attached_run_at_a_time_and_stops_cleanly(rollout_python, tmp_path):
     served = tmp_path / "served"
     build_tiny_causal_lm("llama", SIZE, seed=5).save_pretrained(served)
@@ -149,15 +163,7 @@ def test_serve_rollout_serves_one_attached_run_at_a_time_and_stops_cleanly(rollo
         assert _http(url + "/info")[1]["lease"] is None  # detached, and still serving
 
         # train-ppo attached for 2 steps (same machine: through the engine's directory)
-        server = CriticServer(tmp_path / "critic", tmp_path / "critic.log")
-        try:
-            args = _ppo_args(tmp_path / "run", _prompts(tmp_path / "p.jsonl"), server.port, 2, rollout_python)
-            args = [a for a in args if not a.startswith(SPAWN_ONLY)]
-            torch.set_num_threads(2)
-            assert main([*args, f"rollout.vllm.url={url}"]) == 0
-        finally:
-            server.stop()
-        rows = read_jsonl(tmp_path / "run" / "logs" / "metrics.jsonl")
+        rows = _attached_ppo(tmp_path, url, rollout_python)
         assert [r["step"] for r in rows] == [1, 2]
         # step 1 pushed the run's weights before its rollout (the engine held another model's)
         assert all(r["timing/weight_sync_s"] > 0 for r in rows)
@@ -222,15 +228,7 @@ def test_one_run_shares_its_rollouts_among_two_engines_and_pushes_into_both(roll
             alone = engine.generate(sampled)
         assert torch.equal(alone.tokens, both.tokens)
 
-        server = CriticServer(tmp_path / "critic", tmp_path / "critic.log")
-        try:
-            args = _ppo_args(tmp_path / "run", _prompts(tmp_path / "p.jsonl"), server.port, 2, rollout_python)
-            args = [a for a in args if not a.startswith(SPAWN_ONLY)]
-            torch.set_num_threads(2)
-            assert main([*args, f"rollout.vllm.url={url_a},{url_b}"]) == 0
-        finally:
-            server.stop()
-        rows = read_jsonl(tmp_path / "run" / "logs" / "metrics.jsonl")
+        rows = _attached_ppo(tmp_path, f"{url_a},{url_b}", rollout_python)
         assert [r["step"] for r in rows] == [1, 2]
         for r in rows:
             assert r["timing/weight_sync_s"] > 0 and r["rollout/engine_logprob_diff_max"] < LOGPROB_ATOL, r

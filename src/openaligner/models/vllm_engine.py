@@ -86,20 +86,24 @@ def resolve_python(spec: str, key: str = "rollout.vllm.python") -> Path:
 
 
 def engine_state_dict(
-    state: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool
+    state: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool, *, own_copies: bool = True
 ) -> dict[str, torch.Tensor]:
-    """``state`` as the engine loads it: every tensor its own CPU copy in ``dtype`` (floats only;
-    safetensors refuses tensors that share memory, and tied weights do), with an explicit
-    ``lm_head.weight`` for a model whose head is tied to its input embedding (vLLM's CPU build
-    keeps a packed copy of the head that a reload without that key leaves stale)."""
-    out = {
-        name: t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).clone().contiguous()
-        for name, t in state.items()
-    }
+    """``state`` as the engine loads it: floats cast to ``dtype``, every tensor contiguous, with an
+    explicit ``lm_head.weight`` for a model whose head is tied to its input embedding (vLLM's CPU
+    build keeps a packed copy of the head that a reload without that key leaves stale).
+
+    ``own_copies`` (a file's tensors): each its own CPU copy, since safetensors refuses tensors
+    that share memory, and tied weights do. Without it (a broadcast, which copies every tensor
+    into its buckets anyway) tensors stay on their device and share memory where they can."""
+    out = {}
+    for name, t in state.items():
+        t = t.detach().to(dtype=dtype if t.is_floating_point() else t.dtype)
+        out[name] = t.to("cpu").clone().contiguous() if own_copies else t.contiguous()
     if tied and "lm_head.weight" not in out:
         embed = [n for n in out if n.endswith("embed_tokens.weight") or n.endswith("wte.weight")]
         if embed:
-            out["lm_head.weight"] = out[embed[0]].clone()
+            head = out[embed[0]]
+            out["lm_head.weight"] = head.clone() if own_copies else head
     return out
 
 
@@ -151,7 +155,7 @@ class EngineLink:
     carries (kept by a heartbeat thread) and its weights directory when it is on this machine."""
 
     def __init__(self, url: str, request_timeout_s: float, info: dict[str, Any] | None = None) -> None:
-        self.url = url.rstrip("/")
+        self.url = url  # as engine_urls gives it (no trailing slash); "" until a started engine serves
         self.request_timeout_s = request_timeout_s
         self.info: dict[str, Any] = info or {}
         self.proc: subprocess.Popen[bytes] | None = None  # started by the run: its process
@@ -553,13 +557,14 @@ class VLLMRolloutEngine(RolloutEngine):
         self._check_next = False  # the next rollout is the first after a push: check its log-probs
         self._sync_s = 0.0
         self._syncs = 0
-        self._infos: list[dict[str, Any]] = []  # attached: each engine's GET /info
-        if cfg.url is not None:
-            urls = engine_urls(cfg.url)
-            self._infos = [self._probe(url) for url in urls]
+        self._urls = engine_urls(cfg.url) if cfg.url is not None else []  # attached: the engines
+        self._infos = [self._probe(url) for url in self._urls]  # and each one's GET /info
+        if self._urls:
             workdirs = [info.get("workdir") for info in self._infos]
             twice = [
-                u for u, w in zip(urls, workdirs, strict=True) if w is not None and workdirs.count(w) > 1
+                u
+                for u, w in zip(self._urls, workdirs, strict=True)
+                if w is not None and workdirs.count(w) > 1
             ]
             if twice:
                 raise EngineSetupError(
@@ -580,11 +585,6 @@ class VLLMRolloutEngine(RolloutEngine):
         """The engines' URLs, comma-separated (rank 0, once started; else ``""``)."""
         return ",".join(link.url for link in self.links)
 
-    @property
-    def proc(self) -> subprocess.Popen[bytes] | None:
-        """The process of the engine the run started (rank 0); None when attached or stopped."""
-        return self.links[0].proc if self.links else None
-
     # ------------------------------------------------------------------ attaching
     def _probe(self, url: str) -> dict[str, Any]:
         """``GET /info`` of the engine at ``url`` (one of ``rollout.vllm.url``), checked against
@@ -593,9 +593,7 @@ class VLLMRolloutEngine(RolloutEngine):
         Raises:
             EngineSetupError: naming ``rollout.vllm.url`` and what is wrong.
         """
-        url = url.rstrip("/")
-        assert self.cfg.url is not None
-        several = len(engine_urls(self.cfg.url)) > 1
+        several = len(self._urls) > 1
         where = f"{url} (of rollout.vllm.url)" if several else f"rollout.vllm.url={self.cfg.url}"
         try:
             with urllib.request.urlopen(url + "/info", timeout=min(30.0, self.cfg.request_timeout_s)) as r:
@@ -633,10 +631,9 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _attach(self) -> str:
         """Take every engine's lease (rank 0); if one refuses, those taken are given back."""
-        assert self.cfg.url is not None
         links = [
             EngineLink(url, self.cfg.request_timeout_s, info)
-            for url, info in zip(engine_urls(self.cfg.url), self._infos, strict=True)
+            for url, info in zip(self._urls, self._infos, strict=True)
         ]
         try:
             for link in links:
@@ -732,7 +729,7 @@ class VLLMRolloutEngine(RolloutEngine):
         def push() -> None:
             if self.cfg.weight_transfer == "collective":
                 assert state is not None, "rank 0 holds the whole state dict"
-                tensors = engine_state_dict(state, _DTYPES[self.dtype], self.tied)
+                tensors = engine_state_dict(state, _DTYPES[self.dtype], self.tied, own_copies=False)
                 on_each(self.links, lambda link: link.send_collective(tensors, self.device))
                 return
             if not self.attached:

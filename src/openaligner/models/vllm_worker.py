@@ -243,8 +243,10 @@ class Engine:
         self.streams_weights = args.tensor_parallel_size == 1
         self.incomplete = False  # a streamed push failed midway: the weights are part old, part new
         # POST /collective/plan: the next receive's push id, tensors (name, dtype, shape, bytes)
-        # and bucket size
-        self.plan: tuple[str, list[tuple[str, Any, list[int], int]], int] | None = None
+        # and their bucket_layout
+        self.plan: (
+            tuple[str, list[tuple[str, Any, list[int], int]], list[list[tuple[int, int, int]]]] | None
+        ) = None
         if self.standalone:
             if self.workdir is None:
                 raise SystemExit("--standalone needs --workdir (where pushed weights are kept)")
@@ -537,7 +539,7 @@ class Engine:
                 f"receiving the weights ({total} bytes) needs {needed} bytes, over the engine's free memory "
                 f"({free} bytes)"
             )
-        self.plan = (push, specs, bucket_bytes)
+        self.plan = (push, specs, layout)
         return {"bytes": total, "buckets": len(layout)}
 
     def collective_receive(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -555,13 +557,13 @@ class Engine:
 
         if self.collective is None or self.plan is None:
             raise Conflict("no planned push: POST /collective/init (once) and /collective/plan first")
-        (group, device, store), (push, specs, bucket_bytes) = self.collective, self.plan
+        (group, device, store), (push, specs, layout) = self.collective, self.plan
         self.plan = None  # a plan is used once
         opts = tdist.BroadcastOptions()
         opts.rootRank = 0
 
         def arriving() -> Any:
-            for bucket in bucket_layout([n for *_, n in specs], bucket_bytes):
+            for bucket in layout:
                 buf = torch.empty(bucket_bytes_of(bucket), dtype=torch.uint8, device=device)
                 group.broadcast([buf], opts).wait()
                 for index, offset, n in bucket:
