@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "openaligner.cli.serve_rollout",
         "serve a vLLM rollout engine that train-ppo runs attach to (rollout.vllm.url)",
     ),
+    "serve-tinker": (
+        "openaligner.cli.serve_tinker",
+        "serve the Tinker training API (tinker SDK, tinker-cookbook recipes) on local models",
+    ),
     "train-sft": (
         "openaligner.cli.train_supervised:TRAIN_SFT",
         "supervised fine-tuning on prompt/response JSONL",

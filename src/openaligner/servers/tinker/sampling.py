@@ -1,0 +1,191 @@
+"""``asample`` for the Tinker API: the sampling settings a client sends turned into the rollout
+engine's, the samples drawn through the :class:`~openaligner.models.rollout_engine.RolloutEngine`
+seam, and the log-probs Tinker returns with them.
+
+Owns :class:`TinkerSampling` (``sampling_params`` read and checked), :class:`SampledSequence` and
+:func:`sample`. Must not know HTTP, sessions or the wire encoding.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# The one import of the rollout seam in the Tinker server (the engine seam may move packages).
+from openaligner.models.rollout_engine import HFRolloutEngine, RolloutEngine, RolloutRequest, row_seeds
+from openaligner.trainer.tinker_model import TinkerInputError
+
+
+@dataclass(frozen=True)
+class TinkerSampling:
+    """``sampling_params`` of an ``asample`` request, checked."""
+
+    max_tokens: int
+    temperature: float
+    top_k: int  # 0: no limit (Tinker's -1)
+    top_p: float
+    seed: int | None
+    stop_strings: tuple[str, ...]
+    stop_token_ids: tuple[int, ...] | None  # None: the tokenizer's EOS
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any], *, default_max_tokens: int, vocab_size: int) -> TinkerSampling:
+        """Read ``sampling_params`` as the SDK writes them (``stop``: a string, a list of strings
+        or a list of token ids; absent: the EOS token; ``[]``: none at all).
+
+        Raises:
+            TinkerInputError: a setting out of range, naming it.
+        """
+        max_tokens = params.get("max_tokens")
+        max_tokens = default_max_tokens if max_tokens is None else max_tokens
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise TinkerInputError(f"sampling_params.max_tokens must be an integer >= 1, got {max_tokens!r}")
+        temperature = float(params.get("temperature", 1.0))
+        if not math.isfinite(temperature) or temperature < 0:
+            raise TinkerInputError(f"sampling_params.temperature must be >= 0, got {temperature}")
+        top_k = int(params.get("top_k", -1))
+        if top_k < -1 or top_k == 0:
+            raise TinkerInputError(f"sampling_params.top_k must be -1 (no limit) or >= 1, got {top_k}")
+        top_p = float(params.get("top_p", 1.0))
+        if not 0.0 < top_p <= 1.0:
+            raise TinkerInputError(f"sampling_params.top_p must lie in (0, 1], got {top_p}")
+        seed = params.get("seed")
+        if seed is not None and not isinstance(seed, int):
+            raise TinkerInputError(f"sampling_params.seed must be an integer or null, got {seed!r}")
+        stop = params.get("stop")
+        strings: tuple[str, ...] = ()
+        ids: tuple[int, ...] | None = None
+        if isinstance(stop, str):
+            strings = (stop,)
+        elif isinstance(stop, list):
+            if all(isinstance(s, str) for s in stop):
+                strings = tuple(stop)
+                ids = () if not stop else None
+            elif all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+                ids = tuple(stop)
+                bad = [i for i in ids if not 0 <= i < vocab_size]
+                if bad:
+                    raise TinkerInputError(
+                        f"sampling_params.stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+                    )
+            else:
+                raise TinkerInputError("sampling_params.stop must be all strings or all token ids")
+        elif stop is not None:
+            raise TinkerInputError(f"sampling_params.stop must be a string or a list, got {type(stop).__name__}")
+        if any(not s for s in strings):
+            raise TinkerInputError("sampling_params.stop holds an empty string")
+        return cls(max_tokens, temperature, 0 if top_k == -1 else top_k, top_p, seed, strings, ids)
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    """One sample: ``tokens`` [T] int64 (stop token or string included, once), ``logprobs`` [T]
+    float32 (each token's log-prob under the distribution it was drawn from), ``stop_reason``
+    ``stop`` (a stop id or string ended it) or ``length``."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    stop_reason: str
+
+
+def engine_for(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> RolloutEngine:
+    """The rollout engine sampling ``model`` (the ``hf`` engine over its modules)."""
+    from openaligner.models.actor import CausalLMActor
+
+    return HFRolloutEngine(CausalLMActor(model, tokenizer, init_policy=False))
+
+
+@torch.no_grad()
+def sample(
+    engine: RolloutEngine,
+    model: PreTrainedModel,
+    prompt: torch.Tensor,
+    num_samples: int,
+    params: TinkerSampling,
+    *,
+    prompt_logprobs: bool,
+) -> tuple[list[SampledSequence], torch.Tensor | None]:
+    """``num_samples`` continuations of ``prompt`` [P] int64 and, with ``prompt_logprobs``, the
+    prompt's own log-probs [P] (NaN at position 0, which nothing predicts).
+
+    Log-probs of sampled tokens are at the sampling temperature (that is the distribution they were
+    drawn from, before top-k / top-p); prompt log-probs at temperature 1.
+    """
+    from openaligner.models.generation import SamplingParams
+
+    greedy = params.temperature == 0
+    sampling = SamplingParams(
+        greedy=greedy,
+        temperature=1.0 if greedy else params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        max_new_tokens=params.max_tokens,
+        stop_token_ids=params.stop_token_ids,
+        stop_strings=params.stop_strings,
+    )
+    seed = params.seed if params.seed is not None else secrets.randbits(62)
+    p = int(prompt.numel())
+    request = RolloutRequest(
+        prompts=prompt.reshape(1, p).repeat(num_samples, 1),
+        prompt_lengths=torch.full((num_samples,), p, dtype=torch.int64),
+        sampling=sampling,
+        seeds=row_seeds(seed, num_samples),
+    )
+    out = engine.generate(request)
+    device = next(model.parameters()).device
+    logits = model(input_ids=out.tokens.to(device)).logits.float()
+    scale = 1.0 if greedy else params.temperature
+    sampled_lp = torch.log_softmax(logits / scale, dim=-1)
+    sequences = []
+    for row in range(num_samples):
+        end = int(out.sequence_lengths[row])
+        tokens = out.tokens[row, p:end]
+        lp = sampled_lp[row, p - 1 : end - 1].gather(-1, tokens.to(device)[:, None])[:, 0]
+        reason = "stop" if bool(out.is_end[row]) else "length"
+        sequences.append(SampledSequence(tokens.cpu(), lp.cpu(), reason))
+    prompt_lp = None
+    if prompt_logprobs:
+        base_lp = torch.log_softmax(logits[0, : p - 1], dim=-1)
+        scored = base_lp.gather(-1, prompt[1:].to(device)[:, None])[:, 0].cpu()
+        prompt_lp = torch.cat([torch.tensor([float("nan")]), scored])
+    return sequences, prompt_lp
+
+
+def prompt_tokens(prompt: Mapping[str, Any], vocab_size: int) -> torch.Tensor:
+    """[P] int64: the ``encoded_text`` chunks of a ``ModelInput`` (JSON), concatenated.
+
+    Raises:
+        TinkerInputError: another chunk type (images are not served), an empty prompt, or an id
+            outside the vocabulary.
+    """
+    chunks = prompt.get("chunks")
+    if not isinstance(chunks, list):
+        raise TinkerInputError("prompt must be a ModelInput: {'chunks': [{'type': 'encoded_text', 'tokens': [...]}]}")
+    ids: list[int] = []
+    for i, chunk in enumerate(chunks):
+        kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
+        if kind != "encoded_text":
+            raise TinkerInputError(
+                f"prompt chunk {i} is of type {kind!r}; this server serves text models only (encoded_text)"
+            )
+        tokens = chunk.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise TinkerInputError(f"prompt chunk {i}: tokens must be a list of integers")
+        ids.extend(tokens)
+    check_ids(ids, vocab_size, "prompt")
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """Refuse an empty id list or one with ids outside ``[0, vocab_size)``."""
+    if not ids:
+        raise TinkerInputError(f"{what} holds no tokens")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise TinkerInputError(f"{what} token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")

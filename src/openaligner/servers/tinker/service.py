@@ -1,0 +1,627 @@
+"""What the Tinker API's calls do, on plain values: sessions, the models and samplers each session
+owns, the base models served, checkpoints on ``tinker://`` paths, and the jobs behind every
+future.
+
+Owns :class:`TinkerService`: each route of :mod:`openaligner.servers.tinker.app` is one method
+taking the decoded request (a dict, or the decoded protobuf) and returning a JSON-ready dict or a
+request id; the work itself runs as jobs of a :class:`~openaligner.servers.tinker.futures.FutureTable`.
+Model ids are ``<session_id>:train:<model_seq_id>`` (what the SDK derives on load) with a random
+session id, so only the session that created a model can name it. Must not know HTTP or the wire
+encoding.
+Design notes: docs/tinker.md, "How it works".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from openaligner.servers.tinker.futures import FutureTable, UserError
+from openaligner.servers.tinker.sampling import (
+    SampledSequence,
+    TinkerSampling,
+    engine_for,
+    prompt_tokens,
+    sample,
+)
+from openaligner.trainer.tinker_model import (
+    AdamStep,
+    TinkerDatum,
+    TinkerInputError,
+    TinkerLora,
+    TinkerLossFn,
+    TinkerModel,
+)
+
+LOGGER = logging.getLogger(__name__)
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+"""A checkpoint name: what may follow ``weights/`` or ``sampler_weights/`` in a path."""
+KINDS = {"weights": "weights", "sampler_weights": "sampler_weights"}
+
+LossLookup = Callable[[str], Any]
+"""A loss's name -> the loss (a :class:`~openaligner.algorithms.tinker_losses.TinkerLoss`: callable
+as :data:`~openaligner.trainer.tinker_model.TinkerLossFn`, with ``resolve_config`` and
+``check_inputs``); ``ValueError`` naming the supported ones for any other name."""
+
+
+@dataclass(frozen=True)
+class BaseModelSource:
+    """One served base model: the name clients use and the Hugging Face directory it loads from."""
+
+    name: str
+    path: Path
+
+
+@dataclass
+class Session:
+    id: str
+    models: list[str] = field(default_factory=list)
+    samplers: list[str] = field(default_factory=list)
+    last_seen_s: float = field(default_factory=time.monotonic)
+    finished: bool = False
+
+
+@dataclass
+class ServedModel:
+    """A trained model of a session: its base (the name the client sent), its trainer and the
+    latest sampler snapshot's version."""
+
+    model_id: str
+    session_id: str
+    base: BaseModelSource
+    base_name: str  # exactly what the client sent as base_model
+    trainer: TinkerModel
+    tokenizer: PreTrainedTokenizerBase | None
+
+
+@dataclass
+class Sampler:
+    """A sampling session: a model's adapters frozen at a snapshot (``snapshot`` None with a
+    model: its live weights; ``model`` None: the base model alone)."""
+
+    id: str
+    session_id: str
+    base_name: str
+    base: BaseModelSource
+    model: ServedModel | None
+    snapshot: dict[str, torch.Tensor] | None
+    model_path: str | None
+
+
+class TinkerService:
+    """The server's state and the calls of the Tinker API on it.
+
+    Args:
+        bases: the served base models, by the name clients send.
+        checkpoint_dir: where ``tinker://`` paths are kept (``<dir>/<model_id>/<kind>/<name>``).
+        loss_lookup: the losses ``forward_backward`` takes, by name.
+        accept_local_dirs: also serve any local Hugging Face directory named as ``base_model``.
+        max_lora_rank: the largest LoRA rank ``create_model`` accepts.
+        max_samples: the most ``num_samples`` one ``asample`` may ask for.
+        default_max_tokens: new tokens per sample when the client sets no ``max_tokens``.
+        device: where models compute.
+    """
+
+    def __init__(
+        self,
+        bases: Mapping[str, Path],
+        checkpoint_dir: Path,
+        loss_lookup: LossLookup,
+        *,
+        accept_local_dirs: bool = True,
+        max_lora_rank: int = 128,
+        lora_alpha: float = 32.0,
+        max_samples: int = 64,
+        default_max_tokens: int = 128,
+        device: torch.device | None = None,
+    ) -> None:
+        self.bases = {name: BaseModelSource(name, Path(p)) for name, p in bases.items()}
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.loss_lookup = loss_lookup
+        self.accept_local_dirs = accept_local_dirs
+        self.max_lora_rank = max_lora_rank
+        self.lora_alpha = lora_alpha
+        self.max_samples = max_samples
+        self.default_max_tokens = default_max_tokens
+        self.device = device or torch.device("cpu")
+        self.jobs = FutureTable()
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, ServedModel] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self._plain: dict[Path, PreTrainedModel] = {}  # base models sampled without adapters
+        self._tokenizers: dict[Path, PreTrainedTokenizerBase | None] = {}
+        self._lock = threading.Lock()  # the tables above, between the HTTP threads and the worker
+
+    # ------------------------------------------------------------------ sessions
+    def create_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        sid = uuid.uuid4().hex
+        with self._lock:
+            self.sessions[sid] = Session(sid)
+        return {"type": "create_session", "session_id": sid}
+
+    def heartbeat(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        session = self._session(body.get("session_id"))
+        session.last_seen_s = time.monotonic()
+        return {"type": "session_heartbeat"}
+
+    def finish_session(self, session_id: str) -> dict[str, Any]:
+        """End a session: its models and samplers are dropped once the jobs queued before are done
+        (its checkpoints stay)."""
+        session = self._session(session_id)
+        session.finished = True
+
+        def drop() -> None:
+            with self._lock:
+                for mid in session.models:
+                    self.models.pop(mid, None)
+                for sid in session.samplers:
+                    self.samplers.pop(sid, None)
+                self.sessions.pop(session.id, None)
+
+        self.jobs.submit(drop)
+        return {}
+
+    def _session(self, session_id: Any) -> Session:
+        with self._lock:
+            session = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None or session.finished:
+            raise KeyError(f"session {session_id!r} is not open on this server (create_session first)")
+        return session
+
+    # ------------------------------------------------------------------ base models
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "supported_models": [
+                {"model_name": name, "trainable": True, "sampleable": True} for name in sorted(self.bases)
+            ]
+        }
+
+    def served_text(self) -> str:
+        names = ", ".join(sorted(self.bases)) or "none by name"
+        local = "; or a local Hugging Face directory path" if self.accept_local_dirs else ""
+        return f"this server serves: {names}{local}"
+
+    def resolve_base(self, name: Any) -> BaseModelSource:
+        """The base model a client's ``base_model`` names.
+
+        Raises:
+            UserError: a name this server does not serve, naming those it does.
+        """
+        if not isinstance(name, str) or not name:
+            raise UserError(f"base_model must be a model name; {self.served_text()}")
+        if name in self.bases:
+            return self.bases[name]
+        path = Path(name)
+        if self.accept_local_dirs and path.is_absolute() and (path / "config.json").is_file():
+            return BaseModelSource(name, path)
+        raise UserError(f"base_model {name!r} is not served here; {self.served_text()}")
+
+    def _tokenizer(self, base: BaseModelSource) -> PreTrainedTokenizerBase | None:
+        if base.path not in self._tokenizers:
+            from openaligner.models.tokenizers import load_tokenizer
+
+            try:
+                self._tokenizers[base.path] = load_tokenizer(base.path)
+            except (OSError, ValueError):
+                self._tokenizers[base.path] = None  # ids only: stop strings are then refused
+        return self._tokenizers[base.path]
+
+    def _load_base(self, base: BaseModelSource) -> PreTrainedModel:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(base.path), local_files_only=True, dtype=torch.float32)
+        model.to(self.device)
+        return model.eval()
+
+    def _plain_model(self, base: BaseModelSource) -> PreTrainedModel:
+        if base.path not in self._plain:
+            self._plain[base.path] = self._load_base(base).requires_grad_(False)
+        return self._plain[base.path]
+
+    # ------------------------------------------------------------------ models
+    def create_model(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        session = self._session(body.get("session_id"))
+        seq = body.get("model_seq_id")
+        if not isinstance(seq, int):
+            raise UserError("create_model needs an integer model_seq_id")
+        model_id = f"{session.id}:train:{seq}"
+        base = self.resolve_base(body.get("base_model"))  # refused now, naming what is served
+        lora = self._lora(body.get("lora_config"))
+        self._check_optimizer(body.get("optimizer_config"))
+        base_name = str(body["base_model"])
+
+        def work() -> dict[str, Any]:
+            self._register(session, model_id, base, base_name, lora)
+            return {"model_id": model_id, "type": "create_model"}
+
+        return self._future(work, key=("create_model", model_id), body=body)
+
+    def _lora(self, cfg: Any) -> TinkerLora:
+        cfg = cfg or {}
+        if not isinstance(cfg, dict):
+            raise UserError("lora_config must be an object {rank, seed, train_mlp, train_attn, train_unembed}")
+        rank = cfg.get("rank", 32)
+        if not isinstance(rank, int) or not 1 <= rank <= self.max_lora_rank:
+            raise UserError(f"lora_config.rank must be an integer in [1, {self.max_lora_rank}], got {rank!r}")
+        switches = {k: cfg.get(k, True) for k in ("train_mlp", "train_attn", "train_unembed")}
+        if not any(switches.values()):
+            raise UserError("lora_config trains nothing: set one of train_mlp, train_attn, train_unembed")
+        seed = cfg.get("seed")
+        if seed is not None and not isinstance(seed, int):
+            raise UserError(f"lora_config.seed must be an integer or null, got {seed!r}")
+        return TinkerLora(rank=rank, seed=seed, alpha=self.lora_alpha, **switches)
+
+    @staticmethod
+    def _check_optimizer(cfg: Any) -> None:
+        if cfg is None:
+            return
+        kind = cfg.get("type", "adamw") if isinstance(cfg, dict) else cfg
+        if kind != "adamw":
+            raise UserError(f"optimizer_config type {kind!r} is not served; this server trains with adamw")
+
+    def _register(
+        self, session: Session, model_id: str, base: BaseModelSource, base_name: str, lora: TinkerLora
+    ) -> ServedModel:
+        with self._lock:
+            if model_id in self.models:
+                raise UserError(f"model {model_id} exists already (model_seq_id used twice)")
+        from openaligner.models.positions import position_limit
+
+        hf = self._load_base(base)
+        trainer = TinkerModel(hf, lora, max_tokens=position_limit(hf.config))
+        served = ServedModel(model_id, session.id, base, base_name, trainer, self._tokenizer(base))
+        with self._lock:
+            self.models[model_id] = served
+            session.models.append(model_id)
+        return served
+
+    def model(self, model_id: Any) -> ServedModel:
+        with self._lock:
+            served = self.models.get(model_id) if isinstance(model_id, str) else None
+        if served is None:
+            raise UserError(f"model {model_id!r} is not loaded on this server (create_model or load it first)")
+        return served
+
+    def get_info(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        served = self.model(body.get("model_id"))
+        return {
+            "type": "get_info",
+            "model_id": served.model_id,
+            "model_data": {"model_name": served.base_name, "tokenizer_id": served.base_name},
+            "is_lora": True,
+            "lora_rank": served.trainer.lora.rank,
+            "model_name": served.base_name,
+        }
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(
+        self,
+        model_id: str,
+        seq_id: int | None,
+        datums: list[TinkerDatum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float],
+        forward_only: bool,
+        encode: Callable[[list[dict[str, torch.Tensor]], dict[str, float]], Any],
+        fingerprint: bytes,
+    ) -> dict[str, Any]:
+        served = self.model(model_id)
+        try:
+            loss = self.loss_lookup(loss_fn)
+            config = loss.resolve_config(loss_fn_config)
+            served.trainer.check_datums(datums)
+            for i, d in enumerate(datums):
+                loss.check_inputs(d.inputs, int(d.tokens.numel()), vocab_size=served.trainer.vocab_size, datum=i)
+        except ValueError as e:  # the loss's checks: TinkerLossInputError
+            raise UserError(str(e)) from None
+
+        def work() -> Any:
+            outputs, metrics = served.trainer.forward_backward(
+                datums, loss, config, forward_only=forward_only
+            )
+            return encode(outputs, metrics)
+
+        key = ("fwdbwd", model_id, seq_id) if seq_id is not None else None
+        return self._future(work, key=key, raw=fingerprint)
+
+    def optim_step(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        served = self.model(body.get("model_id"))
+        if "optimizer_params" in body:
+            raise UserError("optimizer_params of another optimizer are not served; send adam_params")
+        params = body.get("adam_params") or body.get("optim_params") or {}
+        try:
+            adam = AdamStep(**{k: float(v) for k, v in params.items() if k != "type"})
+        except (TypeError, ValueError) as e:
+            raise UserError(f"adam_params must be {{learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm}}: {e}") from None
+        if adam.learning_rate < 0 or adam.grad_clip_norm < 0 or not 0 <= adam.beta1 < 1 or not 0 <= adam.beta2 < 1:
+            raise UserError(f"adam_params out of range: {params}")
+
+        def work() -> dict[str, Any]:
+            return {"metrics": served.trainer.optim_step(adam), "type": "optim_step"}
+
+        return self._future(work, key=("optim", served.model_id, body.get("seq_id")), body=body)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _path_dir(self, model_id: str, kind: str, name: str) -> Path:
+        return self.checkpoint_dir / model_id / kind / name
+
+    def parse_path(self, path: Any) -> tuple[str, str, str]:
+        """``(model_id, kind, name)`` of a ``tinker://<model_id>/<weights|sampler_weights>/<name>`` path.
+
+        Raises:
+            UserError: anything else.
+        """
+        if not isinstance(path, str) or not path.startswith("tinker://"):
+            raise UserError(f"path must be tinker://<model_id>/weights/<name>, got {path!r}")
+        parts = path[len("tinker://") :].split("/")
+        if len(parts) != 3 or parts[1] not in KINDS or not NAME.match(parts[2]) or not NAME.match(parts[0].replace(":", "-")):
+            raise UserError(f"path must be tinker://<model_id>/weights|sampler_weights/<name>, got {path!r}")
+        return parts[0], parts[1], parts[2]
+
+    def _checkpoint_name(self, name: Any) -> str:
+        if not isinstance(name, str) or not NAME.match(name):
+            raise UserError(
+                f"checkpoint name {name!r} must be 1-128 characters of letters, digits, '.', '_' and '-'"
+            )
+        return name
+
+    def save_weights(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        served = self.model(body.get("model_id"))
+        name = self._checkpoint_name(body.get("path") or f"step-{uuid.uuid4().hex[:8]}")
+        overwrite = bool(body.get("overwrite", False))
+
+        def work() -> dict[str, Any]:
+            target = self._path_dir(served.model_id, "weights", name)
+            self._write(served, target, optimizer=True, overwrite=overwrite)
+            return {"path": f"tinker://{served.model_id}/weights/{name}", "type": "save_weights"}
+
+        return self._future(work, key=("save", served.model_id, body.get("seq_id")), body=body)
+
+    def _write(self, served: ServedModel, target: Path, *, optimizer: bool, overwrite: bool) -> None:
+        if target.exists():
+            if not overwrite:
+                raise UserError(f"a checkpoint {target.name} of this model exists; pick another name")
+            import shutil
+
+            shutil.rmtree(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        served.trainer.save(target, optimizer=optimizer)
+        (target / "base_model.json").write_text(json.dumps({"base_model": served.base_name}))
+
+    def save_weights_for_sampler(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        served = self.model(body.get("model_id"))
+        name = body.get("path")
+        kind = body.get("kind", "snapshot")
+        if name is not None:
+            name = self._checkpoint_name(name)
+        elif not isinstance(body.get("sampling_session_seq_id"), int):
+            raise UserError("save_weights_for_sampler needs a path or a sampling_session_seq_id")
+        if kind not in ("snapshot", "inflight"):
+            raise UserError(f"kind must be snapshot or inflight, got {kind!r}")
+
+        def work() -> dict[str, Any]:
+            if name is not None:
+                target = self._path_dir(served.model_id, "sampler_weights", name)
+                self._write(served, target, optimizer=False, overwrite=False)
+                return {"path": f"tinker://{served.model_id}/sampler_weights/{name}", "type": "save_weights_for_sampler"}
+            snapshot = None if kind == "inflight" else served.trainer.snapshot()
+            sampler_id = self._add_sampler(served.session_id, served.base_name, served.base, served, snapshot, None)
+            return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+
+        return self._future(work, key=("save_sampler", served.model_id, body.get("seq_id")), body=body)
+
+    def _add_sampler(
+        self,
+        session_id: str,
+        base_name: str,
+        base: BaseModelSource,
+        model: ServedModel | None,
+        snapshot: dict[str, torch.Tensor] | None,
+        model_path: str | None,
+    ) -> str:
+        sampler_id = f"{session_id}:sample:{uuid.uuid4().hex[:12]}"
+        with self._lock:
+            self.samplers[sampler_id] = Sampler(sampler_id, session_id, base_name, base, model, snapshot, model_path)
+            session = self.sessions.get(session_id)
+            if session is not None:
+                session.samplers.append(sampler_id)
+        return sampler_id
+
+    def load_weights(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        model_id, kind, name = self.parse_path(body.get("path"))
+        directory = self._path_dir(model_id, kind, name)
+        optimizer = bool(body.get("optimizer", False))
+        if "session_id" in body and body.get("session_id") is not None:
+            session = self._session(body.get("session_id"))
+            seq = body.get("model_seq_id")
+            if not isinstance(seq, int):
+                raise UserError("load_weights with session_id needs an integer model_seq_id")
+            target_id = f"{session.id}:train:{seq}"
+            self._check_optimizer(body.get("optimizer_config"))
+            base_name = body.get("base_model") or self._checkpoint_base(directory, body.get("path"))
+            base = self.resolve_base(base_name)
+
+            def create_and_load() -> dict[str, Any]:
+                from openaligner.trainer.tinker_model import read_checkpoint_lora
+
+                served = self._register(session, target_id, base, str(base_name), read_checkpoint_lora(directory))
+                try:
+                    served.trainer.load(directory, optimizer=optimizer)
+                except BaseException:
+                    with self._lock:  # a failed load leaves no model behind
+                        self.models.pop(target_id, None)
+                        session.models.remove(target_id)
+                    raise
+                return {"path": body["path"], "model_id": target_id, "type": "load_weights"}
+
+            return self._future(create_and_load, key=("create_model", target_id), body=body)
+        served = self.model(body.get("model_id"))
+        if not (directory / "tinker_model.json").is_file():
+            raise UserError(f"no checkpoint at {body.get('path')}")
+
+        def load() -> dict[str, Any]:
+            served.trainer.load(directory, optimizer=optimizer)
+            return {"path": body["path"], "model_id": served.model_id, "type": "load_weights"}
+
+        return self._future(load, key=("load", served.model_id, body.get("seq_id")), body=body)
+
+    @staticmethod
+    def _checkpoint_base(directory: Path, path: Any) -> str:
+        try:
+            return str(json.loads((directory / "base_model.json").read_text())["base_model"])
+        except (OSError, ValueError, KeyError):
+            raise UserError(f"no checkpoint at {path} on this server") from None
+
+    # ------------------------------------------------------------------ sampling
+    def create_sampling_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        session = self._session(body.get("session_id"))
+        path = body.get("model_path")
+        if path is None:
+            base = self.resolve_base(body.get("base_model"))
+            sid = self._add_sampler(session.id, str(body["base_model"]), base, None, None, None)
+            return {"type": "create_sampling_session", "sampling_session_id": sid}
+        model_id, kind, name = self.parse_path(path)
+        directory = self._path_dir(model_id, kind, name)
+        base_name = self._checkpoint_base(directory, path)
+        base = self.resolve_base(base_name)
+        from openaligner.trainer.tinker_model import ADAPTER_FILE
+
+        from safetensors.torch import load_file
+
+        with self._lock:
+            live = self.models.get(model_id)
+        try:
+            snapshot = load_file(str(directory / ADAPTER_FILE))
+        except OSError:
+            raise UserError(f"no checkpoint at {path} on this server") from None
+        host = live if live is not None and set(snapshot) == set(live.trainer.params) else None
+        if host is None:
+            host = self._sampling_host(session, model_id, name, base, base_name, directory)
+        sid = self._add_sampler(session.id, base_name, base, host, snapshot, path)
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    def _sampling_host(
+        self, session: Session, model_id: str, name: str, base: BaseModelSource, base_name: str, directory: Path
+    ) -> ServedModel:
+        """A model to sample a checkpoint whose model is not loaded (e.g. after a restart)."""
+        from openaligner.trainer.tinker_model import read_checkpoint_lora
+
+        host_id = f"{session.id}:host:{hashlib.sha1(str(directory).encode()).hexdigest()[:12]}"
+        with self._lock:
+            if host_id in self.models:
+                return self.models[host_id]
+        hf = self._load_base(base)
+        trainer = TinkerModel(hf, read_checkpoint_lora(directory))
+        served = ServedModel(host_id, session.id, base, base_name, trainer, self._tokenizer(base))
+        with self._lock:
+            self.models[host_id] = served
+            session.models.append(host_id)
+        return served
+
+    def get_sampler(self, sampler_id: str) -> dict[str, Any]:
+        with self._lock:
+            sampler = self.samplers.get(sampler_id)
+        if sampler is None:
+            raise KeyError(f"sampler {sampler_id!r} is not open on this server")
+        return {"sampler_id": sampler.id, "base_model": sampler.base_name, "model_path": sampler.model_path}
+
+    def asample(
+        self, body: Mapping[str, Any], encode: Callable[[list[SampledSequence], torch.Tensor | None], Any]
+    ) -> dict[str, Any]:
+        sampler = self._sampler_for(body)
+        model = sampler.model
+        tokenizer = model.tokenizer if model is not None else self._tokenizer(sampler.base)
+        vocab = model.trainer.vocab_size if model is not None else self._vocab(sampler.base)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, dict):
+            raise UserError("asample needs a prompt (a ModelInput)")
+        tokens = prompt_tokens(prompt, vocab)
+        params = TinkerSampling.parse(
+            body.get("sampling_params") or {}, default_max_tokens=self.default_max_tokens, vocab_size=vocab
+        )
+        if params.stop_strings and tokenizer is None:
+            raise UserError("stop strings need the model's tokenizer, which its directory lacks; stop on token ids")
+        n = body.get("num_samples", 1)
+        if not isinstance(n, int) or not 1 <= n <= self.max_samples:
+            raise UserError(f"num_samples must be an integer in [1, {self.max_samples}], got {n!r}")
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if body.get(key):
+                raise UserError(f"{key} is not served by this server; ask without it")
+        for key in ("target_prompt_logprobs", "prompt_logprobs_last_n"):
+            if body.get(key) is not None:
+                raise UserError(f"{key} is not served by this server; ask without it")
+        if body.get("record_stability_info"):
+            raise UserError("record_stability_info (for stable_reinforce) is not served by this server")
+        want_prompt_lp = bool(body.get("prompt_logprobs"))
+        if want_prompt_lp and tokens.numel() < 1:
+            raise UserError("prompt_logprobs need a prompt")
+
+        def work() -> Any:
+            if model is None:
+                hf = self._plain_model(sampler.base)
+                seqs, plp = sample(engine_for(hf, tokenizer), hf, tokens, n, params, prompt_logprobs=want_prompt_lp)
+            else:
+                with model.trainer.weights(sampler.snapshot) as hf:
+                    seqs, plp = sample(
+                        engine_for(hf, tokenizer), hf, tokens, n, params, prompt_logprobs=want_prompt_lp
+                    )
+            return encode(seqs, plp)
+
+        ids = [uuid.uuid4().hex for _ in range(n)]
+        future = self._future(work)
+        future["sample_sequence_ids"] = ids
+        return future
+
+    def _vocab(self, base: BaseModelSource) -> int:
+        return int(self._plain_model(base).get_input_embeddings().weight.shape[0])
+
+    def _sampler_for(self, body: Mapping[str, Any]) -> Sampler:
+        sid = body.get("sampling_session_id")
+        if sid is not None:
+            with self._lock:
+                sampler = self.samplers.get(sid)
+            if sampler is None:
+                raise UserError(f"sampling session {sid!r} is not open on this server")
+            return sampler
+        raise UserError("asample needs a sampling_session_id (create_sampling_session first)")
+
+    # ------------------------------------------------------------------ futures
+    def _future(
+        self,
+        work: Callable[[], Any],
+        *,
+        key: tuple[Any, ...] | None = None,
+        body: Mapping[str, Any] | None = None,
+        raw: bytes | None = None,
+    ) -> dict[str, Any]:
+        fingerprint = raw
+        if body is not None:
+            fingerprint = json.dumps(body, sort_keys=True, default=str).encode()
+        if key is not None and key[-1] is None:
+            key = None  # no seq_id: nothing to deduplicate on
+        digest = hashlib.sha256(fingerprint).digest() if fingerprint is not None else None
+
+        def guarded() -> Any:
+            try:
+                return work()
+            except TinkerInputError as e:
+                raise UserError(str(e)) from None
+
+        request_id = self.jobs.submit(guarded, key=key, fingerprint=digest)
+        return {"request_id": request_id}
+
+    def close(self) -> None:
+        self.jobs.close()
