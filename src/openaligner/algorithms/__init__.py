@@ -1,5 +1,5 @@
 """RLHF math: masked statistics, KL estimators and controllers, reward shaping, GAE, the critic-free
-estimators (RLOO, GRPO, REINFORCE++), losses.
+estimators (RLOO, GRPO, REINFORCE++), losses, and the losses of the Tinker training API.
 
 Pure tensor functions over the next-token-aligned layout (B batch, S-1 positions, mask 1 = valid).
 This package imports only torch and the standard library: no models, configs, servers or
@@ -49,16 +49,25 @@ from openaligner.algorithms.masked import (
     single_process,
 )
 from openaligner.algorithms.rewards import adjust_scores, response_mask, shape_rewards
+from openaligner.algorithms.tinker_losses import (
+    TINKER_LOSSES,
+    TinkerLoss,
+    TinkerLossInputError,
+    tinker_loss,
+)
 
 __all__ = [
     "KL_KINDS",
     "LOSS_AGGREGATIONS",
+    "TINKER_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
     "KLKind",
     "LossAggregation",
     "PolicyLossStats",
     "Reduce",
+    "TinkerLoss",
+    "TinkerLossInputError",
     "ValueLossStats",
     "adjust_scores",
     "aggregate",
@@ -92,6 +101,7 @@ __all__ = [
     "shape_rewards",
     "single_process",
     "td_errors",
+    "tinker_loss",
     "truncated_is_weights",
     "value_loss",
 ]
