@@ -127,7 +127,12 @@ def test_arithmetic_recipe_runs_unchanged(sdk, server, model_dir, tmp_path):
         capture_output=True,
         text=True,
         timeout=540,
-        env={**os.environ, "TINKER_TELEMETRY": "0", "TINKER_API_KEY": f"tml-{API_KEY}", "OMP_NUM_THREADS": "1"},
+        env={
+            **os.environ,
+            "TINKER_TELEMETRY": "0",
+            "TINKER_API_KEY": f"tml-{API_KEY}",
+            "OMP_NUM_THREADS": "1",
+        },
     )
     assert done.returncode == 0, done.stderr[-5000:]
     steps = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
@@ -192,3 +197,33 @@ def test_state_survives_kill_9_and_resume_continues_as_uninterrupted(sdk, model_
         second.kill()
     assert resumed["continued"] == pytest.approx(uninterrupted["continued"], rel=1e-5, abs=1e-5)
     assert resumed["model_id"].endswith(":train:0")
+
+
+def test_ppo_loop_with_a_served_critic(sdk, server, model_dir):
+    """examples/tinker_ppo_critic.py: a policy and a critic (model_role critic) of one server, the
+    critic's values through forward, its clipped value loss through forward_backward."""
+    done = subprocess.run(
+        [
+            str(sdk),
+            str(REPO / "examples" / "tinker_ppo_critic.py"),
+            "--base-url",
+            server,
+            "--model",
+            str(model_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env={
+            **os.environ,
+            "TINKER_TELEMETRY": "0",
+            "TINKER_API_KEY": f"tml-{API_KEY}",
+            "OMP_NUM_THREADS": "1",
+        },
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-5000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert len(out["rewards"]) == 3
+    before, after = out["value_losses"][0]
+    assert 0 < after < before  # the first critic step (fresh AdamW) lowers its loss on its batch

@@ -63,7 +63,10 @@ def cmd_sl(url: str, model: str) -> dict[str, Any]:
     tc.optim_step(ADAM).result()
     losses = [first.metrics["loss:sum"] + rest.metrics["loss:sum"], *train_steps(tc, batch, 6)]
     nll = [
-        -sum(lp * w for lp, w in zip(out["logprobs"].tolist(), d.loss_fn_inputs["weights"].tolist(), strict=True))
+        -sum(
+            lp * w
+            for lp, w in zip(out["logprobs"].tolist(), d.loss_fn_inputs["weights"].tolist(), strict=True)
+        )
         for out, d in zip(before.loss_fn_outputs, batch, strict=True)
     ]
     info = tc.get_info()
@@ -119,7 +122,10 @@ def cmd_sample(url: str, model: str) -> dict[str, Any]:
         [
             types.Datum(
                 model_input=types.ModelInput.from_ints(prompt.to_ints()[:-1]),
-                loss_fn_inputs={"target_tokens": prompt.to_ints()[1:], "weights": [1.0] * (prompt.length - 1)},
+                loss_fn_inputs={
+                    "target_tokens": prompt.to_ints()[1:],
+                    "weights": [1.0] * (prompt.length - 1),
+                },
             )
         ],
         "cross_entropy",
@@ -162,7 +168,9 @@ def failure(call: Any) -> str:
 def cmd_errors(url: str, model: str) -> dict[str, Any]:
     sc = service(url)
     out: dict[str, Any] = {}
-    out["unknown_base"] = failure(lambda: sc.create_lora_training_client(base_model="no/such-model", rank=4).result())
+    out["unknown_base"] = failure(
+        lambda: sc.create_lora_training_client(base_model="no/such-model", rank=4).result()
+    )
     out["big_rank"] = failure(lambda: sc.create_lora_training_client(base_model=model, rank=100000).result())
     tc = sc.create_lora_training_client(base_model=model, rank=4).result()
     good = datums(tc.get_tokenizer())[0]
@@ -178,10 +186,12 @@ def cmd_errors(url: str, model: str) -> dict[str, Any]:
     out["shape"] = failure(lambda: tc.forward_backward([short_weights], "cross_entropy").result())
     out["loss"] = failure(lambda: tc.forward_backward([good], "stable_reinforce").result())
     out["sample_strings"] = failure(
-        lambda: tc.save_weights_and_get_sampling_client()
-        .result()
-        .sample(types.ModelInput.from_ints([10**6]), 1, types.SamplingParams(max_tokens=2))
-        .result()
+        lambda: (
+            tc.save_weights_and_get_sampling_client()
+            .result()
+            .sample(types.ModelInput.from_ints([10**6]), 1, types.SamplingParams(max_tokens=2))
+            .result()
+        )
     )
     # the model still trains after every refusal
     out["after"] = tc.forward_backward([good], "cross_entropy").result().metrics["loss:sum"]

@@ -33,9 +33,13 @@ class TinkerServerSettings:
 
     host: str = "127.0.0.1"  # address to bind; beyond loopback the API key (token) is required
     port: int = 8000  # HTTP port (the SDK's base_url is http://HOST:PORT); 0: any free port, printed
-    token: str | None = None  # API key clients send as X-API-Key (tml-<token> too); null: $OPENALIGNER_TOKEN or none
+    token: str | None = (
+        None  # API key clients send as X-API-Key (tml-<token> too); null: $OPENALIGNER_TOKEN or none
+    )
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # largest HTTP request body (HTTP 413 above)
-    poll_hold_s: float = 30.0  # retrieve_future holds a poll this long, then answers try_again (SDK timeout: 45 s)
+    poll_hold_s: float = (
+        30.0  # retrieve_future holds a poll this long, then answers try_again (SDK timeout: 45 s)
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -53,7 +57,7 @@ class TinkerServerSettings:
 class TinkerModelSettings:
     """Which base models are served and how they train."""
 
-    # base_model name a client sends -> local Hugging Face directory, e.g. {Qwen/Qwen3-0.6B: /models/qwen3-0.6b}
+    # base_model name a client sends -> local HF directory, e.g. {Qwen/Qwen3-0.6B: /models/qwen3-0.6b}
     names: dict[str, str] = field(default_factory=dict)
     accept_local_dirs: bool = True  # a base_model that is an absolute path to a HF directory is served too
     max_lora_rank: int = 128  # the largest lora_config.rank create_model accepts
@@ -165,7 +169,8 @@ def run(cfg: ServeTinkerConfig) -> int:
     print(
         f"tinker server ready at http://{cfg.server.host}:{front.port} (base models: {names}"
         f"{'; local directories' if cfg.models.accept_local_dirs else ''}; checkpoints in "
-        f"{Path(cfg.checkpoint_dir).absolute()}{'; API key required' if key else ''}); stop with Ctrl-C or SIGTERM",
+        f"{Path(cfg.checkpoint_dir).absolute()}{'; API key required' if key else ''}); "
+        "stop with Ctrl-C or SIGTERM",
         flush=True,
     )
     while not stopping.wait(1.0):

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -107,6 +108,14 @@ def lora_targets(model: nn.Module, lora: TinkerLora) -> list[str]:
     return sorted(names)
 
 
+def embedding_rows(model: PreTrainedModel) -> int:
+    """How many token ids ``model`` embeds (its input embedding's rows: the valid ids)."""
+    weight = getattr(model.get_input_embeddings(), "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(model).__name__} has no input embedding table")
+    return int(weight.shape[0])
+
+
 class TinkerModel:
     """A trainable LoRA model behind the Tinker API.
 
@@ -120,25 +129,31 @@ class TinkerModel:
     their datums). :attr:`version` counts the changes of the weights (steps and loads).
     """
 
+    role = "policy"
+
     def __init__(self, base: PreTrainedModel, lora: TinkerLora, *, max_tokens: int | None = None) -> None:
         if lora.rank < 1:
             raise TinkerInputError(f"lora_config.rank must be >= 1, got {lora.rank}")
         targets = lora_targets(base, lora)
-        fork = torch.random.fork_rng(devices=[])
-        with fork:
+        self.vocab_size = embedding_rows(base)
+        with torch.random.fork_rng(devices=[]):
             if lora.seed is not None:
                 torch.manual_seed(lora.seed)
-            self.model = add_lora(base, LoraConfig(r=lora.rank, alpha=lora.alpha, target_modules=targets))
+            self.model: Any = self._adapt(
+                base, LoraConfig(r=lora.rank, alpha=lora.alpha, target_modules=targets)
+            )
         self.model.eval()  # no dropout: the log-probs a forward reports are those it trains on
         self.lora = lora
         self.targets = targets
         self.max_tokens = max_tokens
-        self.vocab_size = int(base.get_input_embeddings().weight.shape[0])
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=0.0, foreach=False)
         self.version = 0
         self.steps = 0
         self.pending_datums = 0  # datums whose gradients wait for the next optim_step
+
+    def _adapt(self, base: PreTrainedModel, cfg: LoraConfig) -> Any:
+        return add_lora(base, cfg)
 
     @property
     def device(self) -> torch.device:
@@ -178,7 +193,12 @@ class TinkerModel:
         return torch.log_softmax(logits, dim=-1).gather(-1, targets.to(self.device)[:, None])[:, 0]
 
     def forward_backward(
-        self, datums: list[TinkerDatum], loss: TinkerLossFn, config: Mapping[str, float], *, forward_only: bool
+        self,
+        datums: list[TinkerDatum],
+        loss: TinkerLossFn,
+        config: Mapping[str, float],
+        *,
+        forward_only: bool,
     ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
         """Each datum's ``logprobs`` [N] and ``elementwise_loss`` [N], and the metrics
         (``loss:sum``); without ``forward_only`` the loss's gradient is added to the pending ones.
@@ -262,12 +282,6 @@ class TinkerModel:
                 for n, p in self.params.items():
                     p.copy_(live[n])
 
-    @contextmanager
-    def base_weights(self) -> Iterator[PreTrainedModel]:
-        """Inside, the model computes without its adapters (the base model)."""
-        with self.model.disable_adapter():  # type: ignore[operator]
-            yield self.model
-
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str | Path, *, optimizer: bool) -> None:
         """Write the adapters (and, with ``optimizer``, AdamW's state) into ``directory``,
@@ -276,7 +290,7 @@ class TinkerModel:
         tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
         save_file({n: t.contiguous().cpu() for n, t in self.snapshot().items()}, str(tmp / ADAPTER_FILE))
-        meta = {"lora": asdict(self.lora), "targets": self.targets, "steps": self.steps}
+        meta = {"lora": asdict(self.lora), "targets": self.targets, "steps": self.steps, "role": self.role}
         if optimizer:
             names = list(self.params)
             state = self.optimizer.state_dict()
@@ -298,7 +312,9 @@ class TinkerModel:
         """
         d = Path(directory)
         tensors = load_file(str(d / ADAPTER_FILE))
-        if set(tensors) != set(self.params) or any(tensors[n].shape != p.shape for n, p in self.params.items()):
+        if set(tensors) != set(self.params) or any(
+            tensors[n].shape != p.shape for n, p in self.params.items()
+        ):
             raise TinkerInputError(
                 f"the checkpoint {d.name} holds adapters of another shape than this model's (rank "
                 f"{self.lora.rank} on {', '.join(self.targets)})"
@@ -307,7 +323,7 @@ class TinkerModel:
         if optimizer:
             if not (d / OPTIMIZER_FILE).is_file():
                 raise TinkerInputError(
-                    f"the checkpoint {d.name} holds no optimizer state (saved with save_weights_for_sampler?); "
+                    f"the checkpoint {d.name} holds no optimizer state (a save_weights_for_sampler one?); "
                     "load it without the optimizer, or save it with save_state"
                 )
             opt_state = torch.load(d / OPTIMIZER_FILE, weights_only=True)
@@ -324,7 +340,120 @@ class TinkerModel:
         self.version += 1
 
 
-def read_checkpoint_lora(directory: str | Path) -> TinkerLora:
-    """The :class:`TinkerLora` a checkpoint was saved with (to rebuild its model on load)."""
+def read_checkpoint_lora(directory: str | Path) -> tuple[TinkerLora, str]:
+    """The :class:`TinkerLora` and role (``policy`` or ``critic``) a checkpoint was saved with
+    (to rebuild its model on load)."""
     meta = json.loads((Path(directory) / META_FILE).read_text())
-    return TinkerLora(**meta["lora"])
+    return TinkerLora(**meta["lora"]), str(meta.get("role", "policy"))
+
+
+CRITIC_LOSS = "ppo"
+"""The ``loss_fn`` a critic trains with: the SDK's names have no value loss, so a critic takes
+``ppo`` (as SkyRL's extension does) and reads it as the clipped value loss."""
+VALUE_CLIP = 0.2
+"""The value clip of the critic's loss when ``loss_fn_config`` sets no ``value_clip`` (the critic
+server's ``train.loss_clip_val``)."""
+CRITIC_INPUTS = ("values", "returns", "mask")
+
+
+class TinkerCritic(TinkerModel):
+    """A value model behind the Tinker API (``create_model`` with ``model_role: critic``): the
+    base model's backbone with LoRA adapters and a fresh scalar head (trained in full) read at
+    every position (:class:`~openaligner.models.critic.CriticModel`).
+
+    ``forward`` returns each datum's ``values`` [N]; ``forward_backward`` with ``loss_fn="ppo"``
+    takes ``values`` (the rollout's, the clip's centre), ``returns`` and ``mask`` [N] and adds the
+    gradient of the clipped value loss of the critic server,
+    ``0.5 · Σ mask · max((V_clip − R)², (V − R)²)`` with ``V_clip = old + clip(V − old, ±value_clip)``
+    — summed over tokens and datums like every Tinker loss (not a mean).
+    """
+
+    role = "critic"
+
+    def _adapt(self, base: PreTrainedModel, cfg: LoraConfig) -> Any:
+        from openaligner.models.critic import CriticModel
+        from openaligner.models.lora import add_lora
+
+        return add_lora(CriticModel(base), cfg)
+
+    def check_critic_inputs(
+        self, datums: list[TinkerDatum], loss_fn: str, config: Mapping[str, Any]
+    ) -> float:
+        """The value clip, after checking the datums' inputs.
+
+        Raises:
+            TinkerInputError: another loss, unknown config keys, a missing input or one of another
+                length than the datum's tokens.
+        """
+        if loss_fn != CRITIC_LOSS:
+            raise TinkerInputError(
+                f"a critic trains with loss_fn={CRITIC_LOSS!r} (the clipped value loss), got {loss_fn!r}"
+            )
+        unknown = sorted(set(config) - {"value_clip"})
+        if unknown:
+            raise TinkerInputError(f"loss_fn_config for a critic takes only value_clip, got {unknown}")
+        clip = float(config.get("value_clip", VALUE_CLIP))
+        if not math.isfinite(clip) or clip < 0:
+            raise TinkerInputError(f"loss_fn_config value_clip must be >= 0 (0: no clipping), got {clip}")
+        for i, d in enumerate(datums):
+            n = int(d.tokens.numel())
+            for name in CRITIC_INPUTS:
+                t = d.inputs.get(name)
+                if t is None:
+                    raise TinkerInputError(
+                        f"datum {i}: a critic's loss_fn_inputs need {', '.join(CRITIC_INPUTS)}; "
+                        f"{name!r} is missing"
+                    )
+                if t.shape != (n,) or not t.dtype.is_floating_point or not bool(torch.isfinite(t).all()):
+                    raise TinkerInputError(
+                        f"datum {i}: loss_fn_inputs[{name!r}] must be [{n}] finite floats (one per "
+                        f"model_input token), got shape {list(t.shape)} {t.dtype}"
+                    )
+        return clip
+
+    def values(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[N] V(tokens[:i+1]) for one datum, with gradient when enabled."""
+        out: torch.Tensor = self.model(tokens.to(self.device)[None])[0]
+        return out.float()
+
+    def critic_forward_backward(
+        self, datums: list[TinkerDatum], clip: float, *, forward_only: bool
+    ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
+        """Each datum's ``values`` (and, when trained, ``elementwise_loss``) and ``loss:sum``;
+        all-or-nothing as :meth:`TinkerModel.forward_backward`."""
+        from openaligner.algorithms import value_loss
+
+        saved = None
+        if not forward_only:
+            saved = {n: None if p.grad is None else p.grad.clone() for n, p in self.params.items()}
+        outputs: list[dict[str, torch.Tensor]] = []
+        total = 0.0
+        try:
+            with torch.set_grad_enabled(not forward_only):
+                for d in datums:
+                    v = self.values(d.tokens)
+                    out = {"values": v.detach().cpu()}
+                    if not forward_only or all(k in d.inputs for k in CRITIC_INPUTS):
+                        old, ret, mask = (d.inputs[k].to(v.device).float() for k in CRITIC_INPUTS)
+                        loss, _ = value_loss(v[None], old[None], ret[None], mask[None], clip, units=1.0)
+                        if not forward_only:
+                            loss.backward()
+                        total += float(loss.detach())
+                    outputs.append(out)
+        except BaseException:
+            if saved is not None:
+                for n, p in self.params.items():
+                    p.grad = saved[n]
+            raise
+        if not forward_only:
+            self.pending_datums += len(datums)
+        return outputs, {"loss:sum": total}
+
+
+def build_trained(
+    base: PreTrainedModel, lora: TinkerLora, role: str, *, max_tokens: int | None
+) -> TinkerModel:
+    """A :class:`TinkerModel` (``policy``) or :class:`TinkerCritic` (``critic``) on ``base``."""
+    if role == "critic":
+        return TinkerCritic(base, lora, max_tokens=max_tokens)
+    return TinkerModel(base, lora, max_tokens=max_tokens)

@@ -25,7 +25,7 @@ from typing import Any
 from openaligner.servers.tinker import wire
 from openaligner.servers.tinker.futures import UserError
 from openaligner.servers.tinker.service import TinkerService
-from openaligner.trainer.tinker_model import TinkerInputError
+from openaligner.trainer.tinker_model import TinkerDatum, TinkerInputError
 
 LOGGER = logging.getLogger(__name__)
 
@@ -91,7 +91,9 @@ class TinkerHTTP:
         self._thread = threading.Thread(target=self._run, name="openaligner-tinker-front", daemon=True)
         self._thread.start()
         if not self._started.wait(timeout_s):
-            raise RuntimeError(f"the Tinker front on {self.host}:{self.port} did not start within {timeout_s} s")
+            raise RuntimeError(
+                f"the Tinker front on {self.host}:{self.port} did not start within {timeout_s} s"
+            )
         if self._error is not None:
             raise self._error
 
@@ -170,7 +172,9 @@ class TinkerHTTP:
         try:
             self._authorize(request)
             if not path.startswith("/api/v1/"):
-                raise _Refused(404, f"{path} is not a Tinker API route; the SDK's base_url is http://HOST:PORT")
+                raise _Refused(
+                    404, f"{path} is not a Tinker API route; the SDK's base_url is http://HOST:PORT"
+                )
             route = path[len("/api/v1/") :]
             handler = self._routes().get((request.method, route))
             if handler is None:
@@ -183,13 +187,17 @@ class TinkerHTTP:
             return web.json_response({"error": str(e)}, status=e.status)
         except web.HTTPRequestEntityTooLarge:
             return web.json_response(
-                {"error": f"request body over this server's limit of {self.max_request_bytes} bytes "
-                 "(server.max_request_bytes)"},
+                {
+                    "error": f"request body over this server's limit of {self.max_request_bytes} bytes "
+                    "(server.max_request_bytes)"
+                },
                 status=413,
             )
         except Exception as e:  # ours: the traceback to our log, the type to the client
             LOGGER.exception("%s %s failed", request.method, path)
-            return web.json_response({"error": f"the server failed on this request ({type(e).__name__})"}, status=500)
+            return web.json_response(
+                {"error": f"the server failed on this request ({type(e).__name__})"}, status=500
+            )
 
     def _session_route(self, method: str, route: str) -> Handler | None:
         parts = route.split("/")
@@ -207,7 +215,9 @@ class TinkerHTTP:
         # both compared, so the time does not say which form was close
         matches = [hmac.compare_digest(sent.encode(), g) for g in good]
         if not any(matches):
-            raise _Refused(401, "this server needs its API key in X-API-Key (TINKER_API_KEY=tml-<server.token>)")
+            raise _Refused(
+                401, "this server needs its API key in X-API-Key (TINKER_API_KEY=tml-<server.token>)"
+            )
 
     # ------------------------------------------------------------------ handler builders
     async def _body(self, request: Any) -> bytes:
@@ -216,8 +226,11 @@ class TinkerHTTP:
             raise _Refused(415, f"compressed request bodies (Content-Encoding: {encoding}) are not accepted")
         declared = request.content_length
         if declared is not None and declared > self.max_request_bytes:
-            raise _Refused(413, f"request body of {declared} bytes is over this server's limit of "
-                           f"{self.max_request_bytes} bytes (server.max_request_bytes)")
+            raise _Refused(
+                413,
+                f"request body of {declared} bytes is over this server's limit of "
+                f"{self.max_request_bytes} bytes (server.max_request_bytes)",
+            )
         body: bytes = await request.read()
         return body
 
@@ -274,7 +287,9 @@ class TinkerHTTP:
 
         raw = await self._body(request)
         if PROTOBUF not in request.headers.get("Content-Type", ""):
-            raise _Refused(415, f"forward_backward takes a protobuf body (Content-Type: {PROTOBUF}), as the SDK sends")
+            raise _Refused(
+                415, f"forward_backward takes a protobuf body (Content-Type: {PROTOBUF}), as the SDK sends"
+            )
         loop = asyncio.get_running_loop()
 
         def submit() -> dict[str, Any]:
@@ -285,7 +300,7 @@ class TinkerHTTP:
             return self.service.forward_backward(
                 decoded.model_id,
                 decoded.seq_id,
-                decoded.datums,
+                [TinkerDatum(d.tokens, d.inputs) for d in decoded.datums],
                 decoded.loss_fn,
                 decoded.loss_fn_config,
                 decoded.forward_only,
@@ -315,7 +330,10 @@ class TinkerHTTP:
             return web.json_response({"error": str(e), "category": "user"})
         except Exception as e:
             return web.json_response(
-                {"error": f"the server failed on this request ({type(e).__name__}: {e})", "category": "server"}
+                {
+                    "error": f"the server failed on this request ({type(e).__name__}: {e})",
+                    "category": "server",
+                }
             )
         if isinstance(result, bytes):
             return web.Response(body=result, content_type=PROTOBUF)

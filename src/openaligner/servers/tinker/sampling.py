@@ -77,7 +77,9 @@ class TinkerSampling:
             else:
                 raise TinkerInputError("sampling_params.stop must be all strings or all token ids")
         elif stop is not None:
-            raise TinkerInputError(f"sampling_params.stop must be a string or a list, got {type(stop).__name__}")
+            raise TinkerInputError(
+                f"sampling_params.stop must be a string or a list, got {type(stop).__name__}"
+            )
         if any(not s for s in strings):
             raise TinkerInputError("sampling_params.stop holds an empty string")
         return cls(max_tokens, temperature, 0 if top_k == -1 else top_k, top_p, seed, strings, ids)
@@ -166,7 +168,9 @@ def prompt_tokens(prompt: Mapping[str, Any], vocab_size: int) -> torch.Tensor:
     """
     chunks = prompt.get("chunks")
     if not isinstance(chunks, list):
-        raise TinkerInputError("prompt must be a ModelInput: {'chunks': [{'type': 'encoded_text', 'tokens': [...]}]}")
+        raise TinkerInputError(
+            "prompt must be a ModelInput: {'chunks': [{'type': 'encoded_text', 'tokens': [...]}]}"
+        )
     ids: list[int] = []
     for i, chunk in enumerate(chunks):
         kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
@@ -175,7 +179,9 @@ def prompt_tokens(prompt: Mapping[str, Any], vocab_size: int) -> torch.Tensor:
                 f"prompt chunk {i} is of type {kind!r}; this server serves text models only (encoded_text)"
             )
         tokens = chunk.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
             raise TinkerInputError(f"prompt chunk {i}: tokens must be a list of integers")
         ids.extend(tokens)
     check_ids(ids, vocab_size, "prompt")
@@ -188,4 +194,6 @@ def check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
         raise TinkerInputError(f"{what} holds no tokens")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise TinkerInputError(f"{what} token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
+        raise TinkerInputError(
+            f"{what} token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})"
+        )

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from openaligner.servers.tinker.futures import FutureTable, UserError
@@ -38,11 +39,14 @@ from openaligner.servers.tinker.sampling import (
 )
 from openaligner.trainer.tinker_model import (
     AdamStep,
+    TinkerCritic,
     TinkerDatum,
     TinkerInputError,
     TinkerLora,
-    TinkerLossFn,
     TinkerModel,
+    build_trained,
+    embedding_rows,
+    read_checkpoint_lora,
 )
 
 LOGGER = logging.getLogger(__name__)
@@ -99,6 +103,25 @@ class Sampler:
     model: ServedModel | None
     snapshot: dict[str, torch.Tensor] | None
     model_path: str | None
+
+
+MODEL_ROLES = ("policy", "critic")
+
+
+def model_role(body: Mapping[str, Any]) -> str:
+    """The role ``create_model`` asks for: ``model_role`` in the body (SkyRL's extension, sent as
+    the SDK's ``extra_body``) or in ``user_metadata`` (what the SDK's public API can send);
+    ``policy`` by default.
+
+    Raises:
+        UserError: another role.
+    """
+    metadata = body.get("user_metadata") or {}
+    role = body.get("model_role") or (metadata.get("model_role") if isinstance(metadata, dict) else None)
+    role = role or "policy"
+    if role not in MODEL_ROLES:
+        raise UserError(f"model_role must be policy or critic, got {role!r}")
+    return str(role)
 
 
 class TinkerService:
@@ -219,12 +242,25 @@ class TinkerService:
                 self._tokenizers[base.path] = None  # ids only: stop strings are then refused
         return self._tokenizers[base.path]
 
-    def _load_base(self, base: BaseModelSource) -> PreTrainedModel:
-        from transformers import AutoModelForCausalLM
+    def _load_base(self, base: BaseModelSource, *, critic: bool = False) -> PreTrainedModel:
+        """The base model's weights in float32 on the server's device: a causal LM, or for a critic
+        a one-label sequence classifier (the backbone plus a seeded fresh head, unless the
+        directory holds a value or reward model)."""
+        if critic:
+            from openaligner.models.critic import CriticModel
 
-        model = AutoModelForCausalLM.from_pretrained(str(base.path), local_files_only=True, dtype=torch.float32)
-        model.to(self.device)
-        return model.eval()
+            try:
+                hf = CriticModel.from_pretrained(base.path, dtype=torch.float32).hf_model
+            except ValueError as e:  # e.g. an encoder: no value per position
+                raise UserError(f"base_model {base.name!r} cannot be a critic: {e}") from None
+        else:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(base.path), local_files_only=True, dtype=torch.float32
+            )
+        nn.Module.to(hf, self.device)
+        return hf.eval()
 
     def _plain_model(self, base: BaseModelSource) -> PreTrainedModel:
         if base.path not in self._plain:
@@ -242,9 +278,10 @@ class TinkerService:
         lora = self._lora(body.get("lora_config"))
         self._check_optimizer(body.get("optimizer_config"))
         base_name = str(body["base_model"])
+        role = model_role(body)
 
         def work() -> dict[str, Any]:
-            self._register(session, model_id, base, base_name, lora)
+            self._register(session, model_id, base, base_name, lora, role)
             return {"model_id": model_id, "type": "create_model"}
 
         return self._future(work, key=("create_model", model_id), body=body)
@@ -252,7 +289,9 @@ class TinkerService:
     def _lora(self, cfg: Any) -> TinkerLora:
         cfg = cfg or {}
         if not isinstance(cfg, dict):
-            raise UserError("lora_config must be an object {rank, seed, train_mlp, train_attn, train_unembed}")
+            raise UserError(
+                "lora_config must be an object {rank, seed, train_mlp, train_attn, train_unembed}"
+            )
         rank = cfg.get("rank", 32)
         if not isinstance(rank, int) or not 1 <= rank <= self.max_lora_rank:
             raise UserError(f"lora_config.rank must be an integer in [1, {self.max_lora_rank}], got {rank!r}")
@@ -273,15 +312,21 @@ class TinkerService:
             raise UserError(f"optimizer_config type {kind!r} is not served; this server trains with adamw")
 
     def _register(
-        self, session: Session, model_id: str, base: BaseModelSource, base_name: str, lora: TinkerLora
+        self,
+        session: Session,
+        model_id: str,
+        base: BaseModelSource,
+        base_name: str,
+        lora: TinkerLora,
+        role: str,
     ) -> ServedModel:
         with self._lock:
             if model_id in self.models:
                 raise UserError(f"model {model_id} exists already (model_seq_id used twice)")
         from openaligner.models.positions import position_limit
 
-        hf = self._load_base(base)
-        trainer = TinkerModel(hf, lora, max_tokens=position_limit(hf.config))
+        hf = self._load_base(base, critic=role == "critic")
+        trainer = build_trained(hf, lora, role, max_tokens=position_limit(hf.config))
         served = ServedModel(model_id, session.id, base, base_name, trainer, self._tokenizer(base))
         with self._lock:
             self.models[model_id] = served
@@ -292,7 +337,9 @@ class TinkerService:
         with self._lock:
             served = self.models.get(model_id) if isinstance(model_id, str) else None
         if served is None:
-            raise UserError(f"model {model_id!r} is not loaded on this server (create_model or load it first)")
+            raise UserError(
+                f"model {model_id!r} is not loaded on this server (create_model or load it first)"
+            )
         return served
 
     def get_info(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -303,6 +350,7 @@ class TinkerService:
             "model_data": {"model_name": served.base_name, "tokenizer_id": served.base_name},
             "is_lora": True,
             "lora_rank": served.trainer.lora.rank,
+            "model_role": served.trainer.role,
             "model_name": served.base_name,
         }
 
@@ -319,12 +367,25 @@ class TinkerService:
         fingerprint: bytes,
     ) -> dict[str, Any]:
         served = self.model(model_id)
+        trainer = served.trainer
+        if isinstance(trainer, TinkerCritic):
+            trainer.check_datums(datums)
+            clip = trainer.check_critic_inputs(datums, loss_fn, loss_fn_config) if not forward_only else 0.0
+
+            def critic_work() -> Any:
+                outputs, metrics = trainer.critic_forward_backward(datums, clip, forward_only=forward_only)
+                return encode(outputs, metrics)
+
+            key = ("fwdbwd", model_id, seq_id) if seq_id is not None else None
+            return self._future(critic_work, key=key, raw=fingerprint)
         try:
             loss = self.loss_lookup(loss_fn)
             config = loss.resolve_config(loss_fn_config)
             served.trainer.check_datums(datums)
             for i, d in enumerate(datums):
-                loss.check_inputs(d.inputs, int(d.tokens.numel()), vocab_size=served.trainer.vocab_size, datum=i)
+                loss.check_inputs(
+                    d.inputs, int(d.tokens.numel()), vocab_size=served.trainer.vocab_size, datum=i
+                )
         except ValueError as e:  # the loss's checks: TinkerLossInputError
             raise UserError(str(e)) from None
 
@@ -345,8 +406,15 @@ class TinkerService:
         try:
             adam = AdamStep(**{k: float(v) for k, v in params.items() if k != "type"})
         except (TypeError, ValueError) as e:
-            raise UserError(f"adam_params must be {{learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm}}: {e}") from None
-        if adam.learning_rate < 0 or adam.grad_clip_norm < 0 or not 0 <= adam.beta1 < 1 or not 0 <= adam.beta2 < 1:
+            raise UserError(
+                f"adam_params must be {{learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm}}: {e}"
+            ) from None
+        if (
+            adam.learning_rate < 0
+            or adam.grad_clip_norm < 0
+            or not 0 <= adam.beta1 < 1
+            or not 0 <= adam.beta2 < 1
+        ):
             raise UserError(f"adam_params out of range: {params}")
 
         def work() -> dict[str, Any]:
@@ -367,7 +435,12 @@ class TinkerService:
         if not isinstance(path, str) or not path.startswith("tinker://"):
             raise UserError(f"path must be tinker://<model_id>/weights/<name>, got {path!r}")
         parts = path[len("tinker://") :].split("/")
-        if len(parts) != 3 or parts[1] not in KINDS or not NAME.match(parts[2]) or not NAME.match(parts[0].replace(":", "-")):
+        if (
+            len(parts) != 3
+            or parts[1] not in KINDS
+            or not NAME.match(parts[2])
+            or not NAME.match(parts[0].replace(":", "-"))
+        ):
             raise UserError(f"path must be tinker://<model_id>/weights|sampler_weights/<name>, got {path!r}")
         return parts[0], parts[1], parts[2]
 
@@ -403,6 +476,8 @@ class TinkerService:
 
     def save_weights_for_sampler(self, body: Mapping[str, Any]) -> dict[str, Any]:
         served = self.model(body.get("model_id"))
+        if served.trainer.role != "policy":
+            raise UserError("a critic has no sampler weights: save it with save_state (save_weights)")
         name = body.get("path")
         kind = body.get("kind", "snapshot")
         if name is not None:
@@ -416,9 +491,14 @@ class TinkerService:
             if name is not None:
                 target = self._path_dir(served.model_id, "sampler_weights", name)
                 self._write(served, target, optimizer=False, overwrite=False)
-                return {"path": f"tinker://{served.model_id}/sampler_weights/{name}", "type": "save_weights_for_sampler"}
+                return {
+                    "path": f"tinker://{served.model_id}/sampler_weights/{name}",
+                    "type": "save_weights_for_sampler",
+                }
             snapshot = None if kind == "inflight" else served.trainer.snapshot()
-            sampler_id = self._add_sampler(served.session_id, served.base_name, served.base, served, snapshot, None)
+            sampler_id = self._add_sampler(
+                served.session_id, served.base_name, served.base, served, snapshot, None
+            )
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
         return self._future(work, key=("save_sampler", served.model_id, body.get("seq_id")), body=body)
@@ -434,7 +514,9 @@ class TinkerService:
     ) -> str:
         sampler_id = f"{session_id}:sample:{uuid.uuid4().hex[:12]}"
         with self._lock:
-            self.samplers[sampler_id] = Sampler(sampler_id, session_id, base_name, base, model, snapshot, model_path)
+            self.samplers[sampler_id] = Sampler(
+                sampler_id, session_id, base_name, base, model, snapshot, model_path
+            )
             session = self.sessions.get(session_id)
             if session is not None:
                 session.samplers.append(sampler_id)
@@ -455,9 +537,8 @@ class TinkerService:
             base = self.resolve_base(base_name)
 
             def create_and_load() -> dict[str, Any]:
-                from openaligner.trainer.tinker_model import read_checkpoint_lora
-
-                served = self._register(session, target_id, base, str(base_name), read_checkpoint_lora(directory))
+                lora, role = read_checkpoint_lora(directory)
+                served = self._register(session, target_id, base, str(base_name), lora, role)
                 try:
                     served.trainer.load(directory, optimizer=optimizer)
                 except BaseException:
@@ -497,9 +578,9 @@ class TinkerService:
         directory = self._path_dir(model_id, kind, name)
         base_name = self._checkpoint_base(directory, path)
         base = self.resolve_base(base_name)
-        from openaligner.trainer.tinker_model import ADAPTER_FILE
-
         from safetensors.torch import load_file
+
+        from openaligner.trainer.tinker_model import ADAPTER_FILE
 
         with self._lock:
             live = self.models.get(model_id)
@@ -514,17 +595,26 @@ class TinkerService:
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     def _sampling_host(
-        self, session: Session, model_id: str, name: str, base: BaseModelSource, base_name: str, directory: Path
+        self,
+        session: Session,
+        model_id: str,
+        name: str,
+        base: BaseModelSource,
+        base_name: str,
+        directory: Path,
     ) -> ServedModel:
         """A model to sample a checkpoint whose model is not loaded (e.g. after a restart)."""
-        from openaligner.trainer.tinker_model import read_checkpoint_lora
-
         host_id = f"{session.id}:host:{hashlib.sha1(str(directory).encode()).hexdigest()[:12]}"
         with self._lock:
             if host_id in self.models:
                 return self.models[host_id]
+        lora, role = read_checkpoint_lora(directory)
+        if role != "policy":
+            raise UserError(
+                f"the checkpoint {directory.name} is a {role}'s: only a policy's weights can be sampled"
+            )
         hf = self._load_base(base)
-        trainer = TinkerModel(hf, read_checkpoint_lora(directory))
+        trainer = TinkerModel(hf, lora)
         served = ServedModel(host_id, session.id, base, base_name, trainer, self._tokenizer(base))
         with self._lock:
             self.models[host_id] = served
@@ -543,6 +633,8 @@ class TinkerService:
     ) -> dict[str, Any]:
         sampler = self._sampler_for(body)
         model = sampler.model
+        if model is not None and model.trainer.role != "policy":
+            raise UserError("this sampling session is a critic's: a value model has no tokens to sample")
         tokenizer = model.tokenizer if model is not None else self._tokenizer(sampler.base)
         vocab = model.trainer.vocab_size if model is not None else self._vocab(sampler.base)
         prompt = body.get("prompt")
@@ -553,7 +645,9 @@ class TinkerService:
             body.get("sampling_params") or {}, default_max_tokens=self.default_max_tokens, vocab_size=vocab
         )
         if params.stop_strings and tokenizer is None:
-            raise UserError("stop strings need the model's tokenizer, which its directory lacks; stop on token ids")
+            raise UserError(
+                "stop strings need the model's tokenizer, which its directory lacks; stop on token ids"
+            )
         n = body.get("num_samples", 1)
         if not isinstance(n, int) or not 1 <= n <= self.max_samples:
             raise UserError(f"num_samples must be an integer in [1, {self.max_samples}], got {n!r}")
@@ -572,7 +666,9 @@ class TinkerService:
         def work() -> Any:
             if model is None:
                 hf = self._plain_model(sampler.base)
-                seqs, plp = sample(engine_for(hf, tokenizer), hf, tokens, n, params, prompt_logprobs=want_prompt_lp)
+                seqs, plp = sample(
+                    engine_for(hf, tokenizer), hf, tokens, n, params, prompt_logprobs=want_prompt_lp
+                )
             else:
                 with model.trainer.weights(sampler.snapshot) as hf:
                     seqs, plp = sample(
@@ -586,7 +682,7 @@ class TinkerService:
         return future
 
     def _vocab(self, base: BaseModelSource) -> int:
-        return int(self._plain_model(base).get_input_embeddings().weight.shape[0])
+        return embedding_rows(self._plain_model(base))
 
     def _sampler_for(self, body: Mapping[str, Any]) -> Sampler:
         sid = body.get("sampling_session_id")
