@@ -1,25 +1,12 @@
-"""The losses of the Tinker training API (``forward_backward(data, loss_fn, loss_fn_config)``),
-exactly as Tinker defines them, and the checks of what each one takes.
+"""The losses of the Tinker training API, exactly as Tinker defines them: plain SUMS over a
+datum's tokens and over datums (no means), so gradients add across ``forward_backward`` calls.
 
-Owns: one pure function per supported loss, the registry that maps a ``loss_fn`` string to it
-(refusing the losses we do not implement, never approximating them), the check of a datum's
-``loss_fn_inputs`` / ``loss_fn_config`` against a loss, and the metric-key convention
-(``"name:reduction"``) the SDK folds across chunks. Must not know: models, the wire format,
-HTTP, optimizers. Imports only torch and the standard library.
-
-Conventions (Tinker's "Datum" and loss pages). One datum is one sequence whose ``model_input``
-has N tokens; every ``loss_fn_inputs`` tensor is next-token aligned with it: position i of
-``target_tokens`` is the token that model position i predicts. ``lp`` = ``target_logprobs``
-[N] (the learner's log p(target_tokens[i]), carrying the gradient), ``q`` =
-``inputs["logprobs"]`` [N] (the sampler's log-probs), ``A`` = ``inputs["advantages"]`` [N].
-
-Every loss is a plain SUM over a datum's tokens, and a batch's loss is the sum over its datums:
-no mean anywhere. Gradients therefore add across ``forward_backward`` calls; splitting a batch
-into chunks or calls changes nothing (Tinker accumulates until ``optim_step``).
-
-Each function has the contract ``fn(target_logprobs, inputs, config) -> (loss, elementwise)``:
-``loss`` is a 0-d tensor equal to ``elementwise.sum()``, ``elementwise`` has ``target_logprobs``'
-shape (the per-token loss, returned to the client as ``elementwise_loss``).
+Owns: one pure function per supported loss, ``fn(target_logprobs, inputs, config) -> (loss,
+elementwise)``; the registry of names (refusing, never approximating, the losses we do not
+implement); the checks of ``loss_fn_inputs`` / ``loss_fn_config`` per loss; the metric-key
+convention ``"name:reduction"``. Inputs are next-token aligned with the datum's N model-input
+tokens: lp = target_logprobs [N], q = inputs["logprobs"], A = inputs["advantages"].
+Must not know: models, the wire format, HTTP, optimizers. Imports torch and the stdlib only.
 """
 
 from __future__ import annotations
