@@ -392,8 +392,8 @@ class TinkerCritic(TinkerModel):
         unknown = sorted(set(config) - {"value_clip"})
         if unknown:
             raise TinkerInputError(f"loss_fn_config for a critic takes only value_clip, got {unknown}")
-        clip = float(config.get("value_clip", VALUE_CLIP))
-        if not math.isfinite(clip) or clip < 0:
+        clip = config.get("value_clip", VALUE_CLIP)
+        if isinstance(clip, bool) or not isinstance(clip, int | float) or not math.isfinite(clip) or clip < 0:
             raise TinkerInputError(f"loss_fn_config value_clip must be >= 0 (0: no clipping), got {clip}")
         for i, d in enumerate(datums):
             n = int(d.tokens.numel())
@@ -409,7 +409,7 @@ class TinkerCritic(TinkerModel):
                         f"datum {i}: loss_fn_inputs[{name!r}] must be [{n}] finite floats (one per "
                         f"model_input token), got shape {list(t.shape)} {t.dtype}"
                     )
-        return clip
+        return float(clip)
 
     def values(self, tokens: torch.Tensor) -> torch.Tensor:
         """[N] V(tokens[:i+1]) for one datum, with gradient when enabled."""

@@ -294,9 +294,9 @@ class TinkerHTTP:
 
         def submit() -> dict[str, Any]:
             try:
-                decoded = wire.decode_forward_backward_request(raw)
+                decoded = wire.decode_forward_backward_request(raw, request.headers.get("Content-Encoding"))
             except wire.WireError as e:
-                raise UserError(f"malformed ForwardBackwardRequest: {e}") from None
+                raise _Refused(e.http_status, f"malformed ForwardBackwardRequest: {e}") from None
             return self.service.forward_backward(
                 decoded.model_id,
                 decoded.seq_id,

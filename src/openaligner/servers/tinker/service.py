@@ -361,7 +361,7 @@ class TinkerService:
         seq_id: int | None,
         datums: list[TinkerDatum],
         loss_fn: str,
-        loss_fn_config: Mapping[str, float],
+        loss_fn_config: Mapping[str, float | str],
         forward_only: bool,
         encode: Callable[[list[dict[str, torch.Tensor]], dict[str, float]], Any],
         fingerprint: bytes,
