@@ -1,0 +1,323 @@
+"""serve-tinker's service and HTTP front in-process, over raw HTTP (no SDK needed): the API key,
+bounded and malformed bodies, deduplication by ``(model_id, seq_id)``, all-or-nothing calls,
+sessions that touch only their own models, gradients that add up across calls, checkpoints.
+
+Bodies are what the SDK sends: JSON for most routes, a ``ForwardBackwardRequest`` protobuf for
+``forward_backward`` (built with the wire module's schema, which the wire tests check against
+the SDK's own bytes).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from openaligner.algorithms.tinker_losses import tinker_loss
+from openaligner.cli.serve_tinker import TinkerServerSettings, api_key
+from openaligner.config import StartupError
+from openaligner.models.builders import TinySize, build_tiny_causal_lm
+from openaligner.models.tokenizers import build_char_tokenizer
+from openaligner.servers.tinker import wire
+from openaligner.servers.tinker.app import TinkerHTTP
+from openaligner.servers.tinker.service import TinkerService
+from openaligner.trainer.tinker_model import AdamStep, TinkerDatum, TinkerLora, TinkerModel
+
+KEY = "unit-key"
+VOCAB = 100
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny")
+    tok = build_char_tokenizer()
+    size = TinySize(vocab_size=len(tok), hidden_size=32, num_layers=1, num_heads=2)
+    build_tiny_causal_lm("llama", size, seed=0).save_pretrained(str(directory))
+    tok.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def front(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerHTTP]:
+    service = TinkerService({"tiny/model": model_dir}, tmp_path_factory.mktemp("ckpt"), tinker_loss)
+    http = TinkerHTTP(service, "127.0.0.1", 0, api_key=KEY, max_request_bytes=64 * 1024, poll_hold_s=5.0)
+    http.start()
+    try:
+        yield http
+    finally:
+        http.stop()
+        service.close()
+
+
+def call(
+    front: TinkerHTTP,
+    method: str,
+    route: str,
+    body: Any = None,
+    *,
+    key: str | None = f"tml-{KEY}",
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=30)
+    raw = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else None)
+    sent = {"Content-Type": "application/json", **(headers or {})}
+    if key is not None:
+        sent["X-API-Key"] = key
+    conn.request(method, f"/api/v1/{route}", body=raw, headers=sent)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    if "protobuf" in (resp.getheader("Content-Type") or ""):
+        return resp.status, data
+    return resp.status, json.loads(data) if data else None
+
+
+def result(front: TinkerHTTP, future: dict) -> Any:
+    """Poll retrieve_future until done (the server holds each poll)."""
+    for _ in range(100):
+        status, out = call(front, "POST", "retrieve_future", {"request_id": future["request_id"]})
+        assert status == 200, out
+        if isinstance(out, dict) and out.get("type") == "try_again":
+            continue
+        return out
+    raise AssertionError("no result")
+
+
+def session(front: TinkerHTTP) -> str:
+    status, out = call(front, "POST", "create_session", {"tags": [], "sdk_version": "0.38.0"})
+    assert status == 200
+    return str(out["session_id"])
+
+
+def create_model(front: TinkerHTTP, sid: str, seq: int = 0, **extra: Any) -> str:
+    body = {
+        "session_id": sid,
+        "model_seq_id": seq,
+        "base_model": "tiny/model",
+        "lora_config": {"rank": 2, "seed": 0},
+    }
+    status, fut = call(front, "POST", "create_model", {**body, **extra})
+    assert status == 200, fut
+    out = result(front, fut)
+    assert "model_id" in out, out
+    return str(out["model_id"])
+
+
+def fwdbwd_body(
+    model_id: str, seq_id: int, tokens: list[int], *, loss: str = "cross_entropy", forward_only: bool = False
+) -> bytes:
+    msg: Any = wire._ForwardBackwardRequest(
+        model_id=model_id, seq_id=seq_id, loss_fn=loss, forward_only=forward_only
+    )
+    datum = msg.data.add()
+    datum.model_input.add().encoded_text.tokens = np.asarray(tokens[:-1], "<i4").tobytes()
+    n = len(tokens) - 1
+    for name, values, dtype, code in (
+        ("target_tokens", tokens[1:], "<i8", wire.DTYPE_INT64),
+        ("weights", [1.0] * n, "<f4", wire.DTYPE_FLOAT32),
+    ):
+        t = datum.loss_fn_inputs[name]
+        t.dense = np.asarray(values, dtype).tobytes()
+        t.dtype = code
+        t.shape.append(n)
+    return bytes(msg.SerializeToString())
+
+
+def post_fwdbwd(front: TinkerHTTP, body: bytes) -> tuple[int, Any]:
+    return call(front, "POST", "forward_backward", body, headers={"Content-Type": "application/x-protobuf"})
+
+
+TOKENS = [10, 20, 30, 40, 50, 60]
+
+
+# ---------------------------------------------------------------------------- the API key
+def test_a_request_without_the_key_is_refused(front):
+    status, out = call(front, "POST", "create_session", {}, key=None)
+    assert status == 401 and "X-API-Key" in out["error"]
+    status, _ = call(front, "POST", "create_session", {}, key="tml-wrong")
+    assert status == 401
+    assert call(front, "POST", "create_session", {}, key=KEY)[0] == 200  # the bare key works too
+
+
+def test_listening_beyond_loopback_needs_a_key(monkeypatch):
+    monkeypatch.delenv("OPENALIGNER_TOKEN", raising=False)
+    with pytest.raises(StartupError, match=r"server\.token"):
+        api_key(TinkerServerSettings(host="0.0.0.0"))
+    assert api_key(TinkerServerSettings(host="127.0.0.1")) is None
+    assert api_key(TinkerServerSettings(host="0.0.0.0", token="s3cret")) == "s3cret"
+    monkeypatch.setenv("OPENALIGNER_TOKEN", "from-env")
+    assert api_key(TinkerServerSettings(host="0.0.0.0")) == "from-env"
+
+
+# ---------------------------------------------------------------------------- bad bodies
+def test_bad_bodies_get_clear_errors_and_serving_goes_on(front):
+    sid = session(front)
+    mid = create_model(front, sid)
+    status, out = post_fwdbwd(front, b"\xff\xff\xff not protobuf")
+    assert status == 400 and "ForwardBackwardRequest" in out["error"]
+    status, out = call(
+        front,
+        "POST",
+        "forward_backward",
+        b"x" * (64 * 1024 + 1),
+        headers={"Content-Type": "application/x-protobuf"},
+    )
+    assert status == 413 and "max_request_bytes" in out["error"]
+    status, out = call(
+        front,
+        "POST",
+        "forward_backward",
+        b"abc",
+        headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"},
+    )
+    assert status == 415
+    status, out = call(front, "POST", "get_info", b"{not json")
+    assert status == 400 and "JSON" in out["error"]
+    status, out = post_fwdbwd(front, fwdbwd_body("nobody:train:0", 1, TOKENS))
+    assert status == 400 and "not loaded" in out["error"]
+    status, out = post_fwdbwd(front, fwdbwd_body(mid, 1, [*TOKENS[:-1], VOCAB + 5]))
+    assert status == 400 and "105 is not a token id" in out["error"]
+    status, out = post_fwdbwd(front, fwdbwd_body(mid, 1, [VOCAB + 7, *TOKENS]))
+    assert status == 400 and "107" in out["error"] and "vocabulary" in out["error"]
+    status, out = post_fwdbwd(front, fwdbwd_body(mid, 1, TOKENS, loss="gspo"))
+    assert status == 400 and "gspo" in out["error"] and "cross_entropy" in out["error"]
+    status, out = call(front, "POST", "retrieve_future", {"request_id": "no-such-request"})
+    assert status == 404
+    status, out = call(front, "GET", "no/such/route")
+    assert status == 404
+    # after every refusal the model trains as before
+    status, fut = post_fwdbwd(front, fwdbwd_body(mid, 1, TOKENS))
+    assert status == 200
+    assert "loss:sum" in wire_metrics(result(front, fut))
+
+
+def wire_metrics(body: bytes) -> dict[str, float]:
+    msg: Any = wire._ForwardBackwardOutput()
+    msg.ParseFromString(body)
+    return dict(msg.metrics)
+
+
+def test_unknown_base_model_is_refused_naming_what_is_served(front):
+    sid = session(front)
+    status, out = call(
+        front, "POST", "create_model", {"session_id": sid, "model_seq_id": 0, "base_model": "Qwen/Qwen3-8B"}
+    )
+    assert status == 400 and "Qwen/Qwen3-8B" in out["error"] and "tiny/model" in out["error"]
+
+
+def test_a_client_vanishing_mid_upload_leaves_nothing_behind(front):
+    sid = session(front)
+    mid = create_model(front, sid)
+    model = front.service.model(mid)
+    body = fwdbwd_body(mid, 1, TOKENS)
+    with socket.create_connection(("127.0.0.1", front.port)) as sock:
+        head = (
+            f"POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY}\r\n"
+            f"Content-Type: application/x-protobuf\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + body[: len(body) // 2])
+    time.sleep(0.5)  # the server notices the closed connection; nothing was queued
+    assert model.trainer.pending_datums == 0
+    assert all(p.grad is None for p in model.trainer.params.values())
+    status, fut = post_fwdbwd(front, body)  # the same request, whole: served normally
+    assert status == 200
+    result(front, fut)
+    assert model.trainer.pending_datums == 1
+
+
+# ---------------------------------------------------------------------------- semantics
+def test_a_retried_request_is_applied_once_and_a_reused_seq_id_is_refused(front):
+    sid = session(front)
+    mid = create_model(front, sid)
+    body = fwdbwd_body(mid, 1, TOKENS)
+    first = post_fwdbwd(front, body)[1]
+    second = post_fwdbwd(front, body)[1]
+    assert first["request_id"] == second["request_id"]
+    result(front, first)
+    assert front.service.model(mid).trainer.pending_datums == 1
+    status, out = post_fwdbwd(front, fwdbwd_body(mid, 1, TOKENS[::-1]))
+    assert status == 400 and "seq_id" in out["error"]
+
+
+def test_a_session_touches_only_its_own_models(front):
+    a, b = session(front), session(front)
+    mid_a, mid_b = create_model(front, a), create_model(front, b)
+    assert mid_a.startswith(a) and mid_b.startswith(b)
+    status, out = call(front, "POST", f"sessions/{a}/finish", {"reason": {"type": "success"}, "detail": None})
+    assert status == 200
+    status, out = call(front, "POST", "get_info", {"model_id": mid_b})
+    assert status == 200 and out["model_id"] == mid_b
+    time.sleep(0.2)  # the drop is queued behind the jobs before it
+    status, fut = post_fwdbwd(front, fwdbwd_body(mid_a, 1, TOKENS))
+    assert status == 400 and "not loaded" in fut["error"]
+    status, fut = post_fwdbwd(front, fwdbwd_body(mid_b, 1, TOKENS))
+    assert status == 200
+    result(front, fut)
+
+
+def test_a_failing_job_answers_retrieve_future_with_error_and_category(front):
+    sid = session(front)
+    mid = create_model(front, sid)
+    _, fut = call(front, "POST", "save_weights", {"model_id": mid, "path": "twice", "seq_id": 1})
+    result(front, fut)
+    _, fut = call(front, "POST", "save_weights", {"model_id": mid, "path": "twice", "seq_id": 2})
+    out = result(front, fut)
+    assert out["category"] == "user" and "twice" in out["error"]
+
+
+# ---------------------------------------------------------------------------- the trained model
+def datum(tokens: list[int]) -> TinkerDatum:
+    n = len(tokens) - 1
+    return TinkerDatum(
+        torch.tensor(tokens[:-1]), {"target_tokens": torch.tensor(tokens[1:]), "weights": torch.ones(n)}
+    )
+
+
+def fresh(model_dir: Path) -> TinkerModel:
+    from transformers import AutoModelForCausalLM
+
+    return TinkerModel(AutoModelForCausalLM.from_pretrained(str(model_dir)), TinkerLora(rank=2, seed=0))
+
+
+def test_gradients_add_up_across_calls_and_a_failed_call_is_taken_back(model_dir):
+    ce = tinker_loss("cross_entropy")
+    one, two = datum(TOKENS), datum([5, 6, 7, 8])
+    split = fresh(model_dir)
+    split.forward_backward([one], ce, {}, forward_only=False)
+    bad = TinkerDatum(two.tokens, {"target_tokens": two.inputs["target_tokens"]})  # no weights: KeyError
+    with pytest.raises(KeyError):
+        split.forward_backward([two, bad], ce, {}, forward_only=False)
+    split.forward_backward([two], ce, {}, forward_only=False)
+    whole = fresh(model_dir)
+    whole.forward_backward([one, two], ce, {}, forward_only=False)
+    for name, p in split.params.items():
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, whole.params[name].grad)
+    assert split.pending_datums == whole.pending_datums == 2
+
+
+def test_save_and_load_restore_adapters_and_adam(model_dir, tmp_path):
+    ce = tinker_loss("cross_entropy")
+    a = fresh(model_dir)
+    for _ in range(2):
+        a.forward_backward([datum(TOKENS)], ce, {}, forward_only=False)
+        a.optim_step(AdamStep(learning_rate=1e-2))
+    a.save(tmp_path / "ck", optimizer=True)
+    b = fresh(model_dir)
+    b.load(tmp_path / "ck", optimizer=True)
+    for model in (a, b):
+        model.forward_backward([datum(TOKENS)], ce, {}, forward_only=False)
+        model.optim_step(AdamStep(learning_rate=1e-2))
+    for name, p in a.params.items():
+        torch.testing.assert_close(p, b.params[name])
+    c = fresh(model_dir)
+    c.load(tmp_path / "ck", optimizer=False)  # weights only: a fresh AdamW
+    assert not c.optimizer.state
