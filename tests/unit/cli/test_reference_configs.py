@@ -20,6 +20,7 @@ REQUIRED = {
     "serve-reward": ["model.tiny=gpt2"],
     "serve-critic": ["model.tiny=gpt2"],
     "serve-rollout": ["model=/models/sft"],
+    "serve-tinker": [],
 }
 
 
@@ -37,7 +38,8 @@ def schema_keys(cls: type, prefix: str = "") -> set[str]:
 def yaml_keys(node: dict, prefix: str = "") -> set[str]:
     keys: set[str] = set()
     for k, v in node.items():
-        keys |= yaml_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
+        # an empty mapping is a key's value ({} as the default of a name -> path table)
+        keys |= yaml_keys(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}"}
     return keys
 
 
