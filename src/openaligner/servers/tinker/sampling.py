@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -111,6 +111,7 @@ def sample(
     num_samples: int,
     params: TinkerSampling,
     *,
+    tokenizer: PreTrainedTokenizerBase | None,
     prompt_logprobs: bool,
 ) -> tuple[list[SampledSequence], torch.Tensor | None]:
     """``num_samples`` continuations of ``prompt`` [P] int64 and, with ``prompt_logprobs``, the
@@ -119,7 +120,7 @@ def sample(
     Log-probs of sampled tokens are at the sampling temperature (that is the distribution they were
     drawn from, before top-k / top-p); prompt log-probs at temperature 1.
     """
-    from openaligner.models.generation import SamplingParams
+    from openaligner.models.generation import SamplingParams, resolve_stop_ids
 
     greedy = params.temperature == 0
     sampling = SamplingParams(
@@ -131,6 +132,8 @@ def sample(
         stop_token_ids=params.stop_token_ids,
         stop_strings=params.stop_strings,
     )
+    # the engine takes resolved stop ids: None (no ids named) is the tokenizer's EOS
+    sampling = replace(sampling, stop_token_ids=tuple(resolve_stop_ids(sampling, model, tokenizer)))
     seed = params.seed if params.seed is not None else secrets.randbits(62)
     p = int(prompt.numel())
     request = RolloutRequest(

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -664,16 +665,16 @@ class TinkerService:
             raise UserError("prompt_logprobs need a prompt")
 
         def work() -> Any:
-            if model is None:
-                hf = self._plain_model(sampler.base)
+            weights = (
+                nullcontext(self._plain_model(sampler.base))
+                if model is None
+                else model.trainer.weights(sampler.snapshot)
+            )
+            with weights as hf:
+                engine = engine_for(hf, tokenizer)
                 seqs, plp = sample(
-                    engine_for(hf, tokenizer), hf, tokens, n, params, prompt_logprobs=want_prompt_lp
+                    engine, hf, tokens, n, params, tokenizer=tokenizer, prompt_logprobs=want_prompt_lp
                 )
-            else:
-                with model.trainer.weights(sampler.snapshot) as hf:
-                    seqs, plp = sample(
-                        engine_for(hf, tokenizer), hf, tokens, n, params, prompt_logprobs=want_prompt_lp
-                    )
             return encode(seqs, plp)
 
         ids = [uuid.uuid4().hex for _ in range(n)]

@@ -321,3 +321,69 @@ def test_save_and_load_restore_adapters_and_adam(model_dir, tmp_path):
     c = fresh(model_dir)
     c.load(tmp_path / "ck", optimizer=False)  # weights only: a fresh AdamW
     assert not c.optimizer.state
+
+
+# ---------------------------------------------------------------------------- sampling settings
+def test_sampling_params_as_the_sdk_writes_them():
+    from openaligner.servers.tinker.sampling import TinkerSampling
+
+    def parse(**p: Any) -> TinkerSampling:
+        return TinkerSampling.parse(p, default_max_tokens=16, vocab_size=VOCAB)
+
+    default = parse()
+    assert (default.max_tokens, default.top_k, default.stop_token_ids, default.stop_strings) == (
+        16,
+        0,
+        None,
+        (),
+    )
+    assert parse(stop="\n\nUser:").stop_strings == ("\n\nUser:",)
+    assert parse(stop=["a", "b"]).stop_token_ids is None  # strings, and the EOS still stops
+    assert parse(stop=[]).stop_token_ids == ()  # nothing stops
+    assert parse(stop=[7, 9]).stop_token_ids == (7, 9)
+    for bad, word in (
+        ({"stop": [VOCAB]}, "vocabulary"),
+        ({"stop": ["a", 3]}, "all strings"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            parse(**bad)
+
+
+# ---------------------------------------------------------------------------- the critic
+def test_the_critic_trains_the_clipped_value_loss_summed_over_tokens(model_dir, tmp_path):
+    from openaligner.models.critic import CriticModel
+    from openaligner.trainer.tinker_model import TinkerCritic
+
+    def critic() -> TinkerCritic:
+        hf = CriticModel.from_pretrained(model_dir).hf_model
+        return TinkerCritic(hf, TinkerLora(rank=2, seed=0))
+
+    c = critic()
+    tokens = torch.tensor(TOKENS)
+    with torch.no_grad():
+        v = c.values(tokens)
+    old = v + torch.tensor([0.5, -0.5, 0.0, 0.1, 0.0, 0.3])  # two positions beyond the clip (0.2)
+    returns = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, 0.0])
+    mask = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    d = TinkerDatum(tokens, {"values": old, "returns": returns, "mask": mask})
+    clip = c.check_critic_inputs([d], "ppo", {"value_clip": 0.2})
+    outputs, metrics = c.critic_forward_backward([d], clip, forward_only=False)
+    clipped = old + (v - old).clamp(-0.2, 0.2)
+    expected = 0.5 * (torch.maximum((clipped - returns) ** 2, (v - returns) ** 2) * mask).sum()
+    assert metrics["loss:sum"] == pytest.approx(float(expected), rel=1e-5)
+    torch.testing.assert_close(outputs[0]["values"], v)
+    assert c.pending_datums == 1
+    with pytest.raises(ValueError, match="returns"):
+        c.check_critic_inputs([TinkerDatum(tokens, {"values": old, "mask": mask})], "ppo", {})
+    with pytest.raises(ValueError, match="ppo"):
+        c.check_critic_inputs([d], "cross_entropy", {})
+    c.optim_step(AdamStep(learning_rate=1e-2))
+    c.save(tmp_path / "critic", optimizer=True)
+    again = critic()
+    again.load(tmp_path / "critic", optimizer=True)
+    with torch.no_grad():
+        torch.testing.assert_close(again.values(tokens), c.values(tokens))
