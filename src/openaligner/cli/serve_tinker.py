@@ -63,12 +63,16 @@ class TinkerModelSettings:
     max_lora_rank: int = 128  # the largest lora_config.rank create_model accepts
     lora_alpha: float = 32.0  # adapters' output scale is lora_alpha / rank
     max_samples: int = 64  # the most num_samples one asample may ask for
+    max_sampler_snapshots: int = 16  # weight snapshots kept per model for its samplers (older ones expire)
     default_max_tokens: int = 128  # new tokens per sample when sampling_params.max_tokens is null
     device: str = "auto"  # auto: CUDA when there is one, else cpu; or cpu, cuda:1, ...
 
     def __post_init__(self) -> None:
-        if self.max_lora_rank < 1 or self.max_samples < 1 or self.default_max_tokens < 1:
-            raise ValueError("{section}.max_lora_rank, max_samples and default_max_tokens must be >= 1")
+        if min(self.max_lora_rank, self.max_samples, self.default_max_tokens, self.max_sampler_snapshots) < 1:
+            raise ValueError(
+                "{section}.max_lora_rank, max_samples, max_sampler_snapshots and default_max_tokens "
+                "must be >= 1"
+            )
         if self.lora_alpha <= 0:
             raise ValueError(f"{{section}}.lora_alpha must be > 0, got {self.lora_alpha}")
 
@@ -139,6 +143,7 @@ def run(cfg: ServeTinkerConfig) -> int:
         max_lora_rank=cfg.models.max_lora_rank,
         lora_alpha=cfg.models.lora_alpha,
         max_samples=cfg.models.max_samples,
+        max_sampler_snapshots=cfg.models.max_sampler_snapshots,
         default_max_tokens=cfg.models.default_max_tokens,
         device=pick_device(cfg.models.device),
     )

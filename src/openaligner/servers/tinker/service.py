@@ -20,6 +20,7 @@ import re
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -82,7 +83,7 @@ class Session:
 @dataclass
 class ServedModel:
     """A trained model of a session: its base (the name the client sent), its trainer and the
-    latest sampler snapshot's version."""
+    adapters its snapshot samplers sample from, by weight version (oldest first)."""
 
     model_id: str
     session_id: str
@@ -90,12 +91,14 @@ class ServedModel:
     base_name: str  # exactly what the client sent as base_model
     trainer: TinkerModel
     tokenizer: PreTrainedTokenizerBase | None
+    snapshots: OrderedDict[int, dict[str, torch.Tensor]] = field(default_factory=OrderedDict)
 
 
 @dataclass
 class Sampler:
-    """A sampling session: a model's adapters frozen at a snapshot (``snapshot`` None with a
-    model: its live weights; ``model`` None: the base model alone)."""
+    """A sampling session: a model's adapters frozen at a snapshot (``snapshot``: a saved path's
+    adapters; ``version``: one of the model's kept snapshots; neither: its live weights) or, with
+    ``model`` None, the base model alone."""
 
     id: str
     session_id: str
@@ -104,6 +107,7 @@ class Sampler:
     model: ServedModel | None
     snapshot: dict[str, torch.Tensor] | None
     model_path: str | None
+    version: int | None = None
 
 
 MODEL_ROLES = ("policy", "critic")
@@ -135,6 +139,8 @@ class TinkerService:
         accept_local_dirs: also serve any local Hugging Face directory named as ``base_model``.
         max_lora_rank: the largest LoRA rank ``create_model`` accepts.
         max_samples: the most ``num_samples`` one ``asample`` may ask for.
+        max_sampler_snapshots: weight snapshots kept per model for its snapshot samplers (one per
+            weight version; the oldest forgotten first).
         default_max_tokens: new tokens per sample when the client sets no ``max_tokens``.
         device: where models compute.
     """
@@ -149,6 +155,7 @@ class TinkerService:
         max_lora_rank: int = 128,
         lora_alpha: float = 32.0,
         max_samples: int = 64,
+        max_sampler_snapshots: int = 16,
         default_max_tokens: int = 128,
         device: torch.device | None = None,
     ) -> None:
@@ -159,6 +166,7 @@ class TinkerService:
         self.max_lora_rank = max_lora_rank
         self.lora_alpha = lora_alpha
         self.max_samples = max_samples
+        self.max_sampler_snapshots = max_sampler_snapshots
         self.default_max_tokens = default_max_tokens
         self.device = device or torch.device("cpu")
         self.jobs = FutureTable()
@@ -496,13 +504,23 @@ class TinkerService:
                     "path": f"tinker://{served.model_id}/sampler_weights/{name}",
                     "type": "save_weights_for_sampler",
                 }
-            snapshot = None if kind == "inflight" else served.trainer.snapshot()
+            version = self._keep_snapshot(served) if kind == "snapshot" else None
             sampler_id = self._add_sampler(
-                served.session_id, served.base_name, served.base, served, snapshot, None
+                served.session_id, served.base_name, served.base, served, None, None, version=version
             )
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
         return self._future(work, key=("save_sampler", served.model_id, body.get("seq_id")), body=body)
+
+    def _keep_snapshot(self, served: ServedModel) -> int:
+        """Keep the model's adapters as they are now (once per weight version) and forget the
+        oldest beyond ``max_sampler_snapshots``; the version kept."""
+        version = served.trainer.version
+        if version not in served.snapshots:
+            served.snapshots[version] = served.trainer.snapshot()
+            while len(served.snapshots) > self.max_sampler_snapshots:
+                served.snapshots.popitem(last=False)
+        return version
 
     def _add_sampler(
         self,
@@ -512,11 +530,13 @@ class TinkerService:
         model: ServedModel | None,
         snapshot: dict[str, torch.Tensor] | None,
         model_path: str | None,
+        *,
+        version: int | None = None,
     ) -> str:
         sampler_id = f"{session_id}:sample:{uuid.uuid4().hex[:12]}"
         with self._lock:
             self.samplers[sampler_id] = Sampler(
-                sampler_id, session_id, base_name, base, model, snapshot, model_path
+                sampler_id, session_id, base_name, base, model, snapshot, model_path, version
             )
             session = self.sessions.get(session_id)
             if session is not None:
@@ -668,7 +688,7 @@ class TinkerService:
             weights = (
                 nullcontext(self._plain_model(sampler.base))
                 if model is None
-                else model.trainer.weights(sampler.snapshot)
+                else model.trainer.weights(self._sampler_weights(sampler, model))
             )
             with weights as hf:
                 engine = engine_for(hf, tokenizer)
@@ -681,6 +701,18 @@ class TinkerService:
         future = self._future(work)
         future["sample_sequence_ids"] = ids
         return future
+
+    def _sampler_weights(self, sampler: Sampler, model: ServedModel) -> dict[str, torch.Tensor] | None:
+        if sampler.version is None:
+            return sampler.snapshot
+        kept = model.snapshots.get(sampler.version)
+        if kept is None:
+            raise UserError(
+                f"sampling session {sampler.id} sampled weights this server no longer keeps (it keeps each "
+                f"model's {self.max_sampler_snapshots} latest snapshots: models.max_sampler_snapshots); "
+                "create a new sampling client"
+            )
+        return kept
 
     def _vocab(self, base: BaseModelSource) -> int:
         return embedding_rows(self._plain_model(base))

@@ -387,3 +387,62 @@ def test_the_critic_trains_the_clipped_value_loss_summed_over_tokens(model_dir, 
     again.load(tmp_path / "critic", optimizer=True)
     with torch.no_grad():
         torch.testing.assert_close(again.values(tokens), c.values(tokens))
+
+
+# ---------------------------------------------------------------------------- samplers
+def sample_prompt_logprobs(front: TinkerHTTP, sampler_id: str) -> tuple[int, Any]:
+    body = {
+        "sampling_session_id": sampler_id,
+        "seq_id": 0,
+        "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": TOKENS}]},
+        "sampling_params": {"max_tokens": 1, "seed": 0},
+        "prompt_logprobs": True,
+    }
+    status, fut = call(front, "POST", "asample", body)
+    assert status == 200 and len(fut["sample_sequence_ids"]) == 1, fut
+    out = result(front, fut)
+    if isinstance(out, dict):
+        return 400, out
+    msg: Any = wire._SampleResponse()
+    msg.ParseFromString(out)
+    return 200, np.frombuffer(msg.prompt_logprobs, "<f4")[1:].tolist()
+
+
+def test_a_snapshot_sampler_keeps_its_weights_and_old_ones_expire(front):
+    sid = session(front)
+    mid = create_model(front, sid)
+    kept = front.service.max_sampler_snapshots
+    front.service.max_sampler_snapshots = 2
+    try:
+
+        def snapshot_sampler(seq: int) -> str:
+            body = {"model_id": mid, "seq_id": seq, "sampling_session_seq_id": seq, "kind": "snapshot"}
+            status, fut = call(front, "POST", "save_weights_for_sampler", body)
+            assert status == 200, fut
+            return str(result(front, fut)["sampling_session_id"])
+
+        def train(seq: int) -> None:
+            result(front, post_fwdbwd(front, fwdbwd_body(mid, seq, TOKENS))[1])
+            _, fut = call(
+                front,
+                "POST",
+                "optim_step",
+                {"model_id": mid, "seq_id": seq + 1, "adam_params": {"learning_rate": 0.05}},
+            )
+            result(front, fut)
+
+        first = snapshot_sampler(1)
+        status, before = sample_prompt_logprobs(front, first)
+        train(2)
+        second = snapshot_sampler(4)
+        assert sample_prompt_logprobs(front, first) == (200, before)  # still the weights it was made with
+        status, after = sample_prompt_logprobs(front, second)
+        assert status == 200 and after != pytest.approx(before, abs=1e-6)  # the trained ones
+        train(5)
+        snapshot_sampler(7)  # a third version: the first one's snapshot is forgotten
+        status, out = sample_prompt_logprobs(front, first)
+        assert status == 400 and out["category"] == "user" and "max_sampler_snapshots" in out["error"]
+        assert sample_prompt_logprobs(front, second) == (200, after)
+    finally:
+        front.service.max_sampler_snapshots = kept
