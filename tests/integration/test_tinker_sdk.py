@@ -102,6 +102,7 @@ def test_supervised_loop_loss_falls(sdk, server, model_dir):
     assert out["forward_nll_sum"] == pytest.approx(out["forward_loss"], rel=1e-5)
     assert out["output_keys"] == ["elementwise_loss", "logprobs"]
     assert out["model_name"] == str(model_dir)  # get_info echoes the name the client sent
+    assert out["reloaded_loss"] == pytest.approx(out["forward_loss"], rel=1e-5)  # load_state: the start again
 
 
 def test_arithmetic_recipe_runs_unchanged(sdk, server, model_dir, tmp_path):

@@ -56,6 +56,7 @@ def cmd_sl(url: str, model: str) -> dict[str, Any]:
     sc = service(url)
     tc = sc.create_lora_training_client(base_model=model, rank=8, seed=0).result()
     batch = datums(tc.get_tokenizer())
+    start = tc.save_state("start").result().path
     before = tc.forward(batch, "cross_entropy").result()
     # two calls before one step: gradients add up (the losses are sums)
     first = tc.forward_backward(batch[:1], "cross_entropy").result()
@@ -70,9 +71,12 @@ def cmd_sl(url: str, model: str) -> dict[str, Any]:
         for out, d in zip(before.loss_fn_outputs, batch, strict=True)
     ]
     info = tc.get_info()
+    tc.load_state(start).result()  # model-addressed load, weights only: back to the start
+    reloaded = tc.forward(batch, "cross_entropy").result().metrics["loss:sum"]
     sc.close("success")
     return {
         "losses": losses,
+        "reloaded_loss": reloaded,
         "forward_loss": before.metrics["loss:sum"],
         "forward_nll_sum": sum(nll),
         "output_keys": sorted(before.loss_fn_outputs[0]),
