@@ -67,160 +67,223 @@ def load(directory: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(directory))
 
 
-def bench_direct(spec: dict[str, Any], directory: Path) -> dict[str, Any]:
+class Direct:
     """The server's own training path without the server: TinkerModel in-process."""
-    import torch
 
-    from openaligner.algorithms.tinker_losses import tinker_loss
-    from openaligner.trainer.tinker_model import AdamStep, TinkerDatum, TinkerLora, TinkerModel
+    def __init__(self, spec: dict[str, Any], directory: Path) -> None:
+        import torch
+        from openaligner.trainer.tinker_model import AdamStep, TinkerDatum, TinkerLora, TinkerModel
 
-    model = TinkerModel(load(directory), TinkerLora(rank=spec["rank"], seed=0))
-    p = spec["prompt_tokens"]
-    datums = [
-        TinkerDatum(
-            tokens=torch.tensor(row[:-1]),
-            inputs={
-                "target_tokens": torch.tensor(row[1:]),
-                "weights": torch.tensor([0.0] * (p - 1) + [1.0] * (len(row) - p), dtype=torch.float32),
-            },
-        )
-        for row in batch_rows(spec)
-    ]
-    loss = tinker_loss("cross_entropy")
-    step_s, losses = [], []
-    for _ in range(spec["steps"]):
+        from openaligner.algorithms.tinker_losses import tinker_loss
+
+        self.model = TinkerModel(load(directory), TinkerLora(rank=spec["rank"], seed=0))
+        p = spec["prompt_tokens"]
+        self.datums = [
+            TinkerDatum(
+                tokens=torch.tensor(row[:-1]),
+                inputs={
+                    "target_tokens": torch.tensor(row[1:]),
+                    "weights": torch.tensor([0.0] * (p - 1) + [1.0] * (len(row) - p), dtype=torch.float32),
+                },
+            )
+            for row in batch_rows(spec)
+        ]
+        self.loss = tinker_loss("cross_entropy")
+        self.adam = AdamStep(learning_rate=1e-4, eps=1e-8)
+
+    def step(self) -> dict[str, float]:
         started = time.perf_counter()
-        _, metrics = model.forward_backward(datums, loss, {}, forward_only=False)
-        model.optim_step(AdamStep(learning_rate=1e-4, eps=1e-8))
-        step_s.append(time.perf_counter() - started)
-        losses.append(metrics["loss:sum"])
-    return {"step_s": step_s, "losses": losses, "targets": model.targets}
+        _, metrics = self.model.forward_backward(self.datums, self.loss, {}, forward_only=False)
+        self.model.optim_step(self.adam)
+        return {"s": time.perf_counter() - started, "loss": metrics["loss:sum"]}
 
 
-def bench_sft(spec: dict[str, Any], directory: Path, targets: list[str]) -> dict[str, Any]:
+class Sft:
     """train-sft's step on the same rows: SFTObjective (one batched forward, the response tokens'
     mean NLL) on the model with the same LoRA adapters, then AdamW."""
-    import torch
 
-    from openaligner.models.lora import LoraConfig, add_lora
-    from openaligner.trainer.sft import SFTObjective
+    def __init__(self, spec: dict[str, Any], directory: Path, targets: list[str]) -> None:
+        import torch
 
-    torch.manual_seed(0)
-    model = add_lora(load(directory), LoraConfig(r=spec["rank"], alpha=32.0, target_modules=targets))
-    model.train()
-    objective = SFTObjective(model)
-    rows = torch.tensor(batch_rows(spec))
-    batch = {
-        "tokens": rows,
-        "lengths": torch.full((rows.shape[0],), rows.shape[1]),
-        "prompt_lengths": torch.full((rows.shape[0],), spec["prompt_tokens"]),
-    }
-    params = [q for q in model.parameters() if q.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    step_s = []
-    for _ in range(spec["steps"]):
+        from openaligner.models.lora import LoraConfig, add_lora
+        from openaligner.trainer.sft import SFTObjective
+
+        torch.manual_seed(0)
+        model = add_lora(load(directory), LoraConfig(r=spec["rank"], alpha=32.0, target_modules=targets))
+        model.train()
+        self.objective = SFTObjective(model)
+        rows = torch.tensor(batch_rows(spec))
+        self.batch = {
+            "tokens": rows,
+            "lengths": torch.full((rows.shape[0],), rows.shape[1]),
+            "prompt_lengths": torch.full((rows.shape[0],), spec["prompt_tokens"]),
+        }
+        params = [q for q in model.parameters() if q.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+    def step(self) -> dict[str, float]:
         started = time.perf_counter()
-        nll, count, _ = objective.loss(batch)
+        nll, count, _ = self.objective.loss(self.batch)
         (nll / count).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step_s.append(time.perf_counter() - started)
-    return {"step_s": step_s}
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"s": time.perf_counter() - started}
 
 
-def bench_engine(spec: dict[str, Any], directory: Path) -> dict[str, Any]:
+class Engine:
     """The hf rollout engine called directly, as the server's asample calls it."""
-    import torch
-    from transformers import AutoTokenizer
 
-    from openaligner.models.actor import CausalLMActor
-    from openaligner.models.generation import SamplingParams
-    from openaligner.models.rollout_engine import HFRolloutEngine, RolloutRequest
+    def __init__(self, spec: dict[str, Any], directory: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer
 
-    model = load(directory).eval()
-    engine = HFRolloutEngine(CausalLMActor(model, AutoTokenizer.from_pretrained(str(directory)), init_policy=False))
-    rng = random.Random(1)
-    prompts = torch.tensor(
-        [[rng.randrange(3, spec["vocab"]) for _ in range(spec["prompt_tokens"])] for _ in range(spec["samples"])]
-    )
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=spec["response_tokens"], stop_token_ids=())
+        from openaligner.models.actor import CausalLMActor
+        from openaligner.models.generation import SamplingParams
+        from openaligner.models.rollout_engine import HFRolloutEngine
 
-    def request(rows: torch.Tensor, seed: int) -> RolloutRequest:
-        b = rows.shape[0]
-        return RolloutRequest(
-            prompts=rows,
-            prompt_lengths=torch.full((b,), rows.shape[1]),
-            sampling=sampling,
-            seeds=torch.arange(b) + seed,
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        self.engine = HFRolloutEngine(CausalLMActor(load(directory).eval(), tokenizer, init_policy=False))
+        rng = random.Random(1)
+        width = spec["prompt_tokens"]
+        self.prompts = torch.tensor(
+            [[rng.randrange(3, spec["vocab"]) for _ in range(width)] for _ in range(spec["samples"])]
         )
+        self.sampling = SamplingParams(
+            temperature=1.0, max_new_tokens=spec["response_tokens"], stop_token_ids=()
+        )
+        self.round = 0
 
-    one_by_one, batched, tokens = [], [], []
-    with torch.no_grad():
-        for r in range(spec["sample_repeats"]):
-            started = time.perf_counter()
-            made = 0
-            for i in range(prompts.shape[0]):
-                out = engine.generate(request(prompts[i : i + 1], r * 1000 + i))
-                made += int(out.sequence_lengths.sum()) - prompts.shape[1]
-            one_by_one.append(time.perf_counter() - started)
-            tokens.append(made)
-            started = time.perf_counter()
-            engine.generate(request(prompts, r))
-            batched.append(time.perf_counter() - started)
-    return {"one_by_one_s": one_by_one, "batched_s": batched, "tokens": tokens}
+    def _generate(self, rows: Any, seed: int) -> int:
+        import torch
+
+        from openaligner.models.rollout_engine import RolloutRequest
+
+        b, p = rows.shape
+        out = self.engine.generate(
+            RolloutRequest(
+                prompts=rows,
+                prompt_lengths=torch.full((b,), p),
+                sampling=self.sampling,
+                seeds=torch.arange(b) + seed,
+            )
+        )
+        return int(out.sequence_lengths.sum()) - b * p
+
+    def one_by_one(self) -> dict[str, float]:
+        import torch
+
+        self.round += 1
+        started = time.perf_counter()
+        with torch.no_grad():
+            made = sum(
+                self._generate(self.prompts[i : i + 1], self.round * 1000 + i)
+                for i in range(len(self.prompts))
+            )
+        return {"s": time.perf_counter() - started, "tokens": made}
+
+    def batched(self) -> dict[str, float]:
+        import torch
+
+        self.round += 1
+        started = time.perf_counter()
+        with torch.no_grad():
+            made = self._generate(self.prompts, self.round)
+        return {"s": time.perf_counter() - started, "tokens": made}
 
 
-def bench_wire(body: bytes, spec: dict[str, Any]) -> dict[str, Any]:
+def bench_wire(body: bytes, repeats: int) -> dict[str, Any]:
     """The codec's share of one call: decode the SDK's body, encode a result of its size."""
     import torch
 
     from openaligner.servers.tinker import wire
 
     decode_s, encode_s = [], []
-    for _ in range(spec["wire_repeats"]):
+    for _ in range(repeats):
         started = time.perf_counter()
         decoded = wire.decode_forward_backward_request(body)
         decode_s.append(time.perf_counter() - started)
-        outputs = [{"logprobs": torch.zeros(d.tokens.numel()), "elementwise_loss": torch.zeros(d.tokens.numel())} for d in decoded.datums]
+        outputs = [
+            {"logprobs": torch.zeros(d.tokens.numel()), "elementwise_loss": torch.zeros(d.tokens.numel())}
+            for d in decoded.datums
+        ]
         started = time.perf_counter()
         wire.encode_forward_backward_output(outputs, {"loss:sum": 1.0})
         encode_s.append(time.perf_counter() - started)
-    return {"body_bytes": len(body), "decode_s": decode_s, "encode_s": encode_s}
+    return {
+        "body_bytes": len(body),
+        "decode_s": statistics.median(decode_s),
+        "encode_s": statistics.median(encode_s),
+    }
 
 
-def bench_sdk(spec: dict[str, Any], directory: Path, tinker_python: Path, work: Path) -> dict[str, Any]:
-    """serve-tinker in a subprocess, driven by the SDK client in its own venv."""
-    server = subprocess.Popen(
-        [
-            sys.executable, "-m", "openaligner", "serve-tinker", "server.port=0",
-            f"checkpoint_dir={work / 'checkpoints'}", f"threads={spec['threads']}",
-        ],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
+class Sdk:
+    """serve-tinker in a subprocess, driven by the SDK client in its own venv, one command at a
+    time."""
+
+    def __init__(self, spec: dict[str, Any], directory: Path, tinker_python: Path, work: Path) -> None:
+        self.server = subprocess.Popen(
+            [
+                sys.executable, "-m", "openaligner", "serve-tinker", "server.port=0",
+                f"checkpoint_dir={work / 'checkpoints'}", f"threads={spec['threads']}",
+            ],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        assert self.server.stdout is not None
         url = None
-        assert server.stdout is not None
-        for line in server.stdout:
+        for line in self.server.stdout:
             m = re.search(r"tinker server ready at (http://\S+) ", line)
             if m:
                 url = m.group(1)
                 break
         if url is None:
             raise RuntimeError("serve-tinker exited before it was ready")
-        body_path = work / "fwdbwd.bin"
-        done = subprocess.run(
-            [str(tinker_python), str(Path(__file__).with_name("tinker_bench_client.py")), url, str(directory), json.dumps(spec), str(body_path)],
-            capture_output=True, text=True, timeout=1800, env={**os.environ, "TINKER_TELEMETRY": "0"},
+        self.body_path = work / "fwdbwd.bin"
+        client = Path(__file__).with_name("tinker_bench_client.py")
+        self.client = subprocess.Popen(
+            [str(tinker_python), str(client), url, str(directory), json.dumps(spec), str(self.body_path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "TINKER_TELEMETRY": "0"},
         )  # fmt: skip
-        result = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if done.returncode or result is None:
-            raise RuntimeError(f"the SDK client failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        out = json.loads(result[len("RESULT ") :])
-        out["body"] = body_path.read_bytes()
-        return out
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+        if self._line() != "READY":
+            raise RuntimeError("the SDK client did not start")
+
+    def _line(self) -> str:
+        assert self.client.stdout is not None
+        line = self.client.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the SDK client exited (code {self.client.poll()})")
+        return line.strip()
+
+    def run(self, command: str) -> dict[str, Any]:
+        assert self.client.stdin is not None
+        self.client.stdin.write(command + "\n")
+        self.client.stdin.flush()
+        return json.loads(self._line())
+
+    def close(self) -> dict[str, Any]:
+        try:
+            return self.run("quit")
+        finally:
+            self.client.wait(timeout=120)
+            self.server.terminate()
+            self.server.wait(timeout=60)
+
+
+def interleaved(rounds: int, runners: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """``rounds`` rounds, each running every runner once, the order rotated by one each round:
+    the machine's load then falls on all of them alike, and each round gives paired ratios."""
+    names = list(runners)
+    results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            results[n].append(runners[n]())
+    return results
+
+
+def paired_ratio(results: dict[str, list[dict[str, Any]]], a: str, b: str) -> float:
+    """Median over rounds (the first dropped: warm-up) of a's seconds over b's."""
+    pairs = [x["s"] / y["s"] for x, y in zip(results[a][1:], results[b][1:], strict=True)]
+    return statistics.median(pairs)
 
 
 def main() -> None:
@@ -236,7 +299,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tinker-python", type=Path, default=Path(os.environ.get("OPENALIGNER_TINKER_PYTHON", REPO / ".venv-tinker" / "bin" / "python")))
+    parser.add_argument(
+        "--tinker-python",
+        type=Path,
+        default=Path(os.environ.get("OPENALIGNER_TINKER_PYTHON", REPO / ".venv-tinker" / "bin" / "python")),
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not args.tinker_python.exists():
@@ -247,43 +314,82 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     spec = {
-        "datums": args.datums, "prompt_tokens": args.prompt_tokens, "response_tokens": args.response_tokens,
-        "steps": args.steps, "samples": args.samples, "sample_repeats": args.sample_repeats, "calls": args.calls,
-        "hidden": args.hidden, "layers": args.layers, "rank": args.rank, "threads": args.threads, "wire_repeats": 20,
-    }  # fmt: skip
+        "datums": args.datums,
+        "prompt_tokens": args.prompt_tokens,
+        "response_tokens": args.response_tokens,
+        "steps": args.steps,
+        "samples": args.samples,
+        "sample_repeats": args.sample_repeats,
+        "calls": args.calls,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "rank": args.rank,
+        "threads": args.threads,
+        "wire_repeats": 20,
+    }
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         directory = work / "model"
         build_model_dir(directory, spec)
-        sdk = bench_sdk(spec, directory, args.tinker_python, work)
-        direct = bench_direct(spec, directory)
-        sft = bench_sft(spec, directory, direct["targets"])
-        engine = bench_engine(spec, directory)
-        codec = bench_wire(sdk.pop("body"), spec)
+        sdk = Sdk(spec, directory, args.tinker_python, work)
+        try:
+            direct = Direct(spec, directory)
+            sft = Sft(spec, directory, direct.model.targets)
+            engine = Engine(spec, directory)
+            train = interleaved(
+                args.steps, {"sdk": lambda: sdk.run("train"), "direct": direct.step, "sft": sft.step}
+            )
+            sample = interleaved(
+                args.sample_repeats,
+                {
+                    "sdk": lambda: sdk.run("sample"),
+                    "engine_one_by_one": engine.one_by_one,
+                    "engine_batched": engine.batched,
+                },
+            )
+            calls = [sdk.run("call")["s"] for _ in range(args.calls)]
+        finally:
+            versions = sdk.close()
+        codec = bench_wire(sdk.body_path.read_bytes(), 20)
     trained = spec["datums"] * (spec["prompt_tokens"] + spec["response_tokens"])
-    step = {name: median_after_warmup(r["step_s"]) for name, r in (("sdk", sdk), ("direct", direct), ("sft", sft))}
-    sample_tokens = sdk["sample_tokens"][-1]
-    sample = {
-        "sdk": median_after_warmup(sdk["sample_s"]),
-        "engine_one_by_one": median_after_warmup(engine["one_by_one_s"]),
-        "engine_batched": median_after_warmup(engine["batched_s"]),
-    }
+    step = {k: median_after_warmup([x["s"] for x in v]) for k, v in train.items()}
+    sample_s = {k: median_after_warmup([x["s"] for x in v]) for k, v in sample.items()}
+    sample_tokens = {k: v[-1]["tokens"] for k, v in sample.items()}
     report = {
         "spec": spec,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "load_1min": [load_before, os.getloadavg()[0]]},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__, "tinker": sdk["tinker_version"]},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "load_1min": [load_before, os.getloadavg()[0]],
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tinker": versions["tinker_version"],
+        },
         "train_step_s": step,
         "train_tokens_per_s": {k: trained / v for k, v in step.items()},
-        "train_ratio": {"sdk_over_direct": step["sdk"] / step["direct"], "sdk_over_sft": step["sdk"] / step["sft"], "direct_over_sft": step["direct"] / step["sft"]},
-        "losses": {"sdk": sdk["losses"], "direct": direct["losses"]},
-        "sample_s": sample,
-        "sample_tokens": {"sdk": sample_tokens, "engine": engine["tokens"][-1]},
-        "sample_tokens_per_s": {k: sample_tokens / v for k, v in sample.items()},
-        "call_floor_s": median_after_warmup(sdk["call_s"]),
-        "wire": {"body_bytes": codec["body_bytes"], "decode_s": statistics.median(codec["decode_s"]), "encode_s": statistics.median(codec["encode_s"])},
-    }  # fmt: skip
-    report["overhead_share_of_sdk_step"] = (step["sdk"] - step["direct"]) / step["sdk"]
+        "train_paired_ratio": {
+            "sdk_over_direct": paired_ratio(train, "sdk", "direct"),
+            "sdk_over_sft": paired_ratio(train, "sdk", "sft"),
+            "direct_over_sft": paired_ratio(train, "direct", "sft"),
+        },
+        "losses_sum": {
+            "sdk": [x["loss"] for x in train["sdk"]],
+            "direct": [x["loss"] for x in train["direct"]],
+        },
+        "sample_s": sample_s,
+        "sample_tokens": sample_tokens,
+        "sample_tokens_per_s": {k: sample_tokens[k] / v for k, v in sample_s.items()},
+        "sample_paired_ratio": {
+            "sdk_over_engine_one_by_one": paired_ratio(sample, "sdk", "engine_one_by_one"),
+            "sdk_over_engine_batched": paired_ratio(sample, "sdk", "engine_batched"),
+        },
+        "call_floor_s": median_after_warmup(calls),
+        "wire": codec,
+    }
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -1,6 +1,7 @@
 """The Tinker SDK's side of benchmarks/bench_tinker.py, run by the SDK's virtualenv (``make
-tinker-setup``): drives a running ``serve-tinker`` with the unmodified ``tinker`` SDK and prints
-one ``RESULT {...}`` JSON line of wall-clock seconds per call.
+tinker-setup``): drives a running ``serve-tinker`` with the unmodified ``tinker`` SDK. Prints
+``READY``, then answers each command read from stdin (``train``, ``call``, ``sample``; anything
+else ends it) with one JSON line holding its wall-clock seconds ``s``.
 
     python tinker_bench_client.py BASE_URL MODEL SPEC_JSON BODY_OUT
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,48 +46,43 @@ def main() -> None:
     service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
     client = service.create_lora_training_client(base_model=model, rank=spec["rank"], seed=0).result()
     adam = types.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8)
-    step_s, losses = [], []
-    for _ in range(spec["steps"]):
-        started = time.perf_counter()
-        fb = client.forward_backward(batch, "cross_entropy")
-        opt = client.optim_step(adam)
-        losses.append(fb.result().metrics["loss:sum"])
-        opt.result()
-        step_s.append(time.perf_counter() - started)
-
-    # the floor of one call: a forward of one token (nothing to compute, everything else paid)
-    tiny = [types.Datum(model_input=types.ModelInput.from_ints([5]), loss_fn_inputs={"target_tokens": [6], "weights": [1.0]})]
-    call_s = []
-    for _ in range(spec["calls"]):
-        started = time.perf_counter()
-        client.forward(tiny, "cross_entropy").result()
-        call_s.append(time.perf_counter() - started)
-
-    sampler = client.save_weights_and_get_sampling_client().result()
-    params = types.SamplingParams(max_tokens=response_len, temperature=1.0, stop=[])
-    prompts = [types.ModelInput.from_ints([rng.randrange(3, spec["vocab"]) for _ in range(prompt_len)]) for _ in range(spec["samples"])]
-    sample_s, sample_tokens = [], []
-    for _ in range(spec["sample_repeats"]):
-        started = time.perf_counter()
-        futures = [sampler.sample(p, num_samples=1, sampling_params=params) for p in prompts]  # as the cookbook: all at once
-        results = [f.result() for f in futures]
-        sample_s.append(time.perf_counter() - started)
-        sample_tokens.append(sum(len(r.sequences[0].tokens) for r in results))
-    service.close("success")
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "step_s": step_s,
-                "call_s": call_s,
-                "sample_s": sample_s,
-                "sample_tokens": sample_tokens,
-                "losses": losses,
-                "tinker_version": tinker.__version__,
-                "median_step_s": statistics.median(step_s[1:]),
-            }
+    tiny = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([5]),
+            loss_fn_inputs={"target_tokens": [6], "weights": [1.0]},
         )
-    )
+    ]
+    params = types.SamplingParams(max_tokens=response_len, temperature=1.0, stop=[])
+    prompts = [
+        types.ModelInput.from_ints([rng.randrange(3, spec["vocab"]) for _ in range(prompt_len)])
+        for _ in range(spec["samples"])
+    ]
+    sampler = None
+    print("READY", flush=True)
+    # one measurement per command, so that the caller can interleave them with its own
+    for line in sys.stdin:
+        command = line.strip()
+        started = time.perf_counter()
+        if command == "train":
+            fb = client.forward_backward(batch, "cross_entropy")
+            opt = client.optim_step(adam)
+            answer = {"loss": fb.result().metrics["loss:sum"]}
+            opt.result()
+        elif command == "call":  # the floor of one call: a forward of one token
+            client.forward(tiny, "cross_entropy").result()
+            answer = {}
+        elif command == "sample":  # all prompts at once, num_samples=1 each, as the cookbook does
+            if sampler is None:
+                sampler = client.save_weights_and_get_sampling_client().result()
+                started = time.perf_counter()
+            futures = [sampler.sample(p, num_samples=1, sampling_params=params) for p in prompts]
+            answer = {"tokens": sum(len(f.result().sequences[0].tokens) for f in futures)}
+        else:
+            break
+        answer["s"] = time.perf_counter() - started
+        print(json.dumps(answer), flush=True)
+    service.close("success")
+    print(json.dumps({"tinker_version": tinker.__version__}), flush=True)
 
 
 if __name__ == "__main__":
