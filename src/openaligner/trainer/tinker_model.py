@@ -35,6 +35,9 @@ TinkerLossFn = Callable[
 
 ATTN_NAMES = ("attn", "attention", "q_proj", "k_proj", "v_proj", "o_proj", "qkv", "query", "key", "value")
 MLP_NAMES = ("mlp", "ffn", "feed_forward", "gate_proj", "up_proj", "down_proj", "fc1", "fc2", "dense_h_to_4h")
+LOGITS_BUDGET = 2**27
+"""The most float32 logits (rows x width x vocabulary, 512 MiB) one forward of
+:meth:`TinkerModel.forward_backward` builds; more datums are split into several forwards."""
 ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "tinker_model.json"
@@ -188,9 +191,42 @@ class TinkerModel:
 
     # ------------------------------------------------------------------ compute
     def target_logprobs(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """[N] log p(targets[i] | tokens[:i+1]) for one datum, with gradient when enabled."""
-        logits = self.model(input_ids=tokens.to(self.device)[None]).logits[0].float()
-        return torch.log_softmax(logits, dim=-1).gather(-1, targets.to(self.device)[:, None])[:, 0]
+        """log p(targets[i] | tokens[:i+1]) for one datum: [N] for targets [N], [N, K] for
+        targets [N, K] (cross_entropy's top-K form); with gradient when enabled."""
+        return self.batch_logprobs([tokens], [targets])[0]
+
+    def batch_logprobs(self, tokens: list[torch.Tensor], targets: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`target_logprobs` of several datums in one forward: right-padded (a causal
+        model's position ``i`` never sees later positions, so the padding changes nothing)."""
+        width = max(int(t.numel()) for t in tokens)
+        batch = torch.zeros(len(tokens), width, dtype=torch.long)
+        for row, t in enumerate(tokens):
+            batch[row, : t.numel()] = t
+        logits = self.model(input_ids=batch.to(self.device)).logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        out = []
+        for row, (t, target) in enumerate(zip(tokens, targets, strict=True)):
+            n = int(t.numel())
+            index = target.to(self.device).long()
+            picked = logprobs[row, :n].gather(-1, index if index.dim() == 2 else index[:, None])
+            out.append(picked if index.dim() == 2 else picked[:, 0])
+        return out
+
+    def micro_batches(self, datums: list[TinkerDatum]) -> list[list[TinkerDatum]]:
+        """``datums`` in order, split so that one forward's float32 logits stay under
+        :data:`LOGITS_BUDGET` elements (rows x width x vocabulary)."""
+        out: list[list[TinkerDatum]] = []
+        current: list[TinkerDatum] = []
+        for d in datums:
+            candidate = [*current, d]
+            width = max(int(x.tokens.numel()) for x in candidate)
+            if current and len(candidate) * width * self.vocab_size > LOGITS_BUDGET:
+                out.append(current)
+                candidate = [d]
+            current = candidate
+        if current:
+            out.append(current)
+        return out
 
     def forward_backward(
         self,
@@ -213,19 +249,24 @@ class TinkerModel:
         total = 0.0
         try:
             with torch.set_grad_enabled(not forward_only):
-                for d in datums:
-                    lp = self.target_logprobs(d.tokens, d.inputs["target_tokens"].long())
-                    inputs = {k: v.to(lp.device) for k, v in d.inputs.items()}
-                    summed, elementwise = loss(lp, inputs, config)
-                    if not forward_only:
-                        summed.backward()
-                    total += float(summed.detach())
-                    outputs.append(
-                        {
-                            "logprobs": lp.detach().float().cpu(),
-                            "elementwise_loss": elementwise.detach().float().cpu(),
-                        }
+                for group in self.micro_batches(datums):
+                    lps = self.batch_logprobs(
+                        [d.tokens for d in group], [d.inputs["target_tokens"] for d in group]
                     )
+                    summed_group = []
+                    for d, lp in zip(group, lps, strict=True):
+                        inputs = {k: v.to(lp.device) for k, v in d.inputs.items()}
+                        summed, elementwise = loss(lp, inputs, config)
+                        summed_group.append(summed)
+                        total += float(summed.detach())
+                        outputs.append(
+                            {
+                                "logprobs": lp.detach().float().cpu(),
+                                "elementwise_loss": elementwise.detach().float().cpu(),
+                            }
+                        )
+                    if not forward_only:
+                        torch.stack(summed_group).sum().backward()
         except BaseException:
             if saved is not None:
                 for n, p in self.params.items():

@@ -446,3 +446,27 @@ def test_a_snapshot_sampler_keeps_its_weights_and_old_ones_expire(front):
         assert sample_prompt_logprobs(front, second) == (200, after)
     finally:
         front.service.max_sampler_snapshots = kept
+
+
+def test_batched_logprobs_equal_one_datum_at_a_time(model_dir, monkeypatch):
+    """The padded forward over several datums against a plain log_softmax + gather per datum,
+    also when the logits budget splits the datums into several forwards."""
+    from openaligner.trainer import tinker_model
+
+    model = fresh(model_dir)
+    rows = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    datums = [datum(r) for r in rows]
+    reference = []
+    with torch.no_grad():
+        for d in datums:
+            logits = model.model(input_ids=d.tokens[None]).logits[0]
+            reference.append(
+                torch.log_softmax(logits, -1).gather(-1, d.inputs["target_tokens"][:, None])[:, 0]
+            )
+    ce = tinker_loss("cross_entropy")
+    for budget in (tinker_model.LOGITS_BUDGET, 4 * VOCAB):  # one forward; then one or two rows each
+        monkeypatch.setattr(tinker_model, "LOGITS_BUDGET", budget)
+        outputs, _ = model.forward_backward(datums, ce, {}, forward_only=True)
+        for out, ref in zip(outputs, reference, strict=True):
+            torch.testing.assert_close(out["logprobs"], ref, atol=1e-5, rtol=1e-5)
+    assert len(model.micro_batches(datums)) > 1
