@@ -22,10 +22,12 @@ import os
 import platform
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -228,6 +230,13 @@ class Sdk:
             ],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
+        try:
+            self._start_client(spec, directory, tinker_python, work)
+        except BaseException:
+            self.server.kill()
+            raise
+
+    def _start_client(self, spec: dict[str, Any], directory: Path, tinker_python: Path, work: Path) -> None:
         assert self.server.stdout is not None
         url = None
         for line in self.server.stdout:
@@ -237,6 +246,8 @@ class Sdk:
                 break
         if url is None:
             raise RuntimeError("serve-tinker exited before it was ready")
+        # keep reading its log, or a full pipe would block the server mid-run
+        threading.Thread(target=self.server.stdout.read, daemon=True).start()
         self.body_path = work / "fwdbwd.bin"
         client = Path(__file__).with_name("tinker_bench_client.py")
         self.client = subprocess.Popen(
@@ -264,9 +275,13 @@ class Sdk:
         try:
             return self.run("quit")
         finally:
-            self.client.wait(timeout=120)
-            self.server.terminate()
-            self.server.wait(timeout=60)
+            for proc in (self.client, self.server):
+                if proc.poll() is None:
+                    proc.terminate()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
 
 def interleaved(rounds: int, runners: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -312,6 +327,9 @@ def main() -> None:
     import torch
     import transformers
 
+    # a SIGTERM (timeout, Ctrl-C's cousin) unwinds through the finally blocks, so that the
+    # server and the SDK client this run started are stopped with it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
     spec = {
         "datums": args.datums,
