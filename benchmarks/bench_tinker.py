@@ -74,9 +74,9 @@ class Direct:
 
     def __init__(self, spec: dict[str, Any], directory: Path) -> None:
         import torch
-        from openaligner.trainer.tinker_model import AdamStep, TinkerDatum, TinkerLora, TinkerModel
 
         from openaligner.algorithms.tinker_losses import tinker_loss
+        from openaligner.trainer.tinker_model import AdamStep, TinkerDatum, TinkerLora, TinkerModel
 
         self.model = TinkerModel(load(directory), TinkerLora(rank=spec["rank"], seed=0))
         p = spec["prompt_tokens"]
