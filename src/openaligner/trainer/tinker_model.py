@@ -324,14 +324,21 @@ class TinkerModel:
                     p.copy_(live[n])
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, directory: str | Path, *, optimizer: bool) -> None:
-        """Write the adapters (and, with ``optimizer``, AdamW's state) into ``directory``,
-        atomically: a crash leaves either the whole checkpoint or none (written beside, renamed)."""
+    def save(self, directory: str | Path, *, optimizer: bool, extra: Mapping[str, str] | None = None) -> None:
+        """Write the adapters (and, with ``optimizer``, AdamW's state) into ``directory``, with
+        ``extra`` in its metadata (e.g. the base model's name), atomically: a crash leaves either
+        the whole checkpoint or none (written beside, renamed)."""
         final = Path(directory)
         tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
         save_file({n: t.contiguous().cpu() for n, t in self.snapshot().items()}, str(tmp / ADAPTER_FILE))
-        meta = {"lora": asdict(self.lora), "targets": self.targets, "steps": self.steps, "role": self.role}
+        meta = {
+            **(extra or {}),
+            "lora": asdict(self.lora),
+            "targets": self.targets,
+            "steps": self.steps,
+            "role": self.role,
+        }
         if optimizer:
             names = list(self.params)
             state = self.optimizer.state_dict()
@@ -343,6 +350,11 @@ class TinkerModel:
         if final.exists():
             raise FileExistsError(f"{final} exists")
         os.replace(tmp, final)
+        parent = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(parent)  # the rename itself survives a crash
+        finally:
+            os.close(parent)
 
     def load(self, directory: str | Path, *, optimizer: bool) -> None:
         """Take the adapters (and with ``optimizer`` AdamW's state) saved by :meth:`save`.
@@ -379,6 +391,12 @@ class TinkerModel:
             p.grad = None
         self.pending_datums = 0
         self.version += 1
+
+
+def read_checkpoint_meta(directory: str | Path) -> dict[str, Any]:
+    """The metadata :meth:`TinkerModel.save` wrote (``extra``'s keys among them)."""
+    meta: dict[str, Any] = json.loads((Path(directory) / META_FILE).read_text())
+    return meta
 
 
 def read_checkpoint_lora(directory: str | Path) -> tuple[TinkerLora, str]:

@@ -49,12 +49,14 @@ from openaligner.trainer.tinker_model import (
     build_trained,
     embedding_rows,
     read_checkpoint_lora,
+    read_checkpoint_meta,
 )
 
 LOGGER = logging.getLogger(__name__)
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-"""A checkpoint name: what may follow ``weights/`` or ``sampler_weights/`` in a path."""
+NAME = re.compile(r"^(?!.*\.tmp-)[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+"""A checkpoint name: what may follow ``weights/`` or ``sampler_weights/`` in a path (never a
+``.tmp-`` directory, where a checkpoint is written before it is renamed into place)."""
 KINDS = {"weights": "weights", "sampler_weights": "sampler_weights"}
 
 LossLookup = Callable[[str], Any]
@@ -480,8 +482,7 @@ class TinkerService:
 
             shutil.rmtree(target)
         target.parent.mkdir(parents=True, exist_ok=True)
-        served.trainer.save(target, optimizer=optimizer)
-        (target / "base_model.json").write_text(json.dumps({"base_model": served.base_name}))
+        served.trainer.save(target, optimizer=optimizer, extra={"base_model": served.base_name})
 
     def save_weights_for_sampler(self, body: Mapping[str, Any]) -> dict[str, Any]:
         served = self.model(body.get("model_id"))
@@ -583,7 +584,7 @@ class TinkerService:
     @staticmethod
     def _checkpoint_base(directory: Path, path: Any) -> str:
         try:
-            return str(json.loads((directory / "base_model.json").read_text())["base_model"])
+            return str(read_checkpoint_meta(directory)["base_model"])
         except (OSError, ValueError, KeyError):
             raise UserError(f"no checkpoint at {path} on this server") from None
 

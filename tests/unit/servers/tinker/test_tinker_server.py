@@ -470,3 +470,20 @@ def test_batched_logprobs_equal_one_datum_at_a_time(model_dir, monkeypatch):
         for out, ref in zip(outputs, reference, strict=True):
             torch.testing.assert_close(out["logprobs"], ref, atol=1e-5, rtol=1e-5)
     assert len(model.micro_batches(datums)) > 1
+
+
+def test_a_save_cut_short_leaves_no_checkpoint(model_dir, tmp_path, monkeypatch):
+    from openaligner.trainer import tinker_model
+
+    model = fresh(model_dir)
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError("killed before the rename")
+
+    monkeypatch.setattr(tinker_model.os, "replace", crash)
+    with pytest.raises(OSError):
+        model.save(tmp_path / "ck", optimizer=True, extra={"base_model": "tiny/model"})
+    assert not (tmp_path / "ck").exists()  # only the hidden .tmp-<pid> directory beside it
+    monkeypatch.undo()
+    model.save(tmp_path / "ck", optimizer=True, extra={"base_model": "tiny/model"})
+    assert tinker_model.read_checkpoint_meta(tmp_path / "ck")["base_model"] == "tiny/model"
