@@ -103,6 +103,7 @@ def serve(conn: Connection, port: int, threads: int, settings: dict[str, Any]) -
             model_forward_micro_batch_size=settings["model_forward_micro_batch_size"],
             max_queue_delay_microseconds=settings["max_queue_delay_microseconds"],
             max_batch_size=settings["max_batch_size"],
+            batch_invariant=settings.get("batch_invariant", False),
             max_sequence_length=256,
         ),
         trainer,
