@@ -13,6 +13,13 @@ combined mode (values and rewards per request).
 Prints one JSON object: per level, sequences/s of each, their ratio (invariant / plain), mean
 formed batch and p50 latency. Usage:
 ``python benchmarks/bench_batch_invariant.py [--server reward|critic] [--seconds 5] [--threads 2]``.
+
+``--formed-batches 1 4 16 8 33 92`` instead times the served callable alone, in this process (no
+Triton, no HTTP): the endpoint's ``run`` on formed batches of those sizes — by default the mean
+formed batches of the reward server benchmark's six load levels (docs/benchmarks.md) — for the
+plain and the invariant endpoint alternately, ``--repeats`` times each, medians. That is the part
+of a request's cost the setting changes, measurable when the shared machine is too loaded for the
+closed-loop levels (their clients time out).
 """
 
 from __future__ import annotations
@@ -31,6 +38,66 @@ from bench_reward_server import ChildServer, free_port, server_settings, version
 CONCURRENCY = (1, 8, 32)
 
 
+def callable_only(args: argparse.Namespace) -> dict[str, Any]:
+    """The endpoints' ``run`` alone on formed batches of ``args.formed_batches`` rows."""
+    import statistics
+    import time
+
+    import numpy as np
+
+    torch.set_num_threads(args.threads)
+    if args.server == "reward":
+        from openaligner.servers.reward import RewardModelServer
+
+        model = bench_reward_server.build_model()
+
+        def endpoint(invariant: bool) -> Any:
+            settings = {**server_settings(args), "batch_invariant": invariant}
+            return RewardModelServer(infer_fn=model.infer, vocab_size=512, **settings).endpoint
+    else:
+        from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
+        from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
+
+        critic, rm = bench_critic_server.build_models()
+
+        def endpoint(invariant: bool) -> Any:
+            trainer = CriticTrainer(
+                CriticTrainConfig(global_batch_size=64), critic, torch.optim.AdamW(critic.parameters())
+            )
+            cfg = CriticServerConfig(port=0, **server_settings(args), batch_invariant=invariant)
+            return CriticServerTrainer(cfg, trainer, None, reward_model=rm).infer_endpoint
+
+    pool = bench_reward_server.sequences().numpy()
+    endpoints = {invariant: endpoint(invariant) for invariant in (False, True)}
+    levels = []
+    for size in args.formed_batches:
+        rows = [pool[i % len(pool)][None] for i in range(size)]
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for k in range(args.repeats + 1):  # the first of each is a warm-up
+            for invariant in (False, True) if k % 2 == 0 else (True, False):
+                e = endpoints[invariant]
+                requests = [
+                    e.validate({"tokens": r, "sequence_lengths": np.full((1, 1), r.shape[1], np.int64)})
+                    for r in rows
+                ]
+                started = time.perf_counter()
+                e.run(requests)
+                if k:
+                    times[invariant].append(time.perf_counter() - started)
+        plain, invariant = statistics.median(times[False]), statistics.median(times[True])
+        levels.append(
+            {
+                "formed_batch_rows": size,
+                "plain_s": plain,
+                "invariant_s": invariant,
+                "plain_sequences_per_s": size / plain,
+                "invariant_sequences_per_s": size / invariant,
+                "ratio_invariant_to_plain_throughput": plain / invariant,
+            }
+        )
+    return {"mode": "callable only (no Triton)", "repeats": args.repeats, "formed_batches": levels}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
@@ -41,8 +108,27 @@ def main() -> None:
     add("--forward-micro-batch", type=int, default=32, help="server model_forward_micro_batch_size")
     add("--preferred", type=int, nargs="+", default=[32], help="server inference_micro_batch_size")
     add("--queue-delay-us", type=int, default=2000, help="server max_queue_delay_microseconds")
+    add("--formed-batches", type=int, nargs="*", help="time the served callable alone on these batch sizes")
+    add("--repeats", type=int, default=5, help="with --formed-batches: timed runs per size and setting")
     args = parser.parse_args()
     load_before = os.getloadavg()
+    if args.formed_batches:
+        out = callable_only(args)
+        print(
+            json.dumps(
+                {
+                    "benchmark": "batch_invariant",
+                    "server": args.server,
+                    "threads": args.threads,
+                    "settings": server_settings(args),
+                    **out,
+                    "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
+                    "versions": versions(),
+                },
+                indent=2,
+            )
+        )
+        return
     bench: Any = bench_reward_server if args.server == "reward" else bench_critic_server
     base = server_settings(args)
     if args.server == "critic":

@@ -51,7 +51,7 @@ def formed_batches(tokens: torch.Tensor, lengths: torch.Tensor):
         for position in sorted({0, size // 2, size - 1}):
             row = size % n
             others = [(row + k) % n for k in range(1, size)]
-            order = others[:position] + [row] + others[position:]
+            order = [*others[:position], row, *others[position:]]
             requests, at, k = [], 0, 0
             while at < size:
                 part = order[at : at + 1 + (k + size) % 3]
