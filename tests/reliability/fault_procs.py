@@ -36,14 +36,14 @@ class CriticServer(Served):
     ready_pattern = r"critic server ready at (http://\S+) \(.*step (\d+)"
     ready_group = 2
 
-    def __init__(self, ckpt_dir: Path, port: int | None = None) -> None:
+    def __init__(self, ckpt_dir: Path, port: int | None = None, *extra: str) -> None:
         self.port = port if port is not None else free_port()
         self.ckpt_dir = ckpt_dir
         args = [
             "model.tiny=gpt2", "model.tiny_seed=0", f"server.port={self.port}", f"checkpoint.dir={ckpt_dir}",
             "train.global_batch_size=16", "train.micro_batch_size=16", "optim.lr=1e-3",
             "optim.warmup_steps=0", "optim.scheduler=constant", "server.inference_micro_batch_size=[8]",
-            "server.model_forward_micro_batch_size=8", "server.batch_invariant=true", "threads=1",
+            "server.model_forward_micro_batch_size=8", "server.batch_invariant=true", "threads=1", *extra,
         ]  # fmt: skip
         super().__init__([sys.executable, "-m", "openaligner", "serve-critic", *args], env=ENV)
 

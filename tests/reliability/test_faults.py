@@ -92,10 +92,12 @@ def _train_once_more(port: int, *, save: bool) -> None:
 def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted_run(tmp_path, critic):
     """kill -9 of train-ppo right after checkpoint 2 (of a 6-step run), then the same command again;
     the uninterrupted run of the same command runs beside it all along (each loads the other).
-    Both repeat bit for bit: every metric of every step, every response, reward, value and
-    advantage, the actor of every checkpoint and at the end, the critic of every checkpoint. Before
-    batch-invariant serving the two runs differed from step 1 (Triton merged their critic_infer
-    requests differently: rewards by ~1e-7).
+    The interrupted run's critic server merges each step's two critic_infer requests into one
+    formed batch (it waits up to 2 s for a batch of 16 rows); the uninterrupted run's answers
+    each as it comes (the default 2 ms). Both repeat bit for bit: every metric of every step,
+    every response, reward, value and advantage, the actor of every checkpoint and at the end,
+    the critic of every checkpoint kept. Without batch-invariant serving the runs differ from
+    step 1 (the merged rows are computed at another width).
 
     Exact resume needs both halves of step 2: the actor checkpoint and the critic the critic
     server saved with it (``trainer_state.json`` records its critic step); the resumed trainer
@@ -110,8 +112,9 @@ def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted
     """
     prompts = write_prompts(tmp_path / "prompts.jsonl")
     every_2 = "trainer.save_interval=2"  # two steps between checkpoints: the kill lands between them
+    merging = ("server.inference_micro_batch_size=[16]", "server.max_queue_delay_microseconds=2000000")
     ref_server = CriticServer(tmp_path / "ref" / "critic")
-    server = CriticServer(tmp_path / "cut" / "critic")
+    server = CriticServer(tmp_path / "cut" / "critic", None, *merging)
     ref = Trainer(tmp_path / "ref" / "run", prompts, ref_server.port, 6, every_2)
     cut = Trainer(tmp_path / "cut" / "run", prompts, server.port, 6, every_2)
     restarted: list[CriticServer] = []
@@ -128,11 +131,11 @@ def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted
         assert _critic_step_of(cut.checkpoints / "step_2") == latest_step(server.ckpt_dir) == 2
         if critic == "restarted-a-checkpoint-ahead":
             kill_tree(server)
-            restarted.append(CriticServer(server.ckpt_dir, port=server.port))
+            restarted.append(CriticServer(server.ckpt_dir, server.port, *merging))
             assert restarted[-1].wait_ready() == "2"
             _train_once_more(server.port, save=True)
             kill_tree(restarted[-1])
-            restarted.append(CriticServer(server.ckpt_dir, port=server.port))
+            restarted.append(CriticServer(server.ckpt_dir, server.port, *merging))
             assert restarted[-1].wait_ready() == "3"  # ahead of the actor's step_2
         else:
             _train_once_more(server.port, save=False)  # at critic step 3, in memory only
