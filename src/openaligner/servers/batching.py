@@ -1,10 +1,9 @@
 """Shaping a formed batch for the forward pass, and undoing it for the answers.
 
-Owns four steps, each a pure function on torch tensors: merge the requests Triton formed into one
-right-padded batch, strip trailing padding columns to a multiple, pad the batch dimension so every
-rank gets whole micro-batches, and split results back per request with the padded rows dropped;
-the batch-invariant forward (:class:`FixedShapes`: every row computed in a shape that depends on
-that row alone); and an endpoint's counters of what it batched (:class:`EndpointStats`).
+Owns four pure steps on torch tensors: merge the requests Triton formed into one right-padded
+batch, strip trailing padding columns to a multiple, pad the batch dimension so every rank gets
+whole micro-batches, split results back per request without the padded rows; the batch-invariant
+forward (:class:`FixedShapes`); and an endpoint's counters of what it batched (:class:`EndpointStats`).
 Must not know about PyTriton, validation, models or torch.distributed (the data-parallel size is a
 plain integer here).
 
