@@ -61,10 +61,13 @@ def callable_only(args: argparse.Namespace) -> dict[str, Any]:
         critic, rm = bench_critic_server.build_models()
 
         def endpoint(invariant: bool) -> Any:
-            trainer = CriticTrainer(
-                CriticTrainConfig(global_batch_size=64), critic, torch.optim.AdamW(critic.parameters())
-            )
             cfg = CriticServerConfig(port=0, **server_settings(args), batch_invariant=invariant)
+            trainer = CriticTrainer(
+                CriticTrainConfig(global_batch_size=64),
+                critic,
+                torch.optim.AdamW(critic.parameters()),
+                batch_invariant_multiple=cfg.fixed_width_multiple(),
+            )
             return CriticServerTrainer(cfg, trainer, None, reward_model=rm).infer_endpoint
 
     pool = bench_reward_server.sequences().numpy()

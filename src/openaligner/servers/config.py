@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
-from openaligner.servers.batching import INVARIANT_WIDTH_MULTIPLE, FixedShapes
+from openaligner.models.fixed_shapes import INVARIANT_WIDTH_MULTIPLE, FixedShapes
 from openaligner.servers.protocol import DEFAULT_HOST
 from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.transport.triton import Batching, TritonHost
@@ -74,13 +74,21 @@ class ServingConfig:
             raise ValueError(f"{{section}}.max_request_bytes must be >= 1, got {self.max_request_bytes}")
         self.check_batching(world_size=1)  # more ranks: the commands check again once they know
 
-    def fixed_shapes(self) -> FixedShapes | None:
-        """The batch-invariant forward's shapes (``batch_invariant``), else None: every row in a
-        micro-batch of ``model_forward_micro_batch_size`` rows at its length rounded up to
-        ``strip_sequence_length_to_multiple`` (:data:`INVARIANT_WIDTH_MULTIPLE` when null)."""
+    def fixed_width_multiple(self) -> int | None:
+        """The batch-invariant forwards' width multiple (``batch_invariant``), else None:
+        ``strip_sequence_length_to_multiple``, :data:`INVARIANT_WIDTH_MULTIPLE` when null. The
+        critic server's training forward rounds to it too."""
         if not self.batch_invariant:
             return None
-        multiple = self.strip_sequence_length_to_multiple or INVARIANT_WIDTH_MULTIPLE
+        return self.strip_sequence_length_to_multiple or INVARIANT_WIDTH_MULTIPLE
+
+    def fixed_shapes(self) -> FixedShapes | None:
+        """The batch-invariant inference forward's shapes (``batch_invariant``), else None: every
+        row in a micro-batch of ``model_forward_micro_batch_size`` rows at its length rounded up
+        to :meth:`fixed_width_multiple`."""
+        multiple = self.fixed_width_multiple()
+        if multiple is None:
+            return None
         return FixedShapes(rows=self.model_forward_micro_batch_size, multiple=multiple)
 
     def preferred_batch_sizes(self, world_size: int) -> tuple[int, ...]:

@@ -336,7 +336,9 @@ class CriticServerTrainer(ServerLifecycle):
 
     Raises:
         ValueError: the preferred batch sizes on this many ranks exceed ``cfg.max_batch_size``
-            (see :meth:`~openaligner.servers.config.ServingConfig.check_batching`).
+            (see :meth:`~openaligner.servers.config.ServingConfig.check_batching`); or the
+            trainer's ``batch_invariant_multiple`` is not ``cfg.fixed_width_multiple()`` (the
+            training forward must be batch-invariant exactly when serving is).
     """
 
     _describe = "the critic server"
@@ -353,6 +355,13 @@ class CriticServerTrainer(ServerLifecycle):
         tokenizer_info: Mapping[str, object] | None = None,
     ) -> None:
         cfg.check_batching(dp.world_size(), key="server")  # Triton crashes on what it refuses
+        if trainer.batch_invariant_multiple != cfg.fixed_width_multiple():
+            # a critic_train forward in other shapes than the setting says would not be invariant
+            raise ValueError(
+                f"server.batch_invariant={str(cfg.batch_invariant).lower()} needs the CriticTrainer built "
+                f"with batch_invariant_multiple={cfg.fixed_width_multiple()} (the server config's "
+                f"fixed_width_multiple()), got {trainer.batch_invariant_multiple}"
+            )
         self.cfg = cfg
         self.trainer = trainer
         self.combined = cfg.combine_rm_and_critic_server

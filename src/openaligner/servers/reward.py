@@ -29,10 +29,8 @@ from openaligner.data.render import (
     with_bos,
     with_eos,
 )
-from openaligner.servers.batching import (
-    FixedShapes,
-    split_rows,
-)
+from openaligner.models.fixed_shapes import FixedShapes
+from openaligner.servers.batching import split_rows
 from openaligner.servers.config import ServingConfig
 from openaligner.servers.distributed import Opcode, Rank0Dispatcher
 from openaligner.servers.protocol import (
@@ -88,7 +86,7 @@ def micro_batched(
 ) -> InferFn:
     """``infer_fn`` applied to consecutive slices of ``micro_batch_size`` rows, results concatenated;
     with ``shapes``, to every row in its fixed shape instead, running at least ``forwards`` forwards
-    (see :class:`~openaligner.servers.batching.FixedShapes`)."""
+    (see :class:`~openaligner.models.fixed_shapes.FixedShapes`)."""
 
     def run(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         if shapes is not None:

@@ -38,7 +38,7 @@ class SequenceEndpoint:
             longest row (see :func:`~openaligner.servers.batching.strip_columns`).
         dp_size: number of ranks sharing the batch.
         batch_invariant: the forward computes rows in fixed shapes
-            (:class:`~openaligner.servers.batching.FixedShapes`), so rows are padded only to a
+            (:class:`~openaligner.models.fixed_shapes.FixedShapes`), so rows are padded only to a
             multiple of ``dp_size``, not to whole micro-batches.
     """
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from openaligner.models.fixed_shapes import FixedShapes
 from openaligner.models.precision import Precision
-from openaligner.servers.batching import FixedShapes
 from openaligner.servers.config import ServingConfig
 from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
 from openaligner.servers.reward import RewardEndpoint, RewardModelServer
@@ -102,17 +102,18 @@ def reward_server(model, batch_invariant: bool) -> RewardEndpoint:
 
 def critic_server(tiny, precision: Precision, batch_invariant: bool) -> CriticServerTrainer:
     critic = tiny.critic()
-    trainer = CriticTrainer(
-        CriticTrainConfig(global_batch_size=4),
-        critic,
-        torch.optim.AdamW(critic.parameters(), lr=1e-3),
-        precision=precision,
-    )
     cfg = CriticServerConfig(
         max_batch_size=MAX_BATCH,
         model_forward_micro_batch_size=MBS,
         inference_micro_batch_size=[MBS],
         batch_invariant=batch_invariant,
+    )
+    trainer = CriticTrainer(
+        CriticTrainConfig(global_batch_size=4),
+        critic,
+        torch.optim.AdamW(critic.parameters(), lr=1e-3),
+        precision=precision,
+        batch_invariant_multiple=cfg.fixed_width_multiple(),
     )
     return CriticServerTrainer(cfg, trainer, None, reward_model=tiny.reward_model())
 
@@ -180,3 +181,15 @@ def test_the_setting_is_documented_with_its_width_multiple():
     cfg = ServingConfig(port=0, batch_invariant=True, strip_sequence_length_to_multiple=32)
     assert cfg.fixed_shapes() == FixedShapes(rows=4, multiple=32)
     assert ServingConfig(port=0, batch_invariant=False).fixed_shapes() is None
+    assert ServingConfig(port=0, batch_invariant=False).fixed_width_multiple() is None
+
+
+def test_a_critic_server_refuses_a_trainer_whose_training_forward_is_not_in_its_fixed_shapes(tiny):
+    """server.batch_invariant=true with a trainer built without it would train on values of
+    other shapes than the ones served; the mismatch is refused at construction, naming the fix."""
+    critic = tiny.critic()
+    optimizer = torch.optim.SGD(critic.parameters())
+    plain = CriticTrainer(CriticTrainConfig(global_batch_size=4), critic, optimizer)
+    cfg = CriticServerConfig(batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant_multiple=16"):
+        CriticServerTrainer(cfg, plain, None)
