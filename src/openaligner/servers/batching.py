@@ -3,10 +3,9 @@
 Owns four pure steps on torch tensors: merge the requests Triton formed into one right-padded
 batch, strip trailing padding columns to a multiple, pad the batch dimension so every rank gets
 whole micro-batches, split results back per request without the padded rows; and an endpoint's
-counters of what it batched (:class:`EndpointStats`). The batch-invariant forward is
-:class:`~openaligner.models.fixed_shapes.FixedShapes` (the critic's trainer uses it too).
-Must not know about PyTriton, validation, model classes or torch.distributed (the data-parallel size is a
-plain integer here).
+counters of what it batched (:class:`EndpointStats`). Fixed shapes live in ``models/fixed_shapes.py``.
+Must not know about PyTriton, validation, model classes or torch.distributed (the data-parallel
+size is a plain integer here).
 
 Shapes: B rows, S columns; ``tokens`` [B, S] int64 right-padded, ``lengths`` [B] int64.
 """
