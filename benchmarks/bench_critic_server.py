@@ -90,21 +90,24 @@ def serve(conn: Connection, port: int, threads: int, settings: dict[str, Any]) -
 
     critic, reward_model = build_models()
     optimizer = torch.optim.AdamW(critic.parameters(), lr=1e-5)
+    cfg = CriticServerConfig(
+        port=port,
+        inference_micro_batch_size=settings["inference_micro_batch_size"],
+        model_forward_micro_batch_size=settings["model_forward_micro_batch_size"],
+        max_queue_delay_microseconds=settings["max_queue_delay_microseconds"],
+        max_batch_size=settings["max_batch_size"],
+        batch_invariant=settings.get("batch_invariant", False),
+        max_sequence_length=256,
+    )
     trainer = CriticTrainer(
         CriticTrainConfig(global_batch_size=TRAIN_ROWS, micro_batch_size=settings["train_micro_batch_size"]),
         critic,
         optimizer,
         checkpoints=CheckpointManager(tempfile.mkdtemp(prefix="bench-critic-")),
+        batch_invariant_multiple=cfg.fixed_width_multiple(),
     )
     server = CriticServerTrainer(
-        CriticServerConfig(
-            port=port,
-            inference_micro_batch_size=settings["inference_micro_batch_size"],
-            model_forward_micro_batch_size=settings["model_forward_micro_batch_size"],
-            max_queue_delay_microseconds=settings["max_queue_delay_microseconds"],
-            max_batch_size=settings["max_batch_size"],
-            max_sequence_length=256,
-        ),
+        cfg,
         trainer,
         None,
         reward_model=reward_model,

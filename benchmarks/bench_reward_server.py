@@ -139,8 +139,9 @@ def closed_loop(
         "concurrency": concurrency,
         "requests": len(flat),
         "requests_per_s": len(flat) / seconds,
-        "latency_p50_ms": 1000 * flat[len(flat) // 2],
-        "latency_p99_ms": 1000 * flat[min(len(flat) - 1, int(0.99 * len(flat)))],
+        # None: no request started after the warm-up finished within the window
+        "latency_p50_ms": 1000 * flat[len(flat) // 2] if flat else None,
+        "latency_p99_ms": 1000 * flat[min(len(flat) - 1, int(0.99 * len(flat)))] if flat else None,
     }
 
 

@@ -1,7 +1,8 @@
 """Real processes for the fault tests: tiny critic/reward servers and `openaligner train-ppo` runs.
 
 Everything runs as the user would run it (``python -m openaligner ...`` on free loopback ports),
-one torch thread per process so that two runs of the same command compute the same numbers.
+one torch thread per process and batch-invariant serving (``server.batch_invariant``), so that two
+runs of the same command compute the same numbers bit for bit, whatever Triton merges.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from procs import Served, alive, descendants, free_port  # on sys.path through conftest.py
 
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-"""One thread per process: runs of the same command are bit-for-bit repeatable."""
+"""One thread per process: with batch-invariant serving, runs of the same command repeat bit for bit."""
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.02) -> None:
@@ -35,14 +36,14 @@ class CriticServer(Served):
     ready_pattern = r"critic server ready at (http://\S+) \(.*step (\d+)"
     ready_group = 2
 
-    def __init__(self, ckpt_dir: Path, port: int | None = None) -> None:
+    def __init__(self, ckpt_dir: Path, port: int | None = None, *extra: str) -> None:
         self.port = port if port is not None else free_port()
         self.ckpt_dir = ckpt_dir
         args = [
             "model.tiny=gpt2", "model.tiny_seed=0", f"server.port={self.port}", f"checkpoint.dir={ckpt_dir}",
             "train.global_batch_size=16", "train.micro_batch_size=16", "optim.lr=1e-3",
             "optim.warmup_steps=0", "optim.scheduler=constant", "server.inference_micro_batch_size=[8]",
-            "server.model_forward_micro_batch_size=8", "threads=1",
+            "server.model_forward_micro_batch_size=8", "server.batch_invariant=true", "threads=1", *extra,
         ]  # fmt: skip
         super().__init__([sys.executable, "-m", "openaligner", "serve-critic", *args], env=ENV)
 

@@ -168,6 +168,7 @@ def run(cfg: ServeCriticConfig) -> int:
             precision=precision,
             logger=logger,
             checkpoints=checkpoints,
+            batch_invariant_multiple=cfg.server.fixed_width_multiple(),
         )
         server = CriticServerTrainer(
             cfg.server,

@@ -1,11 +1,11 @@
 """Shaping a formed batch for the forward pass, and undoing it for the answers.
 
-Owns four steps, each a pure function on torch tensors: merge the requests Triton formed into one
-right-padded batch, strip trailing padding columns to a multiple, pad the batch dimension so every
-rank gets whole micro-batches, and split results back per request with the padded rows dropped;
-and an endpoint's counters of what it batched (:class:`EndpointStats`).
-Must not know about PyTriton, validation, models or torch.distributed (the data-parallel size is a
-plain integer here).
+Owns four pure steps on torch tensors: merge the requests Triton formed into one right-padded
+batch, strip trailing padding columns to a multiple, pad the batch dimension so every rank gets
+whole micro-batches, split results back per request without the padded rows; and an endpoint's
+counters of what it batched (:class:`EndpointStats`). Fixed shapes live in ``models/fixed_shapes.py``.
+Must not know about PyTriton, validation, model classes or torch.distributed (the data-parallel
+size is a plain integer here).
 
 Shapes: B rows, S columns; ``tokens`` [B, S] int64 right-padded, ``lengths`` [B] int64.
 """
@@ -17,10 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-PAD_TOKEN_ID = 0
-"""Filler for padded rows and columns; never read, since every row is cut at its length."""
-PAD_ROW_LENGTH = 1
-"""Length given to padded rows: 1 keeps them legal for models that refuse a length of 0."""
+from openaligner.models.fixed_shapes import PAD_ROW_LENGTH, PAD_TOKEN_ID
 
 
 def merge_rows(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
+from openaligner.models.fixed_shapes import INVARIANT_WIDTH_MULTIPLE, FixedShapes
 from openaligner.servers.protocol import DEFAULT_HOST
 from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.transport.triton import Batching, TritonHost
@@ -30,6 +31,7 @@ class ServingConfig:
     inference_micro_batch_size: list[int] = field(default_factory=lambda: [4])  # preferred rows per rank
     model_forward_micro_batch_size: int = 4  # rows per forward pass on one rank
     strip_sequence_length_to_multiple: int | None = None  # compute width multiple (null: longest row)
+    batch_invariant: bool = False  # each row in a fixed shape: its outputs never depend on its batch-mates
     max_queue_delay_microseconds: int = 2000  # how long Triton holds a request for others to merge with
     max_batch_size: int = 1024  # most rows per request and per formed batch
     max_sequence_length: int | None = None  # longest accepted sequence; null: the model's position limit
@@ -71,6 +73,23 @@ class ServingConfig:
         if self.max_request_bytes < 1:
             raise ValueError(f"{{section}}.max_request_bytes must be >= 1, got {self.max_request_bytes}")
         self.check_batching(world_size=1)  # more ranks: the commands check again once they know
+
+    def fixed_width_multiple(self) -> int | None:
+        """The batch-invariant forwards' width multiple (``batch_invariant``), else None:
+        ``strip_sequence_length_to_multiple``, :data:`INVARIANT_WIDTH_MULTIPLE` when null. The
+        critic server's training forward rounds to it too."""
+        if not self.batch_invariant:
+            return None
+        return self.strip_sequence_length_to_multiple or INVARIANT_WIDTH_MULTIPLE
+
+    def fixed_shapes(self) -> FixedShapes | None:
+        """The batch-invariant inference forward's shapes (``batch_invariant``), else None: every
+        row in a micro-batch of ``model_forward_micro_batch_size`` rows at its length rounded up
+        to :meth:`fixed_width_multiple`."""
+        multiple = self.fixed_width_multiple()
+        if multiple is None:
+            return None
+        return FixedShapes(rows=self.model_forward_micro_batch_size, multiple=multiple)
 
     def preferred_batch_sizes(self, world_size: int) -> tuple[int, ...]:
         """Triton's preferred batch sizes: each ``inference_micro_batch_size`` times the ranks."""

@@ -336,7 +336,9 @@ class CriticServerTrainer(ServerLifecycle):
 
     Raises:
         ValueError: the preferred batch sizes on this many ranks exceed ``cfg.max_batch_size``
-            (see :meth:`~openaligner.servers.config.ServingConfig.check_batching`).
+            (see :meth:`~openaligner.servers.config.ServingConfig.check_batching`); or the
+            trainer's ``batch_invariant_multiple`` is not ``cfg.fixed_width_multiple()`` (the
+            training forward must be batch-invariant exactly when serving is).
     """
 
     _describe = "the critic server"
@@ -353,6 +355,13 @@ class CriticServerTrainer(ServerLifecycle):
         tokenizer_info: Mapping[str, object] | None = None,
     ) -> None:
         cfg.check_batching(dp.world_size(), key="server")  # Triton crashes on what it refuses
+        if trainer.batch_invariant_multiple != cfg.fixed_width_multiple():
+            # a critic_train forward in other shapes than the setting says would not be invariant
+            raise ValueError(
+                f"server.batch_invariant={str(cfg.batch_invariant).lower()} needs the CriticTrainer built "
+                f"with batch_invariant_multiple={cfg.fixed_width_multiple()} (the server config's "
+                f"fixed_width_multiple()), got {trainer.batch_invariant_multiple}"
+            )
         self.cfg = cfg
         self.trainer = trainer
         self.combined = cfg.combine_rm_and_critic_server
@@ -383,6 +392,7 @@ class CriticServerTrainer(ServerLifecycle):
             forward_micro_batch_size=cfg.model_forward_micro_batch_size,
             strip_sequence_length_to_multiple=cfg.strip_sequence_length_to_multiple,
             dp_size=dp.world_size(),
+            batch_invariant=cfg.batch_invariant,
         )
         self.train_endpoint = CriticTrainEndpoint(
             self._train_from_rank0,
@@ -519,16 +529,25 @@ class CriticServerTrainer(ServerLifecycle):
         self, batch: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """FORWARD on every rank: receive the batch, compute this rank's rows, gather all rows."""
-        tokens = dp.local_rows(dp.broadcast_tensor(batch[0] if batch is not None else None))
-        lengths = dp.local_rows(dp.broadcast_tensor(batch[1] if batch is not None else None))
+        tokens = dp.broadcast_tensor(batch[0] if batch is not None else None)
+        every_length = dp.broadcast_tensor(batch[1] if batch is not None else None)
+        tokens, lengths = dp.local_rows(tokens), dp.local_rows(every_length)
         mbs = self.cfg.model_forward_micro_batch_size
         device = dp.collective_device()
+        shapes = self.cfg.fixed_shapes()
+        # with fixed shapes, every rank runs as many forwards (a sharded model's are collectives)
+        forwards = shapes.forwards(every_length, dp.world_size()) if shapes is not None else 0
+
+        def infer(model: CriticModel | RewardModel) -> torch.Tensor:
+            if shapes is None:
+                return model.infer(tokens, lengths, micro_batch_size=mbs).to(device)
+            return shapes.run(model.infer, tokens, lengths, forwards).to(device)
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
-            values = self.model.infer(tokens, lengths, micro_batch_size=mbs).to(device)
+            values = infer(self.model)
             if self.reward_model is None:
                 return values, None
-            return values, self.reward_model.infer(tokens, lengths, micro_batch_size=mbs).to(device)
+            return values, infer(self.reward_model)
 
         values, rewards = dp.run_guarded(self.trainer.precision.autocast_fn(forward))
         return (

@@ -29,9 +29,8 @@ from openaligner.data.render import (
     with_bos,
     with_eos,
 )
-from openaligner.servers.batching import (
-    split_rows,
-)
+from openaligner.models.fixed_shapes import FixedShapes
+from openaligner.servers.batching import split_rows
 from openaligner.servers.config import ServingConfig
 from openaligner.servers.distributed import Opcode, Rank0Dispatcher
 from openaligner.servers.protocol import (
@@ -82,10 +81,16 @@ class RewardEndpoint(SequenceEndpoint):
         return [{"rewards": p.reshape(-1, 1).numpy()} for p in pieces]
 
 
-def micro_batched(infer_fn: InferFn, micro_batch_size: int) -> InferFn:
-    """``infer_fn`` applied to consecutive slices of ``micro_batch_size`` rows, results concatenated."""
+def micro_batched(
+    infer_fn: InferFn, micro_batch_size: int, shapes: FixedShapes | None = None, forwards: int = 0
+) -> InferFn:
+    """``infer_fn`` applied to consecutive slices of ``micro_batch_size`` rows, results concatenated;
+    with ``shapes``, to every row in its fixed shape instead, running at least ``forwards`` forwards
+    (see :class:`~openaligner.models.fixed_shapes.FixedShapes`)."""
 
     def run(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        if shapes is not None:
+            return shapes.run(lambda t, n: infer_fn(t, n).reshape(-1).float(), tokens, lengths, forwards)
         parts = [
             infer_fn(tokens[i : i + micro_batch_size], lengths[i : i + micro_batch_size]).reshape(-1).float()
             for i in range(0, tokens.shape[0], micro_batch_size)
@@ -185,9 +190,11 @@ class RewardModelServer(ServerLifecycle):
         self.cfg.check_batching(dp.world_size(), key="server")
         if infer_fn is None and reward_function is None:
             raise ValueError("a reward server needs a reward model (infer_fn), a reward function, or both")
-        self._local_infer = (
-            micro_batched(infer_fn, self.cfg.model_forward_micro_batch_size) if infer_fn else None
-        )
+        self._infer_fn = infer_fn
+        self._shapes = self.cfg.fixed_shapes()
+        """Each row's forward in a fixed shape (``server.batch_invariant``), or None."""
+        mbs = self.cfg.model_forward_micro_batch_size
+        self._local_infer = micro_batched(infer_fn, mbs, self._shapes) if infer_fn else None
         self._init_lifecycle()
         sequences = RewardEndpoint(
             self._forward_from_rank0,
@@ -201,6 +208,7 @@ class RewardModelServer(ServerLifecycle):
             forward_micro_batch_size=self.cfg.model_forward_micro_batch_size,
             strip_sequence_length_to_multiple=self.cfg.strip_sequence_length_to_multiple,
             dp_size=dp.world_size(),
+            batch_invariant=self._shapes is not None,
         )
         self.endpoint: RewardEndpoint | RewardFunctionEndpoint = sequences
         if reward_function is not None:
@@ -274,8 +282,11 @@ class RewardModelServer(ServerLifecycle):
         lengths = dp.broadcast_tensor(batch[1] if batch is not None else None)
         local_tokens, local_lengths = dp.local_rows(tokens), dp.local_rows(lengths)
         device = dp.collective_device()
-        infer = self._local_infer
-        assert infer is not None, "FORWARD is sent only when a reward model is served"
+        infer_fn, shapes = self._infer_fn, self._shapes
+        assert infer_fn is not None, "FORWARD is sent only when a reward model is served"
+        # every rank runs as many forwards (a sharded model's forwards are collectives)
+        forwards = shapes.forwards(lengths, dp.world_size()) if shapes is not None else 0
+        infer = micro_batched(infer_fn, self.cfg.model_forward_micro_batch_size, shapes, forwards)
         local = dp.run_guarded(lambda: infer(local_tokens, local_lengths).to(device))
         return dp.all_gather_rows(local, same_shape=True)
 

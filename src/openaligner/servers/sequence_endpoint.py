@@ -37,6 +37,9 @@ class SequenceEndpoint:
         strip_sequence_length_to_multiple: compute at a width that is a multiple of this; None: the
             longest row (see :func:`~openaligner.servers.batching.strip_columns`).
         dp_size: number of ranks sharing the batch.
+        batch_invariant: the forward computes rows in fixed shapes
+            (:class:`~openaligner.models.fixed_shapes.FixedShapes`), so rows are padded only to a
+            multiple of ``dp_size``, not to whole micro-batches.
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class SequenceEndpoint:
         forward_micro_batch_size: int = 4,
         strip_sequence_length_to_multiple: int | None = None,
         dp_size: int = 1,
+        batch_invariant: bool = False,
     ) -> None:
         self.model_name = model_name
         self.tokenize_func = tokenize_func
@@ -63,6 +67,7 @@ class SequenceEndpoint:
         self.forward_micro_batch_size = forward_micro_batch_size
         self.strip_multiple = strip_sequence_length_to_multiple
         self.dp_size = dp_size
+        self.batch_invariant = batch_invariant
         self.stats = EndpointStats()
         self._stats_lock = threading.Lock()
 
@@ -79,8 +84,9 @@ class SequenceEndpoint:
 
     def shaped_batch(self, requests: Sequence[SequenceRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """The formed batch as the forward takes it: the requests' rows merged, trailing columns
-        stripped, rows padded to whole micro-batches on every rank (padded rows come last, after
-        the requests' rows in order). Counts the call in :attr:`stats`.
+        stripped, rows padded to whole micro-batches on every rank (with ``batch_invariant``: to a
+        multiple of the ranks; padded rows come last, after the requests' rows in order). Counts
+        the call in :attr:`stats`.
 
         Returns:
             ``tokens`` [B', S'] and ``lengths`` [B'], B' >= the requests' rows, S' <= their width.
@@ -88,9 +94,13 @@ class SequenceEndpoint:
         tokens, lengths = merge_rows([(r.tokens, r.lengths) for r in requests])
         tokens = strip_columns(tokens, lengths, self.strip_multiple)
         rows = tokens.shape[0]
-        tokens, lengths, extra = pad_rows(
-            tokens, lengths, padding_multiple(rows, self.forward_micro_batch_size, self.dp_size)
+        # fixed shapes make their own micro-batches; filler rows here would be computed as rows
+        multiple = (
+            self.dp_size
+            if self.batch_invariant
+            else padding_multiple(rows, self.forward_micro_batch_size, self.dp_size)
         )
+        tokens, lengths, extra = pad_rows(tokens, lengths, multiple)
         with self._stats_lock:
             self.stats.calls += 1
             self.stats.requests += len(requests)

@@ -10,8 +10,10 @@ Design notes: docs/serving.md, "Module notes".
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,6 +26,7 @@ from openaligner.algorithms import explained_variance, value_loss
 from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
 from openaligner.io.metrics import MetricsLogger
 from openaligner.models.critic import CriticModel
+from openaligner.models.fixed_shapes import PAD_TOKEN_ID, FixedShapes
 from openaligner.models.precision import Precision
 from openaligner.models.sharding import is_sharded
 from openaligner.trainer.checkpoint_files import TrainingFiles, save_collective
@@ -157,6 +160,23 @@ def trained_width(mask: torch.Tensor) -> int:
     return int(used[-1]) + 1 if used.numel() else 0
 
 
+def row_widths(mask: torch.Tensor) -> torch.Tensor:
+    """:func:`trained_width` of each row of ``mask`` [n, S-1] alone: [n] int64 (0: nothing trained)."""
+    if mask.shape[1] == 0:
+        return torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return torch.where(mask != 0, positions, 0).amax(1)
+
+
+def trained_groups(shapes: FixedShapes, mask: torch.Tensor) -> list[tuple[list[int], int]]:
+    """The batch-invariant training forwards of the rows ``mask`` [n, S-1] trains: ``(row
+    indices, width)`` each, as :meth:`FixedShapes.groups` forms them from each row's own
+    :func:`row_widths`; rows that train nothing are in none (a forward of them adds nothing)."""
+    widths = row_widths(mask)
+    trained = widths.nonzero().reshape(-1)
+    return [([int(trained[i]) for i in members], width) for members, width in shapes.groups(widths[trained])]
+
+
 class CriticTrainer:
     """Trains a critic, replicated or sharded over the ranks, and checkpoints it.
 
@@ -176,6 +196,15 @@ class CriticTrainer:
         logger: receives ``train/loss``, ``train/grad_norm``, ``train/lr``, ``train/step_time_s``,
             ``train/clip_fraction`` per optimizer step (rank 0 only); None logs nothing.
         checkpoints: where checkpoints are written and found; None: there are none.
+        batch_invariant_multiple: the batch-invariant training forward (the critic server's
+            ``server.batch_invariant``: its config's ``fixed_width_multiple()``): every trained
+            row is computed in a forward of exactly ``micro_batch_size`` rows (filler rows of
+            mask 0 after the real ones) at its own trained width rounded up to this multiple,
+            beside rows of that width only (:func:`trained_groups`), with nothing past that width
+            in its tokens; so its values are bitwise those it gets alone, whatever rows and padding
+            the request had. The loss and gradients are the same sums (of other groupings); rows
+            that train nothing run no forward. None: each micro-batch of ``micro_batch_size``
+            consecutive rows runs at its trained width.
     """
 
     def __init__(
@@ -188,8 +217,11 @@ class CriticTrainer:
         precision: Precision | None = None,
         logger: MetricsLogger | None = None,
         checkpoints: CheckpointManager | None = None,
+        batch_invariant_multiple: int | None = None,
     ) -> None:
         gbs, world = cfg.global_batch_size, dp.world_size()
+        if batch_invariant_multiple is not None and batch_invariant_multiple < 1:
+            raise ValueError(f"batch_invariant_multiple must be >= 1 or None, got {batch_invariant_multiple}")
         if gbs % world:
             raise ValueError(f"global batch size {gbs} must be a positive multiple of the {world} rank(s)")
         self.cfg = cfg
@@ -204,6 +236,13 @@ class CriticTrainer:
         """Optimizer steps taken (skipped steps not counted), all passes and resumes included."""
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._sharded = is_sharded(model)
+        self.batch_invariant_multiple = batch_invariant_multiple
+        self.fixed_shapes = (
+            FixedShapes(rows=cfg.micro_batch_size, multiple=batch_invariant_multiple)
+            if batch_invariant_multiple is not None
+            else None
+        )
+        """The training forward's fixed shapes (``batch_invariant_multiple``), or None."""
 
     # -- training ------------------------------------------------------------------------------
     def train_pass(self, batch: CriticBatch) -> TrainResult:
@@ -219,7 +258,10 @@ class CriticTrainer:
         number of ranks and the micro-batch size. Then the shared optimizer step (clip, skip if inf/NaN,
         optimizer and scheduler step). Every rank runs the same number of micro-batches per step
         (a sharded critic's forwards and backwards are collectives): a micro-batch of padding rows
-        only trains nothing, and a sharded critic still runs it (see :meth:`_join_shards`).
+        only trains nothing, and a sharded critic still runs it (see :meth:`_join_shards`). With
+        ``batch_invariant_multiple``, a rank's share of a step runs in fixed shapes instead (see
+        :func:`trained_groups`), the same token-mean sum grouped otherwise; a sharded critic's
+        ranks then all run as many forwards as the busiest one.
         """
         gbs = self.cfg.global_batch_size
         batch = pad_to_multiple(batch, gbs)
@@ -238,8 +280,9 @@ class CriticTrainer:
             local = CriticBatch(
                 *(t[rows].to(device) for t in (batch.tokens, batch.returns, batch.prev_values, batch.mask))
             )
+            forwards = self._forwards_per_rank(batch.mask[start : start + gbs])
             self.optimizer.zero_grad(set_to_none=True)
-            sums = dp.run_guarded(partial(self._accumulate, local, total, kept))
+            sums = dp.run_guarded(partial(self._accumulate, local, total, kept, forwards))
             sums = dp.all_reduce_sum(sums)
             lr = self._lr()
             outcome = optimizer_step(
@@ -284,29 +327,66 @@ class CriticTrainer:
             optimizer_steps=len(losses),
         )
 
+    def _forwards_per_rank(self, step_mask: torch.Tensor) -> int:
+        """With fixed shapes and a sharded critic: the most training forwards any rank runs on its
+        share of this step's ``step_mask`` [gbs, S-1] (at least 1), which every rank runs (a
+        sharded critic's forwards and backwards are collectives); else 0."""
+        if self.fixed_shapes is None or not self._sharded:
+            return 0
+        shares = step_mask.chunk(dp.world_size())
+        return max(1, *(len(trained_groups(self.fixed_shapes, share)) for share in shares))
+
+    def _micro_batches(self, local: CriticBatch, forwards: int) -> Iterator[CriticBatch | None]:
+        """This rank's training forwards over ``local``, each cut to the width it is computed at
+        (tokens [m, w], the rest [m, w]); None: one that only joins a sharded critic's collectives
+        (its rows train nothing). Fixed shapes: :func:`trained_groups` (then None until
+        ``forwards`` have run); else consecutive micro-batches at their trained width."""
+        shapes = self.fixed_shapes
+        if shapes is None:
+            mbs = self.cfg.micro_batch_size
+            for i in range(0, local.tokens.shape[0], mbs):
+                width = trained_width(local.mask[i : i + mbs])
+                if width == 0:  # padding rows only: nothing to learn
+                    if self._sharded:
+                        yield None
+                    continue
+                fields = (local.tokens, local.returns, local.prev_values, local.mask)
+                yield CriticBatch(*(t[i : i + mbs, :width] for t in fields))
+            return
+        groups = trained_groups(shapes, local.mask)
+        widths = row_widths(local.mask)
+        for members, width in groups:
+            index = torch.tensor(members, dtype=torch.long, device=local.tokens.device)
+            block = CriticBatch(
+                shapes.block(local.tokens, index, PAD_TOKEN_ID, width),
+                *(shapes.block(t, index, 0.0, width) for t in (local.returns, local.prev_values, local.mask)),
+            )
+            # nothing past a row's own trained width reaches the forward: its values there are
+            # masked out, and the tokens there (the client's padding) are not the row's
+            own = torch.arange(width, device=index.device) < shapes.block(widths, index, 0)[:, None]
+            yield dataclasses.replace(block, tokens=torch.where(own, block.tokens, PAD_TOKEN_ID))
+        for _ in range(forwards - len(groups)):
+            yield None
+
     def _accumulate(
         self,
         local: CriticBatch,
         total_tokens: torch.Tensor,
         kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        forwards: int = 0,
     ) -> torch.Tensor:
-        """Forward/backward over this rank's micro-batches; returns [loss share, clipped, positions]."""
-        mbs = self.cfg.micro_batch_size
+        """Forward/backward over this rank's micro-batches (:meth:`_micro_batches`); returns
+        [loss share, clipped, positions]."""
         sums = torch.zeros(3, dtype=torch.float64)
         weight_denominator = total_tokens.clamp_min(1.0)
-        for i in range(0, local.tokens.shape[0], mbs):
-            mask = local.mask[i : i + mbs]
-            width = trained_width(mask)
-            if width == 0:  # padding rows only: nothing to learn
-                if self._sharded:
-                    self._join_shards(local.tokens[i : i + mbs])
+        for micro in self._micro_batches(local, forwards):
+            if micro is None:
+                self._join_shards(local.tokens[: self.cfg.micro_batch_size])
                 continue
-            mask = mask[:, :width]
-            returns = local.returns[i : i + mbs, :width]
-            prev = local.prev_values[i : i + mbs, :width]
+            mask, returns, prev = micro.mask, micro.returns, micro.prev_values
             # values at tokens 0..width-1 = critic(tokens)[:, :-1] restricted to those positions
             with self.precision.autocast():
-                values = self.model.standardize(self.model(local.tokens[i : i + mbs, :width]))
+                values = self.model.standardize(self.model(micro.tokens))
                 # this micro-batch's share of the step's token mean
                 loss, stats = value_loss(
                     values, prev, returns, mask, self.cfg.loss_clip_val, units=weight_denominator
