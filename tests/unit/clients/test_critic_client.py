@@ -196,6 +196,7 @@ def test_train_answer_decodes_explained_variance_after_when_the_server_sends_it(
     }
     older = {k: np.array([v], np.float32) for k, v in scalars.items()}
     answer = decoders[0](older)  # a server from before explained_variance_after
-    assert "explained_variance_after" not in answer and answer["train_explained_variance"] == pytest.approx(0.2)
+    assert "explained_variance_after" not in answer
+    assert answer["train_explained_variance"] == pytest.approx(0.2)
     newer = {**older, "explained_variance_after": np.array([0.7], np.float32)}
     assert decoders[0](newer)["explained_variance_after"] == pytest.approx(0.7)
