@@ -6,7 +6,14 @@ This package imports only torch and the standard library: no models, configs, se
 torch.distributed calls (cross-rank statistics take a ``reduce`` callable).
 """
 
-from openaligner.algorithms.advantages import gae, gae_reference, td_errors
+from openaligner.algorithms.advantages import (
+    decoupled_gae,
+    gae,
+    gae_per_row_lambda,
+    gae_reference,
+    length_adaptive_lambda,
+    td_errors,
+)
 from openaligner.algorithms.critic_free import (
     broadcast_to_tokens,
     grpo_advantages,
@@ -55,10 +62,17 @@ from openaligner.algorithms.tinker_losses import (
     TinkerLossInputError,
     tinker_loss,
 )
+from openaligner.algorithms.value_diagnostics import (
+    POSITION_BANDS,
+    position_bands,
+    value_error_by_position,
+    wrong_sign_fraction,
+)
 
 __all__ = [
     "KL_KINDS",
     "LOSS_AGGREGATIONS",
+    "POSITION_BANDS",
     "TINKER_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
@@ -74,13 +88,16 @@ __all__ = [
     "aggregation_units",
     "broadcast_to_tokens",
     "chunked_token_stats",
+    "decoupled_gae",
     "entropy_from_logits",
     "explained_variance",
     "gae",
+    "gae_per_row_lambda",
     "gae_reference",
     "grpo_advantages",
     "grpo_advantages_reference",
     "kl_penalty",
+    "length_adaptive_lambda",
     "logprob_mismatch",
     "logprobs_from_logits",
     "masked_mean",
@@ -89,6 +106,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "next_token_logprobs",
+    "position_bands",
     "ppo_policy_loss",
     "reinforce_pp_advantages",
     "response_mask",
@@ -103,5 +121,7 @@ __all__ = [
     "td_errors",
     "tinker_loss",
     "truncated_is_weights",
+    "value_error_by_position",
     "value_loss",
+    "wrong_sign_fraction",
 ]

@@ -33,6 +33,7 @@ from openaligner.servers.protocol import (
     DEFAULT_HOST,
     DUMMY_VAR,
     EXPLAINED_VARIANCE,
+    EXPLAINED_VARIANCE_AFTER,
     GRAD_NORM,
     LOSS_MEAN,
     LR,
@@ -488,7 +489,9 @@ class RemoteGPTRMCriticClient:
         Returns:
             A future of ``{"loss": loss_mean, "clip_fraction", "train_explained_variance",
             "grad_norm", "lr", "critic_step", "critic_optimizer_steps"}`` (floats): the server's
-            step after this request and the optimizer steps the request ran.
+            step after this request and the optimizer steps the request ran; plus
+            ``"explained_variance_after"`` (of the values after the update) from a server that
+            sends it.
 
         Raises:
             BadRequestError: at once, when keys, shapes or values are wrong.
@@ -518,7 +521,7 @@ class RemoteGPTRMCriticClient:
             inputs[name] = array
 
         def decode(outputs: dict[str, np.ndarray]) -> dict[str, float]:
-            return {
+            answer = {
                 "loss": _scalar(outputs, LOSS_MEAN.name, bad),
                 "clip_fraction": _scalar(outputs, CLIP_FRACTION.name, bad),
                 "train_explained_variance": _scalar(outputs, EXPLAINED_VARIANCE.name, bad),
@@ -527,6 +530,9 @@ class RemoteGPTRMCriticClient:
                 "critic_step": _scalar(outputs, STEP.name, bad),
                 "critic_optimizer_steps": _scalar(outputs, OPTIMIZER_STEPS.name, bad),
             }
+            if EXPLAINED_VARIANCE_AFTER.name in outputs:  # a server from before it was added has none
+                answer["explained_variance_after"] = _scalar(outputs, EXPLAINED_VARIANCE_AFTER.name, bad)
+            return answer
 
         self._after_train()
         # One more optimizer pass if it ran twice: resent after a lost connection only when the

@@ -115,6 +115,9 @@ CLIP_FRACTION = _scalar("clip_fraction", np.float32, "share of valid positions w
 EXPLAINED_VARIANCE = _scalar(
     "explained_variance", np.float32, "1 − Var(returns − values) / Var(returns), values before each step"
 )
+EXPLAINED_VARIANCE_AFTER = _scalar(
+    "explained_variance_after", np.float32, "the same, of the values after the request's update (same rows)"
+)
 GRAD_NORM = _scalar("grad_norm", np.float32, "gradient norm before clipping, mean over the steps")
 LR = _scalar("lr", np.float32, "learning rate of the request's last step")
 STEP = _scalar("step", np.int64, "critic optimizer steps taken so far (all requests)")
@@ -131,6 +134,7 @@ CRITIC_TRAIN_OUTPUTS: tuple[TensorSpec, ...] = (
     LR,
     STEP,
     OPTIMIZER_STEPS,
+    EXPLAINED_VARIANCE_AFTER,
 )
 
 DUMMY_VAR = _scalar("dummy_var", np.int64, "any value; there because a Triton model needs an input")

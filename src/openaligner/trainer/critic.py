@@ -140,6 +140,7 @@ class TrainResult:
     lr: float  # learning rate of the last step
     step: int  # optimizer steps taken so far, all passes included
     optimizer_steps: int  # steps taken by this pass
+    explained_variance_after: float = float("nan")  # of the values after the pass (same rows, no grad)
 
 
 def pad_to_multiple(batch: CriticBatch, multiple: int) -> CriticBatch:
@@ -321,6 +322,7 @@ class CriticTrainer:
             loss_mean=float(np.mean(losses)),
             clip_fraction=float(clipped[0] / clipped[1].clamp_min(1.0)),
             explained_variance=self._explained_variance(kept),
+            explained_variance_after=self._explained_variance_after(batch),
             grad_norm=float(np.mean(norms)),
             lr=lr,
             step=self.step,
@@ -431,6 +433,33 @@ class CriticTrainer:
         else:  # this rank trained only padding; it still joins the reductions
             values = returns = mask = torch.zeros(1)
         return float(explained_variance(values, returns, mask, reduce=dp.all_reduce_sum))
+
+    def _explained_variance_after(self, batch: CriticBatch) -> float:
+        """Explained variance of the values after this pass over the rows it trained on (every
+        rank's; a collective): one forward without gradients over this rank's share of each step,
+        in the training pass's micro-batches (a sharded critic's forwards are collectives, so every
+        rank runs as many). Beside the values before each step (``explained_variance``), it says
+        whether the critic can fit its targets at all."""
+        gbs, mbs = self.cfg.global_batch_size, self.cfg.micro_batch_size
+        share, rank, device = gbs // dp.world_size(), dp.rank(), self.model.device
+        kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        with torch.no_grad():
+            for start in range(0, batch.tokens.shape[0], gbs):
+                rows = slice(start + rank * share, start + (rank + 1) * share)
+                tokens, returns, mask = (
+                    t[rows].to(device) for t in (batch.tokens, batch.returns, batch.mask)
+                )
+                for i in range(0, tokens.shape[0], mbs):
+                    width = trained_width(mask[i : i + mbs])
+                    if width == 0:
+                        if self._sharded:
+                            with self.precision.autocast():
+                                self.model(tokens[i : i + mbs, :1])
+                        continue
+                    with self.precision.autocast():
+                        values = self.model.standardize(self.model(tokens[i : i + mbs, :width]))
+                    kept.append((values.float(), returns[i : i + mbs, :width], mask[i : i + mbs, :width]))
+        return self._explained_variance(kept)
 
     def sync_replicas(self) -> None:
         """Every rank's critic takes rank 0's weights (replicas must start equal); a sharded critic

@@ -19,8 +19,9 @@ from openaligner.algorithms import (
     LossAggregation,
     Reduce,
     broadcast_to_tokens,
-    gae,
+    decoupled_gae,
     grpo_advantages,
+    length_adaptive_lambda,
     masked_mean,
     masked_sum,
     reinforce_pp_advantages,
@@ -54,6 +55,9 @@ class EstimatorInputs:
     lam: float  # trainer.gae_lambda
     normalize_advantages: bool  # trainer.normalize_advantages (an estimator may ignore it)
     reduce: Reduce  # sums a tensor over ranks (identity on one process): global statistics
+    critic_gamma: float | None = None  # trainer.critic_discount_factor, resolved; None: gamma
+    critic_lam: float | None = None  # trainer.critic_gae_lambda, resolved; None: lam
+    lam_length_alpha: float | None = None  # trainer.gae_lambda_length_alpha: policy λ = 1 − 1/(α·l)
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class Estimate:
     rewards: torch.Tensor  # [B] each response's reward as the estimator used it (rollout/rewards_with_kl)
     returns: torch.Tensor | None = None  # [B, S-1] the critic's targets; None without a critic
     whiten: bool = False  # whiten advantages over the global batch after their statistics are logged
+    token_rewards: torch.Tensor | None = None  # [B, S-1] the per-token rewards (value diagnostics)
 
 
 EstimatorFn = Callable[[EstimatorInputs], Estimate]
@@ -183,11 +188,25 @@ def _refuse_reinforce_pp(c: PPOConfig) -> tuple[str, str] | None:
 @register_estimator("gae", needs_critic=True, refuse=_refuse_gae, title="PPO")
 def gae_estimate(x: EstimatorInputs) -> Estimate:
     """PPO (Schulman et al. 2016/2017; NeMo-Aligner): KL-shaped per-token rewards, GAE over the
-    critic's values, whitened over the global batch with ``normalize_advantages``."""
+    critic's values (decoupled: the critic's returns with their own γ and λ, the policy's λ fixed
+    or length-adaptive), whitened over the global batch with ``normalize_advantages``."""
     token_rewards = shape_rewards(x.scores, x.kl, x.sequence_lengths, x.kl_coef)
-    advantages, returns = gae(x.values, token_rewards, x.mask, x.gamma, x.lam)
+    lam: float | torch.Tensor = x.lam
+    if x.lam_length_alpha is not None:
+        lam = length_adaptive_lambda(x.mask.sum(-1), x.lam_length_alpha)
+    advantages, returns = decoupled_gae(
+        x.values,
+        token_rewards,
+        x.mask,
+        gamma=x.gamma,
+        lam=lam,
+        critic_gamma=x.gamma if x.critic_gamma is None else x.critic_gamma,
+        critic_lam=x.lam if x.critic_lam is None else x.critic_lam,
+    )
     rewards = masked_mean(token_rewards, x.mask, dim=-1)
-    return Estimate(advantages, rewards, returns=returns, whiten=x.normalize_advantages)
+    return Estimate(
+        advantages, rewards, returns=returns, whiten=x.normalize_advantages, token_rewards=token_rewards
+    )
 
 
 @register_estimator("reinforce", needs_groups=True)

@@ -30,6 +30,7 @@ from openaligner.algorithms import (
     FixedKLController,
     KLKind,
     explained_variance,
+    masked_mean_var,
     response_mask,
 )
 from openaligner.io.checkpoint import CheckpointManager
@@ -157,12 +158,16 @@ class LoopSettings:
     val_samples: int  # validation prompts
     val_micro_batch_size: int  # responses per validation generation request
     forward_micro_batch_size: int | None  # rows per log-prob forward; None: the actor's default
-    critic_warmup_steps: int  # critic-only rollouts before the first actor update
+    value_pretrain_cap: int  # critic-only rollouts at most before the first actor update
+    value_pretrain_target: float | None  # held-out explained variance that ends them early
     # ---- advantages (:func:`compute_ppo_data`)
     kl_in_reward: bool  # −β·KL in the reward (else +β·KL in the loss)
     kl_kind: KLKind  # the KL estimator
-    discount_factor: float  # γ
-    gae_lambda: float  # λ
+    discount_factor: float  # γ of the policy's advantages
+    gae_lambda: float  # λ of the policy's advantages
+    critic_gamma: float  # γ of the critic's returns
+    critic_lam: float  # λ of the critic's returns
+    gae_lambda_length_alpha: float | None  # the length-adaptive policy λ's α (None: gae_lambda)
     normalize_advantages: bool
     missing_eos_penalty: float | None
     score_clip: float | None
@@ -292,12 +297,21 @@ class PPOTrainer:
         """This rank's rollouts of the step being run and their training data, for the rollout log."""
         self._loss_kl_coef = self.kl_controller.value
         self.history: list[dict[str, float]] = []
+        self.value_pretrain_steps = 0
+        """Critic-only steps run (value pretraining); the actor has trained ``step − this`` times."""
+        self.value_pretraining = self.settings.value_pretrain_cap > 0 and self.critic is not None
+        """Whether the next step is still one of value pretraining's critic-only steps."""
 
     # ------------------------------------------------------------------ properties
     @property
     def epoch(self) -> int:
         """Whole passes over the prompts so far (critic warm-up rollouts draw prompts too)."""
         return self.consumed_samples // (self.steps_per_epoch * self.settings.num_rollout_samples)
+
+    @property
+    def actor_steps(self) -> int:
+        """Steps that trained the actor (value pretraining's critic-only steps not counted)."""
+        return self.step - self.value_pretrain_steps
 
     @property
     def compute_init_policy_kl(self) -> bool:
@@ -309,15 +323,16 @@ class PPOTrainer:
         self.run_timer.start_time()
         self._train_iter = self.prompts.train(self.consumed_samples)
         bar = _progress(
-            self.progress, initial=self.step, total=self.max_steps, desc=f"{self.estimator.title} step"
+            self.progress, initial=self.step, total=self._planned_steps(), desc=f"{self.estimator.title} step"
         )
-        estimate = RunEstimate(self.step, self.max_steps)
+        estimate = RunEstimate(self.step, self._planned_steps())
         try:
-            while self.step < self.max_steps:
+            while self.actor_steps < self.max_steps:
                 metrics = self._one_step()
                 self.step += 1
+                bar.total = estimate.total_steps = self._planned_steps()
                 time_exceeded = self.run_timer.is_finished()
-                is_last = self.step >= self.max_steps or time_exceeded
+                is_last = self.actor_steps >= self.max_steps or time_exceeded
                 if self._due(self.settings.val_check_interval, is_last):
                     metrics |= self.run_validation()
                 self._log(metrics)
@@ -335,31 +350,67 @@ class PPOTrainer:
             self._drain_critic_train()
         return self.history
 
+    def _planned_steps(self) -> int:
+        """Steps this run takes: ``max_steps`` actor steps plus the critic-only ones (those left of
+        value pretraining counted at its cap)."""
+        left = self.settings.value_pretrain_cap - self.value_pretrain_steps if self.value_pretraining else 0
+        return self.max_steps + self.value_pretrain_steps + left
+
     def _one_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        # (0) critic warm-up: at the very first step the critic trains on extra rollouts first.
-        if self.step == 0:
-            for _ in range(self.settings.critic_warmup_steps):
-                data, _ = self.generate_rollouts()
-                self._send_critic_train(self._gather_global(data))
         # (1)-(4) rollouts, rewards, values, advantages
         data, metrics = self.generate_rollouts()
+        # (0) value pretraining: until the critic explains enough of this rollout's returns (one it
+        # has not trained on), or for value_pretrain_cap rollouts, the step trains the critic only
+        critic_only = self.value_pretraining and not self._value_pretrain_done(metrics)
         # every rank holds the whole global batch from here on (as NeMo-Aligner's rebalancing)
         global_data = self._gather_global(data)
         # (5) critic training runs on the server while the actor trains
         self._send_critic_train(global_data)
         # (6) actor update
-        with self._timer("train"), self._threads_beside_server(self._critic_train_in_flight):
-            metrics |= self.run_training(global_data)
+        if not critic_only:
+            with self._timer("train"), self._threads_beside_server(self._critic_train_in_flight):
+                metrics |= self.run_training(global_data)
         # the critic must finish before the next step's values are requested
         with self._timer("critic_train_wait"):
             metrics |= self._wait_critic_train()
+        if critic_only:
+            self.value_pretrain_steps += 1
+            self.value_pretraining = self.value_pretrain_steps < self.settings.value_pretrain_cap
+            if not self.value_pretraining and self.settings.value_pretrain_target is not None:
+                log.warning(
+                    "value pretraining stopped at its cap, trainer.value_pretrain.max_steps=%d, with the "
+                    "critic's held-out explained variance at %.3f, below target_explained_variance=%g: "
+                    "the actor trains from here on a critic that explains less than asked",
+                    self.settings.value_pretrain_cap,
+                    metrics.get("value/explained_variance_mc", float("nan")),
+                    self.settings.value_pretrain_target,
+                )
+        metrics["value_pretrain/critic_only"] = float(critic_only)
+        metrics["value_pretrain/steps"] = float(self.value_pretrain_steps)
         step_s = time.perf_counter() - t0
         timings = max_over_ranks(self._timer.pop())
         tokens = metrics.pop("_tokens", 0.0)
         timings["timing/step_s"] = step_s
         timings["timing/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
         return metrics | timings | self.engine.pop_metrics()  # e.g. timing/weight_sync_s
+
+    def _value_pretrain_done(self, metrics: dict[str, float]) -> bool:
+        """Whether value pretraining ends before this step's rollout (then trains the actor too):
+        its target is set and the critic's explained variance of this rollout's Monte-Carlo
+        returns — measured before the critic trains on it — reaches it."""
+        target = self.settings.value_pretrain_target
+        ev = metrics.get("value/explained_variance_mc", float("nan"))
+        if target is None or not ev >= target:  # NaN (returns of zero variance) never reaches it
+            return False
+        self.value_pretraining = False
+        log.info(
+            "value pretraining done after %d critic-only step(s): held-out explained variance %.3f ≥ %g",
+            self.value_pretrain_steps,
+            ev,
+            target,
+        )
+        return True
 
     # ------------------------------------------------------------------ (1)-(4)
     def generate_rollouts(self) -> tuple[PPOData, dict[str, float]]:
@@ -395,6 +446,9 @@ class PPOTrainer:
             kl_kind=s.kl_kind,
             gamma=s.discount_factor,
             lam=s.gae_lambda,
+            critic_gamma=s.critic_gamma,
+            critic_lam=s.critic_lam,
+            lam_length_alpha=s.gae_lambda_length_alpha,
             normalize_advantages=s.normalize_advantages,
             missing_eos_penalty=s.missing_eos_penalty,
             score_clip=s.score_clip,
@@ -405,17 +459,35 @@ class PPOTrainer:
             data.init_logprobs = rollout_batch.init_logprobs
         # β of a KL loss term: the one in effect for these rollouts (before an adaptive update below)
         self._loss_kl_coef = self.kl_controller.value
-        metrics = {f"rollout/{k}": float(v) for k, v in stats.items()}
+        # the estimator's statistics are rollout/ figures; the critic's diagnostics come named value/
+        metrics = {(k if "/" in k else f"rollout/{k}"): float(v) for k, v in stats.items()}
         if self.estimator.needs_critic:
-            # Explained variance of the rollout values against the returns they are trained toward.
+            # Explained variance of the rollout values against the returns they are trained toward,
+            # before the critic trains on them.
             ev = explained_variance(rollout_batch.values, data.returns, data.mask, reduce=dp.all_reduce_sum)
             metrics["value/explained_variance"] = float(ev)
+            if self.step == 0 and self.critic_step is None:  # a fresh run, before any critic update
+                metrics |= self._value_scale_at_init(rollout_batch.values, data)
         metrics["rollout/kl_coef"] = self.kl_controller.value
         if isinstance(self.kl_controller, AdaptiveKLController):
             # Ziegler et al. track the sequence-level KL: the mean over every rank's samples of each
             # sample's summed KL (a global statistic, so that every rank keeps the same β).
             self.kl_controller.update(float(stats["sequence_kl"]), s.num_rollout_samples)
         return data, metrics
+
+    def _value_scale_at_init(self, values: torch.Tensor, data: PPOData) -> dict[str, float]:
+        """The value head's output scale before any update (logged once, at the first step of a
+        fresh run): the values' mean, standard deviation and mean magnitude over every rank's
+        response tokens, beside the returns' standard deviation they should match."""
+        v_mean, v_var = masked_mean_var(values, data.mask, reduce=dp.all_reduce_sum)
+        _, r_var = masked_mean_var(data.returns, data.mask, reduce=dp.all_reduce_sum)
+        abs_mean, _ = masked_mean_var(values.abs(), data.mask, reduce=dp.all_reduce_sum)
+        return {
+            "value/init_values_mean": float(v_mean),
+            "value/init_values_std": float(v_var.clamp_min(0).sqrt()),
+            "value/init_values_abs_mean": float(abs_mean),
+            "value/init_returns_std": float(r_var.clamp_min(0).sqrt()),
+        }
 
     def _run_inference(
         self, prompts: Sequence[Sequence[int]], micro_batch_size: int, is_validation: bool
@@ -777,6 +849,8 @@ class PPOTrainer:
             "kl_controller": self.kl_controller.state_dict(),
             "critic_step": self.critic_step,
             "critic_steps_per_train": self.critic_steps_per_train,
+            "value_pretrain_steps": self.value_pretrain_steps,
+            "value_pretraining": self.value_pretraining,
         }
 
     def save(self, metrics: dict[str, float]) -> None:
@@ -803,6 +877,11 @@ class PPOTrainer:
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.critic_step = state.get("critic_step")
         self.critic_steps_per_train = state.get("critic_steps_per_train")
+        # a checkpoint from before value pretraining was resumable warmed up inside its first step
+        self.value_pretrain_steps = int(state.get("value_pretrain_steps", 0))
+        self.value_pretraining = bool(
+            state.get("value_pretraining", self.value_pretraining and self.step == 0)
+        )
 
 
 def _critic_values(values: torch.Tensor | None, estimator: str) -> torch.Tensor:

@@ -47,6 +47,17 @@ class LengthConfig:
 
 
 @dataclass
+class ValuePretrainConfig:
+    """Value pretraining (VC-PPO): critic-only rollouts of the initial policy before the actor's
+    first update, until the critic's held-out explained variance reaches a target or a step cap."""
+
+    max_steps: int = 0  # cap on critic-only rollouts (their prompts count as used); 0 = no pretraining
+    # stop once the critic explains this share of the Monte-Carlo returns' variance on a rollout it
+    # has not trained on (value/explained_variance_mc, in (0, 1)); null = always max_steps rollouts
+    target_explained_variance: float | None = None
+
+
+@dataclass
 class PPOConfig:
     """One PPO run: loop lengths, PPO math, batch sizes, sampling."""
 
@@ -74,8 +85,17 @@ class PPOConfig:
     missing_eos_penalty: float | None = None  # score given to responses that never ended; null = RM score
     score_clip: float | None = None  # clip RM scores to [−c, c] (c > 0); null = no clipping
     # ---- advantages
-    discount_factor: float = 1.0  # γ
-    gae_lambda: float = 0.95  # λ
+    discount_factor: float = (
+        1.0  # γ of the policy's advantages (and of the critic's returns unless set below)
+    )
+    gae_lambda: float = 0.95  # λ of the policy's advantages (and of the critic's returns unless set below)
+    critic_discount_factor: float | None = (
+        None  # γ of the critic's returns (decoupled GAE); null = discount_factor
+    )
+    critic_gae_lambda: float | None = None  # λ of the critic's returns (decoupled GAE); null = gae_lambda
+    # VAPO's length-adaptive policy λ = 1 − 1/(α·l) per response of l tokens (replaces gae_lambda for
+    # the advantages; the critic's returns keep critic_gae_lambda); null = off
+    gae_lambda_length_alpha: float | None = None
     normalize_advantages: bool = True  # gae: global masked whitening (the others normalise their own way)
     # ---- policy loss
     ratio_eps: float = 0.2  # PPO clip ε
@@ -88,7 +108,10 @@ class PPOConfig:
     gradient_clip_val: float = 1.0  # actor gradient-norm clip (≥ 0); 0 disables
     max_nonfinite_steps_in_a_row: int = 3  # stop after this many inf/NaN-gradient (skipped) steps in a row
     ppo_epochs: int = 1  # passes over each rollout (NeMo-Aligner: 1)
-    critic_warmup_steps: int = 0  # extra critic-only rollouts before the first actor update
+    critic_warmup_steps: int = (
+        0  # a fixed number of critic-only rollouts first (= value_pretrain.max_steps, no target)
+    )
+    value_pretrain: ValuePretrainConfig = field(default_factory=ValuePretrainConfig)
     # ---- batch sizes (all global, i.e. summed over data-parallel ranks)
     num_rollout_samples: int = 64  # prompts per step (each sampled n_samples_per_prompt times)
     rollout_micro_batch_size: int = 8  # responses per generation call (per rank)
@@ -117,6 +140,27 @@ class PPOConfig:
     def uses_critic(self) -> bool:
         """Whether the estimator needs the critic server (its registration's ``needs_critic``)."""
         return ESTIMATORS[self.advantage_estimator].needs_critic
+
+    @property
+    def critic_gamma(self) -> float:
+        """γ of the critic's returns: ``critic_discount_factor``, else ``discount_factor``."""
+        return self.discount_factor if self.critic_discount_factor is None else self.critic_discount_factor
+
+    @property
+    def critic_lam(self) -> float:
+        """λ of the critic's returns: ``critic_gae_lambda``, else ``gae_lambda``."""
+        return self.gae_lambda if self.critic_gae_lambda is None else self.critic_gae_lambda
+
+    @property
+    def value_pretrain_cap(self) -> int:
+        """Critic-only rollouts at most before the actor trains: ``value_pretrain.max_steps``, or
+        ``critic_warmup_steps`` (its fixed-count form; both set is refused at load)."""
+        return self.value_pretrain.max_steps or self.critic_warmup_steps
+
+    @property
+    def value_pretrain_target(self) -> float | None:
+        """The held-out explained variance that ends value pretraining early (None: the cap only)."""
+        return self.value_pretrain.target_explained_variance
 
     @property
     def samples_per_prompt(self) -> int:
@@ -168,8 +212,9 @@ class PPOConfig:
 
     def total_steps(self, steps_per_epoch: int) -> int:
         """PPO steps of a run: ``max_steps``, bounded by ``max_epochs`` passes over the prompts
-        (``steps_per_epoch`` batches each), of which critic warm-up rollouts draw some too."""
-        by_epochs = max(0, steps_per_epoch * self.max_epochs - self.critic_warmup_steps)
+        (``steps_per_epoch`` batches each), of which value pretraining's critic-only rollouts draw
+        some too (counted at their cap: the run's length and schedule are known before it starts)."""
+        by_epochs = max(0, steps_per_epoch * self.max_epochs - self.value_pretrain_cap)
         return by_epochs if self.max_steps < 0 else min(by_epochs, self.max_steps)
 
     @property
@@ -339,6 +384,16 @@ def _check_ppo(c: PPOConfig) -> None:
         bad("ratio_eps", "clip ranges must be > 0")
     if not 0.0 <= c.discount_factor <= 1.0 or not 0.0 <= c.gae_lambda <= 1.0:
         bad("discount_factor", "γ (discount_factor) and λ (gae_lambda) must lie in [0, 1]")
+    for key in ("critic_discount_factor", "critic_gae_lambda"):
+        if (value := getattr(c, key)) is not None and not 0.0 <= value <= 1.0:
+            bad(key, f"must lie in [0, 1], or null (the policy's), got {value}")
+    if c.gae_lambda_length_alpha is not None and not c.gae_lambda_length_alpha > 0:
+        bad(
+            "gae_lambda_length_alpha",
+            "must be > 0 (VAPO uses 0.05: λ = 1 − 1/(α·l)), or null (gae_lambda), got "
+            f"{c.gae_lambda_length_alpha}",
+        )
+    _check_value_pretrain(c, bad)
     if c.adaptive_kl and c.initial_policy_kl_penalty <= 0:
         bad("adaptive_kl", "needs initial_policy_kl_penalty > 0 as the starting β; set it (e.g. 0.05)")
     if c.adaptive_kl and (c.kl_target <= 0 or c.kl_horizon <= 0):
@@ -359,8 +414,6 @@ def _check_ppo(c: PPOConfig) -> None:
         bad("gradient_clip_val", f"must be ≥ 0 (0 disables clipping, e.g. 1.0), got {c.gradient_clip_val}")
     if c.max_nonfinite_steps_in_a_row < 1:
         bad("max_nonfinite_steps_in_a_row", "must be ≥ 1 (steps with an inf/NaN gradient are always skipped)")
-    if c.critic_warmup_steps < 0:
-        bad("critic_warmup_steps", "must be ≥ 0")
     for key in ("num_rollout_samples", "rollout_micro_batch_size", "global_batch_size", "micro_batch_size"):
         if getattr(c, key) < 1:
             bad(key, "must be ≥ 1")
@@ -461,13 +514,48 @@ def _check_estimator(c: PPOConfig, estimator: Estimator, bad: Callable[[str, str
         )
     if c.kl_in not in KL_PLACEMENTS:
         bad("kl_in", f"must be reward, loss or null (the estimator's default), got {c.kl_in!r}")
-    if not estimator.needs_critic and c.critic_warmup_steps:
-        bad(
-            "critic_warmup_steps",
-            f"{name} uses no critic, so there is nothing to warm up; set critic_warmup_steps=0",
-        )
+    if not estimator.needs_critic and c.value_pretrain_cap:
+        key = "critic_warmup_steps" if c.critic_warmup_steps else "value_pretrain.max_steps"
+        bad(key, f"{name} uses no critic, so there is nothing to warm up; set {key}=0")
+    if not estimator.needs_critic:
+        for key in ("critic_discount_factor", "critic_gae_lambda", "gae_lambda_length_alpha"):
+            if getattr(c, key) is not None:
+                bad(key, f"{name} has no critic and no GAE, so {key} would do nothing; set it to null")
     if c.loss_aggregation == "seq_mean_token_sum_norm" and c.length.max_length < 1:
         bad("loss_aggregation", "seq_mean_token_sum_norm divides by length.max_length, which must be ≥ 1")
+
+
+def _check_value_pretrain(c: PPOConfig, bad: Callable[[str, str], None]) -> None:
+    """Refuse value-pretraining settings that cannot work: negative counts, both forms at once, a
+    target with no cap to bound it, or a target the explained variance cannot reach."""
+    v = c.value_pretrain
+    if c.critic_warmup_steps < 0:
+        bad("critic_warmup_steps", "must be ≥ 0")
+    if v.max_steps < 0:
+        bad("value_pretrain.max_steps", f"must be ≥ 0 (0 = no value pretraining), got {v.max_steps}")
+    if c.critic_warmup_steps and v.max_steps:
+        bad(
+            "critic_warmup_steps",
+            f"critic_warmup_steps={c.critic_warmup_steps} is the fixed-count form of "
+            f"value_pretrain.max_steps={v.max_steps}; set only one (value_pretrain.max_steps with a "
+            "target_explained_variance stops early)",
+        )
+    target = v.target_explained_variance
+    if target is None:
+        return
+    if not c.value_pretrain_cap:
+        bad(
+            "value_pretrain.target_explained_variance",
+            f"{target} needs a step cap: set value_pretrain.max_steps ≥ 1 (critic-only rollouts at most)",
+        )
+    if not 0.0 < target < 1.0:
+        # EV = 1 − Var(G − V)/Var(G) ≤ 1, and = 1 only for a critic without any error: a target at or
+        # above 1 is never reached and would spend every capped rollout without the actor learning
+        bad(
+            "value_pretrain.target_explained_variance",
+            f"must lie in (0, 1): explained variance is at most 1 (a critic without error), so {target} "
+            "would never be reached and every capped rollout would go to the critic; e.g. 0.5",
+        )
 
 
 def algorithm_name(estimator: str) -> str:

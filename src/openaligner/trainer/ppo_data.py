@@ -18,13 +18,17 @@ from openaligner.algorithms import (
     KLKind,
     Reduce,
     adjust_scores,
+    explained_variance,
     kl_penalty,
     masked_mean,
     masked_mean_var,
     masked_sum,
     response_mask,
+    returns_to_go,
     single_process,
     truncated_is_weights,
+    value_error_by_position,
+    wrong_sign_fraction,
 )
 from openaligner.trainer.estimators import EstimatorInputs, get_estimator
 
@@ -80,6 +84,9 @@ def compute_ppo_data(
     kl_kind: KLKind,
     gamma: float,
     lam: float = 1.0,
+    critic_gamma: float | None = None,
+    critic_lam: float | None = None,
+    lam_length_alpha: float | None = None,
     normalize_advantages: bool = False,
     missing_eos_penalty: float | None = None,
     score_clip: float | None = None,
@@ -93,17 +100,24 @@ def compute_ppo_data(
     ``batch`` holds ``B = prompts × group_size`` rows, the ``group_size`` responses to one prompt
     contiguous (see :class:`~openaligner.trainer.ppo.PPOTrainer`). Scores are first adjusted
     (``score_clip``, ``missing_eos_penalty``); ``kl_coef`` > 0 puts the KL into the reward (pass 0
-    to keep it out, e.g. when it is a loss term). ``gamma``, ``lam`` and ``normalize_advantages``
-    go to the estimator, which may ignore them. ``tis_cap`` > 0 with ``batch.engine_logprobs``
-    gives the data truncated importance-sampling weights (:func:`truncated_is_weights`) and the
-    metrics ``tis_weight_mean`` and ``tis_truncated_fraction`` (tokens whose ratio was capped).
+    to keep it out, e.g. when it is a loss term). ``gamma``, ``lam``, ``critic_gamma``,
+    ``critic_lam`` (the critic's returns; None: ``gamma``, ``lam``), ``lam_length_alpha`` (the
+    length-adaptive policy λ) and ``normalize_advantages`` go to the estimator, which may ignore
+    them. ``tis_cap`` > 0 with ``batch.engine_logprobs`` gives the data truncated
+    importance-sampling weights (:func:`truncated_is_weights`) and the metrics
+    ``tis_weight_mean`` and ``tis_truncated_fraction`` (tokens whose ratio was capped).
 
     Metrics (global over ranks through ``reduce``; computed before whitening):
     ``init_policy_kl`` and ``rewards_with_kl`` are means over samples of each sample's token-mean
     KL and of the reward the estimator used; ``sequence_kl`` is the mean over samples of each
     sample's summed KL (what the adaptive KL controller tracks); ``advantages_{mean,std}`` and,
     for an estimator with a critic, ``{returns,values}_{mean,std}`` are the masked mean and
-    uncorrected standard deviation over all valid tokens.
+    uncorrected standard deviation over all valid tokens. An estimator with a critic that gives
+    its per-token rewards adds the critic's diagnostics against the Monte-Carlo returns ``G``
+    (:func:`returns_to_go` at ``critic_gamma``) of this rollout, which the critic has not trained
+    on yet: ``value/explained_variance_mc``, ``value/error_{early,middle,late,final}`` (mean
+    ``|V − G|`` by response position, :func:`value_error_by_position`) and
+    ``value/wrong_sign_fraction`` (of the advantages before whitening, :func:`wrong_sign_fraction`).
 
     Returns:
         ``(data, metrics)``: ``data.advantages`` [B, S-1] (0 outside the mask); without a critic
@@ -134,6 +148,9 @@ def compute_ppo_data(
         lam=lam,
         normalize_advantages=normalize_advantages,
         reduce=reduce,
+        critic_gamma=critic_gamma,
+        critic_lam=critic_lam,
+        lam_length_alpha=lam_length_alpha,
     )
     estimate = spec.compute(inputs)
     if spec.needs_critic and estimate.returns is None:
@@ -147,6 +164,10 @@ def compute_ppo_data(
     for name, (mean, var) in stats.items():
         metrics[f"{name}_mean"] = mean
         metrics[f"{name}_std"] = var.clamp_min(0).sqrt()
+
+    if estimate.returns is not None and estimate.token_rewards is not None:
+        mc = returns_to_go(estimate.token_rewards, mask, gamma if critic_gamma is None else critic_gamma)
+        metrics |= _value_diagnostics(inputs.values, mc, estimate.advantages, mask, reduce)
 
     advantages = estimate.advantages
     if estimate.whiten:
@@ -173,6 +194,17 @@ def compute_ppo_data(
         metrics["tis_weight_mean"] = sums[0] / tokens
         metrics["tis_truncated_fraction"] = sums[1] / tokens
     return data, metrics
+
+
+def _value_diagnostics(
+    values: torch.Tensor, mc: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, reduce: Reduce
+) -> dict[str, torch.Tensor]:
+    """The critic against the Monte-Carlo returns ``mc`` of the same rollout (``value/`` names)."""
+    out = {"value/explained_variance_mc": explained_variance(values, mc, mask, reduce=reduce)}
+    for band, error in value_error_by_position(values, mc, mask, reduce=reduce).items():
+        out[f"value/error_{band}"] = error
+    out["value/wrong_sign_fraction"] = wrong_sign_fraction(advantages, values, mc, mask, reduce=reduce)
+    return out
 
 
 def _mask_and_kl(batch: RolloutBatch, kl_kind: KLKind) -> tuple[torch.Tensor, torch.Tensor]:

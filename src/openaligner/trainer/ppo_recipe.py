@@ -105,18 +105,18 @@ def run_optimizer_steps(cfg: TrainPPOConfig, steps_per_epoch: int) -> int:
     checked against the learning-rate schedule (:func:`~openaligner.trainer.optim.check_schedule`).
 
     Raises:
-        StartupError: critic warm-up takes every rollout of ``max_epochs``, so the actor would
+        StartupError: value pretraining (at its cap) takes every rollout of ``max_epochs``, so the actor would
             never train; or the schedule does not fit the run.
     """
     c = cfg.trainer
     steps = c.total_steps(steps_per_epoch)
     if steps == 0:  # steps_per_epoch ≥ 1 (load_prompt_sets) and max_steps ≥ 1: only warm-up is left
         rollouts = steps_per_epoch * c.max_epochs
+        key = "critic_warmup_steps" if c.critic_warmup_steps else "value_pretrain.max_steps"
         raise StartupError(
-            f"trainer.critic_warmup_steps={c.critic_warmup_steps} takes all {rollouts} rollouts of "
+            f"trainer.{key}={c.value_pretrain_cap} takes all {rollouts} rollouts of "
             f"trainer.max_epochs={c.max_epochs} ({steps_per_epoch} per epoch of data.train_path), so the "
-            f"actor would never train; set trainer.critic_warmup_steps < {rollouts} or raise "
-            "trainer.max_epochs"
+            f"actor would never train; set trainer.{key} < {rollouts} or raise trainer.max_epochs"
         )
     optim_steps = steps * c.ppo_epochs * (c.rollout_rows // c.global_batch_size)
     check_schedule(cfg.optim, optim_steps)

@@ -167,3 +167,36 @@ def _done(value):
     f: Future = Future()
     f.set_result(value)
     return f
+
+
+def test_train_answer_decodes_explained_variance_after_when_the_server_sends_it(monkeypatch):
+    import numpy as np
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    c = RemoteGPTRMCriticClient(RemoteCriticConfig(pad_to_length=10))
+    decoders = []
+
+    def submit(model, inputs, postprocess, parameters=None, *, idempotent=True):
+        decoders.append(postprocess)
+        return Future()
+
+    c._critic.submit = submit  # type: ignore[method-assign]
+    try:
+        c.train(ppo_data())
+    finally:
+        c.close()
+    scalars = {
+        "loss_mean": 0.5,
+        "clip_fraction": 0.1,
+        "explained_variance": 0.2,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "step": 3,
+        "optimizer_steps": 1,
+    }
+    older = {k: np.array([v], np.float32) for k, v in scalars.items()}
+    answer = decoders[0](older)  # a server from before explained_variance_after
+    assert "explained_variance_after" not in answer
+    assert answer["train_explained_variance"] == pytest.approx(0.2)
+    newer = {**older, "explained_variance_after": np.array([0.7], np.float32)}
+    assert decoders[0](newer)["explained_variance_after"] == pytest.approx(0.7)

@@ -178,3 +178,17 @@ def test_critic_train_in_micro_batches_of_one_equals_one_micro_batch_of_the_glob
     assert defect.loss_mean != pytest.approx(whole.loss_mean, rel=1e-3)
     worst = max((w_defect[k] - v).abs().max().item() for k, v in w_whole.items())
     assert worst > 1000 * CRITIC_ATOL
+
+
+def test_a_pass_reports_the_explained_variance_after_its_update(tiny):
+    from openaligner.algorithms import explained_variance
+
+    batch = a_batch(rows=5)
+    trainer = make(tiny, micro_batch_size=2)
+    result = trainer.train_pass(batch)
+    # by hand: the updated critic's values over the same rows, against the same returns
+    with torch.no_grad():
+        values = trainer.model.standardize(trainer.model(batch.tokens))[:, : batch.returns.shape[1]]
+    expected = float(explained_variance(values, batch.returns, batch.mask))
+    assert result.explained_variance_after == pytest.approx(expected, abs=1e-5)
+    assert result.explained_variance_after != result.explained_variance  # the update moved the values

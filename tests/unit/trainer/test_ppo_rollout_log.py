@@ -41,9 +41,9 @@ def test_rollout_log_and_train_table_are_stepped_as_metrics_and_hold_every_rollo
     t.fit()
     logs = tmp_path / "logs"
     steps = [m["step"] for m in read_jsonl(logs / "metrics.jsonl")]
-    assert steps == [1, 2]
+    assert steps == [1, 2, 3]
     rollouts = by_step(read_jsonl(logs / "rollouts.jsonl"))
-    assert list(rollouts) == steps  # the warm-up rollout is not a step and is not logged
+    assert list(rollouts) == steps  # the warm-up rollout is a (critic-only) step of its own, logged too
     for rows in rollouts.values():
         assert [r["sample"] for r in rows] == list(range(16))  # num_rollout_samples=16, 1 response each
     tables = [r for r in read_jsonl(logs / "tables.jsonl") if r["table"] == "table/train_rollouts"]

@@ -18,7 +18,9 @@ def test_fit_logs_reference_metrics_and_trains_critic(tmp_path):
     cfg = ppo_cfg(max_steps=2, max_epochs=2, critic_warmup_steps=1)
     t = make_trainer(tmp_path, cfg, client=client, scorer=count_target)
     history = t.fit()
-    assert len(history) == 2
+    # the warm-up rollout is a critic-only step of its own (logged, checkpointed), then 2 actor steps
+    assert len(history) == 3 and [h["value_pretrain/critic_only"] for h in history] == [1.0, 0.0, 0.0]
+    assert not any(k.startswith("policy/") for k in history[0])
     m = history[-1]
     for key in [
         "rollout/rewards",
@@ -47,16 +49,18 @@ def test_fit_logs_reference_metrics_and_trains_critic(tmp_path):
         "timing/validation_s",
     ]:
         assert key in m, key
-    # warm-up: one extra critic-only rollout at step 0, then one per step; warm-up prompts count
+    # warm-up: one critic-only rollout first, then one per step; warm-up prompts count
     assert client.train_calls == 3
     assert m["rollout/consumed_samples"] == 48
-    # 32 prompts = 2 batches per pass: warm-up and step 1 draw pass 1, step 2 the start of pass 2
-    assert [h["rollout/epoch"] for h in history] == [1.0, 2.0]
+    # 32 prompts = 2 batches per pass: warm-up and step 2 draw pass 1, step 3 the start of pass 2
+    assert [h["rollout/epoch"] for h in history] == [1.0, 1.0, 2.0]
     # 16 samples / global batch 8 = 2 optimizer steps per PPO step
     assert m["policy/optim_step"] == 4
     # the first minibatch of a step sees the rollout policy exactly: ratio starts at 1
-    assert abs(history[0]["policy/ppo_ratio"] - 1.0) < 0.05
-    assert client.save_calls == 1 and (tmp_path / "ckpt" / "step_2").is_dir()
+    assert abs(history[1]["policy/ppo_ratio"] - 1.0) < 0.05
+    # checkpoints at step 2 (save_interval) and at the last step, 3
+    assert client.save_calls == 2 and (tmp_path / "ckpt" / "step_2").is_dir()
+    assert (tmp_path / "ckpt" / "step_3").is_dir()
 
 
 def test_resume_matches_uninterrupted_run(tmp_path):
@@ -210,8 +214,8 @@ def test_warmup_rollouts_count_toward_max_epochs(tmp_path):
     # one pass = 2 batches; the warm-up draws one, so one pass leaves one PPO step
     client = TargetTokenScorer()
     history = make_trainer(tmp_path, ppo_cfg(max_epochs=1, critic_warmup_steps=1), client=client).fit()
-    assert len(history) == 1 and history[0]["rollout/consumed_samples"] == 32
-    assert history[0]["rollout/epoch"] == 1.0
+    assert [h["value_pretrain/critic_only"] for h in history] == [1.0, 0.0]
+    assert history[1]["rollout/consumed_samples"] == 32 and history[1]["rollout/epoch"] == 1.0
 
 
 @pytest.mark.parametrize(
