@@ -530,3 +530,30 @@ def test_topk_cross_entropy_targets_train_end_to_end_over_http(front, model_dir)
     )
     assert status == 200, fut
     assert "error" not in result(front, fut)
+
+
+def test_a_prompt_and_max_tokens_over_the_models_positions_is_the_clients_error(front):
+    """The tiny model has 256 positions: 6 prompt tokens + max_tokens 251 do not fit. The client
+    is told so at asample (a 400 naming both numbers), not with a server failure from the
+    engine later; a request that fits samples on."""
+    sid = session(front)
+    status, out = call(
+        front,
+        "POST",
+        "create_sampling_session",
+        {"session_id": sid, "sampling_session_seq_id": 0, "base_model": "tiny/model"},
+    )
+    assert status == 200, out
+    body = {
+        "sampling_session_id": out["sampling_session_id"],
+        "seq_id": 0,
+        "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": TOKENS}]},
+        "sampling_params": {"max_tokens": 251, "seed": 0},
+    }
+    status, out = call(front, "POST", "asample", body)
+    assert status == 400, out
+    assert "6 prompt tokens" in out["error"] and "max_tokens 251" in out["error"] and "256" in out["error"]
+    status, fut = call(front, "POST", "asample", {**body, "sampling_params": {"max_tokens": 250, "seed": 0}})
+    assert status == 200, fut
+    assert isinstance(result(front, fut), bytes)
