@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from openaligner.models.positions import position_limit
 from openaligner.servers.tinker.futures import FutureTable, UserError
 from openaligner.servers.tinker.sampling import (
     SampledSequence,
@@ -334,7 +335,6 @@ class TinkerService:
         with self._lock:
             if model_id in self.models:
                 raise UserError(f"model {model_id} exists already (model_seq_id used twice)")
-        from openaligner.models.positions import position_limit
 
         hf = self._load_base(base, critic=role == "critic")
         trainer = build_trained(hf, lora, role, max_tokens=position_limit(hf.config))
@@ -666,6 +666,17 @@ class TinkerService:
         params = TinkerSampling.parse(
             body.get("sampling_params") or {}, default_max_tokens=self.default_max_tokens, vocab_size=vocab
         )
+        # checked here, so the client hears it as its own error, not as the engine's failure later
+        limit = (
+            model.trainer.max_tokens
+            if model is not None
+            else position_limit(self._plain_model(sampler.base).config)
+        )
+        if limit is not None and tokens.numel() + params.max_tokens > limit:
+            raise UserError(
+                f"{tokens.numel()} prompt tokens + sampling_params.max_tokens {params.max_tokens} exceed the "
+                f"model's {limit} positions; lower max_tokens or shorten the prompt"
+            )
         if params.stop_strings and tokenizer is None:
             raise UserError(
                 "stop strings need the model's tokenizer, which its directory lacks; stop on token ids"

@@ -487,3 +487,73 @@ def test_a_save_cut_short_leaves_no_checkpoint(model_dir, tmp_path, monkeypatch)
     monkeypatch.undo()
     model.save(tmp_path / "ck", optimizer=True, extra={"base_model": "tiny/model"})
     assert tinker_model.read_checkpoint_meta(tmp_path / "ck")["base_model"] == "tiny/model"
+
+
+def test_topk_cross_entropy_targets_train_end_to_end_over_http(front, model_dir):
+    """cross_entropy's top-K form as the SDK sends it (target_tokens int64 [N, K], weights
+    float32 [N, K]): answered with logprobs [N, K] equal to a plain log_softmax + gather, the
+    loss the weighted sum of their negatives, and gradients that an optim_step applies."""
+    sid = session(front)
+    mid = create_model(front, sid)
+    inputs, k = TOKENS[:-1], 3
+    n = len(inputs)
+    targets = [[(t + j) % VOCAB for j in range(k)] for t in TOKENS[1:]]
+    weights = [[1.0, 0.5, 0.25]] * n
+    msg: Any = wire._ForwardBackwardRequest(model_id=mid, seq_id=1, loss_fn="cross_entropy")
+    datum = msg.data.add()
+    datum.model_input.add().encoded_text.tokens = np.asarray(inputs, "<i4").tobytes()
+    for name, values, dtype, code in (
+        ("target_tokens", targets, "<i8", wire.DTYPE_INT64),
+        ("weights", weights, "<f4", wire.DTYPE_FLOAT32),
+    ):
+        t = datum.loss_fn_inputs[name]
+        t.dense = np.asarray(values, dtype).tobytes()
+        t.dtype = code
+        t.shape.extend([n, k])
+    status, fut = post_fwdbwd(front, bytes(msg.SerializeToString()))
+    assert status == 200, fut
+    body = result(front, fut)
+    assert isinstance(body, bytes), body
+    out: Any = wire._ForwardBackwardOutput()
+    out.ParseFromString(body)
+    field = out.loss_fn_outputs[0].fields["logprobs"]
+    assert list(field.trailing_shape) == [k]
+    got = torch.from_numpy(np.frombuffer(field.data, "<f4").reshape(n, k).copy())
+    with torch.no_grad():
+        logits = fresh(model_dir).model(input_ids=torch.tensor([inputs])).logits[0]
+        want = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(targets))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # LoRA B starts at zero
+    expected_loss = float(-(want * torch.tensor(weights)).sum())
+    assert dict(out.metrics)["loss:sum"] == pytest.approx(expected_loss, rel=1e-5)
+    status, fut = call(
+        front, "POST", "optim_step", {"model_id": mid, "seq_id": 2, "adam_params": {"learning_rate": 1e-2}}
+    )
+    assert status == 200, fut
+    assert "error" not in result(front, fut)
+
+
+def test_a_prompt_and_max_tokens_over_the_models_positions_is_the_clients_error(front):
+    """The tiny model has 256 positions: 6 prompt tokens + max_tokens 251 do not fit. The client
+    is told so at asample (a 400 naming both numbers), not with a server failure from the
+    engine later; a request that fits samples on."""
+    sid = session(front)
+    status, out = call(
+        front,
+        "POST",
+        "create_sampling_session",
+        {"session_id": sid, "sampling_session_seq_id": 0, "base_model": "tiny/model"},
+    )
+    assert status == 200, out
+    body = {
+        "sampling_session_id": out["sampling_session_id"],
+        "seq_id": 0,
+        "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": TOKENS}]},
+        "sampling_params": {"max_tokens": 251, "seed": 0},
+    }
+    status, out = call(front, "POST", "asample", body)
+    assert status == 400, out
+    assert "6 prompt tokens" in out["error"] and "max_tokens 251" in out["error"] and "256" in out["error"]
+    status, fut = call(front, "POST", "asample", {**body, "sampling_params": {"max_tokens": 250, "seed": 0}})
+    assert status == 200, fut
+    assert isinstance(result(front, fut), bytes)

@@ -87,6 +87,38 @@ def response_cases() -> dict[str, bytes]:
     }
 
 
+def served_sample_cases() -> dict[str, bytes]:
+    """SampleResponses from the server's own sampling path at its shortest: every token id a stop
+    id, so the first token ends each sample (``max_tokens`` 1 and 4). The server never sends a
+    zero-token sample (the SDK would read its empty log-probs as None, which the cookbook's
+    completer asserts against): the stop token is kept, with its log-prob."""
+    from openaligner.models.builders import TinySize, build_tiny_causal_lm
+    from openaligner.servers.tinker.sampling import TinkerSampling, engine_for, sample
+
+    vocab = 40
+    model = build_tiny_causal_lm(
+        "llama", TinySize(vocab_size=vocab, hidden_size=16, num_layers=1, num_heads=2), seed=0
+    )
+    cases = {}
+    for max_tokens in (1, 4):
+        params = TinkerSampling.parse(
+            {"max_tokens": max_tokens, "stop": list(range(vocab)), "seed": 0},
+            default_max_tokens=1,
+            vocab_size=vocab,
+        )
+        seqs, _ = sample(
+            engine_for(model, None),
+            model,
+            torch.tensor([3, 4, 5]),
+            2,
+            params,
+            tokenizer=None,
+            prompt_logprobs=False,
+        )
+        cases[f"sample_served_first_token_stops_{max_tokens}"] = wire.encode_sample_response(seqs, None)
+    return cases
+
+
 @pytest.fixture(scope="module")
 def sdk(tmp_path_factory) -> Path:
     """The directory the SDK script filled (one process start for the whole module)."""
@@ -94,7 +126,7 @@ def sdk(tmp_path_factory) -> Path:
         pytest.skip(f"the tinker SDK's virtualenv is missing ({TINKER_PYTHON}): run `make tinker-setup`")
     root = tmp_path_factory.mktemp("tinker_wire")
     (root / "responses").mkdir()
-    for name, body in response_cases().items():
+    for name, body in {**response_cases(), **served_sample_cases()}.items():
         (root / "responses" / f"{name}.bin").write_bytes(body)
     subprocess.run([str(TINKER_PYTHON), str(SDK_SCRIPT), str(root)], check=True, cwd=root, timeout=300)
     return root
@@ -242,6 +274,17 @@ def test_the_sdk_reads_a_plain_sample_and_an_empty_one(sdk):
     assert plain["prompt_logprobs"] is None and plain["topk_prompt_logprobs"] is None
     # zero tokens: the SDK reads the empty logprobs as None (a limit of its decoder, documented)
     assert sdk_view(sdk, "sample_empty_sequence")["sequences"][0]["logprobs"] is None
+
+
+@needs_sdk
+@pytest.mark.parametrize("max_tokens", [1, 4])
+def test_a_served_sample_that_stops_at_once_reaches_the_sdk_with_a_list_of_logprobs(sdk, max_tokens):
+    sequences = sdk_view(sdk, f"sample_served_first_token_stops_{max_tokens}")["sequences"]
+    assert len(sequences) == 2
+    for seq in sequences:
+        assert seq["stop_reason"] == "stop" and len(seq["tokens"]) == 1
+        assert isinstance(seq["logprobs"], list) and len(seq["logprobs"]) == 1
+        assert math.isfinite(seq["logprobs"][0]) and seq["logprobs"][0] <= 0
 
 
 @needs_sdk
