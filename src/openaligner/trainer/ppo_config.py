@@ -17,9 +17,9 @@ from openaligner.clients.critic import RemoteCriticConfig
 from openaligner.data.render import check_chat_template_mode
 from openaligner.models.lora import LoraConfig
 from openaligner.models.precision import check_precision, check_save_dtype
-from openaligner.models.rollout_engine import RolloutConfig
 from openaligner.models.sharding import ActorParallelConfig
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
+from openaligner.rollout.engine import RolloutConfig
 from openaligner.trainer.estimators import ESTIMATORS, Estimator, KLPlacement
 from openaligner.trainer.optim import OptimConfig
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from ppo_fakes import make_trainer, ppo_cfg
 
-from openaligner.models.rollout_engine import HFRolloutEngine, RolloutRequest
+from openaligner.rollout.engine import HFRolloutEngine, RolloutRequest
 from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
 from openaligner.trainer.ppo import derive_seed
 

@@ -188,7 +188,7 @@ def _hf_engine(cfg: RolloutConfig, actor: CausalLMActor) -> RolloutEngine:
 
 
 def _vllm_engine(cfg: RolloutConfig, actor: CausalLMActor) -> RolloutEngine:
-    from openaligner.models.vllm_engine import VLLMRolloutEngine
+    from openaligner.rollout.vllm_engine import VLLMRolloutEngine
 
     return VLLMRolloutEngine(actor, cfg.vllm)
 

@@ -8,7 +8,7 @@ import torch
 
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.generation import SamplingParams
-from openaligner.models.rollout_engine import (
+from openaligner.rollout.engine import (
     HFRolloutEngine,
     RolloutConfig,
     RolloutEngine,

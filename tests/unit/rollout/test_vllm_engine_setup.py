@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openaligner.models.rollout_engine import EngineSetupError
-from openaligner.models.vllm_engine import engine_state_dict, resolve_python
+from openaligner.rollout.engine import EngineSetupError
+from openaligner.rollout.vllm_engine import engine_state_dict, resolve_python
 
 
 def test_engine_state_dict_unties_copies_casts_and_names_the_tied_head(tiny):

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 
 from openaligner import distributed as dp
-from openaligner.models.rollout_engine import (
+from openaligner.rollout.engine import (
     EngineSetupError,
     RolloutEngine,
     RolloutEngineError,
@@ -237,14 +237,14 @@ class EngineLink:
         and have it reload from them. The plan first (``POST /collective/plan``, checked by the
         engine before any byte moves); then ``POST /collective/receive`` in a thread, and only once
         the engine has set the store key ``ready/<push>`` (or answered: a refusal) the buckets of
-        :func:`~openaligner.models.vllm_worker.bucket_layout` are broadcast from ``device`` (the
+        :func:`~openaligner.rollout.vllm_worker.bucket_layout` are broadcast from ``device`` (the
         trainer's; the CPU for gloo). The group is built on the first push, and again when the
         engine has lost its end (409) or a broadcast failed."""
         import uuid
 
         import torch.distributed as tdist
 
-        from openaligner.models.vllm_worker import COLLECTIVE_BUCKET_BYTES, bucket_bytes_of, bucket_layout
+        from openaligner.rollout.vllm_worker import COLLECTIVE_BUCKET_BYTES, bucket_bytes_of, bucket_layout
 
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this thread's current device (on_each runs a thread each)
