@@ -52,7 +52,9 @@ from openaligner.models.actor import CausalLMActor
 from openaligner.models.generation import SamplingParams
 from openaligner.models.precision import Precision
 from openaligner.models.tokenizers import build_char_tokenizer
-from openaligner.rollout.engine import HFRolloutEngine, RolloutRequest, VLLMConfig, row_seeds
+from openaligner.rollout.engine import RolloutRequest, row_seeds
+from openaligner.rollout.hf_engine import HFRolloutEngine
+from openaligner.rollout.vllm_config import VLLMConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, EOS, BOS = 0, 1, 2  # the built-in char tokenizer's special ids (the CLI's tokenizer for these models)

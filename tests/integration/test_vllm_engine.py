@@ -34,13 +34,9 @@ from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.generation import SamplingParams
 from openaligner.models.tokenizers import build_char_tokenizer
-from openaligner.rollout.engine import (
-    HFRolloutEngine,
-    RolloutEngineError,
-    RolloutRequest,
-    VLLMConfig,
-    row_seeds,
-)
+from openaligner.rollout.engine import RolloutEngineError, RolloutRequest, row_seeds
+from openaligner.rollout.hf_engine import HFRolloutEngine
+from openaligner.rollout.vllm_config import VLLMConfig
 from openaligner.rollout.vllm_engine import VLLMRolloutEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.heavy, pytest.mark.slow]
@@ -376,7 +372,7 @@ TRAINER_THAT_HANGS = """
 import sys, time
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
-from openaligner.rollout.engine import VLLMConfig
+from openaligner.rollout.vllm_config import VLLMConfig
 from openaligner.rollout.vllm_engine import VLLMRolloutEngine
 
 size = TinySize(vocab_size=128, hidden_size=64, num_layers=2, num_heads=2)

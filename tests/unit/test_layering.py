@@ -33,6 +33,18 @@ def test_nothing_in_trainer_imports_servers():
         assert not servers, (path.name, servers)
 
 
+def test_rollout_sits_between_models_and_trainer():
+    """models ← rollout ← trainer / cli: the engines use the actor and the sampling loop, and
+    nothing below them knows an engine."""
+    above = ("openaligner.trainer", "openaligner.servers", "openaligner.clients", "openaligner.cli")
+    for path in (SRC / "rollout").glob("*.py"):
+        up = [m for m in openaligner_imports(path) if m.startswith(above)]
+        assert not up, (path.name, up)
+    for path in [*(SRC / "models").rglob("*.py"), *(SRC / "algorithms").glob("*.py")]:
+        engines = [m for m in openaligner_imports(path) if m.startswith("openaligner.rollout")]
+        assert not engines, (path.name, engines)
+
+
 def documented_modules() -> set[str]:
     """The files the layout block of docs/architecture.md names, as paths below ``src/openaligner``."""
     import re

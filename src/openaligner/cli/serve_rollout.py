@@ -22,7 +22,8 @@ from pathlib import Path
 from types import FrameType
 
 from openaligner.config import StartupError, as_startup_error
-from openaligner.rollout.engine import EngineSetupError, VLLMProcessConfig
+from openaligner.rollout.engine import EngineSetupError
+from openaligner.rollout.vllm_config import VLLMProcessConfig
 from openaligner.servers.transport.triton import is_loopback
 
 log = logging.getLogger("openaligner.serve_rollout")
@@ -65,7 +66,7 @@ def run(cfg: ServeRolloutConfig) -> int:
     Raises:
         StartupError: no model at ``model``, no interpreter at ``vllm.python``, or the port is taken.
     """
-    from openaligner.rollout.vllm_engine import end_group, resolve_python, shm_dir, spawn_worker
+    from openaligner.rollout.vllm_link import end_group, resolve_python, shm_dir, spawn_worker
 
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = check_model_dir(cfg.model)

@@ -19,7 +19,7 @@ from openaligner.models.lora import LoraConfig
 from openaligner.models.precision import check_precision, check_save_dtype
 from openaligner.models.sharding import ActorParallelConfig
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
-from openaligner.rollout.engine import RolloutConfig
+from openaligner.rollout.config import RolloutConfig
 from openaligner.trainer.estimators import ESTIMATORS, Estimator, KLPlacement
 from openaligner.trainer.optim import OptimConfig
 

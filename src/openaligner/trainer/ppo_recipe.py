@@ -54,7 +54,8 @@ from openaligner.models.source import (
     resolve_tokenizer,
     source_position_limit,
 )
-from openaligner.rollout.engine import EngineSetupError, RolloutEngine, build_rollout_engine
+from openaligner.rollout.config import build_rollout_engine
+from openaligner.rollout.engine import EngineSetupError, RolloutEngine
 from openaligner.tasks import task_scorer
 from openaligner.trainer.estimators import get_estimator
 from openaligner.trainer.model_build import SharedState, build_trainable_model

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from openaligner.rollout.engine import EngineSetupError
-from openaligner.rollout.vllm_engine import engine_state_dict, resolve_python
+from openaligner.rollout.vllm_link import resolve_python
+from openaligner.rollout.weights_file import engine_state_dict
 
 
 def test_engine_state_dict_unties_copies_casts_and_names_the_tied_head(tiny):

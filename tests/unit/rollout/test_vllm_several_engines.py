@@ -20,14 +20,8 @@ from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.generation import SamplingParams
 from openaligner.rollout import vllm_worker
-from openaligner.rollout.engine import (
-    EngineSetupError,
-    RolloutEngineError,
-    RolloutRequest,
-    VLLMConfig,
-    engine_urls,
-    row_seeds,
-)
+from openaligner.rollout.engine import EngineSetupError, RolloutEngineError, RolloutRequest, row_seeds
+from openaligner.rollout.vllm_config import VLLMConfig, engine_urls
 from openaligner.rollout.vllm_engine import VLLMRolloutEngine, split_rows
 
 SIZE = TinySize(vocab_size=100, num_heads=2)

@@ -588,7 +588,7 @@ def test_the_trainer_refuses_an_answer_that_is_not_a_json_object_with_an_engine_
     from http.server import BaseHTTPRequestHandler
 
     from openaligner.rollout.engine import RolloutEngineError
-    from openaligner.rollout.vllm_engine import EngineLink
+    from openaligner.rollout.vllm_link import EngineLink
 
     class Answer(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
