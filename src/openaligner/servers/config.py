@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
-from openaligner.servers.protocol import DEFAULT_HOST
+from openaligner.protocol import DEFAULT_HOST
 from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.transport.triton import Batching, TritonHost
 
