@@ -30,3 +30,34 @@ def test_missing_interpreter_names_the_key_and_the_make_target(tmp_path):
     with pytest.raises(EngineSetupError, match=r"rollout\.vllm\.python=.*make rollout-setup"):
         resolve_python(str(tmp_path / "nope" / "python"))
     assert resolve_python("/bin/sh").name == "sh"
+
+
+def test_the_engine_process_runs_the_worker_script_by_path_in_isolated_mode(tmp_path, monkeypatch):
+    """The rollout venv's Python runs ``rollout/vllm_worker.py`` by its path with ``-I`` (no
+    PYTHONPATH, and not the script's directory, whose ``config.py`` / ``engine.py`` would shadow
+    modules of those names): the file must be where the link says, and import nothing of ours."""
+    import ast
+    import subprocess
+    from pathlib import Path
+
+    from openaligner.rollout import vllm_link
+    from openaligner.rollout.vllm_config import VLLMProcessConfig
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, cmd, **kwargs):
+            seen.update(cmd=cmd, env=kwargs["env"])
+
+    monkeypatch.setattr(subprocess, "Popen", Recorder)
+    vllm_link.spawn_worker(Path("/venv/bin/python"), tmp_path, tmp_path, VLLMProcessConfig(), None, [])
+    worker = Path(vllm_link.__file__).with_name("vllm_worker.py")
+    assert seen["cmd"][:3] == ["/venv/bin/python", "-I", str(worker)] and worker.is_file()
+    assert "PYTHONPATH" not in seen["env"]
+    imported = {
+        (n.module or "") if isinstance(n, ast.ImportFrom) else a.name
+        for n in ast.walk(ast.parse(worker.read_text()))
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for a in n.names
+    }
+    assert not [m for m in imported if m.startswith("openaligner")], imported
