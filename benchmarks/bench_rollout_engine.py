@@ -51,8 +51,10 @@ from flops import llama_shape, matmul_peak_flop_per_s
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.generation import SamplingParams
 from openaligner.models.precision import Precision
-from openaligner.models.rollout_engine import HFRolloutEngine, RolloutRequest, VLLMConfig, row_seeds
 from openaligner.models.tokenizers import build_char_tokenizer
+from openaligner.rollout.engine import RolloutRequest, row_seeds
+from openaligner.rollout.hf_engine import HFRolloutEngine
+from openaligner.rollout.vllm_config import VLLMConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, EOS, BOS = 0, 1, 2  # the built-in char tokenizer's special ids (the CLI's tokenizer for these models)
@@ -202,7 +204,7 @@ def bench_generation(
     if rollout_python is None or not Path(rollout_python).exists():
         result["vllm"] = {"skipped": f"no rollout environment at {rollout_python} (make rollout-setup)"}
         return result
-    from openaligner.models.vllm_engine import VLLMRolloutEngine
+    from openaligner.rollout.vllm_engine import VLLMRolloutEngine
 
     cfg = VLLMConfig(
         python=rollout_python,
@@ -267,7 +269,7 @@ def bench_transfers(shape: str, *, pushes: int, transfers: list[str], rollout_py
     the seconds, their median, and each median over the first transfer's."""
     import dataclasses
 
-    from openaligner.models.vllm_engine import VLLMRolloutEngine
+    from openaligner.rollout.vllm_engine import VLLMRolloutEngine
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -141,7 +141,7 @@ class Engine:
 
         from openaligner.models.actor import CausalLMActor
         from openaligner.models.generation import SamplingParams
-        from openaligner.models.rollout_engine import HFRolloutEngine
+        from openaligner.rollout.hf_engine import HFRolloutEngine
 
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
         self.engine = HFRolloutEngine(CausalLMActor(load(directory).eval(), tokenizer, init_policy=False))
@@ -158,7 +158,7 @@ class Engine:
     def _generate(self, rows: Any, seed: int) -> int:
         import torch
 
-        from openaligner.models.rollout_engine import RolloutRequest
+        from openaligner.rollout.engine import RolloutRequest
 
         b, p = rows.shape
         out = self.engine.generate(

@@ -45,7 +45,7 @@ def test_the_engine_benchmark_counts_generated_tokens_only():
     from bench_rollout_engine import _request, _timed
     from openaligner.models.actor import CausalLMActor
     from openaligner.models.builders import TinySize, build_tiny_causal_lm
-    from openaligner.models.rollout_engine import HFRolloutEngine
+    from openaligner.rollout.hf_engine import HFRolloutEngine
 
     actor = CausalLMActor(build_tiny_causal_lm("qwen2", TinySize(vocab_size=64)), init_policy=False)
     request = _request(prompts=2, samples=2, prompt_len=5, new_tokens=3, vocab=64, seed=0)

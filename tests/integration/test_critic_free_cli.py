@@ -18,11 +18,13 @@ from procs import Served, free_port
 
 from openaligner.cli.main import main
 from openaligner.io.metrics import read_jsonl
+from openaligner.trainer import estimators
 
 pytestmark = pytest.mark.slow
 
 ESTIMATORS = ["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp"]
 HERE = Path(__file__).parent
+ALGORITHMS_DOC = HERE.parents[1] / "docs" / "algorithms.md"
 
 
 def _serve(args: list[str]) -> tuple[Served, int]:
@@ -74,9 +76,9 @@ def prompts(tmp_path_factory) -> Path:
     return path
 
 
-def _train(out: Path, prompts: Path, estimator: str, port: int, reward: str) -> int:
+def _train(out: Path, prompts: Path, estimator: str, port: int, reward: str, *more: str) -> int:
     torch.set_num_threads(2)
-    extra = ["data.metadata_keys=[letter]"] if reward == "function" else []
+    extra = [*(["data.metadata_keys=[letter]"] if reward == "function" else []), *more]
     return main(
         [
             "train-ppo",
@@ -137,3 +139,28 @@ def test_every_estimator_trains_against_a_served_reward_and_resumes_exactly(
         if k.startswith("timing/") or v is None:
             continue
         assert again[1][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+def test_the_docs_estimator_trains_from_the_command_line_as_a_plugin(tmp_path, servers, prompts):
+    """docs/algorithms.md's worked estimator, saved as the user's own file, used by
+    `openaligner train-ppo plugins=[group_mean_plugin.py] trainer.advantage_estimator=group_mean`."""
+    import re
+
+    section = ALGORITHMS_DOC.read_text().split("## Add your own estimator", 1)[1]
+    estimator_code = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    plugin = tmp_path / "group_mean_plugin.py"
+    plugin.write_text(estimator_code)
+    estimators.ESTIMATORS.pop("group_mean", None)  # registered by another test of this process, if any
+    sys.modules.pop("group_mean_plugin", None)
+    try:
+        out = tmp_path / "run"
+        assert _train(out, prompts, "group_mean", servers.port("model"), "model", f"plugins=[{plugin}]") == 0
+    finally:
+        estimators.ESTIMATORS.pop("group_mean", None)
+        sys.modules.pop("group_mean_plugin", None)
+    rows = read_jsonl(out / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["rollout/rollout_size"] == 16  # 4 prompts × 4 responses
+    assert rows[0]["rollout/advantages_mean"] == pytest.approx(0.0, abs=1e-6)  # group-mean baselines
+    assert not any(k.startswith("value/") for k in rows[0])
+    assert f"plugins:\n- {plugin}\n" in (out / "config.yaml").read_text()

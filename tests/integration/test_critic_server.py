@@ -23,8 +23,8 @@ from openaligner.clients.critic import (
 )
 from openaligner.clients.errors import AuthenticationError, BadRequestError, ServerError
 from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
+from openaligner.protocol import TOKEN_PARAMETER
 from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
-from openaligner.servers.protocol import TOKEN_PARAMETER
 from openaligner.servers.reward import RewardModelServer
 from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
 

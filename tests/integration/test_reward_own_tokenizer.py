@@ -18,7 +18,7 @@ from openaligner.data.render import Renderer, SequenceLayout, tokenizer_identity
 from openaligner.models.builders import TinySize, build_tiny_sequence_classifier
 from openaligner.models.reward import RewardModel
 from openaligner.models.tokenizers import build_char_tokenizer, train_bpe_tokenizer
-from openaligner.servers.protocol import tokenizer_description
+from openaligner.protocol import tokenizer_description
 from openaligner.servers.reward import RewardModelServer, make_render_func, make_tokenize_func
 from openaligner.trainer.rollout import RolloutConversations
 

@@ -33,15 +33,11 @@ from openaligner.io.metrics import read_jsonl
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.generation import SamplingParams
-from openaligner.models.rollout_engine import (
-    HFRolloutEngine,
-    RolloutEngineError,
-    RolloutRequest,
-    VLLMConfig,
-    row_seeds,
-)
 from openaligner.models.tokenizers import build_char_tokenizer
-from openaligner.models.vllm_engine import VLLMRolloutEngine
+from openaligner.rollout.engine import RolloutEngineError, RolloutRequest, row_seeds
+from openaligner.rollout.hf_engine import HFRolloutEngine
+from openaligner.rollout.vllm_config import VLLMConfig
+from openaligner.rollout.vllm_engine import VLLMRolloutEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.heavy, pytest.mark.slow]
 
@@ -376,8 +372,8 @@ TRAINER_THAT_HANGS = """
 import sys, time
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
-from openaligner.models.rollout_engine import VLLMConfig
-from openaligner.models.vllm_engine import VLLMRolloutEngine
+from openaligner.rollout.vllm_config import VLLMConfig
+from openaligner.rollout.vllm_engine import VLLMRolloutEngine
 
 size = TinySize(vocab_size=128, hidden_size=64, num_layers=2, num_heads=2)
 actor = CausalLMActor(build_tiny_causal_lm("llama", size), init_policy=False)

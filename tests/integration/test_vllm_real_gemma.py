@@ -26,15 +26,11 @@ from openaligner.algorithms import response_mask
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.generation import SamplingParams
 from openaligner.models.lora import LoraConfig, add_lora
-from openaligner.models.rollout_engine import (
-    HFRolloutEngine,
-    RolloutEngine,
-    RolloutRequest,
-    VLLMConfig,
-    row_seeds,
-)
 from openaligner.models.source import ModelSourceConfig, load_causal_lm
-from openaligner.models.vllm_engine import VLLMRolloutEngine
+from openaligner.rollout.engine import RolloutEngine, RolloutRequest, row_seeds
+from openaligner.rollout.hf_engine import HFRolloutEngine
+from openaligner.rollout.vllm_config import VLLMConfig
+from openaligner.rollout.vllm_engine import VLLMRolloutEngine
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.vllm, pytest.mark.heavy, pytest.mark.slow]
 

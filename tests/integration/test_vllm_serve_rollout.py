@@ -32,14 +32,10 @@ from openaligner.io.metrics import read_jsonl
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.generation import SamplingParams
-from openaligner.models.rollout_engine import (
-    EngineSetupError,
-    HFRolloutEngine,
-    RolloutRequest,
-    VLLMConfig,
-    row_seeds,
-)
-from openaligner.models.vllm_engine import VLLMRolloutEngine
+from openaligner.rollout.engine import EngineSetupError, RolloutRequest, row_seeds
+from openaligner.rollout.hf_engine import HFRolloutEngine
+from openaligner.rollout.vllm_config import VLLMConfig
+from openaligner.rollout.vllm_engine import VLLMRolloutEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.heavy, pytest.mark.slow]
 

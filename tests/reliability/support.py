@@ -21,8 +21,8 @@ import torch
 from procs import descendants
 
 from openaligner.io.checkpoint import CheckpointManager
+from openaligner.protocol import TOKEN_PARAMETER, ErrorEnvelope
 from openaligner.servers.critic import CriticServerConfig, CriticServerTrainer
-from openaligner.servers.protocol import TOKEN_PARAMETER, ErrorEnvelope
 from openaligner.servers.reward import RewardModelServer, make_render_func, make_tokenize_func
 from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
 

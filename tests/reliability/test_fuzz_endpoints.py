@@ -67,7 +67,7 @@ from support import (
     with_token,
 )
 
-from openaligner.servers.protocol import TOKEN_PARAMETER
+from openaligner.protocol import TOKEN_PARAMETER
 
 pytestmark = pytest.mark.reliability
 

@@ -50,8 +50,8 @@ from support import (
 from openaligner.cli.serve_critic import ServeCriticConfig
 from openaligner.cli.serve_reward import ServeRewardConfig
 from openaligner.models.source import ModelSourceConfig
+from openaligner.protocol import DEFAULT_HOST, TOKEN_ENV, TOKEN_PARAMETER
 from openaligner.servers.critic import CriticServerConfig
-from openaligner.servers.protocol import DEFAULT_HOST, TOKEN_ENV, TOKEN_PARAMETER
 from openaligner.servers.reward import RewardModelServer, RewardServerConfig
 from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.transport.triton import TritonHost

@@ -33,6 +33,59 @@ def test_nothing_in_trainer_imports_servers():
         assert not servers, (path.name, servers)
 
 
+def test_rollout_sits_between_models_and_trainer():
+    """models ← rollout ← trainer / cli: the engines use the actor and the sampling loop, and
+    nothing below them knows an engine."""
+    above = ("openaligner.trainer", "openaligner.servers", "openaligner.clients", "openaligner.cli")
+    for path in (SRC / "rollout").glob("*.py"):
+        up = [m for m in openaligner_imports(path) if m.startswith(above)]
+        assert not up, (path.name, up)
+    for path in [*(SRC / "models").rglob("*.py"), *(SRC / "algorithms").glob("*.py")]:
+        engines = [m for m in openaligner_imports(path) if m.startswith("openaligner.rollout")]
+        assert not engines, (path.name, engines)
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Every module below ``src/openaligner`` (dotted) → the openaligner modules it imports, at any
+    depth of the file (lazy and ``TYPE_CHECKING`` imports too: a circle through them is still one)."""
+    modules = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for m in openaligner_imports(path):
+            while m not in modules and "." in m:  # `from openaligner.x import name` → openaligner.x
+                m = m.rsplit(".", 1)[0]
+            if m in modules and m != name and path.name != "__init__.py":
+                found.add(m)
+        graph[name] = found
+    return graph
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    graph = module_imports()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circle = [*path[path.index(nxt) :], nxt]
+                raise AssertionError(f"an import circle: {' -> '.join(circle)}")
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
 def documented_modules() -> set[str]:
     """The files the layout block of docs/architecture.md names, as paths below ``src/openaligner``."""
     import re

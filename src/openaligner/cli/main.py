@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from openaligner import __version__
+from openaligner.cli.plugins import declared_plugins, import_plugins
 from openaligner.config import ConfigError, describe_config, load_config
 from openaligner.trainer.stopping import TrainingStopped
 
@@ -132,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = command(ns.command)
     path, overrides = split_config_args(ns.args)
     try:
+        # before the config: what the plugins register (an estimator) must be a name it takes
+        import_plugins(declared_plugins(module.SCHEMA, path, overrides))
         if ns.print_config:
             return _print_config(ns.command, module.SCHEMA, path, overrides)
         cfg = load_config(module.SCHEMA, path, overrides)

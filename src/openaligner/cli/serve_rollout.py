@@ -2,9 +2,9 @@
 own, which train-ppo runs attach to (``rollout.vllm.url``) instead of starting one each.
 
 Owns the command: check the model directory and the port, start the engine process
-(``models/vllm_worker.py --standalone`` with the rollout environment's Python) on a directory in
+(``rollout/vllm_worker.py --standalone`` with the rollout environment's Python) on a directory in
 ``/dev/shm``, print its URL, and end it (its whole process group, its directory removed) on SIGINT
-or SIGTERM. Must not know the engine's endpoints or how weights reach it (``models/vllm_engine``).
+or SIGTERM. Must not know the engine's endpoints or how weights reach it (``rollout/vllm_engine``).
 Design notes: docs/rollout-engine.md, "A standalone engine".
 """
 
@@ -22,7 +22,8 @@ from pathlib import Path
 from types import FrameType
 
 from openaligner.config import StartupError, as_startup_error
-from openaligner.models.rollout_engine import EngineSetupError, VLLMProcessConfig
+from openaligner.rollout.engine import EngineSetupError
+from openaligner.rollout.vllm_config import VLLMProcessConfig
 from openaligner.servers.transport.triton import is_loopback
 
 log = logging.getLogger("openaligner.serve_rollout")
@@ -65,7 +66,7 @@ def run(cfg: ServeRolloutConfig) -> int:
     Raises:
         StartupError: no model at ``model``, no interpreter at ``vllm.python``, or the port is taken.
     """
-    from openaligner.models.vllm_engine import end_group, resolve_python, shm_dir, spawn_worker
+    from openaligner.rollout.vllm_link import end_group, resolve_python, shm_dir, spawn_worker
 
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = check_model_dir(cfg.model)

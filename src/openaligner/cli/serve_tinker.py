@@ -20,7 +20,7 @@ from pathlib import Path
 from types import FrameType
 
 from openaligner.config import StartupError
-from openaligner.servers.protocol import TOKEN_ENV
+from openaligner.protocol import TOKEN_ENV
 from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.transport.triton import is_loopback
 

@@ -35,8 +35,8 @@ from openaligner.models.source import (
     pick_device,
     tokenizer_id_count,
 )
+from openaligner.protocol import tokenizer_description
 from openaligner.servers.config import ServingConfig
-from openaligner.servers.protocol import tokenizer_description
 from openaligner.servers.reward import make_render_func, make_tokenize_func
 from openaligner.servers.transport.lifecycle import STOP_WHILE_STARTING_S, ServerLifecycle
 from openaligner.servers.validation import RenderFn, TokenizeFn

@@ -34,7 +34,7 @@ from openaligner.clients.errors import (
     ServerTimeoutError,
     ServerUnavailableError,
 )
-from openaligner.servers.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope, reads_text, tokenizer_route
+from openaligner.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope, reads_text, tokenizer_route
 
 LOGGER = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class TritonHTTPClient:
 
     def tokenizer(self, model: str) -> dict[str, Any] | None:
         """What the server says of the tokenizer ``model`` lays text out with (GET
-        :data:`~openaligner.servers.protocol.TOKENIZER_ROUTE`): ``name``, ``fingerprint`` and
+        :data:`~openaligner.protocol.TOKENIZER_ROUTE`): ``name``, ``fingerprint`` and
         ``vocab_fingerprint``, plus ``"reads": "text"`` for a server that scores text with a reward
         function (then perhaps alone); None when it has no tokenizer, or is too old to say.
 

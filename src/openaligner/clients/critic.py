@@ -24,7 +24,7 @@ import torch
 from openaligner.clients.base import TritonHTTPClient
 from openaligner.clients.errors import BadRequestError
 from openaligner.clients.reward import RemoteGPTRMClient, RemoteRMConfig, rollout_arrays
-from openaligner.servers.protocol import (
+from openaligner.protocol import (
     CLIP_FRACTION,
     CRITIC_DEFAULT_PORT,
     CRITIC_INFER_NAME,

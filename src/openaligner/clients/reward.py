@@ -19,7 +19,7 @@ import torch
 
 from openaligner.clients.base import TritonHTTPClient
 from openaligner.clients.errors import BadRequestError
-from openaligner.servers.protocol import (
+from openaligner.protocol import (
     DEFAULT_HOST,
     MESSAGES,
     METADATA,

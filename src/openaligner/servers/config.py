@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from openaligner.models.fixed_shapes import INVARIANT_WIDTH_MULTIPLE, FixedShapes
-from openaligner.servers.protocol import DEFAULT_HOST
+from openaligner.protocol import DEFAULT_HOST
 from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.transport.triton import Batching, TritonHost
 

@@ -26,12 +26,7 @@ from openaligner.models.critic import CriticModel
 from openaligner.models.positions import position_limit
 from openaligner.models.reward import RewardModel
 from openaligner.models.sharding import is_sharded
-from openaligner.servers.batching import (
-    split_rows,
-)
-from openaligner.servers.config import ServingConfig
-from openaligner.servers.distributed import Opcode, Rank0Dispatcher
-from openaligner.servers.protocol import (
+from openaligner.protocol import (
     CLIP_FRACTION,
     CRITIC_DEFAULT_PORT,
     CRITIC_INFER_INPUTS,
@@ -64,6 +59,11 @@ from openaligner.servers.protocol import (
     VALUES,
     TensorSpec,
 )
+from openaligner.servers.batching import (
+    split_rows,
+)
+from openaligner.servers.config import ServingConfig
+from openaligner.servers.distributed import Opcode, Rank0Dispatcher
 from openaligner.servers.sequence_endpoint import SequenceEndpoint
 from openaligner.servers.transport.lifecycle import ServerLifecycle
 from openaligner.servers.validation import (
@@ -330,7 +330,7 @@ class CriticServerTrainer(ServerLifecycle):
             refused). Its precision's autocast also runs every inference forward.
         tokenize_func: for ``sentences`` infer requests; None refuses them.
         tokenizer_info: what the tokenizer route of ``critic_infer`` says (see
-            :func:`~openaligner.servers.protocol.tokenizer_description`); None: no tokenizer.
+            :func:`~openaligner.protocol.tokenizer_description`); None: no tokenizer.
         reward_model: the frozen reward model served in combined mode (required there).
         resume: load the trainer's latest complete checkpoint at construction.
         resume_step: with ``resume``, load the checkpoint of this critic step instead of the

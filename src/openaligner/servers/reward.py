@@ -30,15 +30,15 @@ from openaligner.data.render import (
     with_eos,
 )
 from openaligner.models.fixed_shapes import FixedShapes
-from openaligner.servers.batching import split_rows
-from openaligner.servers.config import ServingConfig
-from openaligner.servers.distributed import Opcode, Rank0Dispatcher
-from openaligner.servers.protocol import (
+from openaligner.protocol import (
     REWARD_DEFAULT_PORT,
     REWARD_INPUTS,
     REWARD_MODEL_NAME,
     REWARD_OUTPUTS,
 )
+from openaligner.servers.batching import split_rows
+from openaligner.servers.config import ServingConfig
+from openaligner.servers.distributed import Opcode, Rank0Dispatcher
 from openaligner.servers.reward_formats import TextReading, reward_routes
 from openaligner.servers.reward_function import RewardFunctionEndpoint, ScoreTexts
 from openaligner.servers.sequence_endpoint import SequenceEndpoint
@@ -147,7 +147,7 @@ class RewardModelServer(ServerLifecycle):
         tokenize_func: tokenizer for ``sentences``; None refuses sentences.
         render_func: lays out ``messages`` (:func:`make_render_func`); None refuses messages.
         tokenizer_info: what the tokenizer route says (see
-            :func:`~openaligner.servers.protocol.tokenizer_description`); None: no tokenizer.
+            :func:`~openaligner.protocol.tokenizer_description`); None: no tokenizer.
         cfg: serving settings (default :class:`RewardServerConfig`). Here ``max_sequence_length``
             None skips the length check: the server does not know the model's positions.
         vocab_size: refuse token ids outside ``[0, vocab_size)``; None skips the check.

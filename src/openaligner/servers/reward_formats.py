@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from openaligner.servers.protocol import MESSAGES, METADATA, REWARDS, SENTENCES, SEQUENCE_LENGTHS, TOKENS
+from openaligner.protocol import MESSAGES, METADATA, REWARDS, SENTENCES, SEQUENCE_LENGTHS, TOKENS
 from openaligner.servers.reward_function import MAX_METADATA_BYTES
 from openaligner.servers.transport.strict_json import (
     check_text,

@@ -29,13 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from openaligner.servers.batching import split_rows
-from openaligner.servers.function_worker import (
-    RewardFunctionError,
-    RewardFunctionLoadError,
-    split_spec,
-)
-from openaligner.servers.protocol import (
+from openaligner.protocol import (
     MESSAGES,
     METADATA,
     REWARD_INPUTS,
@@ -44,6 +38,12 @@ from openaligner.servers.protocol import (
     SENTENCES,
     text_reader,
     tokenizer_description,
+)
+from openaligner.servers.batching import split_rows
+from openaligner.servers.function_worker import (
+    RewardFunctionError,
+    RewardFunctionLoadError,
+    split_spec,
 )
 from openaligner.servers.validation import (
     RenderFn,

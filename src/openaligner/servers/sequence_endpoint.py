@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from openaligner.protocol import tokenizer_description
 from openaligner.servers.batching import EndpointStats, merge_rows, pad_rows, padding_multiple, strip_columns
-from openaligner.servers.protocol import tokenizer_description
 from openaligner.servers.validation import RenderFn, SequenceRequest, TokenizeFn, parse_sequence_request
 
 
@@ -29,7 +29,7 @@ class SequenceEndpoint:
         tokenize_func: turns ``sentences`` into tokens; None refuses sentences.
         render_func: lays ``messages`` out as the model was trained; None refuses messages.
         tokenizer_info: what the server says of its tokenizer on the tokenizer route
-            (:func:`~openaligner.servers.protocol.tokenizer_description`); None: it has none.
+            (:func:`~openaligner.protocol.tokenizer_description`); None: it has none.
         vocab_size: token ids must lie in ``[0, vocab_size)``; None skips the check.
         max_sequence_length: longest accepted sequence; None skips the check.
         max_batch_size: most rows per request.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from openaligner.servers.protocol import (
+from openaligner.protocol import (
     MESSAGES,
     METADATA,
     REWARD_INPUTS,

@@ -3,7 +3,8 @@
 Owns the registry that the config (defaults, refusals), the data path (the advantages) and the
 trainer (whether a critic exists) ask by ``trainer.advantage_estimator``, and the built-in
 estimators' registrations. Each function adapts one rollout's tensors (:class:`EstimatorInputs`)
-to the math in :mod:`openaligner.algorithms`; must not know the loop, models, clients or servers.
+to the math in :mod:`openaligner.algorithms`; must not know the loop, models, clients, servers,
+nor the config's class (the config imports the registry, never the other way).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -29,9 +30,6 @@ from openaligner.algorithms import (
     sequence_kl,
     shape_rewards,
 )
-
-if TYPE_CHECKING:
-    from openaligner.trainer.ppo_config import PPOConfig
 
 KLPlacement = Literal["reward", "loss"]
 """Where the KL to the initial policy goes: −β·KL in the reward, or +β·KL in the loss."""
@@ -72,8 +70,23 @@ class Estimate:
 
 
 EstimatorFn = Callable[[EstimatorInputs], Estimate]
-Refusal = Callable[["PPOConfig"], "tuple[str, str] | None"]
-"""``config → (key below trainer., why)`` for a setting this estimator refuses, else None."""
+
+
+class TrainerSettings(Protocol):
+    """The ``trainer`` section as a refusal reads it: the config passes its own section (every key
+    of docs/ppo.md, defaults resolved); these are the keys the built-in refusals read. A refusal of
+    one's own may read any other key of the section by name."""
+
+    normalize_advantages: bool
+
+    @property
+    def rollout_rows(self) -> int:
+        """Responses per step (``num_rollout_samples × n_samples_per_prompt``)."""
+        ...
+
+
+Refusal = Callable[[TrainerSettings], "tuple[str, str] | None"]
+"""``trainer section → (key below trainer., why)`` for a setting this estimator refuses, else None."""
 
 
 @dataclass(frozen=True)
@@ -156,14 +169,14 @@ def get_estimator(name: str) -> Estimator:
 
 
 # ---------------------------------------------------------------- the built-in estimators
-def _one_response_whitened(c: PPOConfig) -> bool:
+def _one_response_whitened(c: TrainerSettings) -> bool:
     """Whether a step whitens the advantages of one response only: whitened over its own tokens,
     it loses its mean advantage, and with it the reward: REINFORCE++ without KL gives every token
     the score as its return, so all become 0; GAE at γ = λ = 1 keeps only the values' deviations."""
     return c.rollout_rows == 1
 
 
-def _refuse_gae(c: PPOConfig) -> tuple[str, str] | None:
+def _refuse_gae(c: TrainerSettings) -> tuple[str, str] | None:
     if c.normalize_advantages and _one_response_whitened(c):
         return (
             "normalize_advantages",
@@ -174,7 +187,7 @@ def _refuse_gae(c: PPOConfig) -> tuple[str, str] | None:
     return None
 
 
-def _refuse_reinforce_pp(c: PPOConfig) -> tuple[str, str] | None:
+def _refuse_reinforce_pp(c: TrainerSettings) -> tuple[str, str] | None:
     if _one_response_whitened(c):
         return (
             "num_rollout_samples",

@@ -36,7 +36,8 @@ from openaligner.algorithms import (
 from openaligner.io.checkpoint import CheckpointManager
 from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
-from openaligner.models.rollout_engine import HFRolloutEngine, RolloutEngine, RolloutRequest, row_seeds
+from openaligner.rollout.engine import RolloutEngine, RolloutRequest, row_seeds
+from openaligner.rollout.hf_engine import HFRolloutEngine
 from openaligner.trainer.estimators import Estimator, get_estimator
 from openaligner.trainer.optim_step import optimizer_step
 from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig

@@ -17,9 +17,9 @@ from openaligner.clients.critic import RemoteCriticConfig
 from openaligner.data.render import check_chat_template_mode
 from openaligner.models.lora import LoraConfig
 from openaligner.models.precision import check_precision, check_save_dtype
-from openaligner.models.rollout_engine import RolloutConfig
 from openaligner.models.sharding import ActorParallelConfig
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
+from openaligner.rollout.config import RolloutConfig
 from openaligner.trainer.estimators import ESTIMATORS, Estimator, KLPlacement
 from openaligner.trainer.optim import OptimConfig
 
@@ -290,13 +290,25 @@ class ExpConfig:
     server_overlap_threads: int | None = None
 
 
+def _schema_ppo() -> PPOConfig:
+    """``trainer``'s defaults as the schema holds them, the keys whose null means "the estimator's
+    default" still null: ``PPOConfig()`` resolves them for gae at once, and a schema built on that
+    would give an estimator named on the command line gae's samples, KL placement and aggregation."""
+    c = PPOConfig()
+    c.n_samples_per_prompt = c.kl_in = c.loss_aggregation = None
+    return c
+
+
 @dataclass
 class TrainPPOConfig:
+    # modules imported before this config is validated (a dotted name or a .py path), e.g. a user's
+    # estimator registration (docs/algorithms.md); every rank imports them
+    plugins: list[str] = field(default_factory=list)
     actor: ModelSourceConfig = field(default_factory=ModelSourceConfig)  # the SFT policy to train
     tokenizer: TokenizerSourceConfig = field(default_factory=TokenizerSourceConfig)  # the actor's tokenizer
     device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:1, ... (torchrun: cuda:LOCAL_RANK)
     precision: str = "auto"  # auto (bf16-mixed on CUDA, else fp32) | fp32 | bf16-mixed | fp16-mixed
-    trainer: PPOConfig = field(default_factory=PPOConfig)
+    trainer: PPOConfig = field(default_factory=lambda: _schema_ppo())
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, betas=[0.9, 0.95]))
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA actor; initial policy = adapters disabled
     parallel: ActorParallelConfig = field(default_factory=ActorParallelConfig)  # ddp replicas or fsdp shards
@@ -306,6 +318,8 @@ class TrainPPOConfig:
     exp: ExpConfig = field(default_factory=ExpConfig)
 
     def __post_init__(self) -> None:
+        if None in (self.trainer.n_samples_per_prompt, self.trainer.kl_in, self.trainer.loss_aggregation):
+            self.trainer.__post_init__()  # built in code, not loaded: the estimator's defaults, as a load
         check_precision(self.precision, "precision")
         self.parallel.check_precision(self.precision)
         check_save_dtype(self.exp.save_dtype, "exp.save_dtype")

@@ -38,7 +38,6 @@ from openaligner.io.metrics import open_run_logs
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.lora import MERGED_DIR, is_peft_model
 from openaligner.models.precision import MASTER_DTYPE, Precision, resolve_save_dtype
-from openaligner.models.rollout_engine import EngineSetupError, RolloutEngine, build_rollout_engine
 from openaligner.models.sharding import (
     ActorParallelConfig,
     ShardingError,
@@ -55,6 +54,8 @@ from openaligner.models.source import (
     resolve_tokenizer,
     source_position_limit,
 )
+from openaligner.rollout.config import build_rollout_engine
+from openaligner.rollout.engine import EngineSetupError, RolloutEngine
 from openaligner.tasks import task_scorer
 from openaligner.trainer.estimators import get_estimator
 from openaligner.trainer.model_build import SharedState, build_trainable_model

@@ -70,3 +70,17 @@ def test_tis_cap_is_off_by_default_and_refused_where_it_would_do_nothing_or_shri
     assert main(["train-ppo", str(YAML), *REQUIRED, "trainer.tis_cap=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "trainer.tis_cap" in err and "rollout.engine=vllm" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("yaml", [YAML, None], ids=["reference-yaml", "command-line-only"])
+def test_an_estimators_own_defaults_apply_with_or_without_the_reference_yaml(yaml):
+    """grpo's registration brings n_samples_per_prompt=4, kl_in=loss and its loss aggregation; named
+    on the command line alone they must not turn into gae's (1, reward, token_mean)."""
+    trainer = load_config(SCHEMA, yaml, [*REQUIRED, "trainer.advantage_estimator=grpo"]).trainer
+    assert (trainer.n_samples_per_prompt, trainer.kl_in, trainer.loss_aggregation) == (
+        4,
+        "loss",
+        "seq_mean_token_mean",
+    )
+    gae = load_config(SCHEMA, yaml, [*REQUIRED]).trainer
+    assert (gae.n_samples_per_prompt, gae.kl_in, gae.loss_aggregation) == (1, "reward", "token_mean")

@@ -10,7 +10,7 @@ import torch
 from openaligner.clients.critic import RemoteCriticConfig, RemoteGPTRMCriticClient, RMCriticFutureResult
 from openaligner.clients.errors import BadRequestError, ServerError
 from openaligner.config import ConfigError, load_config
-from openaligner.servers.protocol import TOKEN_ENV, TOKEN_PARAMETER
+from openaligner.protocol import TOKEN_ENV, TOKEN_PARAMETER
 
 
 class RecordingClient(RemoteGPTRMCriticClient):

@@ -23,7 +23,7 @@ from openaligner.clients.errors import (
     ServerUnavailableError,
 )
 from openaligner.clients.reward import RemoteGPTRMClient, RemoteRMConfig
-from openaligner.servers.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope
+from openaligner.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope
 
 
 class FakeTriton:

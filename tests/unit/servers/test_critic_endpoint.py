@@ -11,8 +11,8 @@ import torch
 
 from openaligner.algorithms import value_loss
 from openaligner.io.checkpoint import CheckpointManager, verify_checkpoint
+from openaligner.protocol import TOKEN_ENV, TOKEN_PARAMETER
 from openaligner.servers.critic import CriticInferEndpoint, CriticServerConfig, CriticServerTrainer
-from openaligner.servers.protocol import TOKEN_ENV, TOKEN_PARAMETER
 from openaligner.servers.validation import RequestError, UnauthorizedError
 from openaligner.trainer.critic import CriticTrainConfig, CriticTrainer
 

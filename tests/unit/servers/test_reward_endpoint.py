@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from openaligner.servers.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope
+from openaligner.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope
 from openaligner.servers.reward import (
     MAX_CHARS_PER_TOKEN,
     RewardEndpoint,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from openaligner.clients.critic import TokenizerIdentity, TokenizerMismatchError, choose_reward_input
-from openaligner.servers.protocol import reads_text, text_reader, tokenizer_description
+from openaligner.protocol import reads_text, text_reader, tokenizer_description
 from openaligner.servers.reward_function import (
     SCORES_PARAMETER,
     FunctionRunner,

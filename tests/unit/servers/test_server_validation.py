@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from openaligner.servers.protocol import REWARD_INPUTS, SENTENCES, SEQUENCE_LENGTHS, TOKENS
+from openaligner.protocol import REWARD_INPUTS, SENTENCES, SEQUENCE_LENGTHS, TOKENS
 from openaligner.servers.validation import (
     RequestError,
     check_batch_size,

@@ -10,7 +10,8 @@ import pytest
 import torch
 from ppo_fakes import make_trainer, ppo_cfg
 
-from openaligner.models.rollout_engine import HFRolloutEngine, RolloutRequest
+from openaligner.rollout.engine import RolloutRequest
+from openaligner.rollout.hf_engine import HFRolloutEngine
 from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
 from openaligner.trainer.ppo import derive_seed
 

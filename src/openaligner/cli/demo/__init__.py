@@ -103,8 +103,9 @@ SCHEMA = DemoConfig
 def _engine_problem(python: str) -> str | None:
     """Why the vllm engine could not start with interpreter ``python`` ("" = train-ppo's default);
     None when the interpreter is there (whether it imports vllm is found out when it starts)."""
-    from openaligner.models.rollout_engine import EngineSetupError, VLLMConfig
-    from openaligner.models.vllm_engine import resolve_python
+    from openaligner.rollout.engine import EngineSetupError
+    from openaligner.rollout.vllm_config import VLLMConfig
+    from openaligner.rollout.vllm_link import resolve_python
 
     try:
         resolve_python(python or VLLMConfig().python)

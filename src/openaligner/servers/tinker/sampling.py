@@ -1,5 +1,5 @@
 """``asample`` for the Tinker API: the sampling settings a client sends turned into the rollout
-engine's, the samples drawn through the :class:`~openaligner.models.rollout_engine.RolloutEngine`
+engine's, the samples drawn through the :class:`~openaligner.rollout.engine.RolloutEngine`
 seam, and the log-probs Tinker returns with them.
 
 Owns :class:`TinkerSampling` (``sampling_params`` read and checked), :class:`SampledSequence` and
@@ -18,7 +18,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # The one import of the rollout seam in the Tinker server (the engine seam may move packages).
-from openaligner.models.rollout_engine import HFRolloutEngine, RolloutEngine, RolloutRequest, row_seeds
+from openaligner.rollout.engine import RolloutEngine, RolloutRequest, row_seeds
+from openaligner.rollout.hf_engine import HFRolloutEngine
 from openaligner.trainer.tinker_model import TinkerInputError
 
 

@@ -25,7 +25,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from openaligner.servers.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope
+from openaligner.protocol import REQUEST_ID_PARAMETER, ErrorEnvelope
 from openaligner.servers.transport.kserve import (
     HEADER_LENGTH,
     InferRequest,
@@ -42,7 +42,7 @@ tokens is about 84 MB in binary form)."""
 
 INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 TOKENIZER_PATH = re.compile(r"^/v2/models/([^/]+)/tokenizer$")
-""":data:`~openaligner.servers.protocol.TOKENIZER_ROUTE`, answered by the guard itself."""
+""":data:`~openaligner.protocol.TOKENIZER_ROUTE`, answered by the guard itself."""
 
 RequestCheck = Callable[[Mapping[str, np.ndarray], Mapping[str, Any]], Any]
 """Judges one decoded request — ``(inputs, request parameters)`` — before it is forwarded; raises

@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from openaligner.servers.protocol import DEFAULT_HOST, REQUEST_ID_PARAMETER, ErrorEnvelope, TensorSpec
+from openaligner.protocol import DEFAULT_HOST, REQUEST_ID_PARAMETER, ErrorEnvelope, TensorSpec
 from openaligner.servers.transport.http_guard import (
     DEFAULT_MAX_REQUEST_BYTES,
     Admit,

@@ -239,7 +239,7 @@ class ScoreRoute:
 
 
 def envelope(kind, rid, why="the function raised"):
-    from openaligner.servers.protocol import ErrorEnvelope
+    from openaligner.protocol import ErrorEnvelope
 
     invalid = {rid: why} if kind == "bad_request" else {"other": why}
     valid = (rid,) if kind == "rejected_batch" else ()
@@ -252,7 +252,7 @@ class ScoringUpstream(BaseHTTPRequestHandler):
     seen: list = []  # noqa: RUF012 — shared across requests on purpose
 
     def do_POST(self):
-        from openaligner.servers.protocol import REQUEST_ID_PARAMETER
+        from openaligner.protocol import REQUEST_ID_PARAMETER
 
         received = self.rfile.read(int(self.headers["Content-Length"]))
         parsed = parse_infer_request(received, self.headers.get(HEADER_LENGTH))

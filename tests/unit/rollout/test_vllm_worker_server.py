@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from openaligner.models import vllm_worker
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
+from openaligner.rollout import vllm_worker
 
 
 class FakeLLM:
@@ -136,8 +136,8 @@ def test_a_spawned_engine_has_no_lease_and_refuses_the_standalone_endpoints(tmp_
 @pytest.mark.parametrize("transfer", ["auto", "http"])
 def test_an_attached_trainer_keeps_its_lease_pushes_its_weights_and_detaches(tmp_path, transfer):
     from openaligner.models.actor import CausalLMActor
-    from openaligner.models.rollout_engine import VLLMConfig
-    from openaligner.models.vllm_engine import VLLMRolloutEngine
+    from openaligner.rollout.vllm_config import VLLMConfig
+    from openaligner.rollout.vllm_engine import VLLMRolloutEngine
 
     tiny = build_tiny_causal_lm("llama", TinySize(vocab_size=100, num_heads=2), seed=0)
     tiny.save_pretrained(tmp_path / "model")

@@ -23,9 +23,11 @@ import torch
 import torch.distributed as tdist
 from test_vllm_several_engines import FakeSamplingParams, actor, request, serve
 
-from openaligner.models import vllm_worker
-from openaligner.models.rollout_engine import RolloutEngineError, VLLMConfig
-from openaligner.models.vllm_engine import VLLMRolloutEngine, engine_state_dict
+from openaligner.rollout import vllm_worker
+from openaligner.rollout.engine import RolloutEngineError
+from openaligner.rollout.vllm_config import VLLMConfig
+from openaligner.rollout.vllm_engine import VLLMRolloutEngine
+from openaligner.rollout.weights_file import engine_state_dict
 
 
 @pytest.fixture

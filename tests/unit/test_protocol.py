@@ -2,7 +2,7 @@
 
 import json
 
-from openaligner.servers.protocol import REWARDS, SENTENCES, SEQUENCE_LENGTHS, TOKENS, ErrorEnvelope
+from openaligner.protocol import REWARDS, SENTENCES, SEQUENCE_LENGTHS, TOKENS, ErrorEnvelope
 
 
 def test_wire_shapes_and_dtype_names():

@@ -8,14 +8,9 @@ import torch
 
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.generation import SamplingParams
-from openaligner.models.rollout_engine import (
-    HFRolloutEngine,
-    RolloutConfig,
-    RolloutEngine,
-    RolloutRequest,
-    build_rollout_engine,
-    row_seeds,
-)
+from openaligner.rollout.config import RolloutConfig, build_rollout_engine
+from openaligner.rollout.engine import RolloutEngine, RolloutRequest, row_seeds
+from openaligner.rollout.hf_engine import HFRolloutEngine
 
 LENGTHS = torch.tensor([4, 7, 2, 6])
 

@@ -1,32 +1,23 @@
 """The ``vllm`` rollout engine, trainer side: starts one vLLM engine process with the rollout
-environment's Python (or attaches to those ``openaligner serve-rollout`` started), talks to them
-over HTTP, and pushes the policy's weights into them (file, upload, or a group broadcast).
+environment's Python (or attaches to those ``openaligner serve-rollout`` started), shares each
+rollout among them, and pushes the policy's weights into them before the next rollout.
 
-Owns the engine process's lifecycle (its whole process group is ended on :meth:`close`; the
-engine also ends itself when the trainer's process is gone; attached engines are only detached),
-the model directory the engine loads from, the mapping of
-:class:`~openaligner.models.generation.SamplingParams` onto vLLM's, and the weight push. Must not
-import vLLM (it lives in another virtualenv) nor know about rewards, losses or the PPO loop.
-Engine side: ``vllm_worker.py``; the why and the wire: docs/rollout-engine.md.
+Owns :class:`VLLMRolloutEngine`: the engines' lifecycle (started ones are ended on :meth:`close`,
+attached ones only detached), the model directory the engine loads from, the mapping of
+:class:`~openaligner.models.generation.SamplingParams` onto vLLM's, when a push happens and which
+transfer carries it (``weights_file`` / ``weights_http`` / ``weights_collective``). Must not
+import vLLM nor know about rewards, losses or the PPO loop. Engine side: ``vllm_worker.py``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import copy
 import http.client
 import json
 import logging
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import tempfile
-import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -35,17 +26,17 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 
 from openaligner import distributed as dp
-from openaligner.models.rollout_engine import (
+from openaligner.rollout.engine import (
     EngineSetupError,
     RolloutEngine,
     RolloutEngineError,
     RolloutRequest,
-    VLLMConfig,
-    VLLMProcessConfig,
     WeightSource,
-    check_engine_url,
-    engine_urls,
 )
+from openaligner.rollout.vllm_config import VLLMConfig, engine_urls
+from openaligner.rollout.vllm_link import EngineLink, end_group, resolve_python, shm_dir, spawn_worker
+from openaligner.rollout.weights_file import WEIGHTS_FILE, engine_state_dict, place_weights, write_weights
+from openaligner.rollout.weights_http import upload
 
 if TYPE_CHECKING:
     from openaligner.models.actor import CausalLMActor
@@ -53,434 +44,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WORKER = Path(__file__).with_name("vllm_worker.py")
-"""The script the engine process runs (stdlib + vLLM only)."""
-
-LEASE_HEADER = "X-Openaligner-Lease"
-"""The header carrying an attached trainer's lease (``vllm_worker.LEASE_HEADER``)."""
-
 S = TypeVar("S")
 T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_python(spec: str, key: str = "rollout.vllm.python") -> Path:
-    """The rollout environment's interpreter: ``spec`` if absolute, else relative to the working
-    directory, else to the source checkout holding this package (where ``make rollout-setup``
-    puts ``.venv-rollout``).
-
-    Raises:
-        EngineSetupError: no such interpreter, naming the key and the make target.
-    """
-    path = Path(spec).expanduser()
-    candidates = [path] if path.is_absolute() else [Path.cwd() / path, Path(__file__).parents[3] / path]
-    for candidate in candidates:
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate.absolute()  # not resolved: a venv's python is a symlink out of the venv
-    raise EngineSetupError(
-        f"{key}={spec} is not an interpreter (looked at {', '.join(map(str, candidates))}): "
-        f"run `make rollout-setup` (a virtualenv with vLLM in .venv-rollout) or point {key} "
-        "at a Python that can import vllm"
-    )
-
-
-def engine_state_dict(
-    state: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool, *, own_copies: bool = True
-) -> dict[str, torch.Tensor]:
-    """``state`` as the engine loads it: floats cast to ``dtype``, every tensor contiguous, with an
-    explicit ``lm_head.weight`` for a model whose head is tied to its input embedding (vLLM's CPU
-    build keeps a packed copy of the head that a reload without that key leaves stale).
-
-    ``own_copies`` (a file's tensors): each its own CPU copy, since safetensors refuses tensors
-    that share memory, and tied weights do. Without it (a broadcast, which copies every tensor
-    into its buckets anyway) tensors stay on their device and share memory where they can."""
-    out = {}
-    for name, t in state.items():
-        t = t.detach().to(dtype=dtype if t.is_floating_point() else t.dtype)
-        out[name] = t.to("cpu").clone().contiguous() if own_copies else t.contiguous()
-    if tied and "lm_head.weight" not in out:
-        embed = [n for n in out if n.endswith("embed_tokens.weight") or n.endswith("wte.weight")]
-        if embed:
-            head = out[embed[0]]
-            out["lm_head.weight"] = head.clone() if own_copies else head
-    return out
-
-
-def shm_dir(prefix: str) -> Path:
-    """A new private directory in ``/dev/shm`` (memory, not disk) when there is one, else in the
-    temporary directory."""
-    shm = Path("/dev/shm")
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=shm if shm.is_dir() else None))
-
-
-def spawn_worker(
-    python: Path,
-    model_dir: Path,
-    workdir: Path,
-    cfg: VLLMProcessConfig,
-    stdout: Any,
-    extra: list[str],
-) -> tuple[subprocess.Popen[bytes], Path]:
-    """Start ``vllm_worker.py`` with ``python`` on ``model_dir``, in its own session (its process
-    group is ended as one by :func:`end_group`), exiting by itself when this process is gone.
-    Returns the process and the ready file it writes once it serves (``{"port": N}``)."""
-    ready = workdir / "ready.json"
-    cmd = [
-        str(python),
-        "-I",  # no PYTHONPATH, no user site, and not this package's directory on sys.path
-        str(WORKER),
-        f"--model={model_dir}",
-        f"--ready-file={ready}",
-        f"--dtype={cfg.dtype}",
-        f"--tensor-parallel-size={cfg.tensor_parallel_size}",
-        f"--gpu-memory-utilization={cfg.gpu_memory_utilization}",
-        f"--max-model-len={cfg.max_model_len}",
-        "--enforce-eager" if cfg.enforce_eager else "--no-enforce-eager",
-        f"--parent-pid={os.getpid()}",
-        f"--workdir={workdir}",
-        *extra,
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env |= {"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib)}
-    if cfg.tensor_parallel_size == 1:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the server's process
-    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return proc, ready
-
-
-class EngineLink:
-    """One engine process the run talks to (rank 0 only): its URL and, for an engine the run
-    started, its process and log; for an attached one, its ``GET /info``, the lease every request
-    carries (kept by a heartbeat thread) and its weights directory when it is on this machine."""
-
-    def __init__(self, url: str, request_timeout_s: float, info: dict[str, Any] | None = None) -> None:
-        self.url = url  # as engine_urls gives it (no trailing slash); "" until a started engine serves
-        self.request_timeout_s = request_timeout_s
-        self.info: dict[str, Any] = info or {}
-        self.proc: subprocess.Popen[bytes] | None = None  # started by the run: its process
-        self.log_path: Path | None = None
-        self.lease = ""  # attached: the lease every request carries
-        self.local_dir: Path | None = None  # attached: the engine's weights directory, if writable here
-        self._beating: threading.Event | None = None  # set to stop the heartbeat thread
-        # weight_transfer=collective: the process group with the engine (rank 0 here), its store,
-        # and the device the buckets are sent from; None until the first push (and after a failure)
-        self._group: Any = None
-        self._store: Any = None
-        self._device = torch.device("cpu")
-
-    # ------------------------------------------------------------------ attaching
-    def attach(self, weight_transfer: str) -> None:
-        """Take the engine's lease; the weights go through its directory when it is on this
-        machine (this process can read the engine's token file there) and ``weight_transfer`` is
-        ``auto``, else as an upload."""
-        token: str | None = None
-        with contextlib.suppress(OSError, TypeError, KeyError):
-            token = (Path(self.info["workdir"]) / "local-token").read_text().strip()
-        out = self.post("/attach", {"client": f"{socket.gethostname()}:{os.getpid()}", "local_token": token})
-        self.lease = str(out["lease"])
-        weights_dir = Path(out["weights_dir"])
-        local = bool(out["local"]) and weight_transfer == "auto" and os.access(weights_dir, os.W_OK)
-        self.local_dir = weights_dir if local else None
-        every = max(1.0, float(self.info.get("lease_ttl_s", 60.0)) / 4)
-        self._beating = threading.Event()
-        beat = (self._beating, every, self.url, self.lease)
-        threading.Thread(target=self._heartbeat, args=beat, name="vllm-lease", daemon=True).start()
-        how = {"collective": "broadcast over a process group", "http": "uploaded over HTTP"}.get(
-            weight_transfer, f"written into {weights_dir}" if local else "uploaded over HTTP"
-        )
-        log.info("vllm rollout engine: attached to %s (weights %s)", self.url, how)
-
-    @staticmethod
-    def _heartbeat(stop: threading.Event, every: float, url: str, lease: str) -> None:
-        """Keep the lease while the run is busy elsewhere (long training phases); a beat that
-        fails is only skipped (the run's own next request says what is wrong)."""
-        while not stop.wait(every):
-            req = urllib.request.Request(
-                url + "/heartbeat", data=b"{}", headers={LEASE_HEADER: lease}, method="POST"
-            )
-            with contextlib.suppress(Exception), urllib.request.urlopen(req, timeout=every):
-                pass
-
-    def detach(self) -> None:
-        """Give the lease back (the engine keeps serving); a no-op when none is held."""
-        self._end_collective()
-        if self._beating is not None:
-            self._beating.set()
-            self._beating = None
-        if self.lease:
-            with contextlib.suppress(RolloutEngineError):
-                self.post("/detach", {}, timeout=30.0)
-            log.info("vllm rollout engine: detached from %s (it keeps serving)", self.url)
-        self.lease = ""
-
-    # ------------------------------------------------------------------ weights
-    def take_weights(self, staged: Path) -> None:
-        """Hand the engine ``staged`` (a whole ``model.safetensors``) and have it reload: into
-        its own directory when it is on this machine (a hard link where the file system allows,
-        renamed into place: never seen half-written), else streamed as ``PUT /weights``."""
-        if self.local_dir is not None:
-            tmp = self.local_dir / "model.safetensors.tmp"  # not *.safetensors: never read half-written
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            try:
-                os.link(staged, tmp)
-            except OSError:  # another file system, or one without hard links
-                shutil.copyfile(staged, tmp)
-            os.replace(tmp, self.local_dir / "model.safetensors")
-        else:
-            self._upload(staged)
-        self.post("/reload_weights", {})  # from its weights directory
-
-    def send_collective(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
-        """Broadcast ``tensors`` (as the engine loads them) over the process group with the engine
-        and have it reload from them. The plan first (``POST /collective/plan``, checked by the
-        engine before any byte moves); then ``POST /collective/receive`` in a thread, and only once
-        the engine has set the store key ``ready/<push>`` (or answered: a refusal) the buckets of
-        :func:`~openaligner.models.vllm_worker.bucket_layout` are broadcast from ``device`` (the
-        trainer's; the CPU for gloo). The group is built on the first push, and again when the
-        engine has lost its end (409) or a broadcast failed."""
-        import uuid
-
-        import torch.distributed as tdist
-
-        from openaligner.models.vllm_worker import COLLECTIVE_BUCKET_BYTES, bucket_bytes_of, bucket_layout
-
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # this thread's current device (on_each runs a thread each)
-        if self._group is None:
-            self._init_collective(device)
-        push = uuid.uuid4().hex
-        values = list(tensors.values())
-        specs = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()]
-        plan = {"push": push, "tensors": specs, "bucket_bytes": COLLECTIVE_BUCKET_BYTES}
-        try:
-            self.post("/collective/plan", plan)
-        except RolloutEngineError as e:
-            if e.status != 409:  # a refused plan (400, 413): the engine's answer, the group is fine
-                raise
-            # the engine lost its end (a receive that failed, a restart): build anew, once
-            self._end_collective()
-            self._init_collective(device)
-            self.post("/collective/plan", plan)
-        answer: dict[str, Any] = {}
-
-        def receive() -> None:
-            try:
-                answer["reply"] = self.post("/collective/receive", {})
-            except RolloutEngineError as e:
-                answer["error"] = e
-
-        receiver = threading.Thread(target=receive, name="vllm-receive", daemon=True)
-        receiver.start()
-        # broadcast only to an engine that is receiving: a send to one that refused would block
-        # until the group's timeout
-        deadline = time.monotonic() + self.request_timeout_s
-        while not self._store.check([f"ready/{push}"]):
-            if not receiver.is_alive() or time.monotonic() > deadline:
-                receiver.join(timeout=1.0)
-                self._end_collective()
-                raise answer.get("error") or RolloutEngineError(
-                    f"the vllm rollout engine at {self.url} did not start receiving the weights within "
-                    f"rollout.vllm.request_timeout_s={self.request_timeout_s:g}"
-                )
-            time.sleep(0.002)
-        opts = tdist.BroadcastOptions()
-        opts.rootRank = 0
-        sizes = [t.numel() * t.element_size() for t in values]
-        try:
-            for bucket in bucket_layout(sizes, COLLECTIVE_BUCKET_BYTES):
-                buf = torch.empty(bucket_bytes_of(bucket), dtype=torch.uint8, device=self._device)
-                for index, offset, n in bucket:
-                    buf[offset : offset + n].copy_(values[index].reshape(-1).view(torch.uint8))
-                self._group.broadcast([buf], opts).wait()
-        except RuntimeError as e:
-            self._end_collective()
-            receiver.join(timeout=10.0)
-            raise RolloutEngineError(
-                f"the vllm rollout engine at {self.url} did not take the weights over the collective "
-                f"group: {answer.get('error') or e}"
-            ) from None
-        receiver.join()
-        if "error" in answer:
-            self._end_collective()
-            raise answer["error"]
-
-    def _init_collective(self, device: torch.device) -> None:
-        """Build the two-member process group with the engine: a TCP store here (rank 0), on the
-        address this machine reaches the engine from; the engine joins it (``POST
-        /collective/init``, in a thread) and sets the key ``joining``; only then this side builds
-        its end (so a refusal leaves nothing waiting). Gloo, or NCCL where the engine has a GPU:
-        then ``device`` (the trainer's) must be another GPU than the engine's."""
-        import datetime
-
-        import torch.distributed as tdist
-
-        host, port = check_engine_url(self.url, "rollout.vllm.url")
-        try:
-            with urllib.request.urlopen(self.url + "/info", timeout=30.0) as r:
-                info = dict(json.loads(r.read()))
-            backend = info.get("collective_backend", "gloo")
-            with socket.create_connection((host, port), timeout=30.0) as s:
-                here = s.getsockname()[0]  # this machine's address on the route to the engine
-        except (OSError, http.client.HTTPException, ValueError, TypeError) as e:
-            raise RolloutEngineError(
-                f"the vllm rollout engine at {self.url} did not answer GET /info ({type(e).__name__}: {e})"
-            ) from None
-        if backend == "nccl":
-            if device.type != "cuda":
-                raise RolloutEngineError(
-                    f"the vllm rollout engine at {self.url} has a GPU (its weights come over NCCL) and this "
-                    "trainer runs on the CPU: set rollout.vllm.weight_transfer=auto"
-                )
-            if info.get("gpu_uuid") == str(torch.cuda.get_device_properties(device).uuid):
-                raise RolloutEngineError(
-                    f"the vllm rollout engine at {self.url} runs on this trainer's GPU, and NCCL cannot join "
-                    "two processes on one GPU: set rollout.vllm.weight_transfer=auto (through /dev/shm) "
-                    "or give the engine GPUs of its own"
-                )
-        self._device = device if backend == "nccl" else torch.device("cpu")
-        timeout_s = min(self.request_timeout_s, 86400.0)  # the engine's limit for a group's timeout
-        timeout = datetime.timedelta(seconds=timeout_s)
-        try:
-            store = tdist.TCPStore(here, 0, 2, True, timeout, wait_for_workers=False)
-        except (RuntimeError, ValueError, OSError) as e:
-            raise RolloutEngineError(
-                f"no store for the collective group with {self.url} on {here}: {e}"
-            ) from None
-        answer: dict[str, Any] = {}
-
-        def join() -> None:
-            try:
-                answer["reply"] = self.post(
-                    "/collective/init", {"host": here, "port": store.port, "timeout_s": timeout_s}
-                )
-            except RolloutEngineError as e:
-                answer["error"] = e
-
-        joiner = threading.Thread(target=join, name="vllm-group", daemon=True)
-        joiner.start()
-        while not store.check(["joining"]):
-            if not joiner.is_alive():  # answered before joining: a refusal
-                raise answer.get("error") or RolloutEngineError(
-                    f"the vllm rollout engine at {self.url} did not join the collective group"
-                )
-            time.sleep(0.002)
-        prefixed = tdist.PrefixStore("openaligner-weights", store)
-        try:
-            if backend == "nccl":
-                options = tdist.ProcessGroupNCCL.Options()
-                options._timeout = timeout
-                group: Any = tdist.ProcessGroupNCCL(prefixed, 0, 2, options)
-            else:
-                group = tdist.ProcessGroupGloo(prefixed, 0, 2, timeout)
-        except RuntimeError as e:
-            joiner.join(timeout=10.0)
-            why = answer.get("error") or e
-            raise RolloutEngineError(
-                f"the process group with the vllm rollout engine at {self.url} failed: {why}"
-            ) from None
-        joiner.join()
-        if "error" in answer:
-            raise answer["error"]
-        self._group, self._store = group, store
-        log.info(
-            "vllm rollout engine %s: weights pushed over a %s group (%s:%d)",
-            self.url,
-            backend,
-            here,
-            store.port,
-        )
-
-    def _end_collective(self) -> None:
-        """Drop the group with the engine (NCCL's shut down); the next push builds a new one."""
-        shutdown = getattr(self._group, "shutdown", None)
-        if callable(shutdown):
-            with contextlib.suppress(Exception):
-                shutdown()
-        self._group = self._store = None
-
-    def _upload(self, path: Path) -> None:
-        """``PUT /weights``: ``path`` streamed with its size; the engine refuses a body of another
-        size."""
-        size = path.stat().st_size
-        host, port = check_engine_url(self.url, "rollout.vllm.url")
-        conn = http.client.HTTPConnection(host, port, timeout=self.request_timeout_s)
-        try:
-            with path.open("rb") as f:
-                headers = {
-                    "Content-Length": str(size),
-                    "Content-Type": "application/octet-stream",
-                    LEASE_HEADER: self.lease,
-                }
-                conn.request("PUT", "/weights", body=f, headers=headers)
-                reply = conn.getresponse()
-                payload = reply.read().decode(errors="replace")
-        except (OSError, http.client.HTTPException) as e:
-            raise RolloutEngineError(
-                f"the vllm rollout engine at {self.url} did not take the weights (PUT /weights, {size} "
-                f"bytes): {type(e).__name__}: {e}"
-            ) from None
-        finally:
-            conn.close()
-        if reply.status != 200:
-            raise RolloutEngineError(f"the vllm rollout engine at {self.url} refused PUT /weights: {payload}")
-
-    # ------------------------------------------------------------------ transport
-    def post(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        """``POST path`` with the JSON ``body``; its JSON object answer, or a
-        :class:`RolloutEngineError` naming this engine (a refusal's message, an engine that died,
-        one that did not answer within ``timeout``, or an answer that is not a JSON object)."""
-        data = json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        if self.lease:
-            headers[LEASE_HEADER] = self.lease
-        req = urllib.request.Request(self.url + path, data=data, headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.request_timeout_s) as r:
-                raw = r.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")
-            refused = RolloutEngineError(f"the vllm rollout engine at {self.url} refused {path}: {detail}")
-            refused.status = e.code
-            raise refused from None
-        except (OSError, http.client.HTTPException) as e:
-            if self.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(timeout=2.0)  # a connection reset arrives before the exit status
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RolloutEngineError(
-                    f"the vllm rollout engine died during {path}: {self.describe_exit()}"
-                ) from None
-            raise RolloutEngineError(
-                f"the vllm rollout engine at {self.url} did not answer {path} "
-                f"({type(e).__name__}: {e}; rollout.vllm.request_timeout_s={self.request_timeout_s:g})"
-            ) from None
-        try:
-            reply = json.loads(raw)
-        except ValueError:
-            reply = None
-        if not isinstance(reply, dict):
-            # a KeyError or JSONDecodeError here would leave the other ranks waiting in _on_leader
-            raise RolloutEngineError(
-                f"the vllm rollout engine at {self.url} answered {path} with other than a JSON object: "
-                f"{raw[:200]!r}"
-            )
-        return reply
-
-    def describe_exit(self) -> str:
-        assert self.proc is not None
-        rc = self.proc.returncode
-        how = f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
-        return f"process {self.proc.pid} ended ({how}); its log ends:\n{self.log_tail()}"
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            assert self.log_path is not None
-            text = self.log_path.read_text(errors="replace")
-        except (OSError, AssertionError):
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
 
 
 def split_rows(rows: int, parts: int) -> list[slice]:
@@ -714,13 +281,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self._dirty = True
 
     def _write_weights(self, model_dir: Path, state: dict[str, torch.Tensor] | None) -> None:
-        from safetensors.torch import save_file
-
         assert state is not None, "rank 0 holds the whole state dict"
-        tensors = engine_state_dict(state, _DTYPES[self.dtype], self.tied)
-        tmp = model_dir / "model.safetensors.tmp"  # not *.safetensors: never read half-written
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, model_dir / "model.safetensors")
+        write_weights(model_dir, state, _DTYPES[self.dtype], self.tied)
 
     def _push(self) -> None:
         t0 = time.perf_counter()
@@ -743,7 +305,7 @@ class VLLMRolloutEngine(RolloutEngine):
             staging = shm_dir("openaligner-push-")
             try:
                 self._write_weights(staging, state)
-                on_each(self.links, lambda link: link.take_weights(staging / "model.safetensors"))
+                on_each(self.links, lambda link: _hand_over(link, staging / WEIGHTS_FILE))
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
 
@@ -958,21 +520,12 @@ def _plain_config(actor: CausalLMActor) -> Any:
     return config
 
 
-def end_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    """SIGTERM to ``proc``'s process group (it leads its own session), then SIGKILL if it is
-    still there after ``grace_s``; reaps ``proc``."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        # the leader is gone; anything it spawned into its group goes too
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        break
-    if proc.poll() is None:
-        proc.wait(timeout=10.0)
+def _hand_over(link: EngineLink, staged: Path) -> None:
+    """Hand the engine ``staged`` (a whole ``model.safetensors``) and have it reload: into its own
+    directory when it is on this machine (:func:`~openaligner.rollout.weights_file.place_weights`),
+    else streamed as ``PUT /weights`` (:func:`~openaligner.rollout.weights_http.upload`)."""
+    if link.local_dir is not None:
+        place_weights(staged, link.local_dir)
+    else:
+        upload(link, staged)
+    link.post("/reload_weights", {})  # from its weights directory

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from openaligner.models import vllm_worker
+from openaligner.rollout import vllm_worker
 
 TIMEOUT_S = 5.0  # the engine's --request-timeout-s here: a client that stops sending is dropped
 
@@ -573,8 +573,8 @@ BAD_REPLIES = [
 
 @pytest.mark.parametrize("reply", BAD_REPLIES, ids=lambda r: str(r)[:30])
 def test_the_trainer_refuses_a_malformed_generate_answer_with_an_engine_error(reply):
-    from openaligner.models.rollout_engine import RolloutEngineError
-    from openaligner.models.vllm_engine import check_generate_reply
+    from openaligner.rollout.engine import RolloutEngineError
+    from openaligner.rollout.vllm_engine import check_generate_reply
 
     assert check_generate_reply(GOOD_REPLY, 2, "http://e") is GOOD_REPLY
     with pytest.raises(RolloutEngineError, match=r"http://e answered /generate with other than 2 rows"):
@@ -587,8 +587,8 @@ def test_the_trainer_refuses_an_answer_that_is_not_a_json_object_with_an_engine_
     reaches the other ranks (``_on_leader``); anything else leaves them waiting."""
     from http.server import BaseHTTPRequestHandler
 
-    from openaligner.models.rollout_engine import RolloutEngineError
-    from openaligner.models.vllm_engine import EngineLink
+    from openaligner.rollout.engine import RolloutEngineError
+    from openaligner.rollout.vllm_link import EngineLink
 
     class Answer(BaseHTTPRequestHandler):
         def do_POST(self) -> None:

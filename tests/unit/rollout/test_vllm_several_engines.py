@@ -16,19 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from openaligner.models import vllm_worker
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.generation import SamplingParams
-from openaligner.models.rollout_engine import (
-    EngineSetupError,
-    RolloutEngineError,
-    RolloutRequest,
-    VLLMConfig,
-    engine_urls,
-    row_seeds,
-)
-from openaligner.models.vllm_engine import VLLMRolloutEngine, split_rows
+from openaligner.rollout import vllm_worker
+from openaligner.rollout.engine import EngineSetupError, RolloutEngineError, RolloutRequest, row_seeds
+from openaligner.rollout.vllm_config import VLLMConfig, engine_urls
+from openaligner.rollout.vllm_engine import VLLMRolloutEngine, split_rows
 
 SIZE = TinySize(vocab_size=100, num_heads=2)
 
@@ -223,7 +217,7 @@ def _leader_fails(rank: int, port: int, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from openaligner.models.vllm_engine import _on_leader
+    from openaligner.rollout.vllm_engine import _on_leader
 
     dist.init_process_group(
         "gloo",
