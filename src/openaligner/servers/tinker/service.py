@@ -7,8 +7,7 @@ taking the decoded request (a dict, or the decoded protobuf) and returning a JSO
 request id; the work itself runs as jobs of a :class:`~openaligner.servers.tinker.futures.FutureTable`.
 Model ids are ``<session_id>:train:<model_seq_id>`` (what the SDK derives on load) with a random
 session id, so only the session that created a model can name it. Must not know HTTP or the wire
-encoding.
-Design notes: docs/tinker.md, "How it works".
+encoding. Design notes: docs/tinker.md, "How it works".
 """
 
 from __future__ import annotations
