@@ -270,6 +270,26 @@ def _cpu_copy(module: nn.Module) -> Any:
     return copy.deepcopy(module, memo)
 
 
+def load_adapter_merged(adapter_dir: str | Path, base_dir: str | Path, dtype: torch.dtype) -> PreTrainedModel:
+    """The causal LM of ``base_dir`` with the LoRA adapter of ``adapter_dir`` (a run's ``actor/`` or
+    a checkpoint's ``step_<N>/actor/``) merged into its weights, in ``dtype``, on the CPU: what the
+    run's merged export of that step would hold, for evaluating an intermediate checkpoint.
+
+    Raises:
+        LoraError: ``adapter_dir`` holds no adapter (no ``adapter_config.json``).
+    """
+    if not (Path(adapter_dir) / ADAPTER_CONFIG).is_file():
+        raise LoraError(f"{adapter_dir} holds no LoRA adapter ({ADAPTER_CONFIG})")
+    peft = require_peft("loading a LoRA adapter over its base")
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=dtype, local_files_only=True)
+    adapted = peft.PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False)
+    merged = adapted.merge_and_unload()
+    assert isinstance(merged, PreTrainedModel)
+    return merged.eval()
+
+
 def adapter_directory_problem(path: str | Path) -> str | None:
     """What is wrong with ``path`` as a model directory if it holds a LoRA adapter without a model
     (``None`` otherwise): a next stage loads whole models, so it is pointed at the merged directory
