@@ -33,7 +33,8 @@ import pytest
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.tokenizers import build_char_tokenizer
 
-pytestmark = [pytest.mark.heavy, pytest.mark.slow]
+# every stage starts its own process (about ten): minutes on 2 busy cores
+pytestmark = [pytest.mark.heavy, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "real-model.md"
