@@ -50,7 +50,7 @@ def walkthrough_blocks(text: str) -> list[tuple[str, str]]:
 
 def substituted(code: str, port: int) -> str:
     code = re.sub(r"trainer\.max_steps=\d+", "trainer.max_steps=2", code)
-    code = re.sub(r"trainer\.save_interval=\d+", "trainer.save_interval=1", code)
+    code = re.sub(r"trainer\.save_interval=\d+", "trainer.save_interval=2", code)
     code = code.replace("trainer.val_check_interval=12", "trainer.val_check_interval=2")
     code = code.replace("step_12", "step_2")
     code = code.replace("data.seq_length=80", "data.seq_length=160")
