@@ -100,7 +100,15 @@ def test_the_table_names_the_mode_and_summarises_a_long_runs_step_times():
         "step_s": [10.0 + i % 7 for i in range(40)],
         "step_s_median": 13.0,
     }
-    rows = table([short, long]).splitlines()
+    # measured with the exact rates and the unseen-words split
+    unseen = {"gold_greedy": 0.31, "exact_greedy": 0.0, "exact": 0.0}
+    start = {**scores, "exact_greedy": 0.0, "exact": 0.0, "splits": {"unseen": unseen}}
+    end = {**start, "exact_greedy": 0.25, "exact": 0.125, "kl_to_start": 1.0,
+           "splits": {"unseen": {**unseen, "gold_greedy": 0.62, "exact_greedy": 0.1}}}  # fmt: skip
+    exact = {**short, "start": start, "end": end}
+    rows = table([short, long, exact]).splitlines()
     assert rows[2].startswith("| GRPO (LoRA) | 0 | 2 |") and "| 12, 14 s |" in rows[2]
     assert rows[3].startswith("| GRPO (full) | 0 | 40 |") and "| median 13 s (10–16) |" in rows[3]
     assert "0.250 → **0.400**" in rows[3]
+    assert "| n/a → n/a | n/a → n/a | n/a → n/a |" in rows[3]  # measured before the exact rate was
+    assert "| 0 % / 0 % → 25 % / 12 % | 0.310 → 0.620 | 0 % / 0 % → 10 % / 0 % |" in rows[4]

@@ -58,10 +58,16 @@ def closing_line(estimator: str, trainer: PPOTrainer, actor_dir: Path) -> str:
     finished run prints, as train-sft and train-rm print theirs."""
     from openaligner.trainer.ppo_config import algorithm_name
 
-    last = trainer.history[-1] if trainer.history else {}
+    name = algorithm_name(estimator)
+    if not trainer.history:  # resumed at the run's last step: nothing ran, nothing to summarise
+        return (
+            f"train-ppo: {name}, step {trainer.step}: no step left to run (the checkpoint it resumed "
+            f"from is at the run's last step); actor saved to {actor_dir}"
+        )
+    last = trainer.history[-1]
     summary = ", ".join(f"{k}={last[k]:.4g}" for k in _SUMMARY_KEYS if k in last)
     steps = f"steps {trainer.step - len(trainer.history)} → {trainer.step}"
-    return f"train-ppo: {algorithm_name(estimator)}, {steps}; {summary}; actor saved to {actor_dir}"
+    return f"train-ppo: {name}, {steps}; {summary or 'no metrics'}; actor saved to {actor_dir}"
 
 
 def _train(cfg: TrainPPOConfig) -> int:

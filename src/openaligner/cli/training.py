@@ -122,10 +122,12 @@ def run_supervised(
     dp.shutdown()
     if not leader:
         return 0
-    last = history[-1] if history else {}
-    steps = f"steps {trainer.start_step} → {trainer.state.step}"
     weights = human_size(weights_size(Path(cfg.output_dir)))
-    print(f"{command}: {steps}; {summary(last)}; model saved to {cfg.output_dir} (weights {weights})")
+    if history:
+        steps = f"steps {trainer.start_step} → {trainer.state.step}; {summary(history[-1]) or 'no metrics'}"
+    else:  # resumed at the run's last step: nothing ran, nothing to summarise
+        steps = f"step {trainer.state.step}: no step left to run (it resumed from the run's last step)"
+    print(f"{command}: {steps}; model saved to {cfg.output_dir} (weights {weights})")
     return 0
 
 

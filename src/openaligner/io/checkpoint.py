@@ -72,6 +72,35 @@ def write_text_atomic(path: Path, text: str) -> None:
     _fsync(path.parent)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (``os.umask`` can only set it, and setting it
+    even for a moment would race with another thread creating a file)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # no /proc (not Linux): the only portable way to read it
+    os.umask(mask)
+    return mask
+
+
+def give_default_modes(root: Path) -> None:
+    """Give the weight files (``*.safetensors``) under ``root`` the mode every other file there has:
+    ``0o666`` less the umask (``0o644`` as usual).
+
+    safetensors (0.8) writes a file through a temporary file and renames it into place, and a
+    temporary file is created ``0o600``: model weights came out ``0o600`` beside ``0o644`` configs and
+    tokenizers, so a reader of the directory in the same group (a serving user, a shared cache)
+    found the config but not the weights.
+    """
+    mode = 0o666 & ~_umask()
+    for p in Path(root).rglob("*.safetensors"):
+        if p.is_file() and p.stat().st_mode & 0o777 != mode:
+            os.chmod(p, mode)
+
+
 def human_size(n_bytes: float) -> str:
     """``n_bytes`` for a reader, in decimal units as disks are sold: ``3.24 GB``, ``512 kB``."""
     for unit in ("B", "kB", "MB", "GB"):
@@ -176,6 +205,7 @@ class CheckpointManager:
         """
         final = self.root / f"step_{step}"
         known = checksums or {}
+        give_default_modes(tmp)
         files: dict[str, dict[str, Any]] = {}
         for p in sorted(tmp.rglob("*")):
             if p.is_file():

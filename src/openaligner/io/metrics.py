@@ -173,12 +173,19 @@ def open_run_logs(
     wandb_project: str | None = None,
     run_name: str | None = None,
     enabled: bool = True,
+    final_step: int | None = None,
 ) -> MetricsLogger:
     """A run's :class:`MetricsLogger`, its logs first rolled back to ``resumed_step`` (the step of
     the checkpoint the run resumed from; None for a run that starts afresh, whose old logs in
-    ``log_dir`` are all dropped) by :func:`rewind_logs`. Only the ``enabled`` process touches files."""
+    ``log_dir`` are all dropped) by :func:`rewind_logs`. Only the ``enabled`` process touches files.
+
+    ``final_step`` is the step the run ends at (its max steps). A run resumed at or past it runs no
+    step again (e.g. a rerun with a lower ``max_steps`` to export an earlier checkpoint), so its
+    later records stay: they are the only record of those steps."""
     log_dir = Path(log_dir)
-    if enabled:
+    if enabled and resumed_step is not None and final_step is not None and resumed_step >= final_step:
+        log.info("resumed at step %d, the run's last: no step runs again; logs kept", resumed_step)
+    elif enabled:
         dropped = rewind_logs(log_dir, resumed_step if resumed_step is not None else -1)
         if dropped and resumed_step is not None:
             log.info("dropped %d log record(s) after step %d: those steps run again", dropped, resumed_step)

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from openaligner.io.checkpoint import give_default_modes
+
 MARKER_FILE = "openaligner_gguf_source.json"
 """Written into the output directory last: the source's sha256, the dtype and the stage times."""
 
@@ -289,6 +291,7 @@ def convert(
     with stage("saving the Hugging Face directory", emit, times, heartbeat_s):
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        give_default_modes(staging)  # safetensors writes the weights 0600
         times_so_far = {k: round(v, 1) for k, v in times.items()}
         (staging / MARKER_FILE).write_text(
             json.dumps(

@@ -13,6 +13,9 @@ import copy
 import importlib.util
 import logging
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast, overload
@@ -129,6 +132,18 @@ def add_lora(model: PreTrainedModel | HoldsHFModel, cfg: LoraConfig) -> PreTrain
     )
 
 
+@contextmanager
+def _peft_wrapping() -> Iterator[None]:
+    """Around peft's wrapping of a model: peft reads ``PreTrainedModel.is_gradient_checkpointing``
+    there, a property transformers 5 deprecates with a FutureWarning at every read, so every LoRA
+    command printed it at start although neither it nor the user calls the property. Only that
+    warning, only here: a deprecation in anything else still shows."""
+    with warnings.catch_warnings():
+        deprecated = r"`is_gradient_checkpointing` is deprecated"
+        warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
+        yield
+
+
 def _wrap(model: PreTrainedModel, cfg: LoraConfig, task_type: str) -> PreTrainedModel:
     peft = require_peft(f"lora.r={cfg.r}")
     targets: str | list[str] = ALL_LINEAR if cfg.target_modules == [ALL_LINEAR] else list(cfg.target_modules)
@@ -142,7 +157,8 @@ def _wrap(model: PreTrainedModel, cfg: LoraConfig, task_type: str) -> PreTrained
         fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
     )
     try:
-        wrapped = peft.get_peft_model(model, config)
+        with _peft_wrapping():
+            wrapped = peft.get_peft_model(model, config)
     except ValueError as e:
         if "not found in the base model" not in str(e) and "no target modules" not in str(e).lower():
             raise
@@ -252,7 +268,8 @@ def _rebuilt(peft_model: Any, state: dict[str, torch.Tensor]) -> Any:
     base = unwrap(peft_model)
     with torch.random.fork_rng(devices=[]):
         fresh = type(base)(copy.deepcopy(base.config))
-        rebuilt = peft.get_peft_model(fresh, copy.deepcopy(peft_model.peft_config["default"]))
+        with _peft_wrapping():
+            rebuilt = peft.get_peft_model(fresh, copy.deepcopy(peft_model.peft_config["default"]))
     rebuilt.load_state_dict(state)
     return rebuilt.eval()
 
@@ -268,6 +285,27 @@ def _cpu_copy(module: nn.Module) -> Any:
             if id(b) not in memo:
                 memo[id(b)] = b.detach().to("cpu", copy=True)
     return copy.deepcopy(module, memo)
+
+
+def load_adapter_merged(adapter_dir: str | Path, base_dir: str | Path, dtype: torch.dtype) -> PreTrainedModel:
+    """The causal LM of ``base_dir`` with the LoRA adapter of ``adapter_dir`` (a run's ``actor/`` or
+    a checkpoint's ``step_<N>/actor/``) merged into its weights, in ``dtype``, on the CPU: what the
+    run's merged export of that step would hold, for evaluating an intermediate checkpoint.
+
+    Raises:
+        LoraError: ``adapter_dir`` holds no adapter (no ``adapter_config.json``).
+    """
+    if not (Path(adapter_dir) / ADAPTER_CONFIG).is_file():
+        raise LoraError(f"{adapter_dir} holds no LoRA adapter ({ADAPTER_CONFIG})")
+    peft = require_peft("loading a LoRA adapter over its base")
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=dtype, local_files_only=True)
+    with _peft_wrapping():
+        adapted = peft.PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False)
+    merged = adapted.merge_and_unload()
+    assert isinstance(merged, PreTrainedModel)
+    return merged.eval()
 
 
 def adapter_directory_problem(path: str | Path) -> str | None:

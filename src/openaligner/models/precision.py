@@ -20,6 +20,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 import torch
 from transformers import PreTrainedModel
 
+from openaligner.io.checkpoint import give_default_modes
 from openaligner.models.lora import is_peft_model
 from openaligner.models.sharding import full_state_dict, is_sharded
 
@@ -153,6 +154,20 @@ def resolve_save_dtype(setting: str, model_path: str | Path | None) -> torch.dty
 
 
 def save_pretrained_as(
+    model: PreTrainedModel,
+    directory: str | Path,
+    dtype: torch.dtype | None = None,
+    *,
+    max_shard_size: int | str | None = None,
+) -> None:
+    """:func:`_write_pretrained` (see there), then the weight files given the directory's usual
+    mode (:func:`~openaligner.io.checkpoint.give_default_modes`: safetensors writes them ``0o600``)."""
+    _write_pretrained(model, directory, dtype, max_shard_size=max_shard_size)
+    if Path(directory).is_dir():  # not on a rank whose shards went to rank 0
+        give_default_modes(Path(directory))
+
+
+def _write_pretrained(
     model: PreTrainedModel,
     directory: str | Path,
     dtype: torch.dtype | None = None,

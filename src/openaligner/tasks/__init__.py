@@ -22,3 +22,18 @@ def task_scorer(name: str) -> ResponseScorer:
         return [score(p, r) for p, r in zip(prompts, responses, strict=True)]
 
     return scorer
+
+
+TASK_EXACT: dict[str, Callable[[str, str], bool]] = {
+    "sorting": sorting.is_exact,
+    "reverse_text": reverse_text.is_exact,
+}
+"""Name → ``(prompt text, response text) → whether the response does the task exactly`` (sorting:
+the digits in order, nothing else; reverse_text: the first line is the reversal). A score can
+rise without it (a partial answer scores > 0); this is the number that says the task is done."""
+
+TASK_TARGETS: dict[str, Callable[[str], str]] = {
+    "sorting": sorting.answer,
+    "reverse_text": reverse_text.answer,
+}
+"""Name → ``prompt text → the right answer``, for example outputs beside the scores."""

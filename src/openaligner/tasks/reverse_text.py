@@ -2,8 +2,12 @@
 gold scorer.
 
 Owns the prompt text (one worked example, then the text), the gold score (the
-longest-common-subsequence ratio in [0, 1]) and the train / held-out split (by each text's
-sha256, disjoint whatever the seed). Everything is deterministic from a seed.
+longest-common-subsequence ratio in [0, 1]), the exact-task check (the response's first line is
+the reversal), and three splits: train and held-out combinations of :data:`WORDS` (by each text's
+sha256, disjoint whatever the seed), and unseen words (texts made only of
+:data:`UNSEEN_WORDS`, which no train, held-out or SFT text contains). The SFT demonstrations are
+train-split texts of generated letter strings (and some :data:`WORDS`), so that reversing them
+takes spelling, not recall. Everything is deterministic from a seed.
 Must not know models or training. Design notes: docs/demo.md, "Module notes".
 """
 
@@ -11,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 INSTRUCTION = "Reverse the characters of the text."
@@ -33,6 +37,27 @@ WORDS: tuple[str, ...] = (
     "three", "small", "old", "red", "blue", "warm", "cold", "fast", "slow", "happy", "little",
 )  # fmt: skip
 """Words the texts are made of: common, lower-case, ASCII (so characters and bytes agree)."""
+
+UNSEEN_WORDS: tuple[str, ...] = (
+    "purple", "lantern", "copper", "maple", "rocket", "forest", "candle", "silver", "garden", "window",
+    "pencil", "marble", "basket", "button", "castle", "dragon", "feather", "jacket", "kettle", "ladder",
+    "mirror", "needle", "orange", "pepper", "rabbit", "saddle", "tunnel", "violet", "wagon", "bottle",
+    "cotton", "desert", "engine", "finger", "ginger", "honey", "insect", "jungle", "kitten", "lizard",
+    "banana", "tomato", "potato", "salami", "domino", "cabin", "melon", "pilot", "robin", "tulip",
+)  # fmt: skip
+"""Words of the unseen-words split only: no train, held-out or SFT text holds one (some, like
+"banana", are also letter strings the SFT generator could draw; it skips them). A model that
+reverses these reverses text; one that passes only the held-out combinations of :data:`WORDS`
+may be recalling the reversed spelling of each training word."""
+
+_ONSETS = (
+    "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "y", "z",
+    "br", "ch", "cl", "dr", "fl", "gr", "pl", "sh", "st", "tr", "",
+)  # fmt: skip
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "oo", "ou", "y")
+_CODAS = ("", "", "", "n", "r", "s", "t", "l", "m", "k", "x", "ng")
+SFT_TASK_WORD_SHARE = 0.25
+"""The share of an SFT text's words drawn from :data:`WORDS` (the rest are generated strings)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +89,13 @@ def parse_prompt(prompt: str) -> str:
 
 def answer(prompt: str) -> str:
     return parse_prompt(prompt)[::-1]
+
+
+def is_exact(prompt: str, response: str) -> bool:
+    """Whether ``response`` does the task: its first line (:func:`extract_response`) is exactly the
+    reversal. The gold score rewards partial overlap; this does not (a forwards copy scores > 0
+    on the LCS ratio and is never exact)."""
+    return extract_response(response) == answer(prompt)
 
 
 def extract_response(response: str) -> str:
@@ -122,24 +154,62 @@ def random_text(rng: random.Random, cfg: ReverseTextConfig) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(cfg.min_words, cfg.max_words)))
 
 
-def texts(seed: int, n: int, held_out: bool, cfg: ReverseTextConfig = ReverseTextConfig()) -> list[str]:
-    """``n`` distinct texts of one split, reproducible from ``seed``.
+def _distinct(n: int, split: str, draw: Callable[[], str], keep: Callable[[str], bool]) -> list[str]:
+    """``n`` distinct results of ``draw()`` that ``keep`` accepts, in the order drawn.
 
     Raises:
-        ValueError: the split has fewer than ``n`` distinct texts to draw from (the draw gives up
-            after 1000·n tries).
+        ValueError: fewer than ``n`` after 1000·n draws (the split has too few distinct texts).
     """
-    rng = random.Random(f"reverse-text/{seed}/{'held-out' if held_out else 'train'}")
     out: dict[str, None] = {}  # insertion-ordered set
     for _ in range(1000 * max(n, 1)):
         if len(out) == n:
             break
-        text = random_text(rng, cfg)
-        if is_held_out(text) == held_out:
+        text = draw()
+        if keep(text):
             out.setdefault(text)
     if len(out) < n:
-        raise ValueError(f"only {len(out)} distinct {'held-out' if held_out else 'train'} texts; asked {n}")
+        raise ValueError(f"only {len(out)} distinct {split} texts; asked {n}")
     return list(out)
+
+
+def texts(seed: int, n: int, held_out: bool, cfg: ReverseTextConfig = ReverseTextConfig()) -> list[str]:
+    """``n`` distinct texts of :data:`WORDS` of one split (train or held-out combinations),
+    reproducible from ``seed``.
+
+    Raises:
+        ValueError: the split has fewer than ``n`` distinct texts to draw from.
+    """
+    split = "held-out" if held_out else "train"
+    rng = random.Random(f"reverse-text/{seed}/{split}")
+    return _distinct(n, split, lambda: random_text(rng, cfg), lambda t: is_held_out(t) == held_out)
+
+
+def unseen_words_texts(seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig()) -> list[str]:
+    """``n`` distinct texts made only of :data:`UNSEEN_WORDS` (the unseen-words split), reproducible
+    from ``seed``.
+
+    Raises:
+        ValueError: fewer than ``n`` distinct texts can be drawn.
+    """
+    rng = random.Random(f"reverse-text/{seed}/unseen-words")
+
+    def draw() -> str:
+        return " ".join(rng.choice(UNSEEN_WORDS) for _ in range(rng.randint(cfg.min_words, cfg.max_words)))
+
+    return _distinct(n, "unseen-words", draw, lambda t: True)
+
+
+def generated_word(rng: random.Random) -> str:
+    """A pronounceable lower-case letter string of 1–3 syllables and 3–8 letters (e.g. ``"brelzain"``;
+    as long as the task's words, so that reversals fit the same response budget), never one of
+    :data:`UNSEEN_WORDS`: the SFT demonstrations' open vocabulary (over 10⁵ distinct strings, so a
+    model cannot pass the unseen words by recalling reversed spellings it was shown)."""
+    while True:
+        word = "".join(
+            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(rng.randint(1, 3))
+        )
+        if 3 <= len(word) <= 8 and word not in UNSEEN_WORDS:
+            return word
 
 
 def prompt_records(
@@ -150,9 +220,48 @@ def prompt_records(
     return [{"prompt": make_prompt(t), "answer": t[::-1]} for t in texts(seed, n, held_out, cfg)]
 
 
-def sft_records(seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig()) -> list[dict[str, str]]:
-    """SFT demonstrations (``{"prompt", "response"}``) on train texts: the exact reversal after a space.
-    Give another ``seed`` than the RL prompts' to get other texts (both come from the train split)."""
-    return [
-        {"prompt": make_prompt(t), "response": " " + t[::-1]} for t in texts(seed, n, held_out=False, cfg=cfg)
-    ]
+def unseen_words_records(
+    seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig()
+) -> list[dict[str, str]]:
+    """Prompt records (``{"prompt", "answer"}``, as :func:`prompt_records`) of the unseen-words split."""
+    return [{"prompt": make_prompt(t), "answer": t[::-1]} for t in unseen_words_texts(seed, n, cfg)]
+
+
+def sft_texts(seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig()) -> list[str]:
+    """``n`` distinct train-split texts for SFT: each word a :func:`generated_word`, or with
+    probability :data:`SFT_TASK_WORD_SHARE` one of :data:`WORDS`; none holds an unseen word.
+
+    Raises:
+        ValueError: fewer than ``n`` distinct texts can be drawn.
+    """
+    rng = random.Random(f"reverse-text/{seed}/sft")
+
+    def word() -> str:
+        return rng.choice(WORDS) if rng.random() < SFT_TASK_WORD_SHARE else generated_word(rng)
+
+    def draw() -> str:
+        return " ".join(word() for _ in range(rng.randint(cfg.min_words, cfg.max_words)))
+
+    return _distinct(n, "SFT", draw, lambda t: not is_held_out(t))
+
+
+def sft_records(
+    seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig(), vocabulary: str = "generated"
+) -> list[dict[str, str]]:
+    """SFT demonstrations (``{"prompt", "response"}``): the exact reversal after a space, on
+    train-split texts only. ``vocabulary="generated"`` (the default) draws them from
+    :func:`sft_texts` (generated letter strings and some task words: reversing them takes
+    spelling); ``"task"`` from :data:`WORDS` alone (:func:`texts`), which a model can pass by
+    recalling each word's reversal, so it learns the held-out combinations and not the unseen
+    words. Give another ``seed`` than the RL prompts' to get other texts.
+
+    Raises:
+        ValueError: an unknown ``vocabulary``, or too few distinct texts.
+    """
+    if vocabulary == "generated":
+        chosen = sft_texts(seed, n, cfg)
+    elif vocabulary == "task":
+        chosen = texts(seed, n, held_out=False, cfg=cfg)
+    else:
+        raise ValueError(f'vocabulary must be "generated" or "task", got {vocabulary!r}')
+    return [{"prompt": make_prompt(t), "response": " " + t[::-1]} for t in chosen]

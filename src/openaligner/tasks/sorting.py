@@ -52,6 +52,11 @@ def gold_score(prompt: str, response: str) -> float:
     return 100.0 * hits / max(len(words), len(target))
 
 
+def is_exact(prompt: str, response: str) -> bool:
+    """Whether ``response`` is exactly the sorted digits (words compared; spacing aside)."""
+    return response.split() == answer(prompt).split()
+
+
 def gold_reward(prompts: list[str], responses: list[str]) -> list[float]:
     """The gold scorer as a reward function for ``serve-reward reward.function=
     openaligner.tasks.sorting:gold_reward``: the share (0–1) of positions where each response

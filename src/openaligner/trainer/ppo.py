@@ -338,8 +338,9 @@ class PPOTrainer:
                     metrics |= self.run_validation()
                 self._log(metrics)
                 self._log_rollouts()
-                bar.update(1)
+                # the postfix first: update() draws the bar, and it should show this step's metrics
                 bar.set_postfix_str(progress_postfix(metrics), refresh=False)
+                bar.update(1)
                 estimate.step_done(self.step)
                 if self._due(self.settings.save_interval, is_last):
                     self.save(metrics)

@@ -268,6 +268,7 @@ def run_ppo(
         tensorboard=cfg.exp.tensorboard,
         wandb_project=cfg.exp.wandb_project,
         enabled=rank == 0,
+        final_step=cfg.trainer.total_steps(int(run.prompts.train.steps_per_epoch)),
     )
     try:
         run.engine.start()  # before the checkpoint: a restored actor's weights go to the engine

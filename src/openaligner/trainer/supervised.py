@@ -464,6 +464,7 @@ class SupervisedTrainer(Generic[T]):
             tensorboard=self.tensorboard,
             wandb_project=self.wandb_project,
             enabled=leader,
+            final_step=self.max_steps,
         )
         history: list[dict[str, float]] = []
         bar = tqdm(

@@ -160,3 +160,20 @@ def test_an_adapter_directory_is_not_a_model_path(tiny, tmp_path):
     with pytest.raises(ConfigError, match=f"use the merged directory {adapter / 'merged'}"):
         load_config(SFTConfig, overrides=["data.train_path=x.jsonl", f"model.path={adapter}"])
     assert adapter_directory_problem(adapter / "merged") is None
+
+
+def test_wrapping_prints_no_is_gradient_checkpointing_future_warning_and_silences_nothing_else():
+    """peft reads the property transformers deprecates while it wraps a model: every LoRA command
+    printed the FutureWarning at start. The silencing is scoped to peft's wrapping."""
+    import warnings
+
+    from openaligner.models.builders import TinySize, build_tiny_causal_lm
+
+    model = build_tiny_causal_lm("llama", TinySize(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = add_lora(model, LoraConfig(r=2))
+        merged_copy(wrapped)
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)], caught
+    with pytest.warns(FutureWarning, match="is_gradient_checkpointing"):
+        assert model.is_gradient_checkpointing is False  # outside the wrapping: shown as before

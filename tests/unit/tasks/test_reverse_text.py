@@ -9,15 +9,19 @@ import random
 import numpy as np
 import pytest
 
-from openaligner.tasks import TASK_SCORERS, task_scorer
+from openaligner.tasks import TASK_EXACT, TASK_SCORERS, TASK_TARGETS, sorting, task_scorer
+from openaligner.tasks import reverse_text as rt
 from openaligner.tasks.reverse_text import (
     EXAMPLE_TEXT,
+    UNSEEN_WORDS,
     WORDS,
     ReverseTextConfig,
     answer,
     extract_response,
+    generated_word,
     gold_reward,
     gold_score,
+    is_exact,
     is_held_out,
     lcs_length,
     lcs_ratio,
@@ -26,7 +30,10 @@ from openaligner.tasks.reverse_text import (
     parse_prompt,
     prompt_records,
     sft_records,
+    sft_texts,
     texts,
+    unseen_words_records,
+    unseen_words_texts,
 )
 
 
@@ -141,3 +148,61 @@ def test_served_as_a_reward_function_it_gives_the_numbers_of_a_direct_call():
     direct = gold_reward(prompts, responses)
     assert served == pytest.approx(direct, abs=1e-6)  # the wire carries float32
     assert direct[0] == 1.0 and direct[1] == 0.0 and direct[5] == 1.0 and 0.0 < direct[2] < 1.0
+
+
+def test_exact_means_the_first_line_is_the_reversal_and_the_lcs_score_rewards_a_forwards_copy():
+    p = make_prompt("glass kind")
+    assert is_exact(p, " dnik ssalg") and is_exact(p, " dnik ssalg\nText: more")
+    assert not is_exact(p, " dnik ssal") and not is_exact(p, "")
+    # the reward hack the LCS score cannot see: the words forwards, with more words around them
+    for hack, lcs in ((" glass kind is a", 0.32), (" glass kind", 0.2)):
+        assert not is_exact(p, hack) and gold_score(p, hack) == pytest.approx(lcs)
+    hack = make_prompt("juice tiger cold")  # docs/real-model.md's second example: 0.30, not exact
+    assert not is_exact(hack, " the tiger is cold") and gold_score(hack, " the tiger is cold") > 0.3
+    assert TASK_EXACT["reverse_text"] is is_exact and TASK_TARGETS["reverse_text"](p) == "dnik ssalg"
+    q = sorting.make_prompt([3, 1, 2])
+    assert TASK_EXACT["sorting"](q, " 1 2 3") and not TASK_EXACT["sorting"](q, "1 2")
+    assert TASK_TARGETS["sorting"](q) == "1 2 3"
+
+
+def test_no_unseen_word_is_in_any_train_held_out_or_sft_text():
+    cfg = ReverseTextConfig(min_words=2, max_words=3)
+    assert not set(UNSEEN_WORDS) & set(WORDS) and EXAMPLE_TEXT.split()[0] not in UNSEEN_WORDS
+    seen: set[str] = set()
+    for seed in (0, 1, 2):
+        seen |= {w for t in texts(seed, 400, held_out=False, cfg=cfg) for w in t.split()}
+        seen |= {w for t in texts(seed, 100, held_out=True, cfg=cfg) for w in t.split()}
+        for r in sft_records(seed, 3000, cfg):
+            seen |= set(parse_prompt(r["prompt"]).split())
+    assert not seen & set(UNSEEN_WORDS)
+    unseen = unseen_words_texts(0, 128, cfg)
+    assert all(set(t.split()) <= set(UNSEEN_WORDS) and 2 <= len(t.split()) <= 3 for t in unseen)
+    assert unseen == unseen_words_texts(0, 128, cfg) != unseen_words_texts(1, 128, cfg)
+    rows = unseen_words_records(0, 8, cfg)
+    assert all(r["answer"] == parse_prompt(r["prompt"])[::-1] for r in rows)
+
+
+def test_the_sft_generator_skips_unseen_words_it_would_otherwise_draw(monkeypatch):
+    """The exclusion is real: words the generator draws, declared unseen, are never drawn again."""
+    rng = random.Random(5)
+    first_fifty = [generated_word(rng) for _ in range(50)]
+    monkeypatch.setattr(rt, "UNSEEN_WORDS", tuple(first_fifty))
+    rng = random.Random(5)
+    again = {generated_word(rng) for _ in range(2000)}
+    assert not again & set(first_fifty)
+
+
+def test_sft_texts_are_train_split_varied_and_mostly_generated_words():
+    cfg = ReverseTextConfig(min_words=2, max_words=3)
+    chosen = sft_texts(0, 2000, cfg)
+    assert len(set(chosen)) == 2000 and not any(is_held_out(t) for t in chosen)
+    words = [w for t in chosen for w in t.split()]
+    task_share = sum(w in WORDS for w in words) / len(words)
+    assert 0.15 < task_share < 0.35  # SFT_TASK_WORD_SHARE (0.25), with some generated words in WORDS
+    assert len(set(words) - set(WORDS)) > 2500  # an open vocabulary: recall cannot pass
+    assert all(3 <= len(w) <= 8 for w in words if w not in WORDS)
+    # the task's own words only, for comparison (what a model passes by recall)
+    task = sft_records(0, 50, cfg, vocabulary="task")
+    assert all(set(parse_prompt(r["prompt"]).split()) <= set(WORDS) for r in task)
+    with pytest.raises(ValueError, match="vocabulary"):
+        sft_records(0, 5, cfg, vocabulary="other")

@@ -156,3 +156,29 @@ def test_the_progress_bar_and_the_closing_line_name_the_algorithm_that_runs(
     line = closing_line(estimator, trainer, tmp_path / "actor")
     assert line.startswith(f"train-ppo: {name}, steps 0 → 1; rollout/rewards=")
     assert line.endswith(f"; actor saved to {tmp_path / 'actor'}")
+
+
+def test_the_progress_bar_shows_each_steps_own_metrics_when_it_advances(tmp_path, monkeypatch):
+    """update() draws the bar: the postfix set after it showed the step before (it lagged a step)."""
+    from openaligner.trainer import ppo
+    from openaligner.trainer.ppo_metrics import progress_postfix
+
+    class Bar:
+        def __init__(self) -> None:
+            self.postfix, self.shown = "", []
+
+        def set_postfix_str(self, s, refresh=True):
+            self.postfix = s
+
+        def update(self, n=1):
+            self.shown.append(self.postfix)  # what the drawn line carries at this step
+
+        def close(self):
+            pass
+
+    bar = Bar()
+    monkeypatch.setattr(ppo, "_progress", lambda *args, **kwargs: bar)
+    trainer = make_trainer(tmp_path, cfg("grpo", max_steps=2, max_epochs=2), client=RewardOnly())
+    history = trainer.fit()
+    assert bar.shown == [progress_postfix(m) for m in history]
+    assert bar.shown[0] != bar.shown[1]

@@ -123,3 +123,29 @@ def test_every_rank_starts_from_the_same_adapters(tmp_path, monkeypatch):
         if key != "_next_draw":
             assert torch.equal(adapters[0][key], adapters[1][key]), key
     assert not torch.equal(adapters[0]["_next_draw"], adapters[1]["_next_draw"])
+
+
+def test_a_rerun_that_resumes_at_its_last_step_keeps_the_logs_and_says_nothing_ran(tmp_path):
+    """A run whose newest checkpoint is step 2 but whose logs go on to step 3 (it died before step
+    3's checkpoint), rerun with trainer.max_steps=2 to export step 2's actor: no step runs, so the
+    logs of step 3 stay (they were dropped: "rewinds 480 log records"), and the closing line says
+    that nothing ran instead of printing an empty summary ("steps 24 → 24; ; actor saved")."""
+    import shutil
+
+    from openaligner.cli.train_ppo import closing_line
+
+    first = prepare_ppo_run(_cfg(tmp_path, "r", "trainer.max_steps=3", "exp.keep_last=0"))
+    run_ppo(first, TargetTokenScorer())
+    logs = tmp_path / "r" / "logs"
+    before = {name: (logs / name).read_text() for name in ("metrics.jsonl", "rollouts.jsonl")}
+    assert '"step": 3' in before["metrics.jsonl"]
+    shutil.rmtree(tmp_path / "r" / "checkpoints" / "step_3")
+    started = []
+    run_ppo(prepare_ppo_run(_cfg(tmp_path, "r", "trainer.max_steps=2")), TargetTokenScorer(), started.append)
+    assert {name: (logs / name).read_text() for name in before} == before
+    line = closing_line("gae", started[0], tmp_path / "r" / "actor")
+    assert line == (
+        "train-ppo: PPO, step 2: no step left to run (the checkpoint it resumed from is at the run's "
+        f"last step); actor saved to {tmp_path / 'r' / 'actor'}"
+    )
+    assert (tmp_path / "r" / "actor" / "adapter_config.json").is_file()
