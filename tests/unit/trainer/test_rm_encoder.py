@@ -123,19 +123,21 @@ def test_serve_critic_refuses_a_combined_reward_model_with_other_token_ids(tmp_p
 @pytest.mark.slow
 def test_two_sharded_ranks_train_an_encoder_as_one_process_does(tmp_path):
     """parallel.strategy=fsdp shards BERT per layer (its ``_no_split_modules``) under torchrun
-    (gloo, CPU): 3 steps give the same metrics as one process and weights within 1e-5 (measured:
-    metrics equal, weights ≤ 4.5e-6 apart, where AdamW normalises gradients that are rounding noise;
-    see test_supervised_distributed.py for why the summation order differs)."""
-    from test_supervised_distributed import run_worker
+    (gloo, CPU): 3 steps give the same metrics as one process and the same weights within the
+    rounding bound of test_supervised_distributed.py. Trained with plain SGD for the reason given
+    there: AdamW turns the rounding noise of near-zero gradients into updates of up to lr (measured
+    with AdamW: the pooler's bias 1.01e-5 apart with transformers 5.24, 4.5e-6 with earlier
+    versions), which hides what this test checks."""
+    from test_supervised_distributed import ATOL, sgd_run
 
     bert = tiny_bert_dir(tmp_path / "bert")
-    one = run_worker(tmp_path, "one", 1, "rm", f"model.path={bert}")
-    fsdp = run_worker(tmp_path, "fsdp", 2, "rm", f"model.path={bert}", "parallel.strategy=fsdp")
+    one = sgd_run(tmp_path, "one", 1, "rm", f"model.path={bert}")
+    fsdp = sgd_run(tmp_path, "fsdp", 2, "rm", f"model.path={bert}", "parallel.strategy=fsdp")
     for m_one, m_fsdp in zip(one["metrics"], fsdp["metrics"], strict=True):
         for key in ("train/loss", "train/accuracy", "train/grad_norm", "val/loss", "val/accuracy"):
             if key in m_one:
                 assert m_fsdp[key] == pytest.approx(m_one[key], rel=1e-5, abs=1e-6), key
     assert one["weights"].keys() == fsdp["weights"].keys()
     for name, tensor in one["weights"].items():
-        torch.testing.assert_close(fsdp["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(fsdp["weights"][name], tensor, rtol=0, atol=ATOL, msg=name)
     assert fsdp["forwards"] == [{"train": 6, "val": 2}] * 2
