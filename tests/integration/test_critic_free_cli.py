@@ -161,6 +161,13 @@ def test_the_docs_estimator_trains_from_the_command_line_as_a_plugin(tmp_path, s
     rows = read_jsonl(out / "logs" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["rollout/rollout_size"] == 16  # 4 prompts × 4 responses
-    assert rows[0]["rollout/advantages_mean"] == pytest.approx(0.0, abs=1e-6)  # group-mean baselines
+    # group-mean baselines: each prompt's responses' advantages sum to 0 (per response, not per
+    # token: the logged rollout/advantages_mean weights them by their lengths)
+    groups: dict[tuple[int, int], list[float]] = {}
+    for record in read_jsonl(out / "logs" / "rollouts.jsonl"):
+        groups.setdefault((record["step"], record["group"]), []).append(record["advantage"])
+    assert len(groups) == 8 and all(len(g) == 4 for g in groups.values())  # 2 steps × 4 prompts × 4
+    for advantages in groups.values():
+        assert sum(advantages) == pytest.approx(0.0, abs=1e-5)
     assert not any(k.startswith("value/") for k in rows[0])
-    assert f"plugins:\n- {plugin}\n" in (out / "config.yaml").read_text()
+    assert f"plugins:\n- {plugin}\n" in (out / "checkpoints" / "step_2" / "config.yaml").read_text()
