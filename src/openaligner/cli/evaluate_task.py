@@ -7,8 +7,7 @@ Thin: reads the prompt files (one split each), loads the model (and the referenc
 product's actor, generates, and prints one JSON object with a section per split. Prompts are laid
 out as train-ppo lays them out by default (the tokenizer's chat template when it has one, else raw
 text; BOS first). An adapter-only directory (a checkpoint's ``step_<N>/actor``) is evaluated over
-``--base``, merged in memory. What cannot be evaluated — a missing directory, an adapter without
-``--base``, an unreadable prompt file — is refused in one line (exit 2).
+``--base``, merged in memory. What cannot be evaluated is refused in one line (exit 2).
 """
 
 from __future__ import annotations

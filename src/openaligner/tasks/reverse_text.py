@@ -7,8 +7,8 @@ the reversal), and three splits: train and held-out combinations of :data:`WORDS
 sha256, disjoint whatever the seed), and unseen words (texts made only of
 :data:`UNSEEN_WORDS`, which no train, held-out or SFT text contains). The SFT demonstrations are
 train-split texts of generated letter strings (and some :data:`WORDS`), so that reversing them
-takes spelling, not recall. Everything is deterministic from a seed.
-Must not know models or training. Design notes: docs/demo.md, "Module notes".
+takes spelling, not recall. Everything is deterministic from a seed. Must not know models or
+training. Design notes: docs/demo.md, "Module notes".
 """
 
 from __future__ import annotations

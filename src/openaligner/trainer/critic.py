@@ -266,9 +266,6 @@ class CriticTrainer:
         """
         gbs = self.cfg.global_batch_size
         batch = pad_to_multiple(batch, gbs)
-        share = gbs // dp.world_size()
-        rank = dp.rank()
-        device = self.model.device
         losses, norms = [], []
         lr = self._lr()
         kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -276,11 +273,8 @@ class CriticTrainer:
         self.model.eval()  # no dropout: the values regressed are those critic_infer serves
         for start in range(0, batch.tokens.shape[0], gbs):
             started = time.perf_counter()
-            rows = slice(start + rank * share, start + (rank + 1) * share)
             total = batch.mask[start : start + gbs].sum().to(torch.float64)
-            local = CriticBatch(
-                *(t[rows].to(device) for t in (batch.tokens, batch.returns, batch.prev_values, batch.mask))
-            )
+            local = self._rank_share(batch, start)
             forwards = self._forwards_per_rank(batch.mask[start : start + gbs])
             self.optimizer.zero_grad(set_to_none=True)
             sums = dp.run_guarded(partial(self._accumulate, local, total, kept, forwards))
@@ -328,6 +322,14 @@ class CriticTrainer:
             step=self.step,
             optimizer_steps=len(losses),
         )
+
+    def _rank_share(self, batch: CriticBatch, start: int) -> CriticBatch:
+        """This rank's equal contiguous share of the step of ``batch`` whose ``gbs`` rows begin at
+        ``start``, on the critic's device."""
+        share = self.cfg.global_batch_size // dp.world_size()
+        rows = slice(start + dp.rank() * share, start + (dp.rank() + 1) * share)
+        fields = (batch.tokens, batch.returns, batch.prev_values, batch.mask)
+        return CriticBatch(*(t[rows].to(self.model.device) for t in fields))
 
     def _forwards_per_rank(self, step_mask: torch.Tensor) -> int:
         """With fixed shapes and a sharded critic: the most training forwards any rank runs on its
@@ -436,29 +438,24 @@ class CriticTrainer:
 
     def _explained_variance_after(self, batch: CriticBatch) -> float:
         """Explained variance of the values after this pass over the rows it trained on (every
-        rank's; a collective): one forward without gradients over this rank's share of each step,
-        in the training pass's micro-batches (a sharded critic's forwards are collectives, so every
-        rank runs as many). Beside the values before each step (``explained_variance``), it says
-        whether the critic can fit its targets at all."""
-        gbs, mbs = self.cfg.global_batch_size, self.cfg.micro_batch_size
-        share, rank, device = gbs // dp.world_size(), dp.rank(), self.model.device
+        rank's; a collective): one forward without gradients over this rank's share of each step of
+        ``batch`` (already padded to a multiple of ``gbs``), in the training pass's own forwards
+        (:meth:`_micro_batches`: the same shapes, so fixed shapes stay fixed, and as many on every
+        rank of a sharded critic). Beside the values before each step (``explained_variance``), it
+        says whether the critic can fit its targets at all."""
+        gbs = self.cfg.global_batch_size
         kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
             for start in range(0, batch.tokens.shape[0], gbs):
-                rows = slice(start + rank * share, start + (rank + 1) * share)
-                tokens, returns, mask = (
-                    t[rows].to(device) for t in (batch.tokens, batch.returns, batch.mask)
-                )
-                for i in range(0, tokens.shape[0], mbs):
-                    width = trained_width(mask[i : i + mbs])
-                    if width == 0:
-                        if self._sharded:
-                            with self.precision.autocast():
-                                self.model(tokens[i : i + mbs, :1])
-                        continue
+                local = self._rank_share(batch, start)
+                forwards = self._forwards_per_rank(batch.mask[start : start + gbs])
+                for micro in self._micro_batches(local, forwards):
                     with self.precision.autocast():
-                        values = self.model.standardize(self.model(tokens[i : i + mbs, :width]))
-                    kept.append((values.float(), returns[i : i + mbs, :width], mask[i : i + mbs, :width]))
+                        if micro is None:  # joins a sharded critic's collectives only
+                            self.model(local.tokens[: self.cfg.micro_batch_size, :1])
+                            continue
+                        values = self.model.standardize(self.model(micro.tokens))
+                    kept.append((values.float(), micro.returns, micro.mask))
         return self._explained_variance(kept)
 
     def sync_replicas(self) -> None:
