@@ -1,7 +1,5 @@
-"""The built-in "reverse the text" task (prime-rl's reverse-text): prompts, held-out prompts and a
-gold scorer.
-
-Owns the prompt text (one worked example, then the text), the gold score (the
+"""The built-in "reverse the text" task (prime-rl's reverse-text): prompts, held-out prompts, a
+gold scorer. Owns the prompt text (one worked example, then the text), the gold score (the
 longest-common-subsequence ratio in [0, 1]), the exact-task check (the response's first line is
 the reversal), and three splits: train and held-out combinations of :data:`WORDS` (by each text's
 sha256, disjoint whatever the seed), and unseen words (texts made only of
