@@ -228,6 +228,21 @@ class TinkerModel:
             out.append(current)
         return out
 
+    @contextmanager
+    def _all_or_nothing(self, forward_only: bool) -> Iterator[None]:
+        """The gradients pending before a ``forward_backward`` call, put back when the call fails
+        (nothing to keep for ``forward_only``, which adds none)."""
+        saved = None
+        if not forward_only:
+            saved = {n: None if p.grad is None else p.grad.clone() for n, p in self.params.items()}
+        try:
+            yield
+        except BaseException:
+            if saved is not None:
+                for n, p in self.params.items():
+                    p.grad = saved[n]
+            raise
+
     def forward_backward(
         self,
         datums: list[TinkerDatum],
@@ -242,36 +257,27 @@ class TinkerModel:
         All-or-nothing: when a datum fails, the gradients of this call are taken back, so the
         pending ones stay those of the earlier calls.
         """
-        saved = None
-        if not forward_only:
-            saved = {n: None if p.grad is None else p.grad.clone() for n, p in self.params.items()}
         outputs: list[dict[str, torch.Tensor]] = []
         total = 0.0
-        try:
-            with torch.set_grad_enabled(not forward_only):
-                for group in self.micro_batches(datums):
-                    lps = self.batch_logprobs(
-                        [d.tokens for d in group], [d.inputs["target_tokens"] for d in group]
+        with self._all_or_nothing(forward_only), torch.set_grad_enabled(not forward_only):
+            for group in self.micro_batches(datums):
+                lps = self.batch_logprobs(
+                    [d.tokens for d in group], [d.inputs["target_tokens"] for d in group]
+                )
+                summed_group = []
+                for d, lp in zip(group, lps, strict=True):
+                    inputs = {k: v.to(lp.device) for k, v in d.inputs.items()}
+                    summed, elementwise = loss(lp, inputs, config)
+                    summed_group.append(summed)
+                    total += float(summed.detach())
+                    outputs.append(
+                        {
+                            "logprobs": lp.detach().float().cpu(),
+                            "elementwise_loss": elementwise.detach().float().cpu(),
+                        }
                     )
-                    summed_group = []
-                    for d, lp in zip(group, lps, strict=True):
-                        inputs = {k: v.to(lp.device) for k, v in d.inputs.items()}
-                        summed, elementwise = loss(lp, inputs, config)
-                        summed_group.append(summed)
-                        total += float(summed.detach())
-                        outputs.append(
-                            {
-                                "logprobs": lp.detach().float().cpu(),
-                                "elementwise_loss": elementwise.detach().float().cpu(),
-                            }
-                        )
-                    if not forward_only:
-                        torch.stack(summed_group).sum().backward()
-        except BaseException:
-            if saved is not None:
-                for n, p in self.params.items():
-                    p.grad = saved[n]
-            raise
+                if not forward_only:
+                    torch.stack(summed_group).sum().backward()
         if not forward_only:
             self.pending_datums += len(datums)
         return outputs, {"loss:sum": total}
@@ -482,28 +488,19 @@ class TinkerCritic(TinkerModel):
         all-or-nothing as :meth:`TinkerModel.forward_backward`."""
         from openaligner.algorithms import value_loss
 
-        saved = None
-        if not forward_only:
-            saved = {n: None if p.grad is None else p.grad.clone() for n, p in self.params.items()}
         outputs: list[dict[str, torch.Tensor]] = []
         total = 0.0
-        try:
-            with torch.set_grad_enabled(not forward_only):
-                for d in datums:
-                    v = self.values(d.tokens)
-                    out = {"values": v.detach().cpu()}
-                    if not forward_only or all(k in d.inputs for k in CRITIC_INPUTS):
-                        old, ret, mask = (d.inputs[k].to(v.device).float() for k in CRITIC_INPUTS)
-                        loss, _ = value_loss(v[None], old[None], ret[None], mask[None], clip, units=1.0)
-                        if not forward_only:
-                            loss.backward()
-                        total += float(loss.detach())
-                    outputs.append(out)
-        except BaseException:
-            if saved is not None:
-                for n, p in self.params.items():
-                    p.grad = saved[n]
-            raise
+        with self._all_or_nothing(forward_only), torch.set_grad_enabled(not forward_only):
+            for d in datums:
+                v = self.values(d.tokens)
+                out = {"values": v.detach().cpu()}
+                if not forward_only or all(k in d.inputs for k in CRITIC_INPUTS):
+                    old, ret, mask = (d.inputs[k].to(v.device).float() for k in CRITIC_INPUTS)
+                    loss, _ = value_loss(v[None], old[None], ret[None], mask[None], clip, units=1.0)
+                    if not forward_only:
+                        loss.backward()
+                    total += float(loss.detach())
+                outputs.append(out)
         if not forward_only:
             self.pending_datums += len(datums)
         return outputs, {"loss:sum": total}
