@@ -22,7 +22,10 @@ and the result on held-out prompts in a child process:
   trainer and of each server (``VmHWM`` read before it is stopped).
 
 Prints one JSON line per run and, at the end, the Markdown table; ``--plot`` writes the curves
-(held-out gold score at every validation, rollout gold score per step, KL per step).
+(held-out gold score at every validation, rollout gold score per step, KL per step) and
+``--plot-values`` the critic's diagnostics of each PPO run per step (explained variance before and
+after each critic update and against Monte-Carlo returns, ``|V − G|`` by position, the share of
+advantages of the wrong sign, the value head's scale at initialisation).
 
     .venv/bin/python benchmarks/bench_real_model.py --model runs/gemma-3-270m --out runs/real \\
         --algorithms ppo,grpo --seeds 0,1 --plot docs/images/real_model_curves.png
@@ -434,6 +437,65 @@ def plot(runs: list[tuple[dict[str, Any], list[dict[str, float]]]], path: Path) 
     fig.savefig(path, dpi=80)
 
 
+VALUE_PANELS = (
+    ("explained variance of the critic's values", (
+        ("value/explained_variance", "before the update (GAE returns)"),
+        ("value/explained_variance_after", "after the update (same rows)"),
+        ("value/explained_variance_mc", "against Monte-Carlo returns"),
+    )),
+    ("|V − G| by response position", tuple(
+        (f"value/error_{band}", band) for band in ("early", "middle", "late", "final")
+    )),
+    ("advantages against Monte-Carlo returns", (
+        ("value/wrong_sign_fraction", "share of tokens of the wrong sign"),
+    )),
+    ("rollouts", (("rollout/score", "gold score"), ("rollout/response_lengths", "response tokens / 10"))),
+)  # fmt: skip
+"""The panels of :func:`plot_values`: (title, ((metric, label), ...)) — the critic's diagnostics
+that train-ppo logs per step (docs/ppo.md, *Value diagnostics*)."""
+
+
+def plot_values(runs: list[tuple[dict[str, Any], list[dict[str, float]]]], path: Path) -> None:
+    """The critic's diagnostics per step of each PPO run in ``runs`` (GRPO runs have no critic):
+    one row of :data:`VALUE_PANELS` per run, the value head's scale at initialisation in its title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ppo = [(r, m) for r, m in runs if r["algorithm"] == "ppo"]
+    if not ppo:
+        raise SystemExit("--plot-values: no PPO run among the results")
+    fig, axes = plt.subplots(len(ppo), len(VALUE_PANELS), figsize=(16, 3.4 * len(ppo)), squeeze=False)
+    for row, (result, metrics) in zip(axes, ppo, strict=True):
+        init = next((m for m in metrics if "value/init_values_std" in m), {})
+        tag = f", {result['tag']}" if result.get("tag") else ""
+        name = f"PPO ({result.get('mode', 'LoRA')}{tag}) seed {result['seed']}"
+        scale = (
+            f"; value head at init: |V| {init['value/init_values_abs_mean']:.2f}, sd(V) "
+            f"{init['value/init_values_std']:.2f} vs sd(G) {init['value/init_returns_std']:.2f}"
+            if init
+            else ""
+        )
+        for ax, (title, series) in zip(row, VALUE_PANELS, strict=True):
+            for metric, label in series:
+                points = [(m["step"], m[metric]) for m in metrics if metric in m]
+                if metric == "rollout/response_lengths":
+                    points = [(s, v / 10) for s, v in points]
+                if points:
+                    ax.plot(*zip(*points, strict=True), marker=".", label=label)
+            if title.startswith("explained"):
+                ax.set_ylim(-2, 1.05)  # EV is unbounded below; the interesting range is near [0, 1]
+                ax.axhline(0.0, color="grey", lw=0.5)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step")
+            ax.legend(fontsize=7)
+        row[0].set_ylabel(name + scale, fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -463,6 +525,9 @@ def main() -> None:
         "--tag", default="", help="names runs that --set changes (their directory, the table)"
     )
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument(
+        "--plot-values", type=Path, default=None, help="the critic's diagnostics per step of each PPO run"
+    )
     parser.add_argument("--report-only", action="store_true", help="only report the runs in --out")
     parser.add_argument("--evaluate-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -488,6 +553,8 @@ def main() -> None:
     print(table(results))
     if args.plot:
         plot([(r, metrics_of(args.out / result_name(r))) for r in results], args.plot)
+    if args.plot_values:
+        plot_values([(r, metrics_of(args.out / result_name(r))) for r in results], args.plot_values)
 
 
 if __name__ == "__main__":
