@@ -449,7 +449,7 @@ VALUE_PANELS = (
     ("advantages against Monte-Carlo returns", (
         ("value/wrong_sign_fraction", "share of tokens of the wrong sign"),
     )),
-    ("rollouts", (("rollout/score", "gold score"), ("rollout/response_lengths", "response tokens / 10"))),
+    ("rollouts", (("rollout/score", "gold score"), ("rollout/generation_length", "response tokens / 10"))),
 )  # fmt: skip
 """The panels of :func:`plot_values`: (title, ((metric, label), ...)) — the critic's diagnostics
 that train-ppo logs per step (docs/ppo.md, *Value diagnostics*)."""
@@ -480,7 +480,7 @@ def plot_values(runs: list[tuple[dict[str, Any], list[dict[str, float]]]], path:
         for ax, (title, series) in zip(row, VALUE_PANELS, strict=True):
             for metric, label in series:
                 points = [(m["step"], m[metric]) for m in metrics if metric in m]
-                if metric == "rollout/response_lengths":
+                if metric == "rollout/generation_length":
                     points = [(s, v / 10) for s, v in points]
                 if points:
                     ax.plot(*zip(*points, strict=True), marker=".", label=label)
