@@ -131,6 +131,8 @@ class ScalarHeadModel(nn.Module):
             head.__class__ = Float32Linear
         self.hf_model = hf_model
         self.standardization = standardization
+        self.fresh_head = False
+        """True when :meth:`from_pretrained` found no head on disk and the head was drawn fresh."""
 
     @property
     def backbone(self) -> nn.Module:
@@ -219,11 +221,14 @@ class ScalarHeadModel(nn.Module):
         p = Path(directory)
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p} has no config.json; expected a Hugging Face model directory")
-        kwargs: dict[str, object] = {"num_labels": 1, "local_files_only": True}
+        kwargs: dict[str, object] = {"num_labels": 1, "local_files_only": True, "output_loading_info": True}
         if dtype is not None:
             kwargs["dtype"] = dtype
-        hf = AutoModelForSequenceClassification.from_pretrained(str(p), **kwargs)
+        hf, info = AutoModelForSequenceClassification.from_pretrained(str(p), **kwargs)
         model = cls(hf, standardization=standardization)
+        head = model.head
+        head_keys = {f"{name}.weight" for name, module in hf.named_modules() if module is head}
+        model.fresh_head = bool(head_keys & set(info.get("missing_keys", ())))
         if device is not None:
             model.to(device)
         return model
