@@ -116,7 +116,9 @@ class Served:
     def output(self) -> str:
         return "".join(self.lines)
 
-    def wait_ready(self, timeout_s: float = 90.0) -> str:
+    def wait_ready(self, timeout_s: float = 180.0) -> str:
+        """The ready line's group, once printed; fails if the process exits first or after
+        ``timeout_s``: a bound on a hang, generous because CI runs both tiers side by side."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             match = re.search(self.ready_pattern, self.output)

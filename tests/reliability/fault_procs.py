@@ -108,7 +108,8 @@ class Trainer(Served):
         """The step of the newest published actor checkpoint (0 before the first)."""
         return latest_step(self.checkpoints)
 
-    def wait(self, timeout_s: float = 180.0) -> int:
+    def wait(self, timeout_s: float = 400.0) -> int:
+        """The exit code; fails after ``timeout_s``: a bound on a hang (180 s was missed at load 9)."""
         try:
             return self.proc.wait(timeout=timeout_s)
         except Exception:

@@ -17,7 +17,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -87,11 +87,50 @@ def _train_once_more(port: int, *, save: bool) -> None:
             client.save().result()
 
 
+EVERY_2 = "trainer.save_interval=2"  # two steps between checkpoints: the kill lands between them
+
+
+class Uninterrupted:
+    """The uninterrupted 6-step run both cases compare with (one command, so one run for the
+    module): its critic server and trainer start when the first case does and run beside it."""
+
+    def __init__(self, root: Path) -> None:
+        self.server = CriticServer(root / "critic")
+        self.run = Trainer(root / "run", write_prompts(root / "prompts.jsonl"), self.server.port, 6, EVERY_2)
+        self.code: int | None = None
+
+    def finish(self) -> Trainer:
+        """The run once it has ended (exit code 0), its critic server stopped."""
+        if self.code is None:
+            try:
+                self.code = self.run.wait()
+            finally:
+                kill_tree(self.server)
+        assert self.code == 0, self.run.output[-3000:]
+        return self.run
+
+    def kill(self) -> None:
+        self.run.kill()
+        kill_tree(self.server)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Uninterrupted]:
+    ref = Uninterrupted(tmp_path_factory.mktemp("uninterrupted"))
+    try:
+        yield ref
+    finally:
+        ref.kill()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("critic", ["restarted-a-checkpoint-ahead", "kept-running"])
-def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted_run(tmp_path, critic):
+def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted_run(
+    tmp_path, critic, uninterrupted
+):
     """kill -9 of train-ppo right after checkpoint 2 (of a 6-step run), then the same command again;
-    the uninterrupted run of the same command runs beside it all along (each loads the other).
+    the uninterrupted run of the same command (one for both cases: ``uninterrupted``) runs beside
+    the first case (each loads the other).
     The interrupted run's critic server merges each step's two critic_infer requests into one
     formed batch (it waits up to 2 s for a batch of 16 rows); the uninterrupted run's answers
     each as it comes (the default 2 ms). Both repeat bit for bit: every metric of every step,
@@ -111,11 +150,9 @@ def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted
       more train, made here: the kill lands before the run's own next train reaches the server).
     """
     prompts = write_prompts(tmp_path / "prompts.jsonl")
-    every_2 = "trainer.save_interval=2"  # two steps between checkpoints: the kill lands between them
+    every_2 = EVERY_2
     merging = ("server.inference_micro_batch_size=[16]", "server.max_queue_delay_microseconds=2000000")
-    ref_server = CriticServer(tmp_path / "ref" / "critic")
     server = CriticServer(tmp_path / "cut" / "critic", None, *merging)
-    ref = Trainer(tmp_path / "ref" / "run", prompts, ref_server.port, 6, every_2)
     cut = Trainer(tmp_path / "cut" / "run", prompts, server.port, 6, every_2)
     restarted: list[CriticServer] = []
     try:
@@ -141,17 +178,16 @@ def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted
             _train_once_more(server.port, save=False)  # at critic step 3, in memory only
         again = Trainer(cut.out, prompts, server.port, 6, every_2)  # the same command
         assert again.wait() == 0, again.output[-3000:]
-        assert ref.wait() == 0, ref.output[-3000:]
+        ref = uninterrupted.finish()
     finally:
-        for s in (ref_server, server, *restarted):
+        for s in (server, *restarted):
             kill_tree(s)
-        for t in (ref, cut):
-            t.kill()
+        cut.kill()
     assert "resumed from" in again.output and "step_2" in again.output
     assert "not an exact continuation" not in again.output  # the critic server matched the checkpoint
     # the resumed run's metrics are the uninterrupted run's, every step once (steps logged before
     # the kill and run again were dropped at resume)
-    straight = read_jsonl(tmp_path / "ref" / "run" / "logs" / "metrics.jsonl")
+    straight = read_jsonl(ref.out / "logs" / "metrics.jsonl")
     resumed = read_jsonl(cut.out / "logs" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     _same_metrics(straight, resumed)
@@ -170,11 +206,12 @@ def test_trainer_killed_after_a_checkpoint_resumes_and_matches_the_uninterrupted
             ref.checkpoints / f"step_{step}" / "actor" / "model.safetensors",
             cut.checkpoints / f"step_{step}" / "actor" / "model.safetensors",
         )
-    kept = sorted(p.name for p in ref_server.ckpt_dir.glob("step_*"))  # the critic keeps the newest
+    ref_critic = uninterrupted.server.ckpt_dir
+    kept = sorted(p.name for p in ref_critic.glob("step_*"))  # the critic keeps the newest
     assert "step_6" in kept
     for name in kept:
         _same_weights(
-            ref_server.ckpt_dir / name / "critic" / "model.safetensors",
+            ref_critic / name / "critic" / "model.safetensors",
             server.ckpt_dir / name / "critic" / "model.safetensors",
         )
     assert "the critic server went back to critic step 2, saved with" in again.output
