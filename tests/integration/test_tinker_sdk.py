@@ -79,13 +79,13 @@ def server(tmp_path_factory: pytest.TempPathFactory, sdk: Path) -> Iterator[str]
         served.kill()
 
 
-def client(sdk: Path, command: str, url: str, arg: str) -> dict:
+def client(sdk: Path, command: str, url: str, arg: str, timeout_s: float = 540) -> dict:
     """Run one command of tinker_client.py in the SDK's venv; its RESULT line."""
     done = subprocess.run(
         [str(sdk), str(CLIENT), command, url, arg],
         capture_output=True,
         text=True,
-        timeout=540,
+        timeout=timeout_s,
         env={**os.environ, "TINKER_TELEMETRY": "0", "OMP_NUM_THREADS": "1"},
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

@@ -6,7 +6,8 @@ would, and prints one JSON line (``RESULT {...}``) for the test to judge.
 
 Commands: ``sl`` (a supervised loop), ``save`` (train, save_state, train on: the uninterrupted
 run), ``resume`` (load that state with its optimizer and train the same steps), ``sample`` (the
-sampling contract), ``errors`` (refusals, each naming what was wrong).
+sampling contract), ``engine`` (greedy samples before and after training, and of the old sampler
+again: the vllm engine's test), ``errors`` (refusals, each naming what was wrong).
 """
 
 from __future__ import annotations
@@ -160,6 +161,58 @@ def cmd_sample(url: str, model: str) -> dict[str, Any]:
     }
 
 
+def cmd_engine(url: str, model: str) -> dict[str, Any]:
+    """Greedy samples of a snapshot sampler, then training toward a target, a saved sampler path's
+    samples (greedy, seeded, prompt log-probs) and the first sampler's again."""
+    sc = service(url)
+    tc = sc.create_lora_training_client(base_model=model, rank=4, seed=0).result()
+    tok = tc.get_tokenizer()
+    prompt_ids = tok.encode("User: 2+2?\n\nAssistant:", add_special_tokens=False)
+    prompt = types.ModelInput.from_ints(prompt_ids)
+    greedy = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
+    before_path = tc.save_weights_for_sampler("before").result().path
+    old = tc.save_weights_and_get_sampling_client().result()
+    first = old.sample(prompt, 1, greedy).result()
+    target = tok.encode(" 4444 4444", add_special_tokens=False)
+    ids = prompt_ids + target
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={
+            "target_tokens": ids[1:],
+            "weights": [0.0] * (len(prompt_ids) - 1) + [1.0] * len(target),
+        },
+    )
+    for _ in range(4):
+        tc.forward_backward([datum], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
+    after_path = tc.save_weights_for_sampler("after").result().path
+    new = sc.create_sampling_client(model_path=after_path).result()
+    trained = new.sample(prompt, 2, greedy).result()
+    scored = new.compute_logprobs(prompt).result()
+    seeded = types.SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+    draws = [new.sample(prompt, 3, seeded).result() for _ in range(2)]
+    old_again = old.sample(prompt, 1, greedy).result()
+
+    def seqs(resp: Any) -> list[dict[str, Any]]:
+        return [
+            {"tokens": list(s.tokens), "logprobs": list(s.logprobs), "stop_reason": s.stop_reason}
+            for s in resp.sequences
+        ]
+
+    sc.close("success")
+    return {
+        "model_id": tc.get_info().model_id,
+        "prompt": prompt_ids,
+        "before_path": before_path,
+        "after_path": after_path,
+        "first": seqs(first),
+        "trained": seqs(trained),
+        "prompt_logprobs": scored,
+        "draws": [seqs(d) for d in draws],
+        "old_again": seqs(old_again),
+    }
+
+
 def failure(call: Any) -> str:
     """The message of the exception ``call()`` raises (it must raise)."""
     try:
@@ -203,7 +256,14 @@ def cmd_errors(url: str, model: str) -> dict[str, Any]:
     return out
 
 
-COMMANDS = {"sl": cmd_sl, "save": cmd_save, "resume": cmd_resume, "sample": cmd_sample, "errors": cmd_errors}
+COMMANDS = {
+    "sl": cmd_sl,
+    "save": cmd_save,
+    "resume": cmd_resume,
+    "sample": cmd_sample,
+    "engine": cmd_engine,
+    "errors": cmd_errors,
+}
 
 if __name__ == "__main__":
     command, url, arg = sys.argv[1], sys.argv[2], sys.argv[3]

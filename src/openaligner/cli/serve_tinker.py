@@ -21,6 +21,7 @@ from types import FrameType
 
 from openaligner.config import StartupError
 from openaligner.protocol import TOKEN_ENV
+from openaligner.rollout.config import RolloutConfig
 from openaligner.servers.transport.http_guard import DEFAULT_MAX_REQUEST_BYTES
 from openaligner.servers.transport.triton import is_loopback
 
@@ -81,6 +82,8 @@ class TinkerModelSettings:
 class ServeTinkerConfig:
     server: TinkerServerSettings = field(default_factory=TinkerServerSettings)  # where it listens
     models: TinkerModelSettings = field(default_factory=TinkerModelSettings)  # what it serves
+    # what samples: hf (default) or vllm (one engine process per base model), train-ppo's keys
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     checkpoint_dir: str = "runs/tinker"  # tinker:// paths live here (<dir>/<model_id>/weights/<name>)
     threads: int | None = None  # torch CPU threads; null: torch's default
     log_level: str = "INFO"  # Python logging level of this process
@@ -107,6 +110,30 @@ def served_names(cfg: TinkerModelSettings) -> dict[str, Path]:
     return out
 
 
+def check_rollout(cfg: RolloutConfig) -> None:
+    """The ``rollout`` section as serve-tinker serves it.
+
+    Raises:
+        StartupError: ``rollout.vllm.url`` (serve-tinker starts its own engines, one per base
+            model: an attached engine holds one model and ties its head as that model does), or no
+            interpreter at ``rollout.vllm.python`` (naming ``make rollout-setup``).
+    """
+    if cfg.engine != "vllm":
+        return
+    if cfg.vllm.url is not None:
+        raise StartupError(
+            f"rollout.vllm.url={cfg.vllm.url}: serve-tinker starts its own vllm engines (one per base "
+            "model, started at the first sample) and attaches to none; set rollout.vllm.url=null"
+        )
+    from openaligner.rollout.engine import EngineSetupError
+    from openaligner.rollout.vllm_link import resolve_python
+
+    try:
+        resolve_python(cfg.vllm.python)
+    except EngineSetupError as e:
+        raise StartupError(str(e)) from None
+
+
 def api_key(server: TinkerServerSettings) -> str | None:
     """The API key clients must send (None: open).
 
@@ -128,6 +155,7 @@ def run(cfg: ServeTinkerConfig) -> int:
     from openaligner.algorithms.tinker_losses import tinker_loss
     from openaligner.models.source import pick_device
     from openaligner.servers.tinker.app import TinkerHTTP
+    from openaligner.servers.tinker.engines import TinkerEngines
     from openaligner.servers.tinker.service import TinkerService
 
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -135,6 +163,7 @@ def run(cfg: ServeTinkerConfig) -> int:
         torch.set_num_threads(cfg.threads)
     bases = served_names(cfg.models)
     key = api_key(cfg.server)
+    check_rollout(cfg.rollout)
     service = TinkerService(
         bases,
         Path(cfg.checkpoint_dir),
@@ -146,6 +175,7 @@ def run(cfg: ServeTinkerConfig) -> int:
         max_sampler_snapshots=cfg.models.max_sampler_snapshots,
         default_max_tokens=cfg.models.default_max_tokens,
         device=pick_device(cfg.models.device),
+        engines=TinkerEngines(cfg.rollout),
     )
     front = TinkerHTTP(
         service,
@@ -174,7 +204,8 @@ def run(cfg: ServeTinkerConfig) -> int:
     print(
         f"tinker server ready at http://{cfg.server.host}:{front.port} (base models: {names}"
         f"{'; local directories' if cfg.models.accept_local_dirs else ''}; checkpoints in "
-        f"{Path(cfg.checkpoint_dir).absolute()}{'; API key required' if key else ''}); "
+        f"{Path(cfg.checkpoint_dir).absolute()}; sampling engine {cfg.rollout.engine}"
+        f"{'; API key required' if key else ''}); "
         "stop with Ctrl-C or SIGTERM",
         flush=True,
     )

@@ -1,9 +1,9 @@
 """LoRA adapters through ``peft``: the ``lora`` section of a command, putting adapters on a model,
 and the model with its adapters merged in.
 
-Owns :class:`LoraConfig` (``r = 0``: off), :func:`add_lora`, :func:`merged_copy` and
-:func:`adapter_directory_problem`. Must not know about configs of other sections, trainers,
-optimizers or servers; ``peft`` is imported only when adapters are asked for.
+Owns :class:`LoraConfig` (``r = 0``: off), :func:`add_lora`, :func:`merged_copy`,
+:func:`merged_state_dict` and :func:`adapter_directory_problem`. Must not know about configs of
+other sections, trainers, optimizers or servers; ``peft`` is imported only when adapters are asked for.
 Design notes: docs/lora.md, "Module notes".
 """
 
@@ -245,6 +245,38 @@ def merged_copy(model: nn.Module, state: dict[str, torch.Tensor] | None = None) 
     merged = copied.merge_and_unload()
     assert isinstance(merged, PreTrainedModel)
     return merged
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of ``model`` (a causal LM, or what :func:`add_lora` made of one) as the plain
+    model holds them: each adapted layer's ``weight`` is ``W + alpha / r · B A`` (a new tensor),
+    every other tensor is the model's own (not copied), adapters' own tensors left out.
+
+    Unlike :func:`merged_copy`, an adapter on an output head tied to the input embedding changes
+    only the head: the result then holds ``lm_head.weight`` apart from the embedding (as the
+    adapted model computes), so whoever loads it must not tie them again. ``merged_copy`` merges
+    into the one shared tensor and so changes the embedding too.
+    """
+    if not is_peft_model(model):
+        return dict(model.state_dict())
+    peft = require_peft("merging LoRA adapters")
+    inner = unwrap(model)
+    layers = {
+        name: module
+        for name, module in inner.named_modules()
+        if isinstance(module, peft.tuners.lora.LoraLayer)
+    }
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, value in inner.state_dict().items():
+            if ".lora_" in key:
+                continue
+            out[key.replace(".base_layer.", ".")] = value
+        for name, layer in layers.items():
+            base = layer.get_base_layer().weight
+            delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
+            out[f"{name}.weight"] = (base + delta).detach()
+    return out
 
 
 def merged_export_copy(model: nn.Module) -> PreTrainedModel | None:

@@ -103,6 +103,11 @@ class RolloutEngine(ABC):
         if not self.shares_weights:
             raise NotImplementedError(f"the {self.name} engine owns its weights and must take new ones")
 
+    def sync_weights(self) -> None:
+        """Take the weights :meth:`update_weights` named now (starting the engine if it must),
+        rather than at the next :meth:`generate`. Default: nothing (an engine sharing the modules)."""
+        return None
+
     def check_logprobs(
         self, engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor
     ) -> dict[str, float]:

@@ -102,10 +102,14 @@ class VLLMRolloutEngine(RolloutEngine):
     name = "vllm"
     shares_weights = False
 
-    def __init__(self, actor: CausalLMActor, cfg: VLLMConfig) -> None:
+    def __init__(self, actor: CausalLMActor, cfg: VLLMConfig, *, untie_head: bool = False) -> None:
         """Raises :class:`EngineSetupError` when the engine cannot be started (no interpreter) or,
         with ``cfg.url``, attached to (nothing answers at one of its URLs, one serves another
-        architecture or vocabulary, or another trainer holds it)."""
+        architecture or vocabulary, or another trainer holds it).
+
+        ``untie_head``: the engine's model keeps an output head of its own even where the actor's
+        config ties it to the input embedding (the weights pushed then carry ``lm_head.weight``
+        apart: an adapter on the head makes the two differ). Only for an engine it starts."""
         self.cfg = cfg
         self.attached = cfg.url is not None  # attach to engines of `openaligner serve-rollout`
         self.python = None if self.attached else resolve_python(cfg.python)
@@ -115,6 +119,13 @@ class VLLMRolloutEngine(RolloutEngine):
         self.pad_id = int(actor.pad_id)
         self.tokenizer = actor.tokenizer
         self.hf_config = _plain_config(actor)
+        if untie_head and getattr(self.hf_config, "tie_word_embeddings", False):
+            if cfg.url is not None:
+                raise EngineSetupError(
+                    "an engine of openaligner serve-rollout ties its head as its model does; this "
+                    "run needs an untied one (set rollout.vllm.url=null)"
+                )
+            self.hf_config.tie_word_embeddings = False
         self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         self.links: list[EngineLink] = []  # rank 0, once started: the engines it talks to
         self.started = False  # every rank: the engines serve (and, attached, are leased)
@@ -279,6 +290,15 @@ class VLLMRolloutEngine(RolloutEngine):
         self.policy = policy
         self.version = version
         self._dirty = True
+
+    def sync_weights(self) -> None:
+        """Push the weights :meth:`update_weights` recorded now rather than at the next
+        :meth:`generate` (starting the engine on them if it is not running; every rank calls
+        it); nothing when the engine holds them already."""
+        if not self.started:
+            self.start()
+        if self._dirty:
+            self._push()
 
     def _write_weights(self, model_dir: Path, state: dict[str, torch.Tensor] | None) -> None:
         assert state is not None, "rank 0 holds the whole state dict"

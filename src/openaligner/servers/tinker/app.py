@@ -25,6 +25,7 @@ from typing import Any
 from openaligner.servers.tinker import wire
 from openaligner.servers.tinker.futures import UserError
 from openaligner.servers.tinker.service import TinkerService
+from openaligner.servers.transport.http_guard import BodyRefused, read_bounded_body
 from openaligner.trainer.tinker_model import TinkerDatum, TinkerInputError
 
 LOGGER = logging.getLogger(__name__)
@@ -185,14 +186,6 @@ class TinkerHTTP:
         except _Refused as e:
             LOGGER.warning("%s %s refused: %s", request.method, path, e)
             return web.json_response({"error": str(e)}, status=e.status)
-        except web.HTTPRequestEntityTooLarge:
-            return web.json_response(
-                {
-                    "error": f"request body over this server's limit of {self.max_request_bytes} bytes "
-                    "(server.max_request_bytes)"
-                },
-                status=413,
-            )
         except Exception as e:  # ours: the traceback to our log, the type to the client
             LOGGER.exception("%s %s failed", request.method, path)
             return web.json_response(
@@ -221,18 +214,10 @@ class TinkerHTTP:
 
     # ------------------------------------------------------------------ handler builders
     async def _body(self, request: Any) -> bytes:
-        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-        if encoding not in ("", "identity"):
-            raise _Refused(415, f"compressed request bodies (Content-Encoding: {encoding}) are not accepted")
-        declared = request.content_length
-        if declared is not None and declared > self.max_request_bytes:
-            raise _Refused(
-                413,
-                f"request body of {declared} bytes is over this server's limit of "
-                f"{self.max_request_bytes} bytes (server.max_request_bytes)",
-            )
-        body: bytes = await request.read()
-        return body
+        try:
+            return await read_bounded_body(request, self.max_request_bytes, "server.max_request_bytes")
+        except BodyRefused as e:
+            raise _Refused(e.status, e.message) from None
 
     async def _json_body(self, request: Any, required: bool = True) -> dict[str, Any]:
         raw = await self._body(request)

@@ -17,9 +17,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-# The one import of the rollout seam in the Tinker server (the engine seam may move packages).
 from openaligner.rollout.engine import RolloutEngine, RolloutRequest, row_seeds
-from openaligner.rollout.hf_engine import HFRolloutEngine
 from openaligner.trainer.tinker_model import TinkerInputError
 
 
@@ -97,13 +95,6 @@ class SampledSequence:
     stop_reason: str
 
 
-def engine_for(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> RolloutEngine:
-    """The rollout engine sampling ``model`` (the ``hf`` engine over its modules)."""
-    from openaligner.models.actor import CausalLMActor
-
-    return HFRolloutEngine(CausalLMActor(model, tokenizer, init_policy=False))
-
-
 @torch.no_grad()
 def sample(
     engine: RolloutEngine,
@@ -115,11 +106,15 @@ def sample(
     tokenizer: PreTrainedTokenizerBase | None,
     prompt_logprobs: bool,
 ) -> tuple[list[SampledSequence], torch.Tensor | None]:
-    """``num_samples`` continuations of ``prompt`` [P] int64 and, with ``prompt_logprobs``, the
-    prompt's own log-probs [P] (NaN at position 0, which nothing predicts).
+    """``num_samples`` continuations of ``prompt`` [P] int64 drawn by ``engine`` and, with
+    ``prompt_logprobs``, the prompt's own log-probs [P] (NaN at position 0, which nothing predicts).
 
-    Log-probs of sampled tokens are at the sampling temperature (that is the distribution they were
-    drawn from, before top-k / top-p); prompt log-probs at temperature 1.
+    Log-probs are ``model``'s (one forward over the samples, whichever engine drew them; ``model``
+    holds the weights the engine sampled from): of sampled tokens at the sampling temperature
+    (before top-k / top-p), of the prompt at temperature 1. An engine that reports log-probs of
+    its own (vllm) has them compared with these (:meth:`RolloutEngine.check_logprobs`: it raises
+    when, just after a weight push, they show it sampled other weights) where they mean the same:
+    without top-k / top-p, which renormalise the engine's over the kept tokens.
     """
     from openaligner.models.generation import SamplingParams, resolve_stop_ids
 
@@ -155,6 +150,12 @@ def sample(
         lp = sampled_lp[row, p - 1 : end - 1].gather(-1, tokens.to(device)[:, None])[:, 0]
         reason = "stop" if bool(out.is_end[row]) else "length"
         sequences.append(SampledSequence(tokens.cpu(), lp.cpu(), reason))
+    if out.logprobs is not None and params.top_k == 0 and params.top_p == 1.0:
+        width = out.tokens.shape[1]
+        mine = sampled_lp[:, : width - 1].gather(-1, out.tokens[:, 1:].to(device)[..., None])[..., 0]
+        positions = torch.arange(1, width)[None, :]
+        mask = (positions >= p) & (positions < out.sequence_lengths[:, None])
+        engine.check_logprobs(out.logprobs, mine.cpu(), mask.float())
     prompt_lp = None
     if prompt_logprobs:
         base_lp = torch.log_softmax(logits[0, : p - 1], dim=-1)

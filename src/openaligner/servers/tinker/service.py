@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +31,13 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from openaligner.models.positions import position_limit
+from openaligner.rollout.config import RolloutConfig
+from openaligner.rollout.engine import EngineSetupError, RolloutEngineError
+from openaligner.servers.tinker.engines import TinkerEngines
 from openaligner.servers.tinker.futures import FutureTable, UserError
 from openaligner.servers.tinker.sampling import (
     SampledSequence,
     TinkerSampling,
-    engine_for,
     prompt_tokens,
     sample,
 )
@@ -110,6 +112,7 @@ class Sampler:
     snapshot: dict[str, torch.Tensor] | None
     model_path: str | None
     version: int | None = None
+    weights_key: Hashable | None = None  # a saved path's sampler: names its weights for the engines
 
 
 MODEL_ROLES = ("policy", "critic")
@@ -145,6 +148,7 @@ class TinkerService:
             weight version; the oldest forgotten first).
         default_max_tokens: new tokens per sample when the client sets no ``max_tokens``.
         device: where models compute.
+        engines: what samples (``rollout.engine``; default: the ``hf`` engine).
     """
 
     def __init__(
@@ -160,6 +164,7 @@ class TinkerService:
         max_sampler_snapshots: int = 16,
         default_max_tokens: int = 128,
         device: torch.device | None = None,
+        engines: TinkerEngines | None = None,
     ) -> None:
         self.bases = {name: BaseModelSource(name, Path(p)) for name, p in bases.items()}
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -172,6 +177,10 @@ class TinkerService:
         self.default_max_tokens = default_max_tokens
         self.device = device or torch.device("cpu")
         self.jobs = FutureTable()
+        self.engines = engines or TinkerEngines(RolloutConfig())
+        # sampler_weights paths saved by this process -> the weights they hold, as the engines name
+        # them (a sampler of such a path samples what its engine may hold already)
+        self._path_keys: dict[str, Hashable] = {}
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ServedModel] = {}
         self.samplers: dict[str, Sampler] = {}
@@ -497,20 +506,32 @@ class TinkerService:
             raise UserError(f"kind must be snapshot or inflight, got {kind!r}")
 
         def work() -> dict[str, Any]:
+            key = ("model", served.model_id, served.trainer.version)
             if name is not None:
                 target = self._path_dir(served.model_id, "sampler_weights", name)
                 self._write(served, target, optimizer=False, overwrite=False)
-                return {
-                    "path": f"tinker://{served.model_id}/sampler_weights/{name}",
-                    "type": "save_weights_for_sampler",
-                }
+                path = f"tinker://{served.model_id}/sampler_weights/{name}"
+                self._path_keys[path] = key
+                self._push(served, key, start=False)
+                return {"path": path, "type": "save_weights_for_sampler"}
             version = self._keep_snapshot(served) if kind == "snapshot" else None
             sampler_id = self._add_sampler(
                 served.session_id, served.base_name, served.base, served, None, None, version=version
             )
+            self._push(served, key, start=True)
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
         return self._future(work, key=("save_sampler", served.model_id, body.get("seq_id")), body=body)
+
+    def _push(self, served: ServedModel, key: Hashable, *, start: bool) -> None:
+        """The model's live weights (named ``key``) into its base's vllm engine, if it samples
+        through one (``start``: starting it; else only into a running one). A push that fails is
+        only logged: the checkpoint or sampler stands, and the sampler's first sample pushes again
+        (and fails, if it must, naming the cause)."""
+        try:
+            self.engines.push(served.base.path, served.trainer.model, served.tokenizer, key, start=start)
+        except (RolloutEngineError, EngineSetupError) as e:
+            LOGGER.warning("pushing %s's weights into its vllm engine failed: %s", served.model_id, e)
 
     def _keep_snapshot(self, served: ServedModel) -> int:
         """Keep the model's adapters as they are now (once per weight version) and forget the
@@ -613,6 +634,8 @@ class TinkerService:
         if host is None:
             host = self._sampling_host(session, model_id, name, base, base_name, directory)
         sid = self._add_sampler(session.id, base_name, base, host, snapshot, path)
+        with self._lock:
+            self.samplers[sid].weights_key = self._path_keys.get(path, ("sampler", sid))
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     def _sampling_host(
@@ -696,22 +719,37 @@ class TinkerService:
             raise UserError("prompt_logprobs need a prompt")
 
         def work() -> Any:
-            weights = (
-                nullcontext(self._plain_model(sampler.base))
-                if model is None
-                else model.trainer.weights(self._sampler_weights(sampler, model))
-            )
-            with weights as hf:
-                engine = engine_for(hf, tokenizer)
-                seqs, plp = sample(
-                    engine, hf, tokens, n, params, tokenizer=tokenizer, prompt_logprobs=want_prompt_lp
-                )
+            if model is None:
+                weights: Any = nullcontext(self._plain_model(sampler.base))
+                key: Hashable = ("base", str(sampler.base.path))
+            else:
+                weights = model.trainer.weights(self._sampler_weights(sampler, model))
+                key = self._weights_key(sampler, model)
+            try:
+                with weights as hf, self.engines.engine(sampler.base.path, hf, tokenizer, key) as engine:
+                    seqs, plp = sample(
+                        engine, hf, tokens, n, params, tokenizer=tokenizer, prompt_logprobs=want_prompt_lp
+                    )
+            except RolloutEngineError as e:
+                if e.status in (400, 413):  # the engine refused this request (e.g. its max_model_len)
+                    raise UserError(str(e)) from None
+                raise
             return encode(seqs, plp)
 
         ids = [uuid.uuid4().hex for _ in range(n)]
         future = self._future(work)
         future["sample_sequence_ids"] = ids
         return future
+
+    @staticmethod
+    def _weights_key(sampler: Sampler, model: ServedModel) -> Hashable:
+        """What names the weights ``sampler`` samples, for the engines (equal names, equal
+        weights): a snapshot's model and version, a saved path's own key, or the live version."""
+        if sampler.version is not None:
+            return ("model", model.model_id, sampler.version)
+        if sampler.snapshot is not None:
+            return sampler.weights_key or ("sampler", sampler.id)
+        return ("model", model.model_id, model.trainer.version)
 
     def _sampler_weights(self, sampler: Sampler, model: ServedModel) -> dict[str, torch.Tensor] | None:
         if sampler.version is None:
@@ -764,4 +802,6 @@ class TinkerService:
         return {"request_id": request_id}
 
     def close(self) -> None:
+        """Stop taking jobs (the one running finishes), then end the engines."""
         self.jobs.close()
+        self.engines.close()

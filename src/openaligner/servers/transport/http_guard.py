@@ -3,9 +3,9 @@
 Owns :class:`HTTPGuard`, the reverse proxy on the served address (Triton on a private port behind
 it): each request judged alone by the endpoint's check and forwarded canonically, refusals as 4xx
 without tracebacks, other wire formats on their own paths (:class:`ForeignRoute`), per-request
-admission (:data:`Admit`), and resending requests Triton rejected beside a failing one.
-Must not know what an endpoint computes, nor how Triton is started.
-Design notes (why a front): docs/serving.md, "Module notes".
+admission (:data:`Admit`), resending requests Triton rejected beside a failing one, and the
+bounded read of a body (:func:`read_bounded_body`, serve-tinker's front uses it too).
+Must not know what an endpoint computes, nor how Triton is started. Notes: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -105,6 +105,44 @@ class _Refused(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+class BodyRefused(_Refused):
+    """A request body refused by :func:`read_bounded_body`: ``status`` 415 (compressed) or 413
+    (over the limit), ``message`` naming why and the setting."""
+
+
+async def read_bounded_body(request: Any, limit: int, limit_key: str, hint: str = "") -> bytes:
+    """The whole body of the aiohttp ``request``, read chunk by chunk so that no more than
+    ``limit`` bytes (+ one chunk) are ever held.
+
+    Raises:
+        BodyRefused: 415 for a compressed body (never inflated: no zip bombs); 413 when it declares
+            or turns out to hold more than ``limit`` bytes, naming ``limit_key`` (then ``hint``).
+    """
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise BodyRefused(
+            415,
+            f"compressed request bodies (Content-Encoding: {encoding}) are not accepted; send the body "
+            f"uncompressed",
+        )
+
+    def too_large(size: int | None) -> BodyRefused:
+        size_text = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+        return BodyRefused(
+            413, f"request body is {size_text}, over this server's limit of {limit} bytes ({limit_key}){hint}"
+        )
+
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise too_large(declared)
+    body = bytearray()
+    while chunk := await request.content.readany():
+        body += chunk
+        if len(body) > limit:
+            raise too_large(None)
+    return bytes(body)
 
 
 _HOP_BY_HOP = {
@@ -341,23 +379,10 @@ class HTTPGuard:
         return await self._forward(request, target + "/infer", payload, headers)
 
     async def _read_body(self, request: Any) -> bytes:
-        """The whole request body, refused (:class:`_Refused`) when compressed or over the limit."""
-        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-        if encoding not in ("", "identity"):
-            raise _Refused(
-                415,
-                f"compressed request bodies (Content-Encoding: {encoding}) are not accepted; send the body "
-                f"uncompressed",
-            )
-        declared = request.content_length
-        if declared is not None and declared > self.max_request_bytes:
-            raise _Refused(413, self._too_large_text(declared))
-        body = bytearray()
-        while chunk := await request.content.readany():
-            body += chunk
-            if len(body) > self.max_request_bytes:
-                raise _Refused(413, self._too_large_text(None))
-        return bytes(body)
+        """The whole request body, refused (:class:`BodyRefused`) when compressed or over the limit."""
+        return await read_bounded_body(
+            request, self.max_request_bytes, "max_request_bytes", "; send fewer rows per request"
+        )
 
     # -- foreign wire formats --------------------------------------------------------------------
     async def _foreign(self, request: Any, route: ForeignRoute) -> Any:
@@ -473,13 +498,6 @@ class HTTPGuard:
         checked = check(parsed.arrays(), parsed.parameters) if check is not None else None
         admit = self.admissions.get(model)
         return parsed, admit(checked) if admit is not None else None
-
-    def _too_large_text(self, size: int | None) -> str:
-        size_text = f"{size} bytes" if size is not None else f"more than {self.max_request_bytes} bytes"
-        return (
-            f"request body is {size_text}, over this server's limit of {self.max_request_bytes} bytes "
-            f"(max_request_bytes); send fewer rows per request"
-        )
 
     def _refuse(self, status: int, message: str) -> Any:
         from aiohttp import web

@@ -205,6 +205,21 @@ def wire_metrics(body: bytes) -> dict[str, float]:
     return dict(msg.metrics)
 
 
+def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(front):
+    """No Content-Length (chunked): the front counts what arrives and refuses past the limit (the
+    one bounded reader the Triton servers' front uses too), then serves on."""
+    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=30)
+    chunks = iter([b"x" * 40_000, b"x" * 40_000])
+    headers = {"Content-Type": "application/x-protobuf", "X-API-Key": f"tml-{KEY}"}
+    conn.request("POST", "/api/v1/forward_backward", body=chunks, headers=headers, encode_chunked=True)
+    resp = conn.getresponse()
+    out = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 413 and "server.max_request_bytes" in out["error"], out
+    assert f"more than {64 * 1024} bytes" in out["error"]
+    assert call(front, "POST", "create_session", {})[0] == 200
+
+
 def test_unknown_base_model_is_refused_naming_what_is_served(front):
     sid = session(front)
     status, out = call(

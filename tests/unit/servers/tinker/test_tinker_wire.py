@@ -92,8 +92,10 @@ def served_sample_cases() -> dict[str, bytes]:
     id, so the first token ends each sample (``max_tokens`` 1 and 4). The server never sends a
     zero-token sample (the SDK would read its empty log-probs as None, which the cookbook's
     completer asserts against): the stop token is kept, with its log-prob."""
+    from openaligner.models.actor import CausalLMActor
     from openaligner.models.builders import TinySize, build_tiny_causal_lm
-    from openaligner.servers.tinker.sampling import TinkerSampling, engine_for, sample
+    from openaligner.rollout.hf_engine import HFRolloutEngine
+    from openaligner.servers.tinker.sampling import TinkerSampling, sample
 
     vocab = 40
     model = build_tiny_causal_lm(
@@ -107,7 +109,7 @@ def served_sample_cases() -> dict[str, bytes]:
             vocab_size=vocab,
         )
         seqs, _ = sample(
-            engine_for(model, None),
+            HFRolloutEngine(CausalLMActor(model, None, init_policy=False)),
             model,
             torch.tensor([3, 4, 5]),
             2,

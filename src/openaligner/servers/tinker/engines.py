@@ -1,0 +1,149 @@
+"""The rollout engines ``asample`` draws through (``rollout.engine``): ``hf`` over the sampler's
+own modules at every call, or ``vllm``: one engine process per base model, shared by every model
+and sampler of that base, holding one set of weights at a time and pushed another when a sampler
+of other weights samples (or a sampler snapshot is saved).
+
+Owns :class:`TinkerEngines` (which engine, which weights each vllm engine holds, restarting a dead
+one). Must not know HTTP, sessions or the samplers' bookkeeping; the engines are ``rollout/``'s.
+Design notes: docs/tinker.md, "Sampling engines".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from openaligner.rollout.config import RolloutConfig
+from openaligner.rollout.engine import RolloutEngine, RolloutEngineError
+
+LOGGER = logging.getLogger(__name__)
+
+
+class MergedWeights:
+    """A :class:`~openaligner.rollout.engine.WeightSource` over a Tinker model's modules as they
+    are when the engine reads them: the adapters merged, an adapted tied head kept apart
+    (:func:`~openaligner.models.lora.merged_state_dict`)."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+
+    def inference_state_dict(self) -> dict[str, torch.Tensor]:
+        from openaligner.models.lora import merged_state_dict
+
+        return merged_state_dict(self.model)
+
+
+EngineFactory = Callable[[RolloutConfig, PreTrainedModel, PreTrainedTokenizerBase | None], RolloutEngine]
+"""``(rollout section, the model in its sampler's weights, tokenizer) -> a new vllm engine`` (not
+started); replaced by tests with a fake."""
+
+
+def _vllm_engine(
+    cfg: RolloutConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None
+) -> RolloutEngine:
+    from openaligner.models.actor import CausalLMActor
+    from openaligner.rollout.vllm_engine import VLLMRolloutEngine
+
+    # its own head: a LoRA adapter on a tied head (train_unembed) makes head and embedding differ
+    return VLLMRolloutEngine(CausalLMActor(model, tokenizer, init_policy=False), cfg.vllm, untie_head=True)
+
+
+class TinkerEngines:
+    """The engines of one server.
+
+    Args:
+        cfg: the ``rollout`` section (``engine`` hf or vllm, ``vllm.*`` the vllm engine's keys).
+        vllm_factory: builds a vllm engine (default: a ``VLLMRolloutEngine`` with its own head).
+
+    Every method runs on the server's one worker thread (the futures' jobs), so a push never reads
+    weights an optimizer step is writing, and an engine never generates while its weights change:
+    a push is written whole (renamed into place) and reloaded before the next generate starts.
+    """
+
+    def __init__(self, cfg: RolloutConfig, vllm_factory: EngineFactory = _vllm_engine) -> None:
+        self.cfg = cfg
+        self.factory = vllm_factory
+        self.vllm: dict[Path, RolloutEngine] = {}  # base model directory -> its engine
+        self.holds: dict[Path, Hashable] = {}  # base model directory -> the weights its engine holds
+        self.pushes = 0  # weight sets handed to vllm engines (their version numbers)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.engine
+
+    def _vllm_for(
+        self, base: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, key: Hashable
+    ) -> RolloutEngine:
+        engine = self.vllm.get(base)
+        if engine is None:
+            engine = self.vllm[base] = self.factory(self.cfg, model, tokenizer)
+        if self.holds.get(base) != key:
+            self.pushes += 1
+            engine.update_weights(MergedWeights(model), self.pushes)  # pushed at the next generate
+            self.holds[base] = key
+        return engine
+
+    @contextmanager
+    def engine(
+        self, base: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, key: Hashable
+    ) -> Iterator[RolloutEngine]:
+        """The engine to sample ``model`` (its modules holding the sampler's weights, named by
+        ``key``: equal keys are equal weights) of base directory ``base``, for one call.
+
+        hf: a fresh :class:`~openaligner.rollout.hf_engine.HFRolloutEngine` over ``model``. vllm:
+        the base's engine, told to take ``model``'s weights when it holds others. When the call
+        fails, what the engine holds is forgotten (the next call pushes again); an engine that
+        failed other than by refusing a request (it died, timed out) is stopped and dropped, and
+        the next call starts a new one.
+        """
+        if self.cfg.engine == "hf":
+            from openaligner.models.actor import CausalLMActor
+            from openaligner.rollout.hf_engine import HFRolloutEngine
+
+            yield HFRolloutEngine(CausalLMActor(model, tokenizer, init_policy=False))
+            return
+        engine = self._vllm_for(base, model, tokenizer, key)
+        try:
+            yield engine
+        except RolloutEngineError as e:
+            self.holds.pop(base, None)
+            if e.status is None:  # not a refusal of one request: the engine is not to be trusted
+                LOGGER.error("the vllm engine of %s failed (%s): it is restarted at the next call", base, e)
+                self.vllm.pop(base, None)
+                engine.close()
+            raise
+        except BaseException:
+            self.holds.pop(base, None)
+            raise
+
+    def push(
+        self,
+        base: Path,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None,
+        key: Hashable,
+        *,
+        start: bool,
+    ) -> bool:
+        """Hand ``model``'s weights (named ``key``) to the vllm engine of ``base`` now, starting it
+        when ``start`` (else only into an engine that runs); whether a push happened. hf: nothing
+        to push (it samples the modules themselves)."""
+        if self.cfg.engine == "hf" or (not start and base not in self.vllm):
+            return False
+        with self.engine(base, model, tokenizer, key) as engine:
+            engine.sync_weights()
+        return True
+
+    def close(self) -> None:
+        """End every engine (their processes and directories)."""
+        engines, self.vllm, self.holds = list(self.vllm.values()), {}, {}
+        for engine in engines:
+            try:
+                engine.close()
+            except Exception:  # one engine's failure to stop must not leave the others running
+                LOGGER.exception("a vllm engine did not stop cleanly")
