@@ -477,7 +477,10 @@ def plot_values(runs: list[tuple[dict[str, Any], list[dict[str, float]]]], path:
             if init
             else ""
         )
+        critic_only = [m["step"] for m in metrics if m.get("value_pretrain/critic_only") == 1.0]
         for ax, (title, series) in zip(row, VALUE_PANELS, strict=True):
+            if critic_only:  # value pretraining: critic-only steps, shaded
+                ax.axvspan(min(critic_only) - 0.5, max(critic_only) + 0.5, color="grey", alpha=0.15)
             for metric, label in series:
                 points = [(m["step"], m[metric]) for m in metrics if metric in m]
                 if metric == "rollout/generation_length":
