@@ -66,6 +66,7 @@ def run(reuse: bool, steps: int, out: Path) -> list[dict[str, float]]:
             "micro_batch_size=16",
             "length.max_length=64",
             "length.min_length=64",
+            "gate_unfinished=false",  # fixed-length responses: none ends on a stop token
             f"max_steps={steps}",
             "val_check_interval=0",
             "save_interval=0",
