@@ -304,7 +304,9 @@ def test_an_engine_killed_mid_run_stops_the_trainer_naming_the_engine(rollout_py
     assert engine_processes(proc.pid) == []
 
 
-def test_a_lora_policy_reaches_the_engine_with_its_adapters_merged(rollout_python):
+def test_a_lora_policy_reaches_the_engine_with_its_adapters_merged_pushing_only_what_they_change(
+    rollout_python,
+):
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     actor = CausalLMActor(
@@ -314,20 +316,33 @@ def test_a_lora_policy_reaches_the_engine_with_its_adapters_merged(rollout_pytho
     )
     greedy = RolloutRequest(_prompts_tensor(), LENGTHS, actor.sampling, row_seeds(0, 4))
     with VLLMRolloutEngine(actor, VLLMConfig(python=rollout_python, start_timeout_s=900)) as engine:
+        written: list[set[str]] = []  # the names of each file pushed to the engine
+        write = engine._write_weights
+        engine._write_weights = lambda d, state: (written.append(set(state)), write(d, state))[1]
         before = engine.generate(greedy)
         assert torch.equal(before.tokens, HFRolloutEngine(actor).generate(greedy).tokens)
-        with torch.no_grad():  # an update of the adapters alone
-            g = torch.Generator().manual_seed(2)
-            for name, p in actor.model.named_parameters():
-                if "lora_" in name:
-                    p.add_(torch.randn(p.shape, generator=g))
-        engine.update_weights(actor, 1)
-        after = engine.generate(greedy)
-        assert torch.equal(after.tokens, HFRolloutEngine(actor).generate(greedy).tokens)
-        assert not torch.equal(after.tokens, before.tokens)
-        mine, mask = _trainer_logprobs(actor, after)
-        assert after.logprobs is not None
-        assert torch.allclose(after.logprobs[mask], mine[mask], atol=LOGPROB_ATOL, rtol=0)
+        outputs = [before.tokens]
+        for version in (1, 2):  # two pushes: the second onto an engine the first changed in part
+            with torch.no_grad():  # an update of the adapters alone
+                g = torch.Generator().manual_seed(1 + version)
+                for name, p in actor.model.named_parameters():
+                    if "lora_" in name:
+                        p.add_(torch.randn(p.shape, generator=g))
+            engine.update_weights(actor, version)
+            after = engine.generate(greedy)
+            assert torch.equal(after.tokens, HFRolloutEngine(actor).generate(greedy).tokens)
+            assert not torch.equal(after.tokens, outputs[-1])
+            outputs.append(after.tokens)
+            mine, mask = _trainer_logprobs(actor, after)
+            assert after.logprobs is not None
+            assert torch.allclose(after.logprobs[mask], mine[mask], atol=LOGPROB_ATOL, rtol=0)
+        # after the whole weights at the start (written before the recording began), each push
+        # holds only the attention blocks the adapters are on (q and v adapted; k and o too, as
+        # vLLM loads q/k/v as one qkv layer)
+        whole = set(actor.inference_state_dict() or {})
+        assert "model.embed_tokens.weight" in whole and len(written) == 2
+        for names in written:
+            assert names == {n for n in whole if ".self_attn." in n and n.endswith("_proj.weight")}
 
 
 def _all_engines() -> set[int]:

@@ -34,7 +34,7 @@ from openaligner.models.generation import (
     generate,
     mask_early_stops,
 )
-from openaligner.models.lora import is_peft_model, merged_export_copy
+from openaligner.models.lora import is_peft_model, merged_export_copy, merged_lora_blocks
 from openaligner.models.output_head import (
     LOGITS_CHUNK_MB,
     attention_mask,
@@ -181,6 +181,15 @@ class CausalLMActor:
             merged = merged_export_copy(self.model)
             return None if merged is None else merged.state_dict()
         return full_state_dict(self.model)
+
+    def inference_update_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """What of :meth:`inference_state_dict` an optimizer step can change, for an engine that
+        holds it whole already: a LoRA policy's merged adapted layers with the other tensors of
+        their modules (:func:`~openaligner.models.lora.merged_lora_blocks`; CPU copies); None
+        when that is everything (no adapters, a sharded policy, other trainable tensors)."""
+        if is_peft_model(self.model) and not is_sharded(self.model):
+            return merged_lora_blocks(self.model)
+        return None
 
     def _writes(self) -> bool:
         """Whether this process writes the policy's files: rank 0 of a sharded policy, else any."""

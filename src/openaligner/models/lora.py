@@ -1,9 +1,10 @@
 """LoRA adapters through ``peft``: the ``lora`` section of a command, putting adapters on a model,
 and the model with its adapters merged in.
 
-Owns :class:`LoraConfig` (``r = 0``: off), :func:`add_lora`, :func:`merged_copy`,
-:func:`merged_state_dict` and :func:`adapter_directory_problem`. Must not know about configs of
-other sections, trainers, optimizers or servers; ``peft`` is imported only when adapters are asked for.
+Owns :class:`LoraConfig` (``r = 0``: off), :func:`add_lora`, :func:`merged_copy` (and the part
+of it a step changes, :func:`merged_lora_blocks`), :func:`merged_state_dict` and
+:func:`adapter_directory_problem`. Must not know about configs of other sections, trainers,
+optimizers or servers; ``peft`` is imported only when adapters are asked for.
 Design notes: docs/lora.md, "Module notes".
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -289,6 +291,39 @@ def merged_export_copy(model: nn.Module) -> PreTrainedModel | None:
         return merged_copy(model)
     state = full_state_dict(model)
     return None if state is None else merged_copy(model, state)
+
+
+def merged_lora_blocks(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """What an optimizer step changes in :func:`merged_copy`'s state dict, for an engine that holds
+    the merged weights already: the merged weights of the adapted layers (merged as
+    :func:`merged_copy` merges them: the same values, bit for bit) and every other tensor of the
+    modules that hold them (an engine may fuse siblings — q/k/v into one qkv — and reload a fused
+    layer only whole), under :func:`merged_copy`'s names; CPU copies, ``model`` unchanged.
+
+    ``model``: a ``peft`` model, not sharded. None when that is not all that trains: a trainable
+    tensor outside the adapters (``modules_to_save``), or an adapted module at the top level."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if any(p.requires_grad and ".lora_" not in n for n, p in model.named_parameters()):
+        return None
+    base = unwrap(model)
+    adapted = [n for n, m in base.named_modules() if isinstance(m, BaseTunerLayer)]
+    parents = sorted({n.rpartition(".")[0] for n in adapted})
+    if "" in parents:
+        return None
+    # a parent inside another one is already part of it
+    parents = [p for p in parents if not any(p.startswith(q + ".") for q in parents)]
+    out: dict[str, torch.Tensor] = {}
+    for parent in parents:
+        block = _cpu_copy(base.get_submodule(parent))
+        for module in block.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.merge()
+        for name, tensor in block.state_dict().items():
+            if ".lora_" not in f".{name}":
+                # peft's wrappers hold the base tensor as base_layer (once per wrapped parameter)
+                out[re.sub(r"(\.base_layer)+\.", ".", f"{parent}.{name}")] = tensor
+    return out
 
 
 def _rebuilt(peft_model: Any, state: dict[str, torch.Tensor]) -> Any:

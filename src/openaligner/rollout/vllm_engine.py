@@ -87,8 +87,10 @@ class VLLMRolloutEngine(RolloutEngine):
     Weights: :meth:`start` writes the policy's weights and the model's config to a directory in
     ``/dev/shm`` and starts the engine on it. :meth:`update_weights` only records that the weights
     changed; the next :meth:`generate` writes them (``policy.inference_state_dict()``: LoRA merged,
-    shards gathered) as ``model.safetensors`` there and has the engine reload them and drop its
-    prefix cache — once, however many optimizer steps came between. The time it takes is
+    shards gathered; for a LoRA policy, to the engine the run started, only the merged adapted
+    layers and their modules' other tensors: ``inference_update_state_dict``) as
+    ``model.safetensors`` there and has the engine reload them and drop its prefix cache — once,
+    however many optimizer steps came between. The time it takes is
     ``timing/weight_sync_s``. The first rollout after a push checks the engine's log-probs against
     the trainer's (:meth:`check_logprobs`).
 
@@ -306,7 +308,9 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _push(self) -> None:
         t0 = time.perf_counter()
-        state = self.policy.inference_state_dict()  # a collective for a sharded policy
+        state = self._changed_state()
+        if state is None:
+            state = self.policy.inference_state_dict()  # a collective for a sharded policy
 
         def push() -> None:
             if self.cfg.weight_transfer == "collective":
@@ -334,6 +338,17 @@ class VLLMRolloutEngine(RolloutEngine):
         self._check_next = True
         self._sync_s += time.perf_counter() - t0
         self._syncs += 1
+
+    def _changed_state(self) -> dict[str, torch.Tensor] | None:
+        """Only what the optimizer changes (a LoRA policy's merged adapted layers and the other
+        tensors of their modules: ``inference_update_state_dict``), or None: the whole weights.
+        Only to the engine this run started, by file: it loaded the whole weights at its start
+        and took every push since (an attached engine may hold another run's, or this run's
+        before a resume), and vLLM's in-place reload keeps every layer the file does not name."""
+        if self.attached or self.cfg.weight_transfer == "collective":
+            return None
+        update = getattr(self.policy, "inference_update_state_dict", None)
+        return update() if update is not None else None
 
     def pop_metrics(self) -> dict[str, float]:
         """``timing/weight_sync_s``: seconds spent pushing weights since the last call (gather,

@@ -108,7 +108,9 @@ class PolicyLoss:
         Args:
             policy: scores the tokens (:meth:`ScoringPolicy.training_logprobs`).
             batch: ``sequence_tokens`` [B, S] int64, ``advantages`` [B, S-1], ``mask`` [B, S-1]
-                (1 on response positions), ``prev_logprobs`` [B, S-1] (rollout-time log-probs),
+                (1 on response positions), ``prev_logprobs`` [B, S-1] (rollout-time log-probs;
+                absent in an on-policy update: this forward's own, detached — the ratio is
+                exactly 1 and the gradient that of the policy gradient),
                 ``is_end`` [B] bool (gated by ``gate_unfinished``); optional ``sequence_lengths``
                 [B] for the attention mask; ``prompt_lengths`` [B], required when the policy's
                 sampling has ``min_new_tokens`` > 0; optional ``init_logprobs`` [B, S-1]
@@ -144,9 +146,10 @@ class PolicyLoss:
         )  # [B, S-1-first] each
         init_lp = batch.get("init_logprobs")
         is_weights = batch.get("is_weights")
+        prev = batch.get("prev_logprobs")
         loss, stats = ppo_policy_loss(
             logprobs,
-            batch["prev_logprobs"][:, first:].to(logprobs),
+            prev[:, first:].to(logprobs) if prev is not None else logprobs.detach(),
             batch["advantages"][:, first:].to(logprobs),
             mask[:, first:].to(logprobs),
             c.clip_eps,

@@ -43,7 +43,7 @@ from openaligner.trainer.optim_step import optimizer_step
 from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
 from openaligner.trainer.ppo_checkpoint import CriticCheckpoints, PPOCheckpoints
 from openaligner.trainer.ppo_config import PPOConfig, parse_duration_s
-from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data
+from openaligner.trainer.ppo_data import PPOData, RolloutBatch, compute_ppo_data, kl_metrics
 from openaligner.trainer.ppo_metrics import (
     STEP_SUMS,
     RolloutLog,
@@ -173,6 +173,7 @@ class LoopSettings:
     missing_eos_penalty: float | None
     score_clip: float | None
     tis_cap: float  # truncated importance sampling on the engine's log-probs; 0 = off
+    on_policy_update: bool  # one optimizer step per rollout: its log-probs are the update's own
     # ---- actor update
     ppo_epochs: int
     global_batch_size: int  # responses per optimizer step
@@ -294,6 +295,9 @@ class PPOTrainer:
         """How many optimizer steps one ``critic_train`` runs (the last answer's; recorded in
         checkpoints)."""
         self._train_iter: Iterator[list[Sequence[int]]] | None = None
+        self._update_logprobs: torch.Tensor | None = None
+        """[N, S-1] the global batch's log-probs from the last on-policy update's forwards (every
+        rank's rows), or None: the rollout pass computed them."""
         self._step_rollouts: tuple[RolloutBatch, PPOData, DecodedRollouts | None] | None = None
         """This rank's rollouts of the step being run and their training data, for the rollout log."""
         self._loss_kl_coef = self.kl_controller.value
@@ -373,6 +377,8 @@ class PPOTrainer:
         if not critic_only:
             with self._timer("train"), self._threads_beside_server(self._critic_train_in_flight):
                 metrics |= self.run_training(global_data)
+            if data.prev_logprobs is None:  # the rollout pass was skipped: its figures from the update's
+                metrics |= self._on_policy_rollout_metrics()
         # the critic must finish before the next step's values are requested
         with self._timer("critic_train_wait"):
             metrics |= self._wait_critic_train()
@@ -471,7 +477,8 @@ class PPOTrainer:
             if self.step == 0 and self.critic_step is None:  # a fresh run, before any critic update
                 metrics |= self._value_scale_at_init(rollout_batch.values, data)
         metrics["rollout/kl_coef"] = self.kl_controller.value
-        if isinstance(self.kl_controller, AdaptiveKLController):
+        if isinstance(self.kl_controller, AdaptiveKLController) and "sequence_kl" in stats:
+            # (on-policy, the KL is known after the update: _on_policy_rollout_metrics updates β)
             # Ziegler et al. track the sequence-level KL: the mean over every rank's samples of each
             # sample's summed KL (a global statistic, so that every rank keeps the same β).
             self.kl_controller.update(float(stats["sequence_kl"]), s.num_rollout_samples)
@@ -526,10 +533,16 @@ class PPOTrainer:
         is_end = torch.cat([o["is_end"] for o in outs]).bool()
         phase = "validation" if is_validation else "logprobs"
         server_busy = bool(futures)  # the reward/critic requests are being answered meanwhile
-        with self._timer(phase), self._threads_beside_server(server_busy):
-            logprobs = self.model.get_inference_log_probs(
-                tokens, lengths, self.settings.forward_micro_batch_size, prompt_lengths
-            ).cpu()
+        # On-policy (one optimizer step per rollout), the update's forward scores these tokens with
+        # these very weights: its log-probs, detached, are the ratio's denominator and fill in
+        # batch.logprobs afterwards (_on_policy_rollout_metrics). Critic-only steps train no actor.
+        on_policy = not is_validation and self.settings.on_policy_update and not self.value_pretraining
+        logprobs = None
+        if not on_policy:
+            with self._timer(phase), self._threads_beside_server(server_busy):
+                logprobs = self.model.get_inference_log_probs(
+                    tokens, lengths, self.settings.forward_micro_batch_size, prompt_lengths
+                ).cpu()
         init_logprobs = None
         if not is_validation and self.compute_init_policy_kl:
             with self._timer("init_logprobs"), self._threads_beside_server(server_busy):
@@ -566,11 +579,34 @@ class PPOTrainer:
             decoded = decode_rollouts(batch, self.decode, stop_ids, self.response_scorer)
         prefix = "val" if is_validation else "rollout"
         metrics = rollout_metrics(batch, prefix, decoded)
-        if engine_lp is not None:
-            mask = response_mask(prompt_lengths, lengths, width)
-            stats = self.engine.check_logprobs(engine_lp, logprobs, mask)
-            metrics |= {f"{prefix}/engine_{k}": v for k, v in stats.items()}
+        if engine_lp is not None and logprobs is not None:
+            metrics |= self._engine_check(batch, prefix)
         return batch, metrics, decoded
+
+    def _engine_check(self, batch: RolloutBatch, prefix: str) -> dict[str, float]:
+        """The engine's log-probs against ours (``{prefix}/engine_*``), both set in ``batch``."""
+        assert batch.engine_logprobs is not None and batch.logprobs is not None
+        mask = response_mask(batch.prompt_lengths, batch.sequence_lengths, batch.logprobs.shape[1])
+        stats = self.engine.check_logprobs(batch.engine_logprobs, batch.logprobs, mask)
+        return {f"{prefix}/engine_{k}": v for k, v in stats.items()}
+
+    def _on_policy_rollout_metrics(self) -> dict[str, float]:
+        """After an on-policy update: this rank's rows of its log-probs become the step's rollout
+        log-probs (for the rollout log), and the figures that needed them are computed as the
+        rollout pass would have: the KL metrics, the adaptive β's update, the engine check."""
+        assert self._step_rollouts is not None and self._update_logprobs is not None
+        batch = self._step_rollouts[0]
+        n, width = len(batch), batch.values.shape[1]
+        rank = dp.rank()  # the global batch is every rank's rows, rank-major
+        batch.logprobs = self._update_logprobs[rank * n : (rank + 1) * n, :width].contiguous()
+        self._update_logprobs = None
+        stats = kl_metrics(batch, self.settings.kl_kind, reduce=dp.all_reduce_sum)
+        metrics = {f"rollout/{k}": float(v) for k, v in stats.items()}
+        if isinstance(self.kl_controller, AdaptiveKLController):
+            self.kl_controller.update(float(stats["sequence_kl"]), self.settings.num_rollout_samples)
+        if batch.engine_logprobs is not None:
+            metrics |= self._engine_check(batch, "rollout")
+        return metrics
 
     def _seeds(self, micro_batch: int, rows: int, is_validation: bool) -> torch.Tensor:
         """[rows] int64 per-row seeds of one generation request: consecutive from its micro-batch's."""
@@ -595,7 +631,9 @@ class PPOTrainer:
                 prompt_lengths=dp.all_gather_rows(data.prompt_lengths),
                 is_end=dp.all_gather_rows(data.is_end.to(torch.uint8)).bool(),
                 mask=dp.all_gather_rows(data.mask),
-                prev_logprobs=dp.all_gather_rows(data.prev_logprobs),
+                prev_logprobs=(
+                    dp.all_gather_rows(data.prev_logprobs) if data.prev_logprobs is not None else None
+                ),
                 advantages=dp.all_gather_rows(data.advantages),
                 returns=dp.all_gather_rows(data.returns),
                 values=dp.all_gather_rows(data.values),
@@ -711,6 +749,8 @@ class PPOTrainer:
         n_micro = local_gbs // s.micro_batch_size
         params = self.model.parameters()
         sums_per_step: list[torch.Tensor] = []  # this rank's STEP_SUMS of every optimizer step
+        # on-policy (no prev_logprobs): the forwards' own log-probs, every row once (one step)
+        own = torch.zeros(len(data), data.mask.shape[1]) if data.prev_logprobs is None else None
         same_on_ranks: dict[str, float] = defaultdict(float)  # sums over steps of rank-equal values
         count = 0
         for ppo_epoch in range(s.ppo_epochs):
@@ -724,8 +764,10 @@ class PPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 sums = torch.zeros(len(STEP_SUMS), dtype=torch.float64)
                 for m in range(n_micro):
-                    mb = data.select(mine[m * s.micro_batch_size : (m + 1) * s.micro_batch_size])
-                    loss, metrics = self.loss(self.model, self._loss_batch(mb, units))
+                    picked = mine[m * s.micro_batch_size : (m + 1) * s.micro_batch_size]
+                    mb = data.select(picked)
+                    policy = self.model if own is None else _KeepingLogprobs(self.model, own, picked)
+                    loss, metrics = self.loss(policy, self._loss_batch(mb, units))
                     self.grad_scaler.scale(loss).backward()  # this micro-batch's share of the step
                     sums += step_sums(metrics)
                 sums_per_step.append(sums)
@@ -752,6 +794,9 @@ class PPOTrainer:
                     same_on_ranks["loss_scale"] += float(self.grad_scaler.get_scale())
                 count += 1
         self.optimizer.zero_grad(set_to_none=True)
+        if own is not None:  # each rank filled its rows (the others are 0): the sum is every row's
+            assert count == 1, "an on-policy update is one optimizer step"
+            self._update_logprobs = dp.all_reduce_sum(own) if world > 1 else own
         per_step = step_metrics(dp.all_reduce_sum(torch.stack(sums_per_step)))  # one collective
         out = {f"policy/{k}": float(v.mean()) for k, v in per_step.items()}
         out |= {f"policy/{k}": v / count for k, v in same_on_ranks.items()}
@@ -766,10 +811,11 @@ class PPOTrainer:
             "prompt_lengths": mb.prompt_lengths,
             "advantages": mb.advantages,
             "mask": mb.mask,
-            "prev_logprobs": mb.prev_logprobs,
             "is_end": mb.is_end,
             "loss_units": units,
         }
+        if mb.prev_logprobs is not None:  # else on-policy: the loss's own forward, detached
+            batch["prev_logprobs"] = mb.prev_logprobs
         if mb.is_weights is not None:  # truncated importance sampling
             batch["is_weights"] = mb.is_weights
         if mb.init_logprobs is not None:  # the KL as a loss term
@@ -884,6 +930,34 @@ class PPOTrainer:
         self.value_pretraining = bool(
             state.get("value_pretraining", self.value_pretraining and self.step == 0)
         )
+
+
+class _KeepingLogprobs:
+    """The actor as the policy loss scores with it, keeping the log-probs of its training forward
+    (detached) in rows ``rows`` of ``into`` [N, S-1] (columns before ``first_position`` left as
+    they are): an on-policy update's log-probs, which the rollout pass would have computed."""
+
+    def __init__(self, actor: CausalLMActor, into: torch.Tensor, rows: torch.Tensor) -> None:
+        self.actor, self.into, self.rows = actor, into, rows
+
+    @property
+    def device(self) -> torch.device:
+        return self.actor.device
+
+    def training_logprobs(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor | None = None,
+        prompt_lengths: torch.Tensor | None = None,
+        *,
+        first_position: int = 0,
+        entropy_grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.actor.training_logprobs(
+            tokens, lengths, prompt_lengths, first_position=first_position, entropy_grad=entropy_grad
+        )
+        self.into[self.rows, first_position:] = out[0].detach().to(self.into)
+        return out
 
 
 def _critic_values(values: torch.Tensor | None, estimator: str) -> torch.Tensor:

@@ -108,6 +108,9 @@ class PPOConfig:
     gradient_clip_val: float = 1.0  # actor gradient-norm clip (≥ 0); 0 disables
     max_nonfinite_steps_in_a_row: int = 3  # stop after this many inf/NaN-gradient (skipped) steps in a row
     ppo_epochs: int = 1  # passes over each rollout (NeMo-Aligner: 1)
+    # one optimizer step per rollout (see on_policy_update): the ratio's denominator is the training
+    # forward's own log-probs, detached, instead of a separate rollout log-prob pass; false: the pass
+    reuse_update_logprobs: bool = True
     critic_warmup_steps: int = (
         0  # a fixed number of critic-only rollouts first (= value_pretrain.max_steps, no target)
     )
@@ -191,6 +194,22 @@ class PPOConfig:
     @property
     def kl_in_reward(self) -> bool:
         return self.kl_in == "reward"
+
+    @property
+    def on_policy_update(self) -> bool:
+        """Whether the rollout log-prob pass of the current policy is skipped, its log-probs being
+        the actor update's own (detached): ``reuse_update_logprobs`` and each rollout consumed by
+        exactly one optimizer step (``ppo_epochs`` 1, ``global_batch_size`` the whole rollout), so
+        the update's forward runs on the weights that sampled it; and nothing needs the log-probs
+        before the update: no KL in the reward (it enters the advantages), no ``tis_cap``
+        (its weights enter the loss). The ratio is then exactly 1 and the gradient the same."""
+        return (
+            self.reuse_update_logprobs
+            and self.ppo_epochs == 1
+            and self.global_batch_size == self.rollout_rows
+            and not (self.kl_in_reward and self.initial_policy_kl_penalty > 0)
+            and self.tis_cap == 0
+        )
 
     def sampling_params(self, eos_ids: Sequence[int]) -> SamplingParams:
         """The rollout sampling parameters; responses stop on ``eos_ids`` (the tokenizer's EOS)

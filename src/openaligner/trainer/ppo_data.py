@@ -11,6 +11,7 @@ identity on one process), so this module makes no distributed calls of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,7 +42,9 @@ class RolloutBatch:
     sequence_lengths: torch.Tensor  # [B] int64, prompt + response
     prompt_lengths: torch.Tensor  # [B] int64
     is_end: torch.Tensor  # [B] bool, ended on a stop token
-    logprobs: torch.Tensor  # [B, S-1] policy log-probs at rollout time
+    # [B, S-1] policy log-probs at rollout time; None until an on-policy update fills in its own
+    # (the rollout log-prob pass skipped: PPOConfig.on_policy_update)
+    logprobs: torch.Tensor | None
     rewards: torch.Tensor  # [B] reward-model scores
     values: torch.Tensor  # [B, S-1] critic values
     init_logprobs: torch.Tensor | None = None  # [B, S-1] initial-policy log-probs (None: no KL)
@@ -59,7 +62,7 @@ class PPOData:
     prompt_lengths: torch.Tensor  # [B] int64 (the actor bans stop ids where sampling did)
     is_end: torch.Tensor  # [B] bool
     mask: torch.Tensor  # [B, S-1] float, 1 on response positions
-    prev_logprobs: torch.Tensor  # [B, S-1]
+    prev_logprobs: torch.Tensor | None  # [B, S-1]; None: the update's own, detached (on-policy)
     advantages: torch.Tensor  # [B, S-1], whitened when requested
     returns: torch.Tensor  # [B, S-1]
     values: torch.Tensor  # [B, S-1] rollout values (the critic's prev_values; 0 without a critic)
@@ -71,7 +74,7 @@ class PPOData:
 
     def select(self, index: torch.Tensor) -> PPOData:
         """Rows ``index`` of every field (for minibatches)."""
-        picked = {k: v[index] for k, v in self.__dict__.items() if v is not None}
+        picked: dict[str, Any] = {k: v[index] if v is not None else None for k, v in self.__dict__.items()}
         return PPOData(**picked)
 
 
@@ -106,6 +109,9 @@ def compute_ppo_data(
     them. ``tis_cap`` > 0 with ``batch.engine_logprobs`` gives the data truncated
     importance-sampling weights (:func:`truncated_is_weights`) and the metrics
     ``tis_weight_mean`` and ``tis_truncated_fraction`` (tokens whose ratio was capped).
+    ``batch.logprobs`` None (the rollout pass skipped for an on-policy update) needs ``kl_coef``
+    0 and no ``tis_cap``; ``data.prev_logprobs`` is then None and the KL metrics are left to
+    :func:`kl_metrics` once the update has the log-probs.
 
     Metrics (global over ranks through ``reduce``; computed before whitening):
     ``init_policy_kl`` and ``rewards_with_kl`` are means over samples of each sample's token-mean
@@ -127,6 +133,8 @@ def compute_ppo_data(
         ValueError: an unknown ``estimator``, or one with a critic that returned no returns.
     """
     spec = get_estimator(estimator)
+    if batch.logprobs is None and (kl_coef != 0 or tis_cap > 0):
+        raise ValueError("a KL in the reward or tis_cap needs the rollout log-probs (batch.logprobs)")
     mask, kl = _mask_and_kl(batch, kl_kind)
     scores = adjust_scores(
         batch.rewards.to(kl.dtype),
@@ -134,7 +142,7 @@ def compute_ppo_data(
         missing_eos_penalty=missing_eos_penalty,
         score_clip=score_clip,
     )
-    zeros = torch.zeros_like(batch.logprobs)
+    zeros = torch.zeros_like(mask)
     inputs = EstimatorInputs(
         scores=scores,
         kl=kl,
@@ -156,7 +164,9 @@ def compute_ppo_data(
     if spec.needs_critic and estimate.returns is None:
         raise ValueError(f"estimator {estimator!r} needs a critic but returned no returns to train it on")
 
-    metrics = _kl_metrics(kl, mask, estimate.rewards, reduce)
+    metrics = _reward_metric(estimate.rewards, reduce)
+    if batch.logprobs is not None:
+        metrics |= _kl_metrics(kl, mask, reduce)
     tracked = [("advantages", estimate.advantages)]
     if estimate.returns is not None:
         tracked += [("returns", estimate.returns), ("values", inputs.values)]
@@ -186,6 +196,7 @@ def compute_ppo_data(
         values=inputs.values,
     )
     if tis_cap > 0 and batch.engine_logprobs is not None:
+        assert batch.logprobs is not None  # checked above
         weights = truncated_is_weights(batch.logprobs, batch.engine_logprobs, tis_cap)
         data.is_weights = weights * mask
         capped = (weights >= tis_cap).to(mask.dtype)
@@ -209,23 +220,35 @@ def _value_diagnostics(
 
 def _mask_and_kl(batch: RolloutBatch, kl_kind: KLKind) -> tuple[torch.Tensor, torch.Tensor]:
     """The response mask [B, S-1] and the per-token KL estimate [B, S-1] (zeros without initial-policy
-    log-probs)."""
-    width = batch.logprobs.shape[-1]
-    mask = response_mask(batch.prompt_lengths, batch.sequence_lengths, width, dtype=batch.logprobs.dtype)
-    if batch.init_logprobs is None:
-        return mask, torch.zeros_like(batch.logprobs)
+    log-probs, or without rollout log-probs yet)."""
+    width = (batch.logprobs if batch.logprobs is not None else batch.values).shape[-1]
+    dtype = batch.logprobs.dtype if batch.logprobs is not None else torch.float32
+    mask = response_mask(batch.prompt_lengths, batch.sequence_lengths, width, dtype=dtype)
+    if batch.init_logprobs is None or batch.logprobs is None:
+        return mask, torch.zeros_like(mask)
     return mask, kl_penalty(batch.logprobs, batch.init_logprobs, kl_kind)
 
 
-def _kl_metrics(
-    kl: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor, reduce: Reduce
+def kl_metrics(
+    batch: RolloutBatch, kl_kind: KLKind, reduce: Reduce = single_process
 ) -> dict[str, torch.Tensor]:
-    """Means over every rank's samples: each sample's token-mean KL (``init_policy_kl``), its reward
-    ``rewards`` [B] (``rewards_with_kl``) and its summed KL (``sequence_kl``)."""
-    per_sample = torch.stack([masked_mean(kl, mask, dim=-1), rewards, masked_sum(kl, mask, dim=-1)])
-    sums = reduce(torch.cat([per_sample.sum(dim=-1), torch.tensor([float(rewards.shape[0])])]).double())
-    return {
-        "init_policy_kl": sums[0] / sums[3],
-        "rewards_with_kl": sums[1] / sums[3],
-        "sequence_kl": sums[2] / sums[3],
-    }
+    """The KL metrics of :func:`compute_ppo_data` (``init_policy_kl``, ``sequence_kl``; zeros
+    without initial-policy log-probs) of ``batch`` whose ``logprobs`` are set: for a batch whose
+    on-policy update filled them in after :func:`compute_ppo_data`."""
+    assert batch.logprobs is not None, "the rollout log-probs are set (by the update, if on-policy)"
+    mask, kl = _mask_and_kl(batch, kl_kind)
+    return _kl_metrics(kl, mask, reduce)
+
+
+def _kl_metrics(kl: torch.Tensor, mask: torch.Tensor, reduce: Reduce) -> dict[str, torch.Tensor]:
+    """Means over every rank's samples of each sample's token-mean KL (``init_policy_kl``) and its
+    summed KL (``sequence_kl``)."""
+    per_sample = torch.stack([masked_mean(kl, mask, dim=-1), masked_sum(kl, mask, dim=-1)])
+    sums = reduce(torch.cat([per_sample.sum(dim=-1), torch.tensor([float(kl.shape[0])])]).double())
+    return {"init_policy_kl": sums[0] / sums[2], "sequence_kl": sums[1] / sums[2]}
+
+
+def _reward_metric(rewards: torch.Tensor, reduce: Reduce) -> dict[str, torch.Tensor]:
+    """``rewards_with_kl``: the mean over every rank's samples of the reward [B] the estimator used."""
+    sums = reduce(torch.stack([rewards.sum(), torch.tensor(float(rewards.shape[0]))]).double())
+    return {"rewards_with_kl": sums[0] / sums[1]}

@@ -67,7 +67,7 @@ def rollout_records(
     per_sample: dict[str, torch.Tensor] = {"reward": batch.rewards[:rows]}
     if decoded is not None and decoded.scores is not None:
         per_sample["score"] = torch.tensor(decoded.scores[:rows], dtype=torch.float64)
-    if batch.init_logprobs is not None:
+    if batch.init_logprobs is not None and batch.logprobs is not None:  # (an on-policy update sets them)
         kl = kl_penalty(batch.logprobs[:rows], batch.init_logprobs[:rows], kl_kind)
         per_sample["kl"] = masked_sum(kl, mask, dim=-1)
     if with_values:

@@ -18,6 +18,7 @@ from openaligner.models.lora import (
     add_lora,
     is_peft_model,
     merged_copy,
+    merged_lora_blocks,
 )
 from openaligner.trainer.optim import OptimConfig, build_optimizer
 
@@ -91,6 +92,31 @@ def test_merged_copy_has_the_adapted_logits_and_leaves_the_model_alone(tiny, arc
     assert merged.device.type == "cpu" and not any("lora" in k for k in merged.state_dict())
     torch.testing.assert_close(merged(input_ids=TOKENS).logits, adapted, rtol=1e-5, atol=1e-5)
     assert is_peft_model(model) and torch.equal(model(input_ids=TOKENS).logits, adapted)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral"])
+def test_merged_lora_blocks_are_the_merged_copy_s_tensors_a_step_changes(tiny, arch):
+    """What the vllm engine pushes after an update of a LoRA policy (it holds the rest already):
+    bitwise the merged copy's tensors, every one that differs from the base model's among them,
+    with the other tensors of the adapted layers' modules (vLLM loads q/k/v as one layer)."""
+    base = {k: v.clone() for k, v in tiny.causal_lm(arch).state_dict().items()}
+    model = add_lora(tiny.causal_lm(arch), LoraConfig(r=4))
+    _perturb_adapters(model)
+    merged = merged_copy(model).state_dict()
+    blocks = merged_lora_blocks(model)
+    assert blocks is not None and set(blocks) < set(merged)
+    for name, tensor in blocks.items():
+        assert torch.equal(tensor, merged[name]), name
+    changed = {k for k, v in merged.items() if not torch.equal(v, base[k])}
+    assert changed and changed <= set(blocks)
+    assert not any("embed" in n or "wte" in n or "lm_head" in n for n in blocks)  # the bulk of a model
+    parents = {n.rsplit(".", 2)[0] for n in changed}  # e.g. model.layers.0.self_attn
+    assert set(blocks) == {k for k in merged if any(k.startswith(p + ".") for p in parents)}
+
+
+def test_merged_lora_blocks_are_none_when_more_than_the_adapters_trains(tiny):
+    model = add_lora(tiny.reward_model(), LoraConfig(r=4))  # its head trains whole
+    assert merged_lora_blocks(model.hf_model) is None
 
 
 def test_merged_copy_of_a_reward_model_keeps_its_trained_head(tiny):

@@ -14,7 +14,9 @@ resumes from the newest one there, as train-ppo does; ``STEPS`` is ``max_steps``
 checkpoint) instead of plain SGD. ``EXPORT=<dir>`` writes the final actor there as train-ppo does
 (``CausalLMActor.save_pretrained``, on every rank when sharded). ``ESTIMATOR=grpo`` (or another
 critic-free estimator) samples 4 prompts × 4 responses a step instead of 16 × 1 and trains no critic.
-``MICRO_BATCH`` is ``trainer.micro_batch_size`` (default 2). Rank 0 also writes the final weights
+``MICRO_BATCH`` is ``trainer.micro_batch_size`` (default 2), ``GLOBAL_BATCH`` its
+``global_batch_size`` (default 8; 16, the whole rollout, makes a critic-free run's update
+on-policy), ``REUSE=0`` sets ``reuse_update_logprobs=false``. Rank 0 also writes the final weights
 to ``OUT`` with the suffix ``.pt`` (a state dict) for an element-wise comparison.
 """
 
@@ -89,7 +91,8 @@ def main(out: Path, fail_at: int | None = None) -> None:
         [
             "num_rollout_samples=16",
             "rollout_micro_batch_size=4",
-            "global_batch_size=8",
+            f"global_batch_size={os.environ.get('GLOBAL_BATCH', '8')}",
+            f"reuse_update_logprobs={os.environ.get('REUSE', '1') == '1'}",
             f"micro_batch_size={os.environ.get('MICRO_BATCH', '2')}",
             "length.max_length=5",
             "val_check_interval=0",

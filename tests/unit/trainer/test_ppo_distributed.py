@@ -64,9 +64,13 @@ def run_worker(
     offload: bool = False,
     estimator: str = "",
     micro_batch: int = 2,
+    global_batch: int = 8,
+    reuse: bool = True,
 ) -> dict:
     env = os.environ | {
         "MICRO_BATCH": str(micro_batch),
+        "GLOBAL_BATCH": str(global_batch),
+        "REUSE": str(int(reuse)),
         "STRATEGY": strategy,
         "ARCH": arch,
         "GENERATION": generation,
@@ -178,3 +182,30 @@ def test_critic_free_estimators_on_two_ranks_match_one_process(tmp_path, estimat
         assert r_two["response_tokens"] == r_one["response_tokens"]
         assert r_two["reward"] == pytest.approx(r_one["reward"], rel=1e-6)
         assert r_two["advantage"] == pytest.approx(r_one["advantage"], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_an_on_policy_update_on_two_ranks_matches_one_process_with_the_pass(tmp_path):
+    """GRPO with the whole rollout in one optimizer step skips the rollout log-prob pass: each
+    rank's update scores its share of the global batch, and the rows are shared back so that every
+    rank's rollout log and KL figures (and the adaptive β, updated after the update) are those of
+    one process that ran the pass."""
+    passed = run_worker(tmp_path / "pass.json", 1, estimator="grpo", global_batch=16, reuse=False)
+    one = run_worker(tmp_path / "one.json", 1, estimator="grpo", global_batch=16)
+    two = run_worker(tmp_path / "two.json", 2, "ddp", estimator="grpo", global_batch=16)
+    keys = [k for k in KEYS if not k.startswith(("value/", "rollout/returns", "rollout/values"))]
+    for m_two, m_one, m_pass in zip(two["history"], one["history"], passed["history"], strict=True):
+        assert "timing/logprobs_s" in m_pass and "timing/logprobs_s" not in m_one | m_two
+        assert m_one["policy/ppo_ratio"] == m_two["policy/ppo_ratio"] == 1.0
+        for key in keys:
+            assert m_two[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-5), key
+            assert m_one[key] == pytest.approx(m_pass[key], rel=1e-6, abs=1e-7), key
+    assert_same_weights(two, one)
+    assert_same_weights(one, passed)
+    assert two["betas"][0] == two["betas"][1] == pytest.approx(passed["betas"][0], rel=1e-6)
+    assert passed["betas"][0] != 0.05  # β moved
+    rows = {n: read_jsonl(tmp_path / f"{n}.logs" / "rollouts.jsonl") for n in ("pass", "one", "two")}
+    assert len(rows["two"]) == 32
+    for r_two, r_one, r_pass in zip(rows["two"], rows["one"], rows["pass"], strict=True):
+        assert r_two["kl"] == pytest.approx(r_pass["kl"], rel=1e-4, abs=1e-6)
+        assert r_one["kl"] == pytest.approx(r_pass["kl"], rel=1e-6, abs=1e-7)
