@@ -187,6 +187,10 @@ class TinkerService:
         self._plain: dict[Path, PreTrainedModel] = {}  # base models sampled without adapters
         self._tokenizers: dict[Path, PreTrainedTokenizerBase | None] = {}
         self._lock = threading.Lock()  # the tables above, between the HTTP threads and the worker
+        # one model load at a time: transformers' loading is not thread-safe (two threads loading
+        # a tied-head model at once leave its head on the meta device), and the HTTP threads
+        # (base-model samplers, checkpoint hosts) load beside the worker (create_model)
+        self._load_lock = threading.RLock()
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -253,6 +257,10 @@ class TinkerService:
         raise UserError(f"base_model {name!r} is not served here; {self.served_text()}")
 
     def _tokenizer(self, base: BaseModelSource) -> PreTrainedTokenizerBase | None:
+        with self._load_lock:
+            return self._load_tokenizer(base)
+
+    def _load_tokenizer(self, base: BaseModelSource) -> PreTrainedTokenizerBase | None:
         if base.path not in self._tokenizers:
             from openaligner.models.tokenizers import load_tokenizer
 
@@ -265,7 +273,11 @@ class TinkerService:
     def _load_base(self, base: BaseModelSource, *, critic: bool = False) -> PreTrainedModel:
         """The base model's weights in float32 on the server's device: a causal LM, or for a critic
         a one-label sequence classifier (the backbone plus a seeded fresh head, unless the
-        directory holds a value or reward model)."""
+        directory holds a value or reward model). One load at a time (``_load_lock``)."""
+        with self._load_lock:
+            return self._load_base_alone(base, critic=critic)
+
+    def _load_base_alone(self, base: BaseModelSource, *, critic: bool) -> PreTrainedModel:
         if critic:
             from openaligner.models.critic import CriticModel
 
@@ -283,9 +295,10 @@ class TinkerService:
         return hf.eval()
 
     def _plain_model(self, base: BaseModelSource) -> PreTrainedModel:
-        if base.path not in self._plain:
-            self._plain[base.path] = self._load_base(base).requires_grad_(False)
-        return self._plain[base.path]
+        with self._load_lock:  # concurrent asample calls of one base model load it once
+            if base.path not in self._plain:
+                self._plain[base.path] = self._load_base(base).requires_grad_(False)
+            return self._plain[base.path]
 
     # ------------------------------------------------------------------ models
     def create_model(self, body: Mapping[str, Any]) -> dict[str, Any]:
