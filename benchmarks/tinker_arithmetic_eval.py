@@ -43,9 +43,9 @@ def main() -> None:
         base_url=args.base_url, api_key=os.environ.get("TINKER_API_KEY", "tml-local")
     )
     if args.sampler:
-        sampler = service.create_sampling_client(model_path=args.sampler)
+        sampler = service.create_sampling_client(model_path=args.sampler).result()
     else:
-        sampler = service.create_sampling_client(base_model=args.model)
+        sampler = service.create_sampling_client(base_model=args.model).result()
     rng = np.random.RandomState(args.seed)  # outside the recipe's per-batch seeds 0, 1, ...
     problems = [(int(rng.randint(0, 101)), int(rng.randint(0, 101))) for _ in range(args.problems)]
     envs = [
