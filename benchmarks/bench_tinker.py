@@ -6,8 +6,9 @@ Measured (wall seconds, medians; the first repetition is warm-up and dropped):
    same through the server's own ``TinkerModel`` in-process (no HTTP, protobuf, futures), and
    train-sft's step (``SFTObjective`` with the same LoRA, one batched forward) on the same rows;
 2. ``asample``: ``samples`` prompts sampled at once by the SDK (num_samples=1 each, as the
-   cookbook does) against the ``hf`` rollout engine called directly, one request per prompt and
-   all prompts in one request;
+   cookbook does; the server merges calls queued together into one generate, docs/tinker.md)
+   against the ``hf`` rollout engine called directly (per-row streams, as the server's), one
+   request per prompt and all prompts in one request;
 3. the per-call overhead: a one-token ``forward`` through the SDK (the floor of any call), and
    the protobuf decode of the SDK's real request body and encode of its result.
 
@@ -144,7 +145,8 @@ class Engine:
         from openaligner.rollout.hf_engine import HFRolloutEngine
 
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        self.engine = HFRolloutEngine(CausalLMActor(load(directory).eval(), tokenizer, init_policy=False))
+        actor = CausalLMActor(load(directory).eval(), tokenizer, init_policy=False)
+        self.engine = HFRolloutEngine(actor, per_row_streams=True)
         rng = random.Random(1)
         width = spec["prompt_tokens"]
         self.prompts = torch.tensor(

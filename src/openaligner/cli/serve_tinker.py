@@ -64,15 +64,18 @@ class TinkerModelSettings:
     max_lora_rank: int = 128  # the largest lora_config.rank create_model accepts
     lora_alpha: float = 32.0  # adapters' output scale is lora_alpha / rank
     max_samples: int = 64  # the most num_samples one asample may ask for
+    # the most rows (num_samples summed) of asample calls queued back to back drawn as one engine request
+    max_batch_rows: int = 64
     max_sampler_snapshots: int = 16  # weight snapshots kept per model for its samplers (older ones expire)
     default_max_tokens: int = 128  # new tokens per sample when sampling_params.max_tokens is null
     device: str = "auto"  # auto: CUDA when there is one, else cpu; or cpu, cuda:1, ...
 
     def __post_init__(self) -> None:
-        if min(self.max_lora_rank, self.max_samples, self.default_max_tokens, self.max_sampler_snapshots) < 1:
+        sizes = (self.max_lora_rank, self.max_samples, self.max_batch_rows, self.default_max_tokens)
+        if min(*sizes, self.max_sampler_snapshots) < 1:
             raise ValueError(
-                "{section}.max_lora_rank, max_samples, max_sampler_snapshots and default_max_tokens "
-                "must be >= 1"
+                "{section}.max_lora_rank, max_samples, max_batch_rows, max_sampler_snapshots and "
+                "default_max_tokens must be >= 1"
             )
         if self.lora_alpha <= 0:
             raise ValueError(f"{{section}}.lora_alpha must be > 0, got {self.lora_alpha}")
@@ -172,6 +175,7 @@ def run(cfg: ServeTinkerConfig) -> int:
         max_lora_rank=cfg.models.max_lora_rank,
         lora_alpha=cfg.models.lora_alpha,
         max_samples=cfg.models.max_samples,
+        max_batch_rows=cfg.models.max_batch_rows,
         max_sampler_snapshots=cfg.models.max_sampler_snapshots,
         default_max_tokens=cfg.models.default_max_tokens,
         device=pick_device(cfg.models.device),

@@ -228,6 +228,7 @@ class CausalLMActor:
         inference_batch: Mapping[str, torch.Tensor],
         sampling: SamplingParams | None = None,
         generator: torch.Generator | None = None,
+        draws: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Generate one response per prompt.
 
@@ -239,6 +240,8 @@ class CausalLMActor:
                 training must not override it.
             generator: a seeded ``torch.Generator`` on the model's device makes sampling
                 reproducible.
+            draws: [B, max_new_tokens] each row's own uniforms
+                (:func:`~openaligner.models.generation.row_draws`), used instead of ``generator``.
 
         Returns:
             ``response_tokens`` [B, S] int64 (prompt + response + ``pad_id``, S = max response
@@ -267,6 +270,7 @@ class CausalLMActor:
                 cache="dynamic" if self.precision.mixed else self.cache,
                 fast_path=not layerwise,  # the fast decoder reads whole weights directly
                 step_together=any_rank_going if layerwise else None,
+                draws=draws,
             )
         return {
             "response_tokens": out.tokens,

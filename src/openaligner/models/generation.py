@@ -81,6 +81,7 @@ def generate(
     cache: CacheKind = "static",
     fast_path: bool = True,
     step_together: Callable[[bool], bool] | None = None,
+    draws: torch.Tensor | None = None,
 ) -> Generation:
     """Sample responses for a batch of prompts of different lengths.
 
@@ -103,6 +104,9 @@ def generate(
             have all ended, it returns whether any process's have not; every process steps until
             none has rows left (a process that has ended feeds padding, discarded). None: stop as
             soon as this process's rows end.
+        draws: [B, max_new_tokens] float32 in [0, 1) (:func:`row_draws`): row ``i``'s token at
+            step ``t`` is drawn with ``draws[i, t]`` instead of from ``generator``, so a row's
+            tokens do not depend on its batch-mates (one stream per row). None: ``generator``.
 
     Returns:
         A :class:`Generation` on the model's device. Generation runs under
@@ -123,6 +127,7 @@ def generate(
             cache,
             fast_path,
             step_together,
+            draws,
         )
     return Generation(
         tokens=out.tokens.clone(),
@@ -143,6 +148,7 @@ def _sample_loop(
     cache: CacheKind,
     fast_path: bool,
     step_together: Callable[[bool], bool] | None = None,
+    draws: torch.Tensor | None = None,
 ) -> Generation:
     """The body of :func:`generate` (inference mode, inference tensors out)."""
     if params.stop_strings and tokenizer is None:
@@ -152,6 +158,13 @@ def _sample_loop(
     lengths = prompt_lengths.to(device=device, dtype=torch.long).reshape(-1)
     _check_prompts(prompts, lengths, params, model)
     batch = prompts.shape[0]
+    if draws is not None:
+        if draws.shape != (batch, params.max_new_tokens):
+            raise ValueError(
+                f"draws must be [B, max_new_tokens] = [{batch}, {params.max_new_tokens}], "
+                f"got {tuple(draws.shape)}"
+            )
+        draws = draws.to(device=device, dtype=torch.float32)
     p_max = int(lengths.max())
     total = p_max + params.max_new_tokens
 
@@ -175,7 +188,8 @@ def _sample_loop(
     steps: int | None = None  # the step after which this process's rows had all ended
     for step in range(params.max_new_tokens):
         banned = stop_ids if step < params.min_new_tokens else None
-        token = select_tokens(logits, params, generator, banned)
+        u = None if draws is None else draws[active, step]
+        token = select_tokens(logits, params, generator, banned, draws=u)
         if finished:
             token = token.masked_fill(done, pad_id)
         buf[active, p_max + step] = token
@@ -285,10 +299,12 @@ def select_tokens(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     banned: torch.Tensor | None = None,
+    draws: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pick one token per row from ``logits`` [B, V] → [B] int64.
 
-    ``banned`` ids (e.g. stop ids before ``min_new_tokens``) get probability 0.
+    ``banned`` ids (e.g. stop ids before ``min_new_tokens``) get probability 0. ``draws`` [B] in
+    [0, 1): each row's uniform draw (else drawn from ``generator``).
     """
     x = logits.float()
     if banned is not None and banned.numel():
@@ -302,18 +318,32 @@ def select_tokens(
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
         x = _top_p_filter(x, params.top_p)
-    return _sample(torch.softmax(x, dim=-1), generator)
+    return _sample(torch.softmax(x, dim=-1), generator, draws)
 
 
-def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from ``probs`` [B, V] by inverting the CDF: [B] int64.
+def row_draws(seeds: Sequence[int], steps: int) -> torch.Tensor:
+    """[len(seeds), steps] float32 uniforms in [0, 1): row ``i`` from a CPU ``torch.Generator``
+    seeded ``seeds[i]`` alone, so a row's draws depend on its seed only (not on the device, its
+    batch-mates or their number): :func:`generate`'s ``draws``."""
+    rows = [torch.rand(steps, generator=torch.Generator().manual_seed(int(s))) for s in seeds]
+    return torch.stack(rows) if rows else torch.zeros(0, steps)
+
+
+def _sample(
+    probs: torch.Tensor, generator: torch.Generator | None, draws: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One draw per row from ``probs`` [B, V] by inverting the CDF: [B] int64 (``draws`` [B]:
+    the rows' uniforms; None: drawn from ``generator``).
 
     One uniform number per row instead of ``torch.multinomial``'s V exponential draws per row
     (≈ 0.5 ms per step at B=64, V=512 on CPU). Zero-probability tokens have zero-width intervals
     and are never drawn.
     """
     cdf = probs.cumsum(-1)
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    if draws is not None:
+        u = draws.to(cdf.dtype).reshape(-1, 1)
+    else:
+        u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
     index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return index.clamp(max=probs.shape[-1] - 1).squeeze(-1)
 

@@ -24,25 +24,32 @@ class HFRolloutEngine(RolloutEngine):
     (sharded policies gathered or stepped layer by layer, the precision's autocast, the fast
     decoders), so new weights are seen at once and :meth:`update_weights` does nothing.
 
-    Seeds: a request is sampled as one batch from one ``torch.Generator`` on the actor's device
-    seeded with ``seeds[0]``; the rows share that random stream, so a row's tokens depend on its
-    batch-mates (as they always have: this keeps rollouts bit-identical to the loop before the
-    seam). The other seeds are not read.
+    Seeds: by default a request is sampled as one batch from one ``torch.Generator`` on the
+    actor's device seeded with ``seeds[0]``; the rows share that random stream, so a row's tokens
+    depend on its batch-mates (as they always have: this keeps rollouts bit-identical to the loop
+    before the seam). The other seeds are not read. With ``per_row_streams``, row ``i`` draws from
+    its own stream seeded ``seeds[i]`` (:func:`~openaligner.models.generation.row_draws`), so its
+    tokens do not depend on its batch-mates beyond float rounding of the batched forward.
     """
 
     name = "hf"
     shares_weights = True
 
-    def __init__(self, actor: CausalLMActor) -> None:
+    def __init__(self, actor: CausalLMActor, *, per_row_streams: bool = False) -> None:
         self.actor = actor
+        self.per_row_streams = per_row_streams
 
     def generate(self, request: RolloutRequest) -> Generation:
-        from openaligner.models.generation import Generation
+        from openaligner.models.generation import Generation, row_draws
 
         device = self.actor.device
-        generator = torch.Generator(device=device).manual_seed(int(request.seeds[0]))
         batch = {"text": request.prompts.to(device), "length": request.prompt_lengths.to(device)}
-        out = self.actor.infer(batch, request.sampling, generator=generator)
+        if self.per_row_streams:
+            draws = row_draws(request.seeds.tolist(), request.sampling.max_new_tokens)
+            out = self.actor.infer(batch, request.sampling, draws=draws)
+        else:
+            generator = torch.Generator(device=device).manual_seed(int(request.seeds[0]))
+            out = self.actor.infer(batch, request.sampling, generator=generator)
         return Generation(
             tokens=out["response_tokens"].cpu(),
             sequence_lengths=out["response_lengths"].cpu(),

@@ -45,6 +45,33 @@ def test_hf_engine_is_the_actors_sampling_loop_bit_for_bit(actor, tiny):
     assert int((greedy.sequence_lengths - LENGTHS).max()) <= 3
 
 
+def test_per_row_streams_sample_a_row_alike_alone_and_among_other_prompts(actor, tiny):
+    """With per_row_streams a row's tokens follow from its prompt and seed only: the same alone and
+    left-padded into a batch beside longer and shorter prompts (not so with one stream per request)."""
+    prompts, seeds = _prompts(tiny.size.vocab_size), row_seeds(99, 4)
+    engine = HFRolloutEngine(actor, per_row_streams=True)
+    batched = engine.generate(RolloutRequest(prompts, LENGTHS, actor.sampling, seeds))
+    for i in range(4):
+        p = int(LENGTHS[i])
+        alone = engine.generate(
+            RolloutRequest(prompts[i : i + 1, :p], LENGTHS[i : i + 1], actor.sampling, seeds[i : i + 1])
+        )
+        end = int(batched.sequence_lengths[i])
+        assert torch.equal(alone.tokens[0, : int(alone.sequence_lengths[0])], batched.tokens[i, :end])
+        assert bool(alone.is_end[0]) == bool(batched.is_end[i])
+    shared = HFRolloutEngine(actor).generate(RolloutRequest(prompts, LENGTHS, actor.sampling, seeds))
+    assert not torch.equal(shared.tokens, batched.tokens)  # the default: one stream for the request
+
+
+def test_row_draws_depend_on_each_rows_seed_only():
+    from openaligner.models.generation import row_draws
+
+    both = row_draws([3, 4], 5)
+    assert both.shape == (2, 5) and both.dtype == torch.float32
+    assert torch.equal(row_draws([4], 5)[0], both[1]) and not torch.equal(both[0], both[1])
+    assert ((both >= 0) & (both < 1)).all()
+
+
 def test_a_request_with_mismatched_shapes_is_refused():
     with pytest.raises(ValueError, match=r"seeds \[B\]"):
         RolloutRequest(

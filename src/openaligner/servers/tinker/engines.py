@@ -95,7 +95,8 @@ class TinkerEngines:
         """The engine to sample ``model`` (its modules holding the sampler's weights, named by
         ``key``: equal keys are equal weights) of base directory ``base``, for one call.
 
-        hf: a fresh :class:`~openaligner.rollout.hf_engine.HFRolloutEngine` over ``model``. vllm:
+        hf: a fresh :class:`~openaligner.rollout.hf_engine.HFRolloutEngine` over ``model``, each
+        row drawn from its own seed's stream (as vllm draws them). vllm:
         the base's engine, told to take ``model``'s weights when it holds others. When the call
         fails, what the engine holds is forgotten (the next call pushes again); an engine that
         failed other than by refusing a request (it died, timed out) is stopped and dropped, and
@@ -105,7 +106,8 @@ class TinkerEngines:
             from openaligner.models.actor import CausalLMActor
             from openaligner.rollout.hf_engine import HFRolloutEngine
 
-            yield HFRolloutEngine(CausalLMActor(model, tokenizer, init_policy=False))
+            # a stream per row: a seeded request samples alike alone or merged with others
+            yield HFRolloutEngine(CausalLMActor(model, tokenizer, init_policy=False), per_row_streams=True)
             return
         engine = self._vllm_for(base, model, tokenizer, key)
         try:

@@ -3,9 +3,9 @@
 
 Owns :class:`FutureTable`: one worker thread runs the jobs in the order they arrived (so the calls
 of one model apply in their ``seq_id`` order, and a sampler never reads weights an optimizer step
-is writing), requests deduplicated by a key (``(model_id, seq_id)``), results kept until fetched
-or expired, and failures sorted into the client's fault (:class:`UserError`) or the server's.
-Must not know what a job computes.
+is writing), like jobs queued back to back run as one (:class:`Merge`), requests deduplicated by a
+key (``(model_id, seq_id)``), results kept until fetched or expired, and failures sorted into the
+client's fault (:class:`UserError`) or the server's. Must not know what a job computes.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,14 +28,34 @@ class UserError(ValueError):
     what was wrong and what is expected)."""
 
 
+@dataclass(frozen=True)
+class Merge:
+    """How a job may run as one with the jobs queued directly behind it.
+
+    The worker takes a job with a ``Merge`` together with the jobs right behind it (never past
+    one without) whose ``group`` is equal, while their ``rows`` add up to at most the table's
+    ``max_merged_rows``, and calls the first one's ``run`` once with their ``item``\\ s in
+    submission order. ``run`` returns one callable per item, each returning that job's result or
+    raising its error. When ``run`` itself raises, every job of the run is run alone instead (its
+    own ``work``), so one job's fault fails only that job.
+    """
+
+    group: Hashable  # equal groups may run as one
+    rows: int  # this job's share of a merged run's size
+    item: Any  # what ``run`` is given for this job
+    run: Callable[[Sequence[Any]], Sequence[Callable[[], Any]]]
+
+
 @dataclass
 class Job:
-    """One queued call: its future and what it was asked under (for deduplication)."""
+    """One queued call: its future, its work, and what it was asked under (for deduplication)."""
 
     request_id: str
     future: Future[Any]
     key: Hashable | None
     fingerprint: bytes | None
+    work: Callable[[], Any]
+    merge: Merge | None = None
     created_s: float = field(default_factory=time.monotonic)
 
 
@@ -44,24 +64,41 @@ class FutureTable:
 
     Args:
         keep: how many finished jobs are remembered (the oldest are forgotten first).
+        max_merged_rows: the most rows (:attr:`Merge.rows`, summed) one merged run takes; a job
+            with more runs alone.
     """
 
-    def __init__(self, keep: int = 4096) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openaligner-tinker-compute")
+    def __init__(self, keep: int = 4096, max_merged_rows: int = 64) -> None:
+        if max_merged_rows < 1:
+            raise ValueError(f"max_merged_rows must be >= 1, got {max_merged_rows}")
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._keys: dict[Hashable, str] = {}
+        self._queue: deque[Job] = deque()  # submitted, not yet taken by the worker
         self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._closed = False
         self.keep = keep
+        self.max_merged_rows = max_merged_rows
+        self._worker = threading.Thread(target=self._loop, name="openaligner-tinker-compute", daemon=True)
+        self._worker.start()
 
     def submit(
-        self, work: Callable[[], Any], *, key: Hashable | None = None, fingerprint: bytes | None = None
+        self,
+        work: Callable[[], Any],
+        *,
+        key: Hashable | None = None,
+        fingerprint: bytes | None = None,
+        merge: Merge | None = None,
     ) -> str:
         """Queue ``work`` and return its request id; a second submission under the same ``key``
-        returns the first one's id without running anything again.
+        returns the first one's id without running anything again. With ``merge``, ``work`` may
+        instead run as part of a merged run (see :class:`Merge`); ``work`` stays what it runs
+        alone.
 
         Raises:
             UserError: ``key`` was submitted before with another ``fingerprint`` (another body
                 under the same ``seq_id``).
+            RuntimeError: the table is closed.
         """
         with self._lock:
             if key is not None and key in self._keys:
@@ -73,23 +110,74 @@ class FutureTable:
                             "one request"
                         )
                     return known.request_id
+            if self._closed:
+                raise RuntimeError("the server is stopping: no new jobs are taken")
             request_id = uuid.uuid4().hex
-            future: Future[Any] = self._executor.submit(self._run, work)
-            self._jobs[request_id] = Job(request_id, future, key, fingerprint)
+            job = Job(request_id, Future(), key, fingerprint, work, merge)
+            self._jobs[request_id] = job
             if key is not None:
                 self._keys[key] = request_id
+            self._queue.append(job)
+            self._ready.notify()
             self._forget_old()
             return request_id
 
-    @staticmethod
-    def _run(work: Callable[[], Any]) -> Any:
+    def _loop(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+                if not self._queue:
+                    return
+                batch = self._take()
+            self._execute(batch)
+
+    def _take(self) -> list[Job]:
+        """The next job and, if it merges, the like jobs queued directly behind it (lock held)."""
+        first = self._queue.popleft()
+        batch = [first]
+        if first.merge is None:
+            return batch
+        rows = first.merge.rows
+        while self._queue:
+            nxt = self._queue[0].merge
+            if nxt is None or nxt.group != first.merge.group or rows + nxt.rows > self.max_merged_rows:
+                break
+            rows += nxt.rows
+            batch.append(self._queue.popleft())
+        return batch
+
+    def _execute(self, batch: list[Job]) -> None:
+        batch = [job for job in batch if job.future.set_running_or_notify_cancel()]
+        if len(batch) == 1:
+            self._settle(batch[0].future, batch[0].work)
+            return
+        if not batch:
+            return
+        merge = batch[0].merge
+        assert merge is not None
         try:
-            return work()
-        except UserError:
-            raise
+            outcomes = list(merge.run([job.merge.item for job in batch if job.merge is not None]))
+            if len(outcomes) != len(batch):
+                raise RuntimeError(f"a merged run of {len(batch)} jobs returned {len(outcomes)} outcomes")
         except Exception:
-            LOGGER.exception("a Tinker job failed")
-            raise
+            LOGGER.warning("a merged run of %d jobs failed: each runs alone", len(batch), exc_info=True)
+            outcomes = [job.work for job in batch]
+        for job, outcome in zip(batch, outcomes, strict=True):
+            self._settle(job.future, outcome)
+
+    @staticmethod
+    def _settle(future: Future[Any], work: Callable[[], Any]) -> None:
+        try:
+            result = work()
+        except UserError as e:
+            future.set_exception(e)
+        except BaseException as e:  # a job's failure is its future's, never the worker's
+            if isinstance(e, Exception):
+                LOGGER.exception("a Tinker job failed")
+            future.set_exception(e)
+        else:
+            future.set_result(result)
 
     def get(self, request_id: str) -> Future[Any] | None:
         """The future of ``request_id`` (None: unknown or forgotten)."""
@@ -107,5 +195,13 @@ class FutureTable:
                 del self._keys[oldest.key]
 
     def close(self) -> None:
-        """Stop taking jobs; the one running finishes (nothing is left half-applied)."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Stop taking jobs; the one running finishes (nothing is left half-applied), the queued
+        ones are cancelled."""
+        with self._ready:
+            self._closed = True
+            pending, self._queue = list(self._queue), deque()
+            self._ready.notify_all()
+        for job in pending:
+            job.future.cancel()
+        if threading.current_thread() is not self._worker:
+            self._worker.join()

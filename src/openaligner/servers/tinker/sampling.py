@@ -2,8 +2,9 @@
 engine's, the samples drawn through the :class:`~openaligner.rollout.engine.RolloutEngine`
 seam, and the log-probs Tinker returns with them.
 
-Owns :class:`TinkerSampling` (``sampling_params`` read and checked), :class:`SampledSequence` and
-:func:`sample`. Must not know HTTP, sessions or the wire encoding.
+Owns :class:`TinkerSampling` (``sampling_params`` read and checked), :class:`SampledSequence`,
+:func:`sample` and :func:`sample_many` (several requests as one engine request and one scoring
+forward). Must not know HTTP, sessions, the job queue or the wire encoding.
 """
 
 from __future__ import annotations
@@ -95,6 +96,23 @@ class SampledSequence:
     stop_reason: str
 
 
+@dataclass(frozen=True)
+class SampleRequest:
+    """One ``asample`` call as :func:`sample_many` takes it."""
+
+    prompt: torch.Tensor  # [P] int64
+    num_samples: int
+    params: TinkerSampling
+    prompt_logprobs: bool = False  # also the prompt's own log-probs
+
+
+def merge_key(params: TinkerSampling) -> TinkerSampling:
+    """What requests must share to be drawn as one engine request: every setting but the seed
+    (one :class:`~openaligner.rollout.engine.RolloutRequest` carries one ``SamplingParams``; the
+    seeds are per row)."""
+    return replace(params, seed=None)
+
+
 @torch.no_grad()
 def sample(
     engine: RolloutEngine,
@@ -106,18 +124,51 @@ def sample(
     tokenizer: PreTrainedTokenizerBase | None,
     prompt_logprobs: bool,
 ) -> tuple[list[SampledSequence], torch.Tensor | None]:
-    """``num_samples`` continuations of ``prompt`` [P] int64 drawn by ``engine`` and, with
-    ``prompt_logprobs``, the prompt's own log-probs [P] (NaN at position 0, which nothing predicts).
+    """``num_samples`` continuations of ``prompt`` [P] int64 and, with ``prompt_logprobs``, the
+    prompt's own log-probs [P]: :func:`sample_many` of this one request."""
+    (out,) = sample_many(
+        engine, model, [SampleRequest(prompt, num_samples, params, prompt_logprobs)], tokenizer=tokenizer
+    )
+    return out
+
+
+@torch.no_grad()
+def sample_many(
+    engine: RolloutEngine,
+    model: PreTrainedModel,
+    requests: Sequence[SampleRequest],
+    *,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> list[tuple[list[SampledSequence], torch.Tensor | None]]:
+    """Every request's ``num_samples`` continuations of its prompt, drawn by ``engine`` as ONE
+    engine request (the requests' rows in order), scored by ONE forward of ``model``; per request,
+    its samples and, with ``prompt_logprobs``, its prompt's own log-probs [P] (NaN at position 0,
+    which nothing predicts).
+
+    Seeds: request ``r``'s rows carry ``row_seeds(r.params.seed, r.num_samples)`` (a random seed
+    when None), whoever else is in the batch; an engine that draws each row from its own seed's
+    stream (vllm, the Tinker ``hf`` engine) samples a seeded request's rows alike alone or
+    batched, up to float rounding of the batched forward (prompts are left-padded to the longest).
 
     Log-probs are ``model``'s (one forward over the samples, whichever engine drew them; ``model``
     holds the weights the engine sampled from): of sampled tokens at the sampling temperature
-    (before top-k / top-p), of the prompt at temperature 1. An engine that reports log-probs of
-    its own (vllm) has them compared with these (:meth:`RolloutEngine.check_logprobs`: it raises
-    when, just after a weight push, they show it sampled other weights) where they mean the same:
-    without top-k / top-p, which renormalise the engine's over the kept tokens.
+    (before top-k / top-p), of the prompt at temperature 1. The rows are right-padded and start at
+    position 0, so a causal model's logits at a row's real positions never see the padding (equal
+    to the row's alone, to float tolerance). An engine that reports log-probs of its own (vllm)
+    has them compared with these (:meth:`RolloutEngine.check_logprobs`: it raises when, just after
+    a weight push, they show it sampled other weights) where they mean the same: without top-k /
+    top-p, which renormalise the engine's over the kept tokens.
+
+    Raises:
+        ValueError: the requests differ in a setting other than the seed (:func:`merge_key`).
     """
     from openaligner.models.generation import SamplingParams, resolve_stop_ids
 
+    if not requests:
+        return []
+    params = requests[0].params
+    if any(merge_key(r.params) != merge_key(params) for r in requests):
+        raise ValueError("requests sampled as one must share every sampling setting but the seed")
     greedy = params.temperature == 0
     sampling = SamplingParams(
         greedy=greedy,
@@ -130,38 +181,45 @@ def sample(
     )
     # the engine takes resolved stop ids: None (no ids named) is the tokenizer's EOS
     sampling = replace(sampling, stop_token_ids=tuple(resolve_stop_ids(sampling, model, tokenizer)))
-    seed = params.seed if params.seed is not None else secrets.randbits(62)
-    p = int(prompt.numel())
-    request = RolloutRequest(
-        prompts=prompt.reshape(1, p).repeat(num_samples, 1),
-        prompt_lengths=torch.full((num_samples,), p, dtype=torch.int64),
-        sampling=sampling,
-        seeds=row_seeds(seed, num_samples),
+    lengths = [int(r.prompt.numel()) for r in requests]
+    firsts = [sum(r.num_samples for r in requests[:i]) for i in range(len(requests))]  # first row of each
+    rows = sum(r.num_samples for r in requests)
+    prompts = torch.zeros((rows, max(lengths)), dtype=torch.int64)
+    seeds = []
+    for r, p, first in zip(requests, lengths, firsts, strict=True):
+        prompts[first : first + r.num_samples, :p] = r.prompt.reshape(1, p)
+        seed = r.params.seed if r.params.seed is not None else secrets.randbits(62)
+        seeds.append(row_seeds(seed, r.num_samples))
+    prompt_lengths = torch.tensor(
+        [p for r, p in zip(requests, lengths, strict=True) for _ in range(r.num_samples)], dtype=torch.int64
     )
-    out = engine.generate(request)
+    out = engine.generate(RolloutRequest(prompts, prompt_lengths, sampling, torch.cat(seeds)))
     device = next(model.parameters()).device
     logits = model(input_ids=out.tokens.to(device)).logits.float()
     scale = 1.0 if greedy else params.temperature
     sampled_lp = torch.log_softmax(logits / scale, dim=-1)
-    sequences = []
-    for row in range(num_samples):
-        end = int(out.sequence_lengths[row])
-        tokens = out.tokens[row, p:end]
-        lp = sampled_lp[row, p - 1 : end - 1].gather(-1, tokens.to(device)[:, None])[:, 0]
-        reason = "stop" if bool(out.is_end[row]) else "length"
-        sequences.append(SampledSequence(tokens.cpu(), lp.cpu(), reason))
+    results = []
+    for r, p, first in zip(requests, lengths, firsts, strict=True):
+        sequences = []
+        for row in range(first, first + r.num_samples):
+            end = int(out.sequence_lengths[row])
+            tokens = out.tokens[row, p:end]
+            lp = sampled_lp[row, p - 1 : end - 1].gather(-1, tokens.to(device)[:, None])[:, 0]
+            reason = "stop" if bool(out.is_end[row]) else "length"
+            sequences.append(SampledSequence(tokens.cpu(), lp.cpu(), reason))
+        prompt_lp = None
+        if r.prompt_logprobs:
+            base_lp = torch.log_softmax(logits[first, : p - 1], dim=-1)
+            scored = base_lp.gather(-1, r.prompt[1:].to(device)[:, None])[:, 0].cpu()
+            prompt_lp = torch.cat([torch.tensor([float("nan")]), scored])
+        results.append((sequences, prompt_lp))
     if out.logprobs is not None and params.top_k == 0 and params.top_p == 1.0:
         width = out.tokens.shape[1]
         mine = sampled_lp[:, : width - 1].gather(-1, out.tokens[:, 1:].to(device)[..., None])[..., 0]
         positions = torch.arange(1, width)[None, :]
-        mask = (positions >= p) & (positions < out.sequence_lengths[:, None])
+        mask = (positions >= prompt_lengths[:, None]) & (positions < out.sequence_lengths[:, None])
         engine.check_logprobs(out.logprobs, mine.cpu(), mask.float())
-    prompt_lp = None
-    if prompt_logprobs:
-        base_lp = torch.log_softmax(logits[0, : p - 1], dim=-1)
-        scored = base_lp.gather(-1, prompt[1:].to(device)[:, None])[:, 0].cpu()
-        prompt_lp = torch.cat([torch.tensor([float("nan")]), scored])
-    return sequences, prompt_lp
+    return results
 
 
 def prompt_tokens(prompt: Mapping[str, Any], vocab_size: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ encoding. Design notes: docs/tinker.md, "How it works".
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -20,7 +21,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,12 +35,14 @@ from openaligner.models.positions import position_limit
 from openaligner.rollout.config import RolloutConfig
 from openaligner.rollout.engine import EngineSetupError, RolloutEngineError
 from openaligner.servers.tinker.engines import TinkerEngines
-from openaligner.servers.tinker.futures import FutureTable, UserError
+from openaligner.servers.tinker.futures import FutureTable, Merge, UserError
 from openaligner.servers.tinker.sampling import (
     SampledSequence,
+    SampleRequest,
     TinkerSampling,
+    merge_key,
     prompt_tokens,
-    sample,
+    sample_many,
 )
 from openaligner.trainer.tinker_model import (
     AdamStep,
@@ -115,6 +118,29 @@ class Sampler:
     weights_key: Hashable | None = None  # a saved path's sampler: names its weights for the engines
 
 
+@dataclass(frozen=True)
+class SampleJob:
+    """One checked ``asample`` call, as its job samples and answers it."""
+
+    sampler: Sampler
+    model: ServedModel | None
+    tokenizer: PreTrainedTokenizerBase | None
+    request: SampleRequest
+    encode: Callable[[list[SampledSequence], torch.Tensor | None], Any]
+
+
+def guarded(work: Callable[[], Any]) -> Callable[[], Any]:
+    """``work`` with the trainer's input errors raised as the client's (:class:`UserError`)."""
+
+    def run() -> Any:
+        try:
+            return work()
+        except TinkerInputError as e:
+            raise UserError(str(e)) from None
+
+    return run
+
+
 MODEL_ROLES = ("policy", "critic")
 
 
@@ -144,6 +170,8 @@ class TinkerService:
         accept_local_dirs: also serve any local Hugging Face directory named as ``base_model``.
         max_lora_rank: the largest LoRA rank ``create_model`` accepts.
         max_samples: the most ``num_samples`` one ``asample`` may ask for.
+        max_batch_rows: the most rows (``num_samples`` summed) of the ``asample`` calls queued
+            back to back that are drawn as one engine request (a call with more runs alone).
         max_sampler_snapshots: weight snapshots kept per model for its snapshot samplers (one per
             weight version; the oldest forgotten first).
         default_max_tokens: new tokens per sample when the client sets no ``max_tokens``.
@@ -161,6 +189,7 @@ class TinkerService:
         max_lora_rank: int = 128,
         lora_alpha: float = 32.0,
         max_samples: int = 64,
+        max_batch_rows: int = 64,
         max_sampler_snapshots: int = 16,
         default_max_tokens: int = 128,
         device: torch.device | None = None,
@@ -176,7 +205,7 @@ class TinkerService:
         self.max_sampler_snapshots = max_sampler_snapshots
         self.default_max_tokens = default_max_tokens
         self.device = device or torch.device("cpu")
-        self.jobs = FutureTable()
+        self.jobs = FutureTable(max_merged_rows=max_batch_rows)
         self.engines = engines or TinkerEngines(RolloutConfig())
         # sampler_weights paths saved by this process -> the weights they hold, as the engines name
         # them (a sampler of such a path samples what its engine may hold already)
@@ -730,29 +759,58 @@ class TinkerService:
         want_prompt_lp = bool(body.get("prompt_logprobs"))
         if want_prompt_lp and tokens.numel() < 1:
             raise UserError("prompt_logprobs need a prompt")
-
-        def work() -> Any:
-            if model is None:
-                weights: Any = nullcontext(self._plain_model(sampler.base))
-                key: Hashable = ("base", str(sampler.base.path))
-            else:
-                weights = model.trainer.weights(self._sampler_weights(sampler, model))
-                key = self._weights_key(sampler, model)
-            try:
-                with weights as hf, self.engines.engine(sampler.base.path, hf, tokenizer, key) as engine:
-                    seqs, plp = sample(
-                        engine, hf, tokens, n, params, tokenizer=tokenizer, prompt_logprobs=want_prompt_lp
-                    )
-            except RolloutEngineError as e:
-                if e.status in (400, 413):  # the engine refused this request (e.g. its max_model_len)
-                    raise UserError(str(e)) from None
-                raise
-            return encode(seqs, plp)
-
+        job = SampleJob(sampler, model, tokenizer, SampleRequest(tokens, n, params, want_prompt_lp), encode)
+        # asample calls queued back to back that sample the same weights with the same settings
+        # run as one engine request (futures.Merge); alone, the same code on one request
+        merge = Merge(
+            group=(self._weights_source(sampler, model), merge_key(params)),
+            rows=n,
+            item=job,
+            run=self._sample_together,
+        )
         ids = [uuid.uuid4().hex for _ in range(n)]
-        future = self._future(work)
+        future = self._future(lambda: self._sample_together([job])[0](), merge=merge)
         future["sample_sequence_ids"] = ids
         return future
+
+    def _sample_together(self, jobs: Sequence[SampleJob]) -> list[Callable[[], Any]]:
+        """Sample ``jobs`` (one group of :class:`~openaligner.servers.tinker.futures.Merge`: the
+        same weights, the same settings but the seed) as one engine request; per job, a callable
+        returning its encoded result.
+
+        Raises:
+            UserError: the engine refused the request (e.g. its ``max_model_len``), or the
+                sampler's snapshot is no longer kept.
+        """
+        first = jobs[0]
+        sampler, model, tokenizer = first.sampler, first.model, first.tokenizer
+        if model is None:
+            weights: Any = nullcontext(self._plain_model(sampler.base))
+            key: Hashable = ("base", str(sampler.base.path))
+        else:
+            weights = model.trainer.weights(self._sampler_weights(sampler, model))
+            key = self._weights_key(sampler, model)
+        try:
+            with weights as hf, self.engines.engine(sampler.base.path, hf, tokenizer, key) as engine:
+                outs = sample_many(engine, hf, [job.request for job in jobs], tokenizer=tokenizer)
+        except RolloutEngineError as e:
+            if e.status in (400, 413):  # the engine refused this request (e.g. its max_model_len)
+                raise UserError(str(e)) from None
+            raise
+        return [
+            guarded(functools.partial(job.encode, seqs, plp))
+            for job, (seqs, plp) in zip(jobs, outs, strict=True)
+        ]
+
+    def _weights_source(self, sampler: Sampler, model: ServedModel | None) -> Hashable:
+        """What names the weights ``sampler`` samples whenever its job runs (equal names, equal
+        weights, for merging jobs queued back to back): a live sampler's model (nothing runs
+        between two such jobs, so they see one version), else what :meth:`_weights_key` names."""
+        if model is None:
+            return ("base", str(sampler.base.path))
+        if sampler.version is None and sampler.snapshot is None:
+            return ("live", model.model_id)
+        return self._weights_key(sampler, model)
 
     @staticmethod
     def _weights_key(sampler: Sampler, model: ServedModel) -> Hashable:
@@ -797,6 +855,7 @@ class TinkerService:
         key: tuple[Any, ...] | None = None,
         body: Mapping[str, Any] | None = None,
         raw: bytes | None = None,
+        merge: Merge | None = None,
     ) -> dict[str, Any]:
         fingerprint = raw
         if body is not None:
@@ -804,14 +863,7 @@ class TinkerService:
         if key is not None and key[-1] is None:
             key = None  # no seq_id: nothing to deduplicate on
         digest = hashlib.sha256(fingerprint).digest() if fingerprint is not None else None
-
-        def guarded() -> Any:
-            try:
-                return work()
-            except TinkerInputError as e:
-                raise UserError(str(e)) from None
-
-        request_id = self.jobs.submit(guarded, key=key, fingerprint=digest)
+        request_id = self.jobs.submit(guarded(work), key=key, fingerprint=digest, merge=merge)
         return {"request_id": request_id}
 
     def close(self) -> None:
