@@ -37,6 +37,11 @@ SETTINGS: dict[str, tuple[list[str], list[str]]] = {
         [],
     ),
     "critic_lr_1e-6": ([], ["optim.lr=1e-6"]),
+    # the critic's learning rate around the demo's 5e-4 (cli/demo/presets.py), 100x smaller to 100x larger
+    "critic_lr_5e-6": ([], ["optim.lr=5e-6"]),
+    "critic_lr_5e-5": ([], ["optim.lr=5e-5"]),
+    "critic_lr_5e-3": ([], ["optim.lr=5e-3"]),
+    "critic_lr_5e-2": ([], ["optim.lr=5e-2"]),
 }
 
 
