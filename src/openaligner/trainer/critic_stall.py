@@ -21,18 +21,21 @@ class CriticStallError(RuntimeError):
 UPDATE_GAIN_MOVES = 0.02
 """An update's own gain in explained variance on the rows it trained on (the server's
 ``explained_variance_after`` − ``train_explained_variance``) below this in size did not move the
-critic: on the demo, at 1/100 of its learning rate, +0.00 to +0.01 per update; at its own, +0.04 to
-+0.26; at 100×, −0.31 and −0.26 at the first two (docs/ppo.md, *A critic that does not learn*)."""
+critic. Measured on the demo (docs/ppo.md, *A critic that does not learn*), mean over the first 5
+updates: +0.003 at 1/100 of its critic learning rate, +0.029 at 1/10, +0.11 at its own, +0.064 at
+10× and −0.118 at 100×."""
 
 
 @dataclass(frozen=True)
 class CriticStall:
     """The verdict: after ``updates`` critic updates the held-out explained variance went from
-    ``first`` (before the first update this run) to at best ``best``, and is ``last`` now;
-    ``update_gain`` is the updates' mean gain on their own rows (NaN: the server did not say)."""
+    ``first`` (before the first update this run) through ``after_first`` (after it) to at best
+    ``best``, and is ``last`` now; ``update_gain`` is the updates' mean gain on their own rows
+    (NaN: the server did not say)."""
 
     updates: int
     first: float
+    after_first: float
     best: float
     last: float
     update_gain: float
@@ -41,27 +44,25 @@ class CriticStall:
 
     @property
     def cause(self) -> str:
-        """The likely cause and its fix, from the updates' gain on their own rows."""
+        """The likely cause and its fix. Too large a learning rate: the updates made the critic worse
+        on their own rows, or the first one made it worse on the next rollout by more than
+        ``min_rise`` (the demo at 10× and 100× its rate); too small: neither (at 1/10 and 1/100)."""
         gain = self.update_gain
+        if gain <= -UPDATE_GAIN_MOVES or self.after_first < self.first - self.min_rise:
+            return (
+                f"its first update made it worse on the next rollout ({self.first:.3f} → "
+                f"{self.after_first:.3f}), its updates' mean gain on their own rows is {gain:+.3f}: the "
+                "critic's learning rate is likely too large — lower serve-critic's optim.lr (e.g. 10×)"
+            )
         if math.isnan(gain):
             return (
                 "the critic's learning rate is likely too small (updates that do not move it) or too "
                 "large (updates that overshoot): try serve-critic's optim.lr 10× either way"
             )
-        if gain <= -UPDATE_GAIN_MOVES:
-            return (
-                f"its updates made it worse even on the rows they trained on (mean gain {gain:+.3f}): the "
-                "critic's learning rate is likely too large — lower serve-critic's optim.lr (e.g. 10×)"
-            )
-        if gain < UPDATE_GAIN_MOVES:
-            return (
-                f"its updates hardly moved it even on the rows they trained on (mean gain {gain:+.3f}): "
-                "the critic's learning rate is likely too small — raise serve-critic's optim.lr (e.g. 10×)"
-            )
+        hardly = "hardly moved it" if gain < UPDATE_GAIN_MOVES else "moved it a little"
         return (
-            f"its updates fit the rows they trained on (mean gain {gain:+.3f}) but not the next "
-            "rollout: too few rows per update for returns this noisy, or a learning rate too large — "
-            "more responses per step (trainer.num_rollout_samples) or a lower serve-critic optim.lr"
+            f"its updates {hardly} even on the rows they trained on (mean gain {gain:+.3f}): the "
+            "critic's learning rate is likely too small — raise serve-critic's optim.lr (e.g. 10×)"
         )
 
     def message(self) -> str:
@@ -102,6 +103,7 @@ class CriticStallCheck:
         self.min_explained_variance = min_explained_variance
         self._seen = 0
         self._first = math.nan
+        self._after_first = math.nan
         self._best = -math.inf
         self._last = math.nan
         self._gains: list[float] = []
@@ -125,6 +127,8 @@ class CriticStallCheck:
             if math.isnan(self._first):
                 self._first = ev
             elif after_updates > 0:
+                if math.isnan(self._after_first):
+                    self._after_first = ev
                 self._best = max(self._best, ev)
             self._last = ev
         if after_updates < self.updates:
@@ -138,6 +142,7 @@ class CriticStallCheck:
         return CriticStall(
             after_updates,
             self._first,
+            self._after_first,
             self._best,
             self._last,
             gain,

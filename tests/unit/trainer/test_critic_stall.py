@@ -29,7 +29,13 @@ def test_a_flat_explained_variance_stalls_once_at_the_step_after_the_last_update
         check.update(0.30, 0.305)  # each update gained 0.005 on its own rows: it hardly moved
     assert out[:3] == [None, None, None] and out[4:] == [None, None]  # judged once, at the 4th value
     stall = out[3]
-    assert stall is not None and (stall.updates, stall.first, stall.best, stall.last) == (3, 0.30, 0.35, 0.35)
+    assert (stall.updates, stall.first, stall.after_first, stall.best, stall.last) == (
+        3,
+        0.30,
+        0.32,
+        0.35,
+        0.35,
+    )
     assert stall.update_gain == pytest.approx(0.005)
     text = stall.message()
     assert "0.300 → 0.350, at best 0.350" in text and "trainer.critic_stall.mode=ignore" in text
@@ -37,19 +43,24 @@ def test_a_flat_explained_variance_stalls_once_at_the_step_after_the_last_update
 
 
 @pytest.mark.parametrize(
-    ("before", "after", "cause"),
+    ("evs", "before", "after", "cause"),
     [
-        (0.31, 0.0, "too large — lower serve-critic's optim.lr"),  # worse on its own rows
-        (0.31, 0.57, "fit the rows they trained on"),  # fits its rows, not the next rollout
-        (0.31, float("nan"), "too small (updates that do not move it) or too large"),  # not reported
+        # the demo at 100× its critic lr: worse on its own rows (0.31 → 0.00)
+        ([0.30, 0.25, 0.2], 0.31, 0.0, "too large — lower serve-critic's optim.lr"),
+        # at 10×: better on its own rows, but the first update broke it on the next rollout
+        ([0.30, 0.13, 0.2], 0.31, 0.37, "too large — lower serve-critic's optim.lr"),
+        # at 1/10: a little better on its own rows, and on the next rollout no rise
+        ([0.30, 0.34, 0.36], 0.31, 0.34, "moved it a little even on the rows"),
+        # a server that does not report its rows' explained variance after the update
+        ([0.30, 0.32, 0.31], 0.31, float("nan"), "too small (updates that do not move it) or too large"),
     ],
 )
-def test_the_cause_follows_the_updates_gain_on_their_own_rows(before, after, cause):
+def test_the_cause_follows_the_updates_gain_and_the_first_update(evs, before, after, cause):
     check = CriticStallCheck(2, 0.1, 0.5)
-    for ev in [0.30, -0.1]:
-        check.observe(ev)
+    for ev in evs[:2]:
+        assert check.observe(ev) is None
         check.update(before, after)
-    stall = check.observe(-0.2)
+    stall = check.observe(evs[2])
     assert stall is not None and cause in stall.message()
 
 
