@@ -20,46 +20,45 @@ class CriticStallError(RuntimeError):
 
 UPDATE_GAIN_MOVES = 0.02
 """An update's own gain in explained variance on the rows it trained on (the server's
-``explained_variance_after`` − ``train_explained_variance``) below this in size did not move the
-critic. Measured on the demo (docs/ppo.md, *A critic that does not learn*), mean over the first 5
-updates: +0.003 at 1/100 of its critic learning rate, +0.029 at 1/10, +0.11 at its own, +0.064 at
-10× and −0.118 at 100×."""
+``explained_variance_after`` − ``train_explained_variance``) this small did not move the critic,
+and one at or below −this made it worse where it was aimed: an overshoot. Measured on the demo over
+the first 15 updates (docs/ppo.md, *A critic that does not learn*): at 1/100 of its critic
+learning rate every gain within ±0.01; at 10× and 100× a worst gain of −0.03 to −1.4; at its own
+rate and at 1/10 none below +0.006."""
 
 
 @dataclass(frozen=True)
 class CriticStall:
     """The verdict: after ``updates`` critic updates the held-out explained variance went from
-    ``first`` (before the first update this run) through ``after_first`` (after it) to at best
-    ``best``, and is ``last`` now; ``update_gain`` is the updates' mean gain on their own rows
-    (NaN: the server did not say)."""
+    ``first`` (before the first update this run) to at best ``best``, and is ``last`` now;
+    ``update_gain`` and ``worst_update_gain`` are the updates' mean and lowest gain on their own
+    rows (NaN: the server did not say)."""
 
     updates: int
     first: float
-    after_first: float
     best: float
     last: float
     update_gain: float
+    worst_update_gain: float
     min_rise: float
     min_explained_variance: float
 
     @property
     def cause(self) -> str:
-        """The likely cause and its fix. Too large a learning rate: the updates made the critic worse
-        on their own rows, or the first one made it worse on the next rollout by more than
-        ``min_rise`` (the demo at 10× and 100× its rate); too small: neither (at 1/10 and 1/100)."""
-        gain = self.update_gain
-        if gain <= -UPDATE_GAIN_MOVES or self.after_first < self.first - self.min_rise:
-            return (
-                f"its first update made it worse on the next rollout ({self.first:.3f} → "
-                f"{self.after_first:.3f}), its updates' mean gain on their own rows is {gain:+.3f}: the "
-                "critic's learning rate is likely too large — lower serve-critic's optim.lr (e.g. 10×)"
-            )
+        """The likely cause and its fix: a learning rate too large when an update made the critic
+        worse on its own rows (:data:`UPDATE_GAIN_MOVES`), else too small."""
+        gain, worst = self.update_gain, self.worst_update_gain
         if math.isnan(gain):
             return (
                 "the critic's learning rate is likely too small (updates that do not move it) or too "
                 "large (updates that overshoot): try serve-critic's optim.lr 10× either way"
             )
-        hardly = "hardly moved it" if gain < UPDATE_GAIN_MOVES else "moved it a little"
+        if worst <= -UPDATE_GAIN_MOVES:
+            return (
+                f"an update made it worse even on the rows it trained on (gain {worst:+.3f}): the "
+                "critic's learning rate is likely too large — lower serve-critic's optim.lr (e.g. 10×)"
+            )
+        hardly = "hardly moved it" if gain < UPDATE_GAIN_MOVES else "moved it only a little"
         return (
             f"its updates {hardly} even on the rows they trained on (mean gain {gain:+.3f}): the "
             "critic's learning rate is likely too small — raise serve-critic's optim.lr (e.g. 10×)"
@@ -103,7 +102,6 @@ class CriticStallCheck:
         self.min_explained_variance = min_explained_variance
         self._seen = 0
         self._first = math.nan
-        self._after_first = math.nan
         self._best = -math.inf
         self._last = math.nan
         self._gains: list[float] = []
@@ -127,8 +125,6 @@ class CriticStallCheck:
             if math.isnan(self._first):
                 self._first = ev
             elif after_updates > 0:
-                if math.isnan(self._after_first):
-                    self._after_first = ev
                 self._best = max(self._best, ev)
             self._last = ev
         if after_updates < self.updates:
@@ -139,13 +135,14 @@ class CriticStallCheck:
         if self._best >= self._first + self.min_rise or self._best >= self.min_explained_variance:
             return None
         gain = sum(self._gains) / len(self._gains) if self._gains else math.nan
+        worst = min(self._gains) if self._gains else math.nan
         return CriticStall(
             after_updates,
             self._first,
-            self._after_first,
             self._best,
             self._last,
             gain,
+            worst,
             self.min_rise,
             self.min_explained_variance,
         )
