@@ -7,7 +7,8 @@ setting's PPO and critic directories and report aside (``ppo@NAME``, ``critic@NA
 ``report@NAME.json``) so the next one starts fresh. Prints one line per seed and setting: the
 held-out gold score (sampled and greedy) before and after, the KL to the SFT policy, and the
 critic's held-out explained variance over the first and last 5 steps, from ``report.json`` and
-the run's ``metrics.jsonl``.
+the run's ``metrics.jsonl``, and what the default ``trainer.critic_stall`` check says of the run
+(its metrics replayed through it: ``stall`` with the updates' mean gain on their own rows, or ``ok``).
 
     python benchmarks/bench_demo_ppo_settings.py --seeds 0 --quick --settings base,decoupled
 """
@@ -37,12 +38,39 @@ SETTINGS: dict[str, tuple[list[str], list[str]]] = {
         [],
     ),
     "critic_lr_1e-6": ([], ["optim.lr=1e-6"]),
+    # the critic's learning rate around the demo's 5e-4 (cli/demo/presets.py), 100x smaller to 100x larger
+    "critic_lr_5e-6": ([], ["optim.lr=5e-6"]),
+    "critic_lr_5e-5": ([], ["optim.lr=5e-5"]),
+    "critic_lr_5e-3": ([], ["optim.lr=5e-3"]),
+    "critic_lr_5e-2": ([], ["optim.lr=5e-2"]),
 }
 
 
 def _mean(xs: list[float]) -> float:
     xs = [x for x in xs if not math.isnan(x)]
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def stall_verdict(rows: list[dict[str, float]]) -> str:
+    """The default critic-stall check (trainer/critic_stall.py) replayed over a run's step metrics."""
+    from openaligner.trainer.critic_stall import CriticStallCheck
+    from openaligner.trainer.ppo_config import CriticStallConfig
+
+    d = CriticStallConfig()
+    check = CriticStallCheck(d.updates, d.min_rise, d.min_explained_variance)
+    for r in rows:
+        nan = float("nan")
+        stall = check.observe(float(r.get("value/explained_variance_mc", nan)))
+        if stall is not None:
+            return (
+                f"stall (best {stall.best:.2f} from {stall.first:.2f}, update gain {stall.update_gain:+.3f}: "
+                f"lr too {'large' if 'too large —' in stall.cause else 'small'})"
+            )
+        check.update(
+            float(r.get("value/train_explained_variance", nan)),
+            float(r.get("value/explained_variance_after", nan)),
+        )
+    return "ok"
 
 
 def summary(run_dir: Path, name: str) -> str:
@@ -57,7 +85,7 @@ def summary(run_dir: Path, name: str) -> str:
         f"(greedy {sft['gold_greedy']:.1f} → {ppo['gold_greedy']:.1f}), KL {ppo['kl_to_sft']:.2f}, "
         f"held-out EV first 5 {_mean(ev[:5]):.3f} "
         f"last 5 {_mean(ev[-5:]):.3f} (against the critic's targets: {_mean(ev_targets[:5]):.3f}, "
-        f"{_mean(ev_targets[-5:]):.3f}), critic-only steps {critic_only}"
+        f"{_mean(ev_targets[-5:]):.3f}), critic-only steps {critic_only}, critic_stall: {stall_verdict(rows)}"
     )
 
 

@@ -38,6 +38,7 @@ from openaligner.io.metrics import MetricsLogger, PhaseTimer
 from openaligner.models.actor import CausalLMActor
 from openaligner.rollout.engine import RolloutEngine, RolloutRequest, row_seeds
 from openaligner.rollout.hf_engine import HFRolloutEngine
+from openaligner.trainer.critic_stall import CriticStallCheck, CriticStallError
 from openaligner.trainer.estimators import Estimator, get_estimator
 from openaligner.trainer.optim_step import optimizer_step
 from openaligner.trainer.policy_loss import PolicyLoss, PolicyLossConfig
@@ -306,6 +307,14 @@ class PPOTrainer:
         """Critic-only steps run (value pretraining); the actor has trained ``step − this`` times."""
         self.value_pretraining = self.settings.value_pretrain_cap > 0 and self.critic is not None
         """Whether the next step is still one of value pretraining's critic-only steps."""
+        stall = cfg.critic_stall
+        self.critic_stall_error = stall.mode == "error"
+        self.critic_stall: CriticStallCheck | None = (
+            CriticStallCheck(stall.updates, stall.min_rise, stall.min_explained_variance)
+            if self.critic is not None and stall.mode != "ignore"
+            else None
+        )
+        """Watches the held-out explained variance of this run's first critic updates (None: mode ignore)."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -331,6 +340,8 @@ class PPOTrainer:
             self.progress, initial=self.step, total=self._planned_steps(), desc=f"{self.estimator.title} step"
         )
         estimate = RunEstimate(self.step, self._planned_steps())
+        if self.step > 0:  # a resumed run: its critic's first updates were judged (or not) before
+            self.critic_stall = None
         try:
             while self.actor_steps < self.max_steps:
                 metrics = self._one_step()
@@ -366,6 +377,8 @@ class PPOTrainer:
         t0 = time.perf_counter()
         # (1)-(4) rollouts, rewards, values, advantages
         data, metrics = self.generate_rollouts()
+        # a critic that has not learned after its first updates is reported (or stops the run)
+        self._check_critic_stall(metrics)
         # (0) value pretraining: until the critic explains enough of this rollout's returns (one it
         # has not trained on), or for value_pretrain_cap rollouts, the step trains the critic only
         critic_only = self.value_pretraining and not self._value_pretrain_done(metrics)
@@ -382,6 +395,11 @@ class PPOTrainer:
         # the critic must finish before the next step's values are requested
         with self._timer("critic_train_wait"):
             metrics |= self._wait_critic_train()
+        if self.critic_stall is not None:  # the update's gain on its own rows, for a verdict's cause
+            self.critic_stall.update(
+                metrics.get("value/train_explained_variance", float("nan")),
+                metrics.get("value/explained_variance_after", float("nan")),
+            )
         if critic_only:
             self.value_pretrain_steps += 1
             self.value_pretraining = self.value_pretrain_steps < self.settings.value_pretrain_cap
@@ -402,6 +420,18 @@ class PPOTrainer:
         timings["timing/step_s"] = step_s
         timings["timing/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
         return metrics | timings | self.engine.pop_metrics()  # e.g. timing/weight_sync_s
+
+    def _check_critic_stall(self, metrics: dict[str, float]) -> None:
+        """Feed this rollout's held-out explained variance (a global figure, the same on every rank)
+        to the critic-stall check; warn once, or raise :class:`CriticStallError`, on its verdict."""
+        if self.critic_stall is None:
+            return
+        stall = self.critic_stall.observe(metrics.get("value/explained_variance_mc", float("nan")))
+        if stall is None:
+            return
+        if self.critic_stall_error:
+            raise CriticStallError(stall.message())
+        log.warning("%s", stall.message())
 
     def _value_pretrain_done(self, metrics: dict[str, float]) -> bool:
         """Whether value pretraining ends before this step's rollout (then trains the actor too):

@@ -20,6 +20,7 @@ from openaligner.models.precision import check_precision, check_save_dtype
 from openaligner.models.sharding import ActorParallelConfig
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
 from openaligner.rollout.config import RolloutConfig
+from openaligner.trainer.critic_stall import CRITIC_STALL_MODES
 from openaligner.trainer.estimators import ESTIMATORS, Estimator, KLPlacement
 from openaligner.trainer.optim import OptimConfig
 
@@ -55,6 +56,18 @@ class ValuePretrainConfig:
     # stop once the critic explains this share of the Monte-Carlo returns' variance on a rollout it
     # has not trained on (value/explained_variance_mc, in (0, 1)); null = always max_steps rollouts
     target_explained_variance: float | None = None
+
+
+@dataclass
+class CriticStallConfig:
+    """The critic-stall check (trainer/critic_stall.py): after ``updates`` critic updates, a critic
+    whose held-out explained variance neither rose by ``min_rise`` nor reached
+    ``min_explained_variance`` is reported (docs/ppo.md, *A critic that does not learn*)."""
+
+    mode: str = "warn"  # warn (once) | error (stop the run) | ignore (no check; YAML reads "off" as false)
+    updates: int = 15  # critic updates before the verdict (>= 1; serve-critic warms up over 10 by default)
+    min_rise: float = 0.2  # rise of the held-out explained variance above its first value: learning
+    min_explained_variance: float = 0.5  # a held-out explained variance good enough without a rise
 
 
 @dataclass
@@ -115,6 +128,7 @@ class PPOConfig:
         0  # a fixed number of critic-only rollouts first (= value_pretrain.max_steps, no target)
     )
     value_pretrain: ValuePretrainConfig = field(default_factory=ValuePretrainConfig)
+    critic_stall: CriticStallConfig = field(default_factory=CriticStallConfig)
     # ---- batch sizes (all global, i.e. summed over data-parallel ranks)
     num_rollout_samples: int = 64  # prompts per step (each sampled n_samples_per_prompt times)
     rollout_micro_batch_size: int = 8  # responses per generation call (per rank)
@@ -427,6 +441,7 @@ def _check_ppo(c: PPOConfig) -> None:
             f"{c.gae_lambda_length_alpha}",
         )
     _check_value_pretrain(c, bad)
+    _check_critic_stall(c.critic_stall, bad)
     if c.adaptive_kl and c.initial_policy_kl_penalty <= 0:
         bad("adaptive_kl", "needs initial_policy_kl_penalty > 0 as the starting β; set it (e.g. 0.05)")
     if c.adaptive_kl and (c.kl_target <= 0 or c.kl_horizon <= 0):
@@ -588,6 +603,23 @@ def _check_value_pretrain(c: PPOConfig, bad: Callable[[str, str], None]) -> None
             "value_pretrain.target_explained_variance",
             f"must lie in (0, 1): explained variance is at most 1 (a critic without error), so {target} "
             "would never be reached and every capped rollout would go to the critic; e.g. 0.5",
+        )
+
+
+def _check_critic_stall(s: CriticStallConfig, bad: Callable[[str, str], None]) -> None:
+    """Refuse critic-stall settings the check cannot apply: an unknown mode, no update to judge
+    after, a negative rise, or a level explained variance (at most 1) never reaches."""
+    if s.mode not in CRITIC_STALL_MODES:
+        bad("critic_stall.mode", f"must be one of {', '.join(CRITIC_STALL_MODES)}, got {s.mode!r}")
+    if s.updates < 1:
+        bad("critic_stall.updates", f"must be ≥ 1 (critic updates before the verdict), got {s.updates}")
+    if not s.min_rise >= 0:
+        bad("critic_stall.min_rise", f"must be ≥ 0, got {s.min_rise}")
+    if not s.min_explained_variance <= 1:
+        bad(
+            "critic_stall.min_explained_variance",
+            "must be ≤ 1 (explained variance is at most 1, a critic without error), got "
+            f"{s.min_explained_variance}",
         )
 
 
