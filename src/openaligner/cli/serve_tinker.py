@@ -66,6 +66,9 @@ class TinkerModelSettings:
     max_samples: int = 64  # the most num_samples one asample may ask for
     # the most rows (num_samples summed) of asample calls queued back to back drawn as one engine request
     max_batch_rows: int = 64
+    # how long a sampling job waits for like calls when none is queued behind it (a client's calls
+    # sent together arrive a few ms apart); 0: none
+    batch_wait_s: float = 0.01
     max_sampler_snapshots: int = 16  # weight snapshots kept per model for its samplers (older ones expire)
     default_max_tokens: int = 128  # new tokens per sample when sampling_params.max_tokens is null
     device: str = "auto"  # auto: CUDA when there is one, else cpu; or cpu, cuda:1, ...
@@ -79,6 +82,8 @@ class TinkerModelSettings:
             )
         if self.lora_alpha <= 0:
             raise ValueError(f"{{section}}.lora_alpha must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.batch_wait_s <= 1:
+            raise ValueError(f"{{section}}.batch_wait_s must lie in [0, 1] seconds, got {self.batch_wait_s}")
 
 
 @dataclass
@@ -176,6 +181,7 @@ def run(cfg: ServeTinkerConfig) -> int:
         lora_alpha=cfg.models.lora_alpha,
         max_samples=cfg.models.max_samples,
         max_batch_rows=cfg.models.max_batch_rows,
+        batch_wait_s=cfg.models.batch_wait_s,
         max_sampler_snapshots=cfg.models.max_sampler_snapshots,
         default_max_tokens=cfg.models.default_max_tokens,
         device=pick_device(cfg.models.device),

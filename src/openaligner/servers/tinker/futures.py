@@ -66,11 +66,16 @@ class FutureTable:
         keep: how many finished jobs are remembered (the oldest are forgotten first).
         max_merged_rows: the most rows (:attr:`Merge.rows`, summed) one merged run takes; a job
             with more runs alone.
+        merge_wait_s: how long a merging job waits, when the queue behind it is empty, for like
+            jobs to arrive (a client's calls sent together reach the server a few ms apart, and
+            the first would otherwise run alone); 0: no wait. Jobs without a ``Merge`` never wait.
     """
 
-    def __init__(self, keep: int = 4096, max_merged_rows: int = 64) -> None:
+    def __init__(self, keep: int = 4096, max_merged_rows: int = 64, merge_wait_s: float = 0.0) -> None:
         if max_merged_rows < 1:
             raise ValueError(f"max_merged_rows must be >= 1, got {max_merged_rows}")
+        if not merge_wait_s >= 0:
+            raise ValueError(f"merge_wait_s must be >= 0, got {merge_wait_s}")
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._keys: dict[Hashable, str] = {}
         self._queue: deque[Job] = deque()  # submitted, not yet taken by the worker
@@ -79,6 +84,7 @@ class FutureTable:
         self._closed = False
         self.keep = keep
         self.max_merged_rows = max_merged_rows
+        self.merge_wait_s = merge_wait_s
         self._worker = threading.Thread(target=self._loop, name="openaligner-tinker-compute", daemon=True)
         self._worker.start()
 
@@ -133,13 +139,21 @@ class FutureTable:
             self._execute(batch)
 
     def _take(self) -> list[Job]:
-        """The next job and, if it merges, the like jobs queued directly behind it (lock held)."""
+        """The next job and, if it merges, the like jobs queued directly behind it, waiting up to
+        :attr:`merge_wait_s` for more while the queue is empty (lock held; released while waiting)."""
         first = self._queue.popleft()
         batch = [first]
         if first.merge is None:
             return batch
         rows = first.merge.rows
-        while self._queue:
+        deadline = time.monotonic() + self.merge_wait_s
+        while rows < self.max_merged_rows and not self._closed:
+            if not self._queue:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._ready.wait(remaining)
+                continue
             nxt = self._queue[0].merge
             if nxt is None or nxt.group != first.merge.group or rows + nxt.rows > self.max_merged_rows:
                 break

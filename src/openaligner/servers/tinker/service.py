@@ -172,6 +172,8 @@ class TinkerService:
         max_samples: the most ``num_samples`` one ``asample`` may ask for.
         max_batch_rows: the most rows (``num_samples`` summed) of the ``asample`` calls queued
             back to back that are drawn as one engine request (a call with more runs alone).
+        batch_wait_s: how long a sampling call waits for like calls to arrive when none is queued
+            behind it (0: none).
         max_sampler_snapshots: weight snapshots kept per model for its snapshot samplers (one per
             weight version; the oldest forgotten first).
         default_max_tokens: new tokens per sample when the client sets no ``max_tokens``.
@@ -190,6 +192,7 @@ class TinkerService:
         lora_alpha: float = 32.0,
         max_samples: int = 64,
         max_batch_rows: int = 64,
+        batch_wait_s: float = 0.0,
         max_sampler_snapshots: int = 16,
         default_max_tokens: int = 128,
         device: torch.device | None = None,
@@ -205,7 +208,7 @@ class TinkerService:
         self.max_sampler_snapshots = max_sampler_snapshots
         self.default_max_tokens = default_max_tokens
         self.device = device or torch.device("cpu")
-        self.jobs = FutureTable(max_merged_rows=max_batch_rows)
+        self.jobs = FutureTable(max_merged_rows=max_batch_rows, merge_wait_s=batch_wait_s)
         self.engines = engines or TinkerEngines(RolloutConfig())
         # sampler_weights paths saved by this process -> the weights they hold, as the engines name
         # them (a sampler of such a path samples what its engine may hold already)

@@ -11,6 +11,7 @@ engine's ``generate`` is wrapped to count its calls and rows.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,51 @@ def test_a_merging_job_takes_the_like_jobs_directly_behind_it_and_never_past_ano
     assert results == {
         "a": "a!", "b": "b!", "step": "step alone", "c": "c alone", "d": "d alone", "e": "e alone"
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 2.0])
+def test_a_merging_job_on_an_empty_queue_waits_for_like_jobs_sent_just_after_it(wait_s: float) -> None:
+    """A client's calls sent together reach the server ms apart: with ``merge_wait_s`` the first
+    waits for the others instead of running alone; a job without a Merge ends the wait at once."""
+    runs: list[list[str]] = []
+    started = threading.Event()
+
+    def run(items: Any) -> list[Any]:
+        runs.append(list(items))
+        return [lambda i=i: i for i in items]
+
+    table = FutureTable(merge_wait_s=wait_s)
+    first = table.submit(lambda: runs.append(["a"]) or "a", merge=Merge("g", 1, "a", run))
+    table.submit(lambda: started.set())  # not a merging job: runs after the merged ones
+    time.sleep(0.05)  # the worker has taken "a" from an otherwise empty queue
+    ids = [table.submit(lambda n=n: runs.append([n]) or n, merge=Merge("g", 1, n, run)) for n in "bc"]
+    for i in (first, *ids):
+        table.get(i).result(timeout=30)  # type: ignore[union-attr]
+    started.wait(30)
+    table.close()
+    if wait_s == 0:
+        assert runs[0] == ["a"]  # ran alone: nothing was queued behind it when it was taken
+    else:
+        # the unmerging job queued behind "a" ended its wait: "a" ran alone before it, b and c after
+        assert runs[0] == ["a"] and runs[1] == ["b", "c"]
+
+
+def test_a_merging_job_waits_for_calls_that_arrive_within_merge_wait_s() -> None:
+    runs: list[list[str]] = []
+
+    def run(items: Any) -> list[Any]:
+        runs.append(list(items))
+        return [lambda i=i: i for i in items]
+
+    table = FutureTable(merge_wait_s=2.0, max_merged_rows=3)
+    ids = [table.submit(lambda: runs.append(["a"]) or "a", merge=Merge("g", 1, "a", run))]
+    for n in "bc":
+        time.sleep(0.05)  # each arrives after the worker took the first one
+        ids.append(table.submit(lambda n=n: runs.append([n]) or n, merge=Merge("g", 1, n, run)))
+    for i in ids:
+        table.get(i).result(timeout=30)  # type: ignore[union-attr]
+    table.close()
+    assert runs == [["a", "b", "c"]]  # one run; it did not wait out the 2 s once the cap was reached
 
 
 def test_a_merged_run_takes_at_most_max_merged_rows():
