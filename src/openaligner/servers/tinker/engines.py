@@ -54,7 +54,7 @@ def plain_copy(model: PreTrainedModel) -> PreTrainedModel:
     first = next(inner.parameters())
     with torch.device(first.device):
         plain = type(inner)._from_config(config, torch_dtype=first.dtype)
-    return cast(PreTrainedModel, plain.eval())
+    return cast(PreTrainedModel, plain.eval().requires_grad_(False))
 
 
 EngineFactory = Callable[[RolloutConfig, PreTrainedModel, PreTrainedTokenizerBase | None], RolloutEngine]
