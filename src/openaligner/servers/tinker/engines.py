@@ -1,19 +1,22 @@
-"""The rollout engines ``asample`` draws through (``rollout.engine``): ``hf`` over the sampler's
-own modules at every call, or ``vllm``: one engine process per base model, shared by every model
-and sampler of that base, holding one set of weights at a time and pushed another when a sampler
-of other weights samples (or a sampler snapshot is saved).
+"""The rollout engines ``asample`` draws through (``rollout.engine``): ``hf`` over a merged plain
+copy of the model per base (the adapters merged in; a base-model sampler: the plain model itself),
+or ``vllm``: one engine process per base model. Either holds one set of weights at a time, shared
+by every model and sampler of that base, and takes another when a sampler of other weights samples.
 
-Owns :class:`TinkerEngines` (which engine, which weights each vllm engine holds, restarting a dead
-one). Must not know HTTP, sessions or the samplers' bookkeeping; the engines are ``rollout/``'s.
+Owns :class:`TinkerEngines` (which engine, which weights each copy or vllm engine holds,
+restarting a dead one). Must not know HTTP, sessions or the samplers' bookkeeping; the engines
+are ``rollout/``'s.
 Design notes: docs/tinker.md, "Sampling engines".
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -36,6 +39,22 @@ class MergedWeights:
         from openaligner.models.lora import merged_state_dict
 
         return merged_state_dict(self.model)
+
+
+def plain_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A plain model of ``model``'s architecture (LoRA looked through) on its device, in its
+    dtype, in eval mode, with a head of its own even where ``model``'s config ties it to the
+    embedding (an adapter on a tied head makes the two differ). Its weights are not set: load
+    :func:`~openaligner.models.lora.merged_state_dict` of ``model`` into it."""
+    from openaligner.models.lora import unwrap
+
+    inner: Any = unwrap(model)
+    config = copy.deepcopy(inner.config)
+    config.tie_word_embeddings = False
+    first = next(inner.parameters())
+    with torch.device(first.device):
+        plain = type(inner)._from_config(config, torch_dtype=first.dtype)
+    return cast(PreTrainedModel, plain.eval().requires_grad_(False))
 
 
 EngineFactory = Callable[[RolloutConfig, PreTrainedModel, PreTrainedTokenizerBase | None], RolloutEngine]
@@ -71,6 +90,9 @@ class TinkerEngines:
         self.vllm: dict[Path, RolloutEngine] = {}  # base model directory -> its engine
         self.holds: dict[Path, Hashable] = {}  # base model directory -> the weights its engine holds
         self.pushes = 0  # weight sets handed to vllm engines (their version numbers)
+        self.copies: dict[Path, PreTrainedModel] = {}  # hf: base model directory -> its merged copy
+        self.copy_holds: dict[Path, Hashable] = {}  # base model directory -> the weights its copy holds
+        self.merges = 0  # weight sets merged into hf copies
 
     @property
     def name(self) -> str:
@@ -88,6 +110,24 @@ class TinkerEngines:
             self.holds[base] = key
         return engine
 
+    def _copy_for(self, base: Path, model: PreTrainedModel, key: Hashable) -> PreTrainedModel:
+        """``model`` itself when it has no adapters; else the base's plain copy, holding
+        ``model``'s merged weights (merged again only when ``key`` differs from what it holds)."""
+        from openaligner.models.lora import is_peft_model, merged_state_dict
+
+        if not is_peft_model(model):
+            return model
+        plain = self.copies.get(base)
+        if plain is None:
+            plain = self.copies[base] = plain_copy(model)
+        if self.copy_holds.get(base) != key:
+            self.copy_holds.pop(base, None)  # a load that fails midway leaves the copy holding nothing
+            with torch.no_grad():
+                plain.load_state_dict(merged_state_dict(model), strict=True)
+            self.copy_holds[base] = key
+            self.merges += 1
+        return plain
+
     @contextmanager
     def engine(
         self, base: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, key: Hashable
@@ -95,8 +135,11 @@ class TinkerEngines:
         """The engine to sample ``model`` (its modules holding the sampler's weights, named by
         ``key``: equal keys are equal weights) of base directory ``base``, for one call.
 
-        hf: a fresh :class:`~openaligner.rollout.hf_engine.HFRolloutEngine` over ``model``, each
-        row drawn from its own seed's stream (as vllm draws them). vllm:
+        hf: a fresh :class:`~openaligner.rollout.hf_engine.HFRolloutEngine`, each row drawn from
+        its own seed's stream (as vllm draws them), over the base's merged copy of ``model``
+        (re-merged when it holds other weights than ``key``; the unmerged adapters' forward costs
+        about twice the plain one's) or, without adapters, over ``model`` itself. Score with
+        ``model``: the copy's logits equal its to float rounding only. vllm:
         the base's engine, told to take ``model``'s weights when it holds others. When the call
         fails, what the engine holds is forgotten (the next call pushes again); an engine that
         failed other than by refusing a request (it died, timed out) is stopped and dropped, and
@@ -106,8 +149,9 @@ class TinkerEngines:
             from openaligner.models.actor import CausalLMActor
             from openaligner.rollout.hf_engine import HFRolloutEngine
 
+            plain = self._copy_for(base, model, key)
             # a stream per row: a seeded request samples alike alone or merged with others
-            yield HFRolloutEngine(CausalLMActor(model, tokenizer, init_policy=False), per_row_streams=True)
+            yield HFRolloutEngine(CausalLMActor(plain, tokenizer, init_policy=False), per_row_streams=True)
             return
         engine = self._vllm_for(base, model, tokenizer, key)
         try:
@@ -134,7 +178,7 @@ class TinkerEngines:
     ) -> bool:
         """Hand ``model``'s weights (named ``key``) to the vllm engine of ``base`` now, starting it
         when ``start`` (else only into an engine that runs); whether a push happened. hf: nothing
-        to push (it samples the modules themselves)."""
+        pushed (its copy is merged at the next sample of other weights)."""
         if self.cfg.engine == "hf" or (not start and base not in self.vllm):
             return False
         with self.engine(base, model, tokenizer, key) as engine:
@@ -142,7 +186,8 @@ class TinkerEngines:
         return True
 
     def close(self) -> None:
-        """End every engine (their processes and directories)."""
+        """End every engine (their processes and directories) and drop the hf copies."""
+        self.copies, self.copy_holds = {}, {}
         engines, self.vllm, self.holds = list(self.vllm.values()), {}, {}
         for engine in engines:
             try:

@@ -328,3 +328,90 @@ def test_serve_tinker_refuses_an_attached_engine_and_a_missing_interpreter(tmp_p
     with pytest.raises(StartupError, match="make rollout-setup"):
         check_rollout(RolloutConfig(engine="vllm", vllm=VLLMConfig(python=str(tmp_path / "nope"))))
     check_rollout(RolloutConfig(engine="vllm", vllm=VLLMConfig(python=sys.executable)))
+
+
+# ---------------------------------------------------------------------------- hf: the merged copy
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama (its head untied) with a tokenizer."""
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    tok = build_char_tokenizer()
+    size = TinySize(vocab_size=len(tok), hidden_size=32, num_layers=2, num_heads=2)
+    build_tiny_causal_lm("llama", size, seed=0).save_pretrained(str(directory))
+    tok.save_pretrained(str(directory))
+    return directory
+
+
+def unmerged(client: Client, sampler: str) -> tuple[list, list]:
+    """``client.sample(sampler)`` (greedy) drawn from the unmerged trained model itself, and the
+    training forward's log-probs of what it drew."""
+    from openaligner.servers.tinker.sampling import SampleRequest, TinkerSampling, sample_many
+
+    service = client.service
+    served, opened = service.models[client.mid], service.samplers[sampler]
+    params = TinkerSampling.parse(GREEDY, default_max_tokens=6, vocab_size=10_000)
+    with served.trainer.weights(service._sampler_weights(opened, served)) as model:
+        actor = CausalLMActor(model, served.tokenizer, init_policy=False)
+        engine = HFRolloutEngine(actor, per_row_streams=True)
+        ((seqs, _),) = sample_many(
+            engine, model, [SampleRequest(torch.tensor(PROMPT), 1, params)], tokenizer=served.tokenizer
+        )
+        tokens = seqs[0].tokens
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([PROMPT + tokens.tolist()])).logits
+            lp = torch.log_softmax(logits.float(), -1)
+        scored = lp[0, len(PROMPT) - 1 : -1].gather(-1, tokens[:, None])[:, 0]
+    return [tokens.tolist()], [scored.tolist()]
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen2"])
+def test_hf_samples_a_merged_copy_as_the_unmerged_model_and_scores_with_the_trained_one(
+    which, model_dir, llama_dir, tmp_path
+):
+    """llama: an untied head; qwen2: a tied head carrying an adapter (train_unembed, the default),
+    which the copy must hold apart from its embedding."""
+    directory = llama_dir if which == "llama" else model_dir
+    service = make_service(directory, tmp_path, "hf")
+    try:
+        client = Client(service)
+        tied = bool(service.models[client.mid].trainer.model.config.tie_word_embeddings)
+        assert tied == (which == "qwen2")
+        client.train([*PROMPT, 50, 60])
+        sampler = client.snapshot_sampler()
+        tokens, lps = client.sample(sampler)
+        (copy_model,) = service.engines.copies.values()  # it sampled the merged copy
+        assert service.engines.merges == 1 and not copy_model.config.tie_word_embeddings
+        want_tokens, want_lps = unmerged(client, sampler)
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), atol=1e-6, rtol=0)
+        # the base model samples itself: no copy, no merge
+        client.sample(client.base_sampler())
+        assert service.engines.merges == 1 and len(service.engines.copies) == 1
+    finally:
+        service.close()
+    assert service.engines.copies == {}
+
+
+def test_hf_merges_its_copy_only_when_the_weights_change_and_old_snapshots_sample_their_own(
+    model_dir, tmp_path
+):
+    service = make_service(model_dir, tmp_path, "hf")
+    try:
+        client = Client(service)
+        old = client.snapshot_sampler()
+        old_tokens = client.sample(old)
+        assert client.sample(old) == old_tokens and service.engines.merges == 1  # held: not merged again
+        client.train([*PROMPT, 70, 80])
+        new = client.snapshot_sampler()
+        new_tokens = client.sample(new)
+        assert new_tokens != old_tokens and service.engines.merges == 2
+        assert new_tokens[0] == unmerged(client, new)[0]
+        again = client.sample(old)  # an older snapshot: its own weights merged back
+        assert again == old_tokens and service.engines.merges == 3
+        assert again[0] == unmerged(client, old)[0]
+        assert client.sample(old) == old_tokens and service.engines.merges == 3
+        other = Client(service)  # another model of the base shares the copy
+        other.sample(other.snapshot_sampler())
+        assert service.engines.merges == 4 and len(service.engines.copies) == 1
+    finally:
+        service.close()
