@@ -1,14 +1,17 @@
 """The one tiny-model fixture shared by all tests: seeded 2-layer models and a char tokenizer.
 
 Models are built once per session and handed out as deep copies, so a test may train or modify
-what it gets without affecting other tests. Nothing is downloaded.
+what it gets without affecting other tests; a server's tests save one (with its tokenizer) as a
+Hugging Face directory. Nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import signal
 from functools import cache
+from pathlib import Path
 
 import pytest
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -46,6 +49,16 @@ class TinyModels:
 
     def critic(self, arch: TinyArch = "gpt2", seed: int = 0) -> CriticModel:
         return CriticModel(copy.deepcopy(_classifier(arch, self.size, seed))).eval()
+
+    def save_causal_lm(self, directory: Path, arch: TinyArch = "gpt2", seed: int = 0, **size: int) -> Path:
+        """Save the seeded causal LM and a fresh char tokenizer into ``directory`` (a Hugging Face
+        directory: ``from_pretrained`` and ``AutoTokenizer`` load it); returns ``directory``.
+        ``size``: :class:`TinySize` fields that differ from :attr:`size` (e.g. ``num_heads=2``)."""
+        tokenizer = build_char_tokenizer()
+        model = build_tiny_causal_lm(arch, dataclasses.replace(self.size, **size), seed)
+        model.save_pretrained(str(directory))
+        tokenizer.save_pretrained(str(directory))
+        return directory
 
 
 @cache

@@ -18,9 +18,6 @@ from pathlib import Path
 import procs
 import pytest
 
-from openaligner.models.builders import TinySize, build_tiny_causal_lm
-from openaligner.models.tokenizers import build_char_tokenizer
-
 pytestmark = [pytest.mark.heavy, pytest.mark.tinker]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,13 +39,8 @@ def sdk() -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = build_char_tokenizer()
-    size = TinySize(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, num_heads=4)
-    build_tiny_causal_lm("llama", size, seed=0).save_pretrained(str(directory))
-    tokenizer.save_pretrained(str(directory))
-    return directory
+def model_dir(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny.save_causal_lm(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
 
 class TinkerServer(procs.Served):
@@ -79,15 +71,21 @@ def server(tmp_path_factory: pytest.TempPathFactory, sdk: Path) -> Iterator[str]
         served.kill()
 
 
-def client(sdk: Path, command: str, url: str, arg: str, timeout_s: float = 540) -> dict:
-    """Run one command of tinker_client.py in the SDK's venv; its RESULT line."""
-    done = subprocess.run(
-        [str(sdk), str(CLIENT), command, url, arg],
+def in_sdk(sdk: Path, *args: str, timeout_s: float = 540, **env: str) -> subprocess.CompletedProcess[str]:
+    """``args`` run by the SDK venv's Python, without telemetry, on one thread (``env``: more
+    variables); its output captured."""
+    return subprocess.run(
+        [str(sdk), *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env={**os.environ, "TINKER_TELEMETRY": "0", "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "TINKER_TELEMETRY": "0", "OMP_NUM_THREADS": "1", **env},
     )
+
+
+def client(sdk: Path, command: str, url: str, arg: str, timeout_s: float = 540) -> dict:
+    """Run one command of tinker_client.py in the SDK's venv; its RESULT line."""
+    done = in_sdk(sdk, str(CLIENT), command, url, arg, timeout_s=timeout_s)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return json.loads(lines[-1][len("RESULT ") :])
@@ -107,33 +105,23 @@ def test_supervised_loop_loss_falls(sdk, server, model_dir):
 
 def test_arithmetic_recipe_runs_unchanged(sdk, server, model_dir, tmp_path):
     log_path = tmp_path / "rl"
-    done = subprocess.run(
-        [
-            str(sdk),
-            "-m",
-            "tinker_cookbook.recipes.math_rl.train",
-            "env=arithmetic",
-            "loss_fn=importance_sampling",
-            f"base_url={server}",
-            f"model_name={model_dir}",
-            "renderer_name=role_colon",
-            "groups_per_batch=2",
-            "group_size=2",
-            "max_tokens=4",
-            "max_steps=2",
-            "lora_rank=4",
-            f"log_path={log_path}",
-            "behavior_if_log_dir_exists=delete",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        env={
-            **os.environ,
-            "TINKER_TELEMETRY": "0",
-            "TINKER_API_KEY": f"tml-{API_KEY}",
-            "OMP_NUM_THREADS": "1",
-        },
+    done = in_sdk(
+        sdk,
+        "-m",
+        "tinker_cookbook.recipes.math_rl.train",
+        "env=arithmetic",
+        "loss_fn=importance_sampling",
+        f"base_url={server}",
+        f"model_name={model_dir}",
+        "renderer_name=role_colon",
+        "groups_per_batch=2",
+        "group_size=2",
+        "max_tokens=4",
+        "max_steps=2",
+        "lora_rank=4",
+        f"log_path={log_path}",
+        "behavior_if_log_dir_exists=delete",
+        TINKER_API_KEY=f"tml-{API_KEY}",
     )
     assert done.returncode == 0, done.stderr[-5000:]
     steps = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
@@ -203,24 +191,9 @@ def test_state_survives_kill_9_and_resume_continues_as_uninterrupted(sdk, model_
 def test_ppo_loop_with_a_served_critic(sdk, server, model_dir):
     """examples/tinker_ppo_critic.py: a policy and a critic (model_role critic) of one server, the
     critic's values through forward, its clipped value loss through forward_backward."""
-    done = subprocess.run(
-        [
-            str(sdk),
-            str(REPO / "examples" / "tinker_ppo_critic.py"),
-            "--base-url",
-            server,
-            "--model",
-            str(model_dir),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        env={
-            **os.environ,
-            "TINKER_TELEMETRY": "0",
-            "TINKER_API_KEY": f"tml-{API_KEY}",
-            "OMP_NUM_THREADS": "1",
-        },
+    example = REPO / "examples" / "tinker_ppo_critic.py"
+    done = in_sdk(
+        sdk, str(example), "--base-url", server, "--model", str(model_dir), TINKER_API_KEY=f"tml-{API_KEY}"
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-5000:]

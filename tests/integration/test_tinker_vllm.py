@@ -23,8 +23,7 @@ from test_vllm_engine import engine_processes, rollout_python  # noqa: F401 (the
 from transformers import AutoModelForCausalLM
 
 from openaligner.models.actor import CausalLMActor
-from openaligner.models.builders import TinySize, build_tiny_causal_lm
-from openaligner.models.tokenizers import build_char_tokenizer, load_tokenizer
+from openaligner.models.tokenizers import load_tokenizer
 from openaligner.rollout.hf_engine import HFRolloutEngine
 from openaligner.servers.tinker.sampling import TinkerSampling, sample
 from openaligner.trainer.tinker_model import TinkerModel, read_checkpoint_lora
@@ -36,13 +35,8 @@ LOGPROB_ATOL = 1e-5  # both sides' log-probs are the served model's own forward 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-llama-h32")
-    tokenizer = build_char_tokenizer()
-    size = TinySize(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, num_heads=2)
-    build_tiny_causal_lm("llama", size, seed=0).save_pretrained(str(directory))
-    tokenizer.save_pretrained(str(directory))
-    return directory
+def model_dir(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny.save_causal_lm(tmp_path_factory.mktemp("tiny-llama-h32"), "llama", num_heads=2)
 
 
 def hf_greedy(

@@ -148,8 +148,9 @@ def is_held_out(text: str) -> bool:
     return hashlib.sha256(text.encode()).digest()[0] < HELD_OUT_SHARE * 256
 
 
-def random_text(rng: random.Random, cfg: ReverseTextConfig) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(cfg.min_words, cfg.max_words)))
+def random_text(rng: random.Random, cfg: ReverseTextConfig, words: Sequence[str] = WORDS) -> str:
+    """A text of ``cfg.min_words`` to ``cfg.max_words`` words drawn from ``words`` (with repeats)."""
+    return " ".join(rng.choice(words) for _ in range(rng.randint(cfg.min_words, cfg.max_words)))
 
 
 def _distinct(n: int, split: str, draw: Callable[[], str], keep: Callable[[str], bool]) -> list[str]:
@@ -190,11 +191,7 @@ def unseen_words_texts(seed: int, n: int, cfg: ReverseTextConfig = ReverseTextCo
         ValueError: fewer than ``n`` distinct texts can be drawn.
     """
     rng = random.Random(f"reverse-text/{seed}/unseen-words")
-
-    def draw() -> str:
-        return " ".join(rng.choice(UNSEEN_WORDS) for _ in range(rng.randint(cfg.min_words, cfg.max_words)))
-
-    return _distinct(n, "unseen-words", draw, lambda t: True)
+    return _distinct(n, "unseen-words", lambda: random_text(rng, cfg, UNSEEN_WORDS), lambda t: True)
 
 
 def generated_word(rng: random.Random) -> str:

@@ -4,15 +4,9 @@ length-adaptive policy λ: worked examples by hand, and the properties that tie 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_advantages import _batch, params  # plain GAE's batches: the properties compare against it
 
-from openaligner.algorithms import (
-    decoupled_gae,
-    gae,
-    gae_per_row_lambda,
-    length_adaptive_lambda,
-    response_mask,
-    returns_to_go,
-)
+from openaligner.algorithms import decoupled_gae, gae, gae_per_row_lambda, length_adaptive_lambda
 
 
 def test_decoupled_gae_worked_example():
@@ -59,21 +53,6 @@ def test_length_adaptive_gae_worked_example():
     assert torch.allclose(adv[1], torch.tensor([1.375, 0.75, -0.5, -3.0]))
 
 
-def _batch(seed, b, s):
-    g = torch.Generator().manual_seed(seed)
-    values = torch.randn(b, s, generator=g, dtype=torch.float64)
-    rewards = torch.randn(b, s, generator=g, dtype=torch.float64)
-    prompt = torch.randint(1, s + 1, (b,), generator=g)
-    total = torch.minimum(prompt + torch.randint(1, s + 1, (b,), generator=g), torch.tensor(s + 1))
-    mask = response_mask(prompt, total, s, dtype=torch.float64)
-    return values, rewards, mask
-
-
-params = st.tuples(
-    st.integers(0, 10_000), st.integers(1, 6), st.integers(1, 40), st.floats(0.0, 1.0), st.floats(0.0, 1.0)
-)
-
-
 @settings(max_examples=60, deadline=None)
 @given(params)
 def test_equal_lambdas_are_todays_gae_bitwise(p):
@@ -92,7 +71,6 @@ def test_critic_lambda_and_gamma_one_give_the_reward_to_go(p):
     adv, ret = decoupled_gae(values, rewards, mask, gamma=gamma, lam=lam, critic_gamma=1.0, critic_lam=1.0)
     reward_to_go = (rewards * mask).flip(-1).cumsum(-1).flip(-1)
     assert torch.allclose(ret * mask, reward_to_go * mask, atol=1e-9)
-    assert torch.allclose(ret * mask, returns_to_go(rewards, mask, 1.0) * mask, atol=1e-9)
     assert torch.equal(adv, gae(values, rewards, mask, gamma, lam)[0])  # the policy's side is untouched
 
 

@@ -7,7 +7,6 @@ serves on. tests/integration/test_vllm_engine.py pushes into real vLLM this way.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import sys
@@ -16,13 +15,17 @@ import time
 import types
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as tdist
-from test_vllm_several_engines import FakeSamplingParams, actor, request, serve
+from test_vllm_several_engines import FakeSamplingParams, Served, actor, request, serve
 
+from openaligner.models.actor import CausalLMActor
 from openaligner.rollout import vllm_worker
 from openaligner.rollout.engine import RolloutEngineError
 from openaligner.rollout.vllm_config import VLLMConfig
@@ -45,6 +48,20 @@ def post(url: str, path: str, body: dict, lease: str | None = None) -> tuple[int
         return e.code, json.loads(e.read())
 
 
+@contextmanager
+def pushing(
+    tmp_path: Path, a: CausalLMActor, *extra: str, name: str = "a", **cfg: Any
+) -> Iterator[tuple[Served, VLLMRolloutEngine]]:
+    """An engine server ``name`` over the fake ``vllm.LLM`` (``extra``: its flags) and the trainer's
+    engine for ``a`` pushing into it over the collective (``cfg``: more :class:`VLLMConfig`
+    fields); both closed on the way out."""
+    with (
+        serve(tmp_path, name, *extra) as s,
+        VLLMRolloutEngine(a, VLLMConfig(url=s.url, weight_transfer="collective", **cfg)) as engine,
+    ):
+        yield s, engine
+
+
 def test_bucket_layout_aligns_and_caps_every_bucket():
     layout = vllm_worker.bucket_layout([10, 6, 40, 100, 0, 3], bucket_bytes=64)
     # offsets aligned to 16 bytes; a tensor that would overrun 64 bytes starts the next bucket;
@@ -55,39 +72,33 @@ def test_bucket_layout_aligns_and_caps_every_bucket():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_engine_reloads_exactly_the_trainers_tensors_in_its_dtype(fake_vllm, tmp_path, dtype):
-    s = serve(tmp_path, "a", f"--dtype={dtype}")
-    try:
-        a = actor()
-        with VLLMRolloutEngine(a, VLLMConfig(url=s.url, weight_transfer="collective")) as engine:
-            groups = []
-            for version in (1, 2):
-                with torch.no_grad():
-                    for p in a.model.parameters():
-                        p.mul_(1.5)
-                engine.update_weights(a, version)
-                engine.generate(request(a, 2))
-                groups.append(engine.links[0]._group)
-                want = engine_state_dict(a.model.state_dict(), getattr(torch, dtype), tied=False)
-                got = s.llm.reloaded[-1]
-                assert list(got) == list(want)
-                for name, t in want.items():
-                    assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
-            assert engine.pop_metrics()["timing/weight_sync_s"] > 0
-            assert groups[0] is groups[1] is not None  # one group for the run, reused by every push
-            # the engine loses its end (e.g. its receive failed after a timeout): the next push
-            # builds a new group instead of failing at every step from then on
-            s.engine.collective = None
-            engine.update_weights(a, 3)
+    a = actor()
+    with pushing(tmp_path, a, f"--dtype={dtype}") as (s, engine):
+        groups = []
+        for version in (1, 2):
+            with torch.no_grad():
+                for p in a.model.parameters():
+                    p.mul_(1.5)
+            engine.update_weights(a, version)
             engine.generate(request(a, 2))
-            assert engine.links[0]._group is not groups[0] and len(s.llm.reloaded) == 3
-    finally:
-        s.server.shutdown()
-        s.server.server_close()
+            groups.append(engine.links[0]._group)
+            want = engine_state_dict(a.model.state_dict(), getattr(torch, dtype), tied=False)
+            got = s.llm.reloaded[-1]
+            assert list(got) == list(want)
+            for name, t in want.items():
+                assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+        assert engine.pop_metrics()["timing/weight_sync_s"] > 0
+        assert groups[0] is groups[1] is not None  # one group for the run, reused by every push
+        # the engine loses its end (e.g. its receive failed after a timeout): the next push
+        # builds a new group instead of failing at every step from then on
+        s.engine.collective = None
+        engine.update_weights(a, 3)
+        engine.generate(request(a, 2))
+        assert engine.links[0]._group is not groups[0] and len(s.llm.reloaded) == 3
 
 
 def test_bad_plans_are_refused_before_any_broadcast_and_a_broken_one_ends_the_group(fake_vllm, tmp_path):
-    s = serve(tmp_path, "a")
-    try:
+    with serve(tmp_path, "a") as s:
         code, reply = post(s.url, "/attach", {"client": "t:1"})
         lease = reply["lease"]
         good_plan = {"push": "p1", "tensors": [["w", "float32", [2, 3]]], "bucket_bytes": 1024}
@@ -146,36 +157,27 @@ def test_bad_plans_are_refused_before_any_broadcast_and_a_broken_one_ends_the_gr
         assert code == 409 and "push the weights again before generating" in reply["error"]
         assert post(s.url, "/heartbeat", {}, lease)[0] == 200
         assert s.llm.reloaded == []
-    finally:
-        s.server.shutdown()
-        s.server.server_close()
 
 
 def test_a_broadcast_that_fails_is_named_and_the_next_push_builds_a_new_group(fake_vllm, tmp_path):
-    s = serve(tmp_path, "a")
-    try:
-        a = actor()
-        cfg = VLLMConfig(url=s.url, weight_transfer="collective", request_timeout_s=10.0)
-        with VLLMRolloutEngine(a, cfg) as engine:
+    a = actor()
+    with pushing(tmp_path, a, request_timeout_s=10.0) as (s, engine):
+        engine.generate(request(a, 2))
+        link = engine.links[0]
+        # this side's broadcast fails (the connection lost): the engine's receive times out
+        # (10 s: every request of this run has that limit, a margin for a loaded machine) and
+        # ends its group
+        link._group = broken = types.SimpleNamespace(broadcast=_failing_broadcast)
+        engine.update_weights(a, 1)
+        with pytest.raises(
+            RolloutEngineError, match=rf"{s.url} did not take the weights over the collective"
+        ):
             engine.generate(request(a, 2))
-            link = engine.links[0]
-            # this side's broadcast fails (the connection lost): the engine's receive times out
-            # (10 s: every request of this run has that limit, a margin for a loaded machine) and
-            # ends its group
-            link._group = broken = types.SimpleNamespace(broadcast=_failing_broadcast)
-            engine.update_weights(a, 1)
-            with pytest.raises(
-                RolloutEngineError, match=rf"{s.url} did not take the weights over the collective"
-            ):
-                engine.generate(request(a, 2))
-            assert link._group is None and len(s.llm.reloaded) == 1
-            engine.update_weights(a, 2)
-            engine.generate(request(a, 2))  # a new group, and the push arrives
-            assert link._group is not None and link._group is not broken
-            assert len(s.llm.reloaded) == 2
-    finally:
-        s.server.shutdown()
-        s.server.server_close()
+        assert link._group is None and len(s.llm.reloaded) == 1
+        engine.update_weights(a, 2)
+        engine.generate(request(a, 2))  # a new group, and the push arrives
+        assert link._group is not None and link._group is not broken
+        assert len(s.llm.reloaded) == 2
 
 
 def _failing_broadcast(*args: Any) -> Any:
@@ -197,29 +199,24 @@ def test_an_nccl_engine_is_refused_by_a_trainer_without_a_gpu_or_on_the_engines_
 ):
     """NCCL needs a GPU on both sides, and two of them: it cannot join two processes on one GPU
     (a colocated engine), which would otherwise fail deep inside NCCL at the first push."""
-    s = serve(tmp_path, "a")
     monkeypatch.setattr(vllm_worker, "_collective_backend", lambda: "nccl")
     monkeypatch.setattr(vllm_worker, "_gpu_uuid", lambda: "GPU-1")
-    try:
-        a = actor()
-        with VLLMRolloutEngine(a, VLLMConfig(url=s.url, weight_transfer="collective")) as engine:
-            with pytest.raises(
-                RolloutEngineError,
-                match=r"has a GPU \(its weights come over NCCL\) and this trainer runs on the CPU: set "
-                r"rollout.vllm.weight_transfer=auto",
-            ):
-                engine.generate(request(a, 2))
-            # a trainer on the engine's GPU (the same UUID)
-            engine.device = torch.device("cuda", 0)
-            monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
-            props = types.SimpleNamespace(uuid="GPU-1")
-            monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
-            with pytest.raises(RolloutEngineError, match=r"runs on this trainer's GPU, and NCCL cannot join"):
-                engine.generate(request(a, 2))
-        assert s.llm.reloaded == []
-    finally:
-        s.server.shutdown()
-        s.server.server_close()
+    a = actor()
+    with pushing(tmp_path, a) as (s, engine):
+        with pytest.raises(
+            RolloutEngineError,
+            match=r"has a GPU \(its weights come over NCCL\) and this trainer runs on the CPU: set "
+            r"rollout.vllm.weight_transfer=auto",
+        ):
+            engine.generate(request(a, 2))
+        # a trainer on the engine's GPU (the same UUID)
+        engine.device = torch.device("cuda", 0)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+        props = types.SimpleNamespace(uuid="GPU-1")
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
+        with pytest.raises(RolloutEngineError, match=r"runs on this trainer's GPU, and NCCL cannot join"):
+            engine.generate(request(a, 2))
+    assert s.llm.reloaded == []
 
 
 def test_a_refused_receive_or_group_does_not_leave_the_trainer_waiting_out_its_timeout(
@@ -237,31 +234,21 @@ def test_a_refused_receive_or_group_does_not_leave_the_trainer_waiting_out_its_t
         return out
 
     a = actor()
-    cfg = VLLMConfig(weight_transfer="collective", request_timeout_s=120.0)
     monkeypatch.setattr(vllm_worker.Engine, "collective_plan", plan_then_lose_it)
-    s = serve(tmp_path, "a")  # its routes take the patched plan
-    try:
-        with VLLMRolloutEngine(a, dataclasses.replace(cfg, url=s.url)) as engine:
-            t0 = time.monotonic()
-            with pytest.raises(RolloutEngineError, match=r"refused /collective/receive: .*no planned push"):
-                engine.generate(request(a, 2))
-            assert time.monotonic() - t0 < 30.0
-    finally:
-        s.server.shutdown()
-        s.server.server_close()
+    # the server's routes take the patched plan
+    with pushing(tmp_path, a, request_timeout_s=120.0) as (_, engine):
+        t0 = time.monotonic()
+        with pytest.raises(RolloutEngineError, match=r"refused /collective/receive: .*no planned push"):
+            engine.generate(request(a, 2))
+        assert time.monotonic() - t0 < 30.0
 
     def refuse(self: vllm_worker.Engine, body: dict) -> dict:
         raise vllm_worker.BadRequest("no group here (test)")
 
     monkeypatch.setattr(vllm_worker.Engine, "collective_init", refuse)
-    s = serve(tmp_path, "b")
-    try:
-        with VLLMRolloutEngine(a, dataclasses.replace(cfg, url=s.url)) as engine:
-            t0 = time.monotonic()
-            with pytest.raises(RolloutEngineError, match=r"refused /collective/init: .*no group here"):
-                engine.generate(request(a, 2))
-            assert time.monotonic() - t0 < 30.0
-            assert not [t for t in threading.enumerate() if t.name == "vllm-group" and t.is_alive()]
-    finally:
-        s.server.shutdown()
-        s.server.server_close()
+    with pushing(tmp_path, a, name="b", request_timeout_s=120.0) as (_, engine):
+        t0 = time.monotonic()
+        with pytest.raises(RolloutEngineError, match=r"refused /collective/init: .*no group here"):
+            engine.generate(request(a, 2))
+        assert time.monotonic() - t0 < 30.0
+        assert not [t for t in threading.enumerate() if t.name == "vllm-group" and t.is_alive()]

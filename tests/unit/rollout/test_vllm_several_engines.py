@@ -62,10 +62,22 @@ class FakeLLM:
 
 
 class Served(types.SimpleNamespace):
+    """A running engine server; ``with serve(...) as s:`` stops it on the way out."""
+
     url: str
     llm: FakeLLM
     engine: vllm_worker.Engine
     server: Any
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def serve(tmp_path: Path, name: str, *extra: str) -> Served:
@@ -97,8 +109,7 @@ def engines(tmp_path, monkeypatch):
     served = [serve(tmp_path, "a"), serve(tmp_path, "b")]
     yield served
     for s in served:
-        s.server.shutdown()
-        s.server.server_close()
+        s.close()
 
 
 def lease_of(s: Served) -> Any:
@@ -177,13 +188,11 @@ def test_one_engine_under_two_names_is_refused(engines):
 
 
 def test_engines_of_different_dtypes_are_refused(engines, tmp_path):
-    c = serve(tmp_path, "c", "--dtype=bfloat16")
-    try:
-        with pytest.raises(EngineSetupError, match=r"different dtypes \(bfloat16, float32\)"):
-            VLLMRolloutEngine(actor(), VLLMConfig(url=f"{engines[0].url},{c.url}"))
-    finally:
-        c.server.shutdown()
-        c.server.server_close()
+    with (
+        serve(tmp_path, "c", "--dtype=bfloat16") as c,
+        pytest.raises(EngineSetupError, match=r"different dtypes \(bfloat16, float32\)"),
+    ):
+        VLLMRolloutEngine(actor(), VLLMConfig(url=f"{engines[0].url},{c.url}"))
 
 
 def test_an_engine_taken_before_the_lease_is_named_and_the_leases_taken_are_given_back(engines):
@@ -206,8 +215,7 @@ def test_an_engine_that_stops_answering_mid_run_is_named(engines):
     a = actor()
     with VLLMRolloutEngine(a, VLLMConfig(url=f"{a_.url},{b_.url}", request_timeout_s=10.0)) as engine:
         engine.generate(request(a, 4))
-        b_.server.shutdown()
-        b_.server.server_close()
+        b_.close()
         with pytest.raises(RolloutEngineError, match=rf"engine at {b_.url} did not answer /generate"):
             engine.generate(request(a, 4))
 

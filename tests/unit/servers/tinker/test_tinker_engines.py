@@ -22,7 +22,6 @@ from openaligner.algorithms.tinker_losses import tinker_loss
 from openaligner.models.actor import CausalLMActor
 from openaligner.models.builders import TinySize, build_tiny_causal_lm
 from openaligner.models.lora import merged_copy, merged_state_dict, unwrap
-from openaligner.models.tokenizers import build_char_tokenizer
 from openaligner.rollout.config import RolloutConfig
 from openaligner.rollout.engine import RolloutEngine, RolloutEngineError, RolloutRequest, WeightSource
 from openaligner.rollout.hf_engine import HFRolloutEngine
@@ -91,14 +90,10 @@ class FakeVLLM(RolloutEngine):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def model_dir(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 (its head tied to its embedding) with a tokenizer."""
     directory = tmp_path_factory.mktemp("tiny-qwen2")
-    tok = build_char_tokenizer()
-    size = TinySize(vocab_size=len(tok), hidden_size=32, num_layers=1, num_heads=2)
-    build_tiny_causal_lm("qwen2", size, seed=0).save_pretrained(str(directory))
-    tok.save_pretrained(str(directory))
-    return directory
+    return tiny.save_causal_lm(directory, "qwen2", hidden_size=32, num_layers=1, num_heads=2)
 
 
 def make_service(model_dir: Path, tmp_path: Path, engine: str) -> TinkerService:

@@ -24,8 +24,6 @@ import torch
 from openaligner.algorithms.tinker_losses import tinker_loss
 from openaligner.cli.serve_tinker import TinkerServerSettings, api_key
 from openaligner.config import StartupError
-from openaligner.models.builders import TinySize, build_tiny_causal_lm
-from openaligner.models.tokenizers import build_char_tokenizer
 from openaligner.servers.tinker import wire
 from openaligner.servers.tinker.app import TinkerHTTP
 from openaligner.servers.tinker.service import TinkerService
@@ -36,13 +34,9 @@ VOCAB = 100
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def model_dir(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("tiny")
-    tok = build_char_tokenizer()
-    size = TinySize(vocab_size=len(tok), hidden_size=32, num_layers=1, num_heads=2)
-    build_tiny_causal_lm("llama", size, seed=0).save_pretrained(str(directory))
-    tok.save_pretrained(str(directory))
-    return directory
+    return tiny.save_causal_lm(directory, "llama", hidden_size=32, num_layers=1, num_heads=2)
 
 
 @pytest.fixture(scope="module")
