@@ -229,6 +229,7 @@ class Sdk:
             [
                 sys.executable, "-m", "openaligner", "serve-tinker", "server.port=0",
                 f"checkpoint_dir={work / 'checkpoints'}", f"threads={spec['threads']}",
+                *spec.get("serve_overrides", []),
             ],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
@@ -321,6 +322,9 @@ def main() -> None:
         type=Path,
         default=Path(os.environ.get("OPENALIGNER_TINKER_PYTHON", REPO / ".venv-tinker" / "bin" / "python")),
     )
+    parser.add_argument(
+        "--serve-override", action="append", default=[], help="a serve-tinker override, e.g. models.batch_wait_s=0"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not args.tinker_python.exists():
@@ -344,6 +348,7 @@ def main() -> None:
         "hidden": args.hidden,
         "layers": args.layers,
         "rank": args.rank,
+        "serve_overrides": args.serve_override,
         "threads": args.threads,
         "wire_repeats": 20,
     }

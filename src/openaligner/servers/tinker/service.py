@@ -566,7 +566,10 @@ class TinkerService:
             self._push(served, key, start=True)
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
-        return self._future(work, key=("save_sampler", served.model_id, body.get("seq_id")), body=body)
+        # the SDK (0.38, training_client.py) draws a new sampling_session_seq_id each time it
+        # retries this seq_id, so a retry is recognised without it
+        same = {k: v for k, v in body.items() if k != "sampling_session_seq_id"}
+        return self._future(work, key=("save_sampler", served.model_id, body.get("seq_id")), body=same)
 
     def _push(self, served: ServedModel, key: Hashable, *, start: bool) -> None:
         """The model's live weights (named ``key``) into its base's vllm engine, if it samples

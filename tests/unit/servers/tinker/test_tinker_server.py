@@ -256,6 +256,24 @@ def test_a_retried_request_is_applied_once_and_a_reused_seq_id_is_refused(front)
     assert status == 400 and "seq_id" in out["error"]
 
 
+def test_a_retried_sampler_save_with_the_sdks_next_sampling_session_seq_id_is_the_same_request(front):
+    """SDK 0.38 draws a new ``sampling_session_seq_id`` each time it retries a
+    ``save_weights_for_sampler`` under the same ``seq_id`` (training_client.py, ``_send_request``),
+    e.g. after a timeout on a loaded machine; the retry is the same request, not a reuse."""
+    sid = session(front)
+    mid = create_model(front, sid)
+    body = {"model_id": mid, "seq_id": 1, "sampling_session_seq_id": 0, "kind": "snapshot"}
+    status, first = call(front, "POST", "save_weights_for_sampler", body)
+    assert status == 200
+    status, retry = call(front, "POST", "save_weights_for_sampler", {**body, "sampling_session_seq_id": 1})
+    assert status == 200, retry
+    assert retry["request_id"] == first["request_id"]
+    assert result(front, first)["sampling_session_id"] == result(front, retry)["sampling_session_id"]
+    # another body under that seq_id is still refused
+    status, out = call(front, "POST", "save_weights_for_sampler", {**body, "kind": "inflight"})
+    assert status == 400 and "seq_id" in out["error"]
+
+
 def test_a_session_touches_only_its_own_models(front):
     a, b = session(front), session(front)
     mid_a, mid_b = create_model(front, a), create_model(front, b)
