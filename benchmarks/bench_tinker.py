@@ -323,7 +323,7 @@ def main() -> None:
         default=Path(os.environ.get("OPENALIGNER_TINKER_PYTHON", REPO / ".venv-tinker" / "bin" / "python")),
     )
     parser.add_argument(
-        "--serve-override", action="append", default=[], help="a serve-tinker override, e.g. models.batch_wait_s=0"
+        "--serve-override", action="append", default=[], help="a serve-tinker override, repeatable"
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

@@ -327,14 +327,10 @@ def test_serve_tinker_refuses_an_attached_engine_and_a_missing_interpreter(tmp_p
 
 # ---------------------------------------------------------------------------- hf: the merged copy
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def llama_dir(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama (its head untied) with a tokenizer."""
     directory = tmp_path_factory.mktemp("tiny-llama")
-    tok = build_char_tokenizer()
-    size = TinySize(vocab_size=len(tok), hidden_size=32, num_layers=2, num_heads=2)
-    build_tiny_causal_lm("llama", size, seed=0).save_pretrained(str(directory))
-    tok.save_pretrained(str(directory))
-    return directory
+    return tiny.save_causal_lm(directory, "llama", hidden_size=32, num_layers=2, num_heads=2)
 
 
 def unmerged(client: Client, sampler: str) -> tuple[list, list]:
