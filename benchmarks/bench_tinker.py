@@ -7,8 +7,9 @@ Measured (wall seconds, medians; the first repetition is warm-up and dropped):
    train-sft's step (``SFTObjective`` with the same LoRA, one batched forward) on the same rows;
 2. ``asample``: ``samples`` prompts sampled at once by the SDK (num_samples=1 each, as the
    cookbook does; the server merges calls queued together into one generate, docs/tinker.md)
-   against the ``hf`` rollout engine called directly (per-row streams, as the server's), one
-   request per prompt and all prompts in one request;
+   against the server's service in-process (the same calls queued together: merged generates on
+   its merged copy plus the scoring forward, no HTTP) and the ``hf`` rollout engine called
+   directly (per-row streams, as the server's), one request per prompt and all in one request;
 3. the per-call overhead: a one-token ``forward`` through the SDK (the floor of any call), and
    the protobuf decode of the SDK's real request body and encode of its result.
 
@@ -195,6 +196,67 @@ class Engine:
         return {"s": time.perf_counter() - started, "tokens": made}
 
 
+class Service:
+    """serve-tinker's service in-process (no HTTP, protobuf or polling): a LoRA model as the SDK
+    client creates it, a snapshot sampler of it, and ``asample`` calls of every prompt queued
+    together (held behind a gate job until all are queued, as a burst of calls reaches a server:
+    merged into as few generates as ``max_batch_rows`` allows), each with its scoring forward."""
+
+    def __init__(self, spec: dict[str, Any], directory: Path, work: Path) -> None:
+        from openaligner.algorithms.tinker_losses import tinker_loss
+        from openaligner.servers.tinker.service import TinkerService
+
+        self.service = TinkerService({"m": directory}, work / "service-checkpoints", tinker_loss)
+        session = self.service.create_session({})["session_id"]
+        made = self.service.create_model(
+            {
+                "session_id": session,
+                "model_seq_id": 0,
+                "base_model": "m",
+                "lora_config": {"rank": spec["rank"], "seed": 0},
+            }
+        )
+        model_id = self._wait(made)["model_id"]
+        saved = self.service.save_weights_for_sampler(
+            {"model_id": model_id, "seq_id": 1, "sampling_session_seq_id": 0, "kind": "snapshot"}
+        )
+        self.sampler = self._wait(saved)["sampling_session_id"]
+        rng = random.Random(1)
+        self.prompts = [
+            [rng.randrange(3, spec["vocab"]) for _ in range(spec["prompt_tokens"])]
+            for _ in range(spec["samples"])
+        ]
+        self.max_tokens = spec["response_tokens"]
+
+    def _wait(self, future: dict[str, Any]) -> Any:
+        job = self.service.jobs.get(future["request_id"])
+        assert job is not None
+        return job.result(timeout=600)
+
+    def batched(self) -> dict[str, float]:
+        gate = threading.Event()
+        self.service.jobs.submit(lambda: gate.wait(600))
+        futures = [
+            self.service.asample(
+                {
+                    "sampling_session_id": self.sampler,
+                    "prompt": {"chunks": [{"type": "encoded_text", "tokens": p}]},
+                    "num_samples": 1,
+                    "sampling_params": {"max_tokens": self.max_tokens, "temperature": 1.0, "stop": []},
+                },
+                lambda seqs, _plp: seqs,
+            )
+            for p in self.prompts
+        ]
+        started = time.perf_counter()
+        gate.set()
+        made = sum(len(self._wait(f)[0].tokens) for f in futures)
+        return {"s": time.perf_counter() - started, "tokens": made}
+
+    def close(self) -> None:
+        self.service.close()
+
+
 def bench_wire(body: bytes, repeats: int) -> dict[str, Any]:
     """The codec's share of one call: decode the SDK's body, encode a result of its size."""
     import torch
@@ -362,6 +424,7 @@ def main() -> None:
             direct = Direct(spec, directory)
             sft = Sft(spec, directory, direct.model.targets)
             engine = Engine(spec, directory)
+            service = Service(spec, directory, work)
             train = interleaved(
                 args.steps, {"sdk": lambda: sdk.run("train"), "direct": direct.step, "sft": sft.step}
             )
@@ -369,11 +432,13 @@ def main() -> None:
                 args.sample_repeats,
                 {
                     "sdk": lambda: sdk.run("sample"),
+                    "service": service.batched,
                     "engine_one_by_one": engine.one_by_one,
                     "engine_batched": engine.batched,
                 },
             )
             calls = [sdk.run("call")["s"] for _ in range(args.calls)]
+            service.close()
         finally:
             versions = sdk.close()
         codec = bench_wire(sdk.body_path.read_bytes(), 20)
@@ -411,6 +476,8 @@ def main() -> None:
         "sample_paired_ratio": {
             "sdk_over_engine_one_by_one": paired_ratio(sample, "sdk", "engine_one_by_one"),
             "sdk_over_engine_batched": paired_ratio(sample, "sdk", "engine_batched"),
+            "sdk_over_service": paired_ratio(sample, "sdk", "service"),
+            "service_over_engine_batched": paired_ratio(sample, "service", "engine_batched"),
         },
         "call_floor_s": median_after_warmup(calls),
         "wire": codec,

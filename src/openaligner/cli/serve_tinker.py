@@ -66,9 +66,9 @@ class TinkerModelSettings:
     max_samples: int = 64  # the most num_samples one asample may ask for
     # the most rows (num_samples summed) of asample calls queued back to back drawn as one engine request
     max_batch_rows: int = 64
-    # how long a sampling job waits for like calls when none is queued behind it (a client's calls
-    # sent together arrive a few ms apart); 0: none
-    batch_wait_s: float = 0.01
+    # how long a sampling job waits for the next like call when none is queued behind it, again
+    # after each (at most 20x in all: a client's calls sent together arrive ms apart); 0: none
+    batch_wait_s: float = 0.05
     max_sampler_snapshots: int = 16  # weight snapshots kept per model for its samplers (older ones expire)
     default_max_tokens: int = 128  # new tokens per sample when sampling_params.max_tokens is null
     device: str = "auto"  # auto: CUDA when there is one, else cpu; or cpu, cuda:1, ...
