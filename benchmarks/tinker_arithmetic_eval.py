@@ -8,7 +8,7 @@ of well-formed answers (ended by the stop sequence) and the first ``--examples``
     .venv-tinker/bin/python benchmarks/tinker_arithmetic_eval.py http://127.0.0.1:8000 MODEL_DIR \\
         [--sampler tinker://.../sampler_weights/final] [--problems 64] [--max-tokens 12]
 
-Without ``--sampler`` it answers with the base model (a fresh LoRA, whose adapters start at zero).
+Without ``--sampler`` it answers with the base model itself (a base-model sampling client).
 """
 
 from __future__ import annotations

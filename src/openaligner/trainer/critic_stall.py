@@ -84,8 +84,10 @@ class CriticStallCheck:
 
     Feed :meth:`observe` every step's held-out explained variance in order, measured before that
     step's critic update (so the i-th value, from 0, follows i updates of this run), and
-    :meth:`update` each update's explained variance before and after it on its own rows (for the
-    verdict's cause only). A NaN (returns of zero variance) counts as an update but is no
+    :meth:`update` each update's explained variance on its own rows as the server reports it —
+    during the pass (``value/train_explained_variance``: of each micro-batch's values before its
+    own step, averaged; with one step per update, before the update) and after it — for the
+    verdict's cause only. A NaN (returns of zero variance) counts as an update but is no
     evidence; with no finite value, no verdict.
 
     Args:
@@ -108,8 +110,8 @@ class CriticStallCheck:
         self._judged = False
 
     def update(self, before: float, after: float) -> None:
-        """Record one critic update's explained variance of its own rows before and after it (the
-        server's; NaN when it does not report them)."""
+        """Record one critic update's explained variance of its own rows during and after it (the
+        server's; NaN when it does not report them; see the class docstring)."""
         gain = float(after) - float(before)
         if not math.isnan(gain) and not self._judged:
             self._gains.append(gain)

@@ -314,7 +314,8 @@ class PPOTrainer:
             if self.critic is not None and stall.mode != "ignore"
             else None
         )
-        """Watches the held-out explained variance of this run's first critic updates (None: mode ignore)."""
+        """Watches the held-out explained variance of this run's first critic updates (None: mode
+        ignore, no critic, or a resumed run, see :meth:`fit`)."""
 
     # ------------------------------------------------------------------ properties
     @property

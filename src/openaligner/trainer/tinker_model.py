@@ -386,17 +386,19 @@ class TinkerModel:
                     "load it without the optimizer, or save it with save_state"
                 )
             opt_state = torch.load(d / OPTIMIZER_FILE, weights_only=True)
+        meta = json.loads((d / META_FILE).read_text())  # read all before anything is written
+        # the weights change from the first copy on: a new version even if a later line raises, so
+        # nothing that names weights by version (a sampler's merged copy) keeps the old ones
+        self.version += 1
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(tensors[n])
         if opt_state is not None:
             self.optimizer.load_state_dict(opt_state["state"])
-        meta = json.loads((d / META_FILE).read_text())
         self.steps = int(meta.get("steps", 0))
         for p in self.params.values():
             p.grad = None
         self.pending_datums = 0
-        self.version += 1
 
 
 def read_checkpoint_meta(directory: str | Path) -> dict[str, Any]:

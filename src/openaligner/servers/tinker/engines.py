@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,7 +54,7 @@ def plain_copy(model: PreTrainedModel) -> PreTrainedModel:
     config.tie_word_embeddings = False
     first = next(inner.parameters())
     with torch.device(first.device):
-        plain = type(inner)._from_config(config, torch_dtype=first.dtype)
+        plain = type(inner)._from_config(config, dtype=first.dtype)
     return cast(PreTrainedModel, plain.eval().requires_grad_(False))
 
 
@@ -93,6 +94,10 @@ class TinkerEngines:
         self.copies: dict[Path, PreTrainedModel] = {}  # hf: base model directory -> its merged copy
         self.copy_holds: dict[Path, Hashable] = {}  # base model directory -> the weights its copy holds
         self.merges = 0  # weight sets merged into hf copies
+        # held while a copy is built: transformers' model construction swaps process-wide state
+        # (default dtype, init functions), so it must not overlap a load on another thread; the
+        # service puts its own load lock here
+        self.load_lock: Any = threading.RLock()
 
     @property
     def name(self) -> str:
@@ -119,7 +124,8 @@ class TinkerEngines:
             return model
         plain = self.copies.get(base)
         if plain is None:
-            plain = self.copies[base] = plain_copy(model)
+            with self.load_lock:
+                plain = self.copies[base] = plain_copy(model)
         if self.copy_holds.get(base) != key:
             self.copy_holds.pop(base, None)  # a load that fails midway leaves the copy holding nothing
             with torch.no_grad():

@@ -25,6 +25,10 @@ MERGE_WAIT_CAP = 20
 """A merging job waits for like jobs at most this many times :attr:`FutureTable.merge_wait_s`."""
 
 
+def _done() -> Any:
+    raise RuntimeError("this job has run")
+
+
 class UserError(ValueError):
     """The request cannot be served as sent (answered as a failure of category ``user``, naming
     what was wrong and what is expected)."""
@@ -169,7 +173,14 @@ class FutureTable:
         return batch
 
     def _execute(self, batch: list[Job]) -> None:
-        batch = [job for job in batch if job.future.set_running_or_notify_cancel()]
+        try:
+            self._run_batch([job for job in batch if job.future.set_running_or_notify_cancel()])
+        finally:
+            for job in batch:  # a finished job is remembered by its future only: what it computed
+                job.work = _done  # on (datums, models, samplers) is not kept for `keep` more jobs
+                job.merge = None
+
+    def _run_batch(self, batch: list[Job]) -> None:
         if batch and batch[0].merge is not None:
             LOGGER.debug(
                 "a merged run of %d jobs, %d rows, submitted over %.3f s",
@@ -188,7 +199,7 @@ class FutureTable:
             outcomes = list(merge.run([job.merge.item for job in batch if job.merge is not None]))
             if len(outcomes) != len(batch):
                 raise RuntimeError(f"a merged run of {len(batch)} jobs returned {len(outcomes)} outcomes")
-        except Exception:
+        except BaseException:  # whatever it was, each job still gets an answer (the worker lives on)
             LOGGER.warning("a merged run of %d jobs failed: each runs alone", len(batch), exc_info=True)
             outcomes = [job.work for job in batch]
         for job, outcome in zip(batch, outcomes, strict=True):

@@ -148,7 +148,8 @@ def sample_many(
     Seeds: request ``r``'s rows carry ``row_seeds(r.params.seed, r.num_samples)`` (a random seed
     when None), whoever else is in the batch; an engine that draws each row from its own seed's
     stream (vllm, the Tinker ``hf`` engine) samples a seeded request's rows alike alone or
-    batched, up to float rounding of the batched forward (prompts are left-padded to the longest).
+    batched, up to float rounding of the batched forward (the request's prompts are right-padded to
+    the longest, with their lengths; the hf loop left-aligns them itself).
 
     Log-probs are ``model``'s (one forward over the samples, whichever engine drew them; ``model``
     holds the weights the engine sampled from): of sampled tokens at the sampling temperature

@@ -223,6 +223,7 @@ class TinkerService:
         # a tied-head model at once leave its head on the meta device), and the HTTP threads
         # (base-model samplers, checkpoint hosts) load beside the worker (create_model)
         self._load_lock = threading.RLock()
+        self.engines.load_lock = self._load_lock  # building a sampling copy is a load too
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, body: Mapping[str, Any]) -> dict[str, Any]:

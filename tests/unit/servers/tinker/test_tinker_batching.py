@@ -10,8 +10,10 @@ engine's ``generate`` is wrapped to count its calls and rows.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,6 +113,46 @@ def test_a_merging_job_waits_for_calls_that_arrive_within_merge_wait_s() -> None
         table.get(i).result(timeout=30)  # type: ignore[union-attr]
     table.close()
     assert runs == [["a", "b", "c"]]  # one run; it did not wait out the 2 s once the cap was reached
+
+
+def test_a_merged_run_raising_any_exception_leaves_each_job_answered_and_the_worker_alive():
+    class Abort(BaseException):  # not an Exception: escapes an `except Exception`
+        pass
+
+    def run(items: Any) -> list[Any]:
+        raise Abort
+
+    table = FutureTable()
+    gate = held(table)
+    ids = [table.submit(lambda n=n: f"{n} alone", merge=Merge("g", 1, n, run)) for n in "ab"]
+    gate.set()
+    assert [table.get(i).result(timeout=30) for i in ids] == ["a alone", "b alone"]  # type: ignore[union-attr]
+    later = table.submit(lambda: "still serving")
+    assert table.get(later).result(timeout=30) == "still serving"  # type: ignore[union-attr]
+    table.close()
+
+
+def test_a_finished_job_keeps_nothing_its_work_used():
+    """Finished jobs stay in the table (for their futures) for ``keep`` more jobs: what their work
+    held (datums, a dropped model) must not stay with them."""
+
+    class Payload:
+        pass
+
+    def run(items: Any) -> list[Any]:
+        return [lambda: "merged" for _ in items]
+
+    table = FutureTable()
+    payloads = [Payload(), Payload()]
+    refs = [weakref.ref(p) for p in payloads]
+    alone = table.submit(lambda p=payloads[0]: type(p).__name__)
+    merged = table.submit(lambda p=payloads[1]: "x", merge=Merge("g", 1, payloads[1], run))
+    assert table.get(alone).result(timeout=30) == "Payload"  # type: ignore[union-attr]
+    assert table.get(merged).result(timeout=30) == "x"  # type: ignore[union-attr]  (alone: nothing behind it)
+    del payloads
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    table.close()
 
 
 def test_a_merged_run_takes_at_most_max_merged_rows():

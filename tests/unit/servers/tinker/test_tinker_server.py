@@ -350,6 +350,31 @@ def test_save_and_load_restore_adapters_and_adam(model_dir, tmp_path):
     assert not c.optimizer.state
 
 
+def test_a_load_that_fails_after_writing_the_weights_still_changes_the_version(
+    model_dir, tmp_path, monkeypatch
+):
+    """Samplers' merged copies name weights by version: a load whose optimizer state fails after
+    the adapters were copied in has changed the weights, so it must change the version too (else a
+    copy keeps sampling the old weights while the log-probs come from the new)."""
+    ce = tinker_loss("cross_entropy")
+    a = fresh(model_dir)
+    a.forward_backward([datum(TOKENS)], ce, {}, forward_only=False)
+    a.optim_step(AdamStep(learning_rate=1e-2))
+    a.save(tmp_path / "ck", optimizer=True)
+    b = fresh(model_dir)
+    before = b.version
+
+    def broken(_state: Any) -> None:
+        raise ValueError("a broken optimizer state")
+
+    monkeypatch.setattr(b.optimizer, "load_state_dict", broken)
+    with pytest.raises(ValueError, match="broken"):
+        b.load(tmp_path / "ck", optimizer=True)
+    assert any(not torch.equal(p, a.params[n]) for n, p in fresh(model_dir).params.items())
+    assert all(torch.equal(p, a.params[n]) for n, p in b.params.items())  # the weights did change
+    assert b.version > before
+
+
 # ---------------------------------------------------------------------------- sampling settings
 def test_sampling_params_as_the_sdk_writes_them():
     from openaligner.servers.tinker.sampling import TinkerSampling
