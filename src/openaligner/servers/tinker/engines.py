@@ -191,6 +191,11 @@ class TinkerEngines:
             engine.sync_weights()
         return True
 
+    def forget_copy(self, base: Path) -> None:
+        """Free the hf sampling copy of ``base`` (its models are gone; a later one builds it again)."""
+        self.copies.pop(base, None)
+        self.copy_holds.pop(base, None)
+
     def close(self) -> None:
         """End every engine (their processes and directories) and drop the hf copies."""
         self.copies, self.copy_holds = {}, {}

@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from openaligner.rollout.engine import RolloutEngine, RolloutRequest, row_seeds
-from openaligner.trainer.tinker_model import TinkerInputError
+from openaligner.trainer.tinker_model import LOGITS_BUDGET, TinkerInputError
 
 
 @dataclass(frozen=True)
@@ -196,31 +196,64 @@ def sample_many(
     )
     out = engine.generate(RolloutRequest(prompts, prompt_lengths, sampling, torch.cat(seeds)))
     device = next(model.parameters()).device
-    logits = model(input_ids=out.tokens.to(device)).logits.float()
     scale = 1.0 if greedy else params.temperature
-    sampled_lp = torch.log_softmax(logits / scale, dim=-1)
+    want_prompt = {first for r, first in zip(requests, firsts, strict=True) if r.prompt_logprobs}
+    mine, prompt_scored = _score(model, out.tokens.to(device), scale, prompt_lengths, want_prompt)
     results = []
     for r, p, first in zip(requests, lengths, firsts, strict=True):
         sequences = []
         for row in range(first, first + r.num_samples):
             end = int(out.sequence_lengths[row])
             tokens = out.tokens[row, p:end]
-            lp = sampled_lp[row, p - 1 : end - 1].gather(-1, tokens.to(device)[:, None])[:, 0]
+            # mine[row, j] is the log-prob of token j + 1: the samples' are p - 1 .. end - 2
+            lp = mine[row, p - 1 : end - 1]
             reason = "stop" if bool(out.is_end[row]) else "length"
             sequences.append(SampledSequence(tokens.cpu(), lp.cpu(), reason))
         prompt_lp = None
         if r.prompt_logprobs:
-            base_lp = torch.log_softmax(logits[first, : p - 1], dim=-1)
-            scored = base_lp.gather(-1, r.prompt[1:].to(device)[:, None])[:, 0].cpu()
-            prompt_lp = torch.cat([torch.tensor([float("nan")]), scored])
+            prompt_lp = torch.cat([torch.tensor([float("nan")]), prompt_scored[first]])
         results.append((sequences, prompt_lp))
     if out.logprobs is not None and params.top_k == 0 and params.top_p == 1.0:
         width = out.tokens.shape[1]
-        mine = sampled_lp[:, : width - 1].gather(-1, out.tokens[:, 1:].to(device)[..., None])[..., 0]
         positions = torch.arange(1, width)[None, :]
         mask = (positions >= prompt_lengths[:, None]) & (positions < out.sequence_lengths[:, None])
         engine.check_logprobs(out.logprobs, mine.cpu(), mask.float())
     return results
+
+
+def _score(
+    model: PreTrainedModel,
+    tokens: torch.Tensor,
+    scale: float,
+    prompt_lengths: torch.Tensor,
+    prompt_rows: set[int],
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Log-probs of ``tokens`` [R, W] under ``model``: [R, W - 1] float32, entry ``[i, j]`` that of
+    ``tokens[i, j + 1]`` at temperature ``scale``; and for each row of ``prompt_rows`` its prompt's
+    own [P - 1] at temperature 1 (positions 1..P-1, on the CPU).
+
+    The forward runs over as many rows at a time as keep its float32 logits under
+    :data:`~openaligner.trainer.tinker_model.LOGITS_BUDGET` elements (a merged run of 64 rows of a
+    262k vocabulary would otherwise hold several GB of logits at once); a causal model's rows do
+    not see each other, so the chunks change nothing but float rounding.
+    """
+    rows, width = tokens.shape
+    vocab = int(getattr(model.config, "vocab_size", 0) or 1)
+    step = max(1, LOGITS_BUDGET // max(1, width * vocab))
+    mine = torch.empty(rows, width - 1, dtype=torch.float32, device=tokens.device)
+    prompt: dict[int, torch.Tensor] = {}
+    for start in range(0, rows, step):
+        chunk = tokens[start : start + step]
+        logits = model(input_ids=chunk).logits.float()
+        lp = torch.log_softmax(logits[:, :-1] / scale, dim=-1)
+        mine[start : start + len(chunk)] = lp.gather(-1, chunk[:, 1:, None])[..., 0]
+        del lp
+        for row in prompt_rows:
+            if start <= row < start + len(chunk):
+                p = int(prompt_lengths[row])
+                base = torch.log_softmax(logits[row - start, : p - 1], dim=-1)
+                prompt[row] = base.gather(-1, chunk[row - start, 1:p, None])[:, 0].cpu()
+    return mine, prompt
 
 
 def prompt_tokens(prompt: Mapping[str, Any], vocab_size: int) -> torch.Tensor:

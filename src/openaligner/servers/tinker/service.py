@@ -245,11 +245,15 @@ class TinkerService:
 
         def drop() -> None:
             with self._lock:
+                bases = {self.models[mid].base.path for mid in session.models if mid in self.models}
                 for mid in session.models:
                     self.models.pop(mid, None)
                 for sid in session.samplers:
                     self.samplers.pop(sid, None)
                 self.sessions.pop(session.id, None)
+                still = {m.base.path for m in self.models.values()}
+            for base in bases - still:  # no model of that base is left: its hf sampling copy goes
+                self.engines.forget_copy(base)
 
         self.jobs.submit(drop)
         return {}

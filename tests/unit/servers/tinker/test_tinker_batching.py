@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,9 @@ def test_a_finished_job_keeps_nothing_its_work_used():
     merged = table.submit(lambda p=payloads[1]: "x", merge=Merge("g", 1, payloads[1], run))
     assert table.get(alone).result(timeout=30) == "Payload"  # type: ignore[union-attr]
     assert table.get(merged).result(timeout=30) == "x"  # type: ignore[union-attr]  (alone: nothing behind it)
+    # the worker lets go of a job just after settling its future: once a later job has run, it has
+    after = table.submit(lambda: None)
+    table.get(after).result(timeout=30)  # type: ignore[union-attr]
     del payloads
     gc.collect()
     assert [r() for r in refs] == [None, None]
@@ -203,6 +207,48 @@ def test_close_cancels_the_queued_jobs_and_refuses_new_ones():
     assert table.get(queued).cancelled()  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="stopping"):
         table.submit(lambda: None)
+
+
+def test_sample_many_scores_in_chunks_under_the_logits_budget_with_the_same_log_probs(monkeypatch):
+    """A merged run's scoring forward keeps its float32 logits under LOGITS_BUDGET: split into
+    row chunks, with the log-probs of one forward over all rows (to float rounding)."""
+    from openaligner.models.actor import CausalLMActor
+    from openaligner.servers.tinker import sampling
+
+    model = build_tiny_causal_lm("llama", TinySize(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2))
+    params = TinkerSampling.parse(SEEDED, default_max_tokens=8, vocab_size=40)
+    requests = [
+        SampleRequest(torch.tensor([3, 4, 5]), 2, replace(params, seed=1), prompt_logprobs=True),
+        SampleRequest(torch.tensor([6, 7]), 3, replace(params, seed=2), prompt_logprobs=True),
+    ]
+    engine = HFRolloutEngine(CausalLMActor(model, None, init_policy=False), per_row_streams=True)
+
+    def run() -> tuple[list[Any], int]:
+        forwards = 0
+        original = model.forward
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal forwards
+            forwards += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", counted)
+        try:
+            out = sample_many(engine, model, requests, tokenizer=None)
+        finally:
+            monkeypatch.setattr(model, "forward", original)
+        return out, forwards
+
+    whole, whole_forwards = run()
+    monkeypatch.setattr(sampling, "LOGITS_BUDGET", 2 * 11 * 40)  # two rows of the widest (3 + 8) at a time
+    chunked, chunked_forwards = run()
+    # the same generate (same forwards) either way; the scoring: 1 forward, then 3 (5 rows: 2 + 2 + 1)
+    assert chunked_forwards - whole_forwards == 2
+    for (seqs_a, plp_a), (seqs_b, plp_b) in zip(whole, chunked, strict=True):
+        for a, b in zip(seqs_a, seqs_b, strict=True):
+            assert torch.equal(a.tokens, b.tokens)
+            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
+        torch.testing.assert_close(plp_a, plp_b, rtol=0, atol=1e-6, equal_nan=True)
 
 
 def test_sample_many_refuses_requests_of_other_settings():

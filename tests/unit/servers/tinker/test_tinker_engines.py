@@ -404,5 +404,12 @@ def test_hf_merges_its_copy_only_when_the_weights_change_and_old_snapshots_sampl
         other = Client(service)  # another model of the base shares the copy
         other.sample(other.snapshot_sampler())
         assert service.engines.merges == 4 and len(service.engines.copies) == 1
+        # the copy lives as long as a model of its base: freed with the last one's session
+        service.finish_session(client.sid)
+        done(service, {"request_id": service.jobs.submit(lambda: None)})  # the drop has run
+        assert len(service.engines.copies) == 1
+        service.finish_session(other.sid)
+        done(service, {"request_id": service.jobs.submit(lambda: None)})
+        assert service.engines.copies == {} and service.engines.copy_holds == {}
     finally:
         service.close()
