@@ -295,40 +295,34 @@ class TinkerService:
 
     def _tokenizer(self, base: BaseModelSource) -> PreTrainedTokenizerBase | None:
         with self._load_lock:
-            return self._load_tokenizer(base)
+            if base.path not in self._tokenizers:
+                from openaligner.models.tokenizers import load_tokenizer
 
-    def _load_tokenizer(self, base: BaseModelSource) -> PreTrainedTokenizerBase | None:
-        if base.path not in self._tokenizers:
-            from openaligner.models.tokenizers import load_tokenizer
-
-            try:
-                self._tokenizers[base.path] = load_tokenizer(base.path)
-            except (OSError, ValueError):
-                self._tokenizers[base.path] = None  # ids only: stop strings are then refused
-        return self._tokenizers[base.path]
+                try:
+                    self._tokenizers[base.path] = load_tokenizer(base.path)
+                except (OSError, ValueError):
+                    self._tokenizers[base.path] = None  # ids only: stop strings are then refused
+            return self._tokenizers[base.path]
 
     def _load_base(self, base: BaseModelSource, *, critic: bool = False) -> PreTrainedModel:
         """The base model's weights in float32 on the server's device: a causal LM, or for a critic
         a one-label sequence classifier (the backbone plus a seeded fresh head, unless the
         directory holds a value or reward model). One load at a time (``_load_lock``)."""
         with self._load_lock:
-            return self._load_base_alone(base, critic=critic)
+            if critic:
+                from openaligner.models.critic import CriticModel
 
-    def _load_base_alone(self, base: BaseModelSource, *, critic: bool) -> PreTrainedModel:
-        if critic:
-            from openaligner.models.critic import CriticModel
+                try:
+                    hf = CriticModel.from_pretrained(base.path, dtype=torch.float32).hf_model
+                except ValueError as e:  # e.g. an encoder: no value per position
+                    raise UserError(f"base_model {base.name!r} cannot be a critic: {e}") from None
+            else:
+                from transformers import AutoModelForCausalLM
 
-            try:
-                hf = CriticModel.from_pretrained(base.path, dtype=torch.float32).hf_model
-            except ValueError as e:  # e.g. an encoder: no value per position
-                raise UserError(f"base_model {base.name!r} cannot be a critic: {e}") from None
-        else:
-            from transformers import AutoModelForCausalLM
-
-            hf = AutoModelForCausalLM.from_pretrained(
-                str(base.path), local_files_only=True, dtype=torch.float32
-            )
-        nn.Module.to(hf, self.device)
+                hf = AutoModelForCausalLM.from_pretrained(
+                    str(base.path), local_files_only=True, dtype=torch.float32
+                )
+            nn.Module.to(hf, self.device)
         return hf.eval()
 
     def _plain_model(self, base: BaseModelSource) -> PreTrainedModel:
@@ -797,7 +791,7 @@ class TinkerService:
         sampler, model, tokenizer = first.sampler, first.model, first.tokenizer
         if model is None:
             weights: Any = nullcontext(self._plain_model(sampler.base))
-            key: Hashable = ("base", str(sampler.base.path))
+            key: Hashable = self._weights_source(sampler, None)
         else:
             weights = model.trainer.weights(self._sampler_weights(sampler, model))
             key = self._weights_key(sampler, model)
