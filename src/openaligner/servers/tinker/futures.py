@@ -75,7 +75,7 @@ class FutureTable:
         merge_wait_s: how long a merging job waits, when the queue behind it is empty, for the
             next like job to arrive — counted again from each one taken, at most
             :data:`MERGE_WAIT_CAP` times this in all (a client's calls sent together reach the
-            server a few ms apart, a burst of 64 over ~100 ms, and the first would otherwise run
+            server ms apart, a burst of 64 over up to 0.2 s, and the first would otherwise run
             alone or with only a part of them); 0: no wait. Jobs without a ``Merge`` never wait.
     """
 
