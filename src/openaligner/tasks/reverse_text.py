@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 INSTRUCTION = "Reverse the characters of the text."
@@ -222,17 +222,26 @@ def unseen_words_records(
     return [{"prompt": make_prompt(t), "answer": t[::-1]} for t in unseen_words_texts(seed, n, cfg)]
 
 
-def sft_texts(seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig()) -> list[str]:
-    """``n`` distinct train-split texts for SFT: each word a :func:`generated_word`, or with
-    probability :data:`SFT_TASK_WORD_SHARE` one of :data:`WORDS`; none holds an unseen word.
+def sft_texts(
+    seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig(), words: Sequence[str] = ()
+) -> list[str]:
+    """``n`` distinct train-split texts for SFT: with probability :data:`SFT_TASK_WORD_SHARE` a word
+    of :data:`WORDS`, otherwise one of ``words`` (e.g. :func:`vocabulary_words`) or, when ``words``
+    is empty, a :func:`generated_word`; none holds an unseen word.
 
     Raises:
-        ValueError: fewer than ``n`` distinct texts can be drawn.
+        ValueError: fewer than ``n`` distinct texts can be drawn, or ``words`` holds an unseen word
+            or a word near one (the unseen-words split would no longer be unseen).
     """
+    near = [w for w in words if _near_unseen(w)]
+    if near:
+        raise ValueError(f"SFT words must not hold or lie inside an unseen word, got {near[:5]}")
     rng = random.Random(f"reverse-text/{seed}/sft")
 
     def word() -> str:
-        return rng.choice(WORDS) if rng.random() < SFT_TASK_WORD_SHARE else generated_word(rng)
+        if rng.random() < SFT_TASK_WORD_SHARE:
+            return rng.choice(WORDS)
+        return rng.choice(words) if words else generated_word(rng)
 
     def draw() -> str:
         return " ".join(word() for _ in range(rng.randint(cfg.min_words, cfg.max_words)))
@@ -240,23 +249,58 @@ def sft_texts(seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig()) -
     return _distinct(n, "SFT", draw, lambda t: not is_held_out(t))
 
 
+def _near_unseen(word: str) -> bool:
+    """Whether ``word`` holds an unseen word ("coppers", "cabinet") or, at 4 letters or more, lies
+    inside one ("lant"): spelling either would teach part of an unseen word's reversal."""
+    return any(u in word or (len(word) >= 4 and word in u) for u in UNSEEN_WORDS)
+
+
+def vocabulary_words(tokens: Iterable[str]) -> list[str]:
+    """The whole words among a tokenizer's vocabulary, in the order given, each once: tokens of a
+    word-start marker (SentencePiece's ``▁``, byte-level BPE's ``Ġ``) or a space and then 3–8
+    lower-case ASCII letters, without :data:`UNSEEN_WORDS` or any word near one
+    (:func:`_near_unseen`). Each is one token to the model, as the unseen words are: reversing it
+    takes the model's knowledge of how the token is spelt — the skill the unseen-words split grades.
+    Give the tokens in id order (``sorted(vocab, key=vocab.get)``) and keep the first few thousand
+    for the commonest words (a BPE vocabulary's ids follow its merges, frequent pieces first).
+    """
+    out: dict[str, None] = {}  # insertion-ordered set
+    for token in tokens:
+        if token[:1] in ("\u2581", "\u0120", " "):
+            word = token[1:]
+            whole = 3 <= len(word) <= 8 and word.isascii() and word.isalpha() and word.islower()
+            if whole and not _near_unseen(word):
+                out.setdefault(word)
+    return list(out)
+
+
 def sft_records(
-    seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig(), vocabulary: str = "generated"
+    seed: int,
+    n: int,
+    cfg: ReverseTextConfig = ReverseTextConfig(),
+    vocabulary: str = "generated",
+    words: Sequence[str] = (),
 ) -> list[dict[str, str]]:
     """SFT demonstrations (``{"prompt", "response"}``): the exact reversal after a space, on
     train-split texts only. ``vocabulary="generated"`` (the default) draws them from
     :func:`sft_texts` (generated letter strings and some task words: reversing them takes
     spelling); ``"task"`` from :data:`WORDS` alone (:func:`texts`), which a model can pass by
     recalling each word's reversal, so it learns the held-out combinations and not the unseen
-    words. Give another ``seed`` than the RL prompts' to get other texts.
+    words; ``"words"`` from ``words`` (the model's own single-token words,
+    :func:`vocabulary_words`, thousands of them) and some task words — real words, one token each,
+    as the unseen words are. Give another ``seed`` than the RL prompts' to get other texts.
 
     Raises:
-        ValueError: an unknown ``vocabulary``, or too few distinct texts.
+        ValueError: an unknown ``vocabulary``, ``"words"`` without ``words``, or too few distinct texts.
     """
     if vocabulary == "generated":
         chosen = sft_texts(seed, n, cfg)
     elif vocabulary == "task":
         chosen = texts(seed, n, held_out=False, cfg=cfg)
+    elif vocabulary == "words":
+        if not words:  # else it would fall back to generated strings without a word said
+            raise ValueError('vocabulary="words" needs words (e.g. from vocabulary_words), got none')
+        chosen = sft_texts(seed, n, cfg, words)
     else:
-        raise ValueError(f'vocabulary must be "generated" or "task", got {vocabulary!r}')
+        raise ValueError(f'vocabulary must be "generated", "task" or "words", got {vocabulary!r}')
     return [{"prompt": make_prompt(t), "response": " " + t[::-1]} for t in chosen]

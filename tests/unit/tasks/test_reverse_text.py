@@ -206,3 +206,32 @@ def test_sft_texts_are_train_split_varied_and_mostly_generated_words():
     assert all(set(parse_prompt(r["prompt"]).split()) <= set(WORDS) for r in task)
     with pytest.raises(ValueError, match="vocabulary"):
         sft_records(0, 5, cfg, vocabulary="other")
+
+
+def test_vocabulary_words_keep_whole_lower_case_words_and_nothing_near_an_unseen_word():
+    tokens = [
+        "\u2581copper", "\u2581coppers", "\u2581cabinet", "\u2581lant", "\u2581can",  # unseen or near one
+        "\u2581window", "\u0120pencil",  # unseen, either marker
+        "\u2581cargo", "\u0120brick", " stove", "\u2581Table", "\u2581caf\u00e9", "\u2581ab",
+        "\u2581overlong1", "\u2581toolongword", "cargo", "ing", "\u2581dans",
+    ]  # fmt: skip
+    # "can" is shorter than 4 letters: a different word, not part of "candle"'s spelling
+    assert rt.vocabulary_words(tokens) == ["can", "cargo", "brick", "stove", "dans"]  # in the order given
+    assert rt.vocabulary_words(["\u2581cargo", "\u0120cargo"]) == ["cargo"]
+    assert not rt._near_unseen("stove") and rt._near_unseen("rockets") and rt._near_unseen("gard")
+
+
+def test_sft_texts_of_vocabulary_words_use_those_words_and_refuse_one_near_an_unseen_word():
+    cfg = ReverseTextConfig(min_words=1, max_words=3)
+    vocab = [f"w{a}{b}x".replace("w", "zq") for a in "abcdefgh" for b in "ijklmnop"]  # 64 made-up words
+    rows = sft_records(3, 300, cfg, vocabulary="words", words=vocab)
+    used = [w for r in rows for w in parse_prompt(r["prompt"]).split()]
+    assert set(used) <= set(vocab) | set(WORDS) and len(set(used) & set(vocab)) > 50
+    assert 0.15 < sum(w in WORDS for w in used) / len(used) < 0.35
+    assert all(r["response"] == " " + parse_prompt(r["prompt"])[::-1] for r in rows)
+    assert not any(is_held_out(parse_prompt(r["prompt"])) for r in rows)
+    assert {len(parse_prompt(r["prompt"]).split()) for r in rows} == {1, 2, 3}
+    with pytest.raises(ValueError, match="unseen word"):
+        sft_records(3, 10, cfg, vocabulary="words", words=[*vocab, "coppers"])
+    with pytest.raises(ValueError, match="needs words"):  # not a silent fall-back to generated strings
+        sft_records(3, 10, cfg, vocabulary="words")
