@@ -223,7 +223,7 @@ def test_vocabulary_words_keep_whole_lower_case_words_and_nothing_near_an_unseen
 
 def test_sft_texts_of_vocabulary_words_use_those_words_and_refuse_one_near_an_unseen_word():
     cfg = ReverseTextConfig(min_words=1, max_words=3)
-    vocab = [f"w{a}{b}x".replace("w", "zq") for a in "abcdefgh" for b in "ijklmnop"]  # 64 made-up words
+    vocab = [f"zq{a}{b}x" for a in "abcdefgh" for b in "ijklmnop"]  # 64 made-up words
     rows = sft_records(3, 300, cfg, vocabulary="words", words=vocab)
     used = [w for r in rows for w in parse_prompt(r["prompt"]).split()]
     assert set(used) <= set(vocab) | set(WORDS) and len(set(used) & set(vocab)) > 50
