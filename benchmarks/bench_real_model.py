@@ -68,15 +68,18 @@ def _openaligner(*args: str) -> list[str]:
     return [sys.executable, "-m", "openaligner", *args]
 
 
-def write_data(data_dir: Path, seed: int, n_eval: int) -> None:
-    """Train prompts (train split), held-out prompts (held-out combinations; the first N_VAL
-    validate) and unseen-words prompts (``n_eval`` each)."""
+def write_data(data_dir: Path, seed: int, n_eval: int, train_words: Path | None = None) -> None:
+    """Train prompts (train split; of the words in the JSON list ``train_words`` when given, else
+    of the task's words), held-out prompts (held-out combinations; the first N_VAL validate) and
+    unseen-words prompts (``n_eval`` each)."""
+    from openaligner.tasks import reverse_text
     from openaligner.tasks.reverse_text import ReverseTextConfig, prompt_records, unseen_words_records
 
     cfg = ReverseTextConfig(min_words=WORDS[0], max_words=WORDS[1])
+    words = json.loads(train_words.read_text()) if train_words else reverse_text.WORDS
     data_dir.mkdir(parents=True, exist_ok=True)
     splits = {
-        "train": prompt_records(seed, N_TRAIN, False, cfg),
+        "train": prompt_records(seed, N_TRAIN, False, cfg, words),
         "heldout": prompt_records(seed, n_eval, True, cfg),
         "unseen": unseen_words_records(seed, n_eval, cfg),
     }
@@ -324,7 +327,7 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, An
     if result_path.is_file():  # done before: a rerun only reports
         cached: dict[str, Any] = json.loads(result_path.read_text())
         return cached
-    write_data(run_dir / "data", seed, args.eval_prompts)
+    write_data(run_dir / "data", seed, args.eval_prompts, args.train_words)
     load_before = os.getloadavg()[0]
     measured = train(args, run_dir, algorithm, seed)
     steps = [m for m in metrics_of(run_dir) if "timing/tokens_per_s" in m]
@@ -339,6 +342,7 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, An
         "mode": "full" if args.full else "LoRA",
         "tag": args.tag,
         "settings": args.set,
+        "train_words": str(args.train_words) if args.train_words else "",
         "lr": args.lr,
         "tokens_per_s": sum(m["timing/tokens_per_s"] for m in steps) / max(len(steps), 1),
         "step_s": [m["timing/step_s"] for m in steps],
@@ -526,6 +530,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--tag", default="", help="names runs that --set changes (their directory, the table)"
+    )
+    parser.add_argument(
+        "--train-words",
+        type=Path,
+        default=None,
+        help="a JSON list of words the train prompts' texts are made of (default: the task's words)",
     )
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument(

@@ -1,6 +1,7 @@
 """benchmarks/bench_real_model.py: the train-ppo command of each run is a valid configuration with
 the settings its options name (LoRA merged on save, or every weight with --full), and the report
-names the mode and summarises long runs' step times."""
+names the mode and summarises long runs' step times; --train-words makes the train prompts of
+other words and leaves both held-out splits as they were."""
 
 import argparse
 import sys
@@ -8,7 +9,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from bench_real_model import result_name, run_name, table, train_command
+import json
+
+from bench_real_model import result_name, run_name, table, train_command, write_data
 from openaligner.cli import train_ppo
 from openaligner.config import load_config
 
@@ -112,3 +115,21 @@ def test_the_table_names_the_mode_and_summarises_a_long_runs_step_times():
     assert "0.250 → **0.400**" in rows[3]
     assert "| n/a → n/a | n/a → n/a | n/a → n/a |" in rows[3]  # measured before the exact rate was
     assert "| 0 % / 0 % → 25 % / 12 % | 0.310 → 0.620 | 0 % / 0 % → 10 % / 0 % |" in rows[4]
+
+
+def test_train_words_change_the_train_prompts_only(tmp_path):
+    from openaligner.tasks.reverse_text import WORDS, parse_prompt
+
+    vocab = [f"zq{a}{b}x" for a in "abcdefgh" for b in "ijklmnop"]
+    (tmp_path / "words.json").write_text(json.dumps(vocab))
+    write_data(tmp_path / "task", 0, 8)
+    write_data(tmp_path / "other", 0, 8, tmp_path / "words.json")
+
+    def texts(run: str, split: str) -> list[str]:
+        lines = (tmp_path / run / f"{split}.jsonl").read_text().splitlines()
+        return [parse_prompt(json.loads(line)["prompt"]) for line in lines]
+
+    assert all(set(t.split()) <= set(vocab) for t in texts("other", "train"))
+    assert all(set(t.split()) <= set(WORDS) for t in texts("task", "train"))
+    for split in ("heldout", "unseen"):
+        assert texts("other", split) == texts("task", split)

@@ -1,12 +1,12 @@
 """The built-in "reverse the text" task (prime-rl's reverse-text): prompts, held-out prompts, a
 gold scorer. Owns the prompt text (one worked example, then the text), the gold score (the
 longest-common-subsequence ratio in [0, 1]), the exact-task check (the response's first line is
-the reversal), and three splits: train and held-out combinations of :data:`WORDS` (by each text's
-sha256, disjoint whatever the seed), and unseen words (texts made only of
-:data:`UNSEEN_WORDS`, which no train, held-out or SFT text contains). The SFT demonstrations are
-train-split texts of generated letter strings (and some :data:`WORDS`), so that reversing them
-takes spelling, not recall. Everything is deterministic from a seed. Must not know models or
-training. Design notes: docs/demo.md, "Module notes".
+the reversal), and three splits: train and held-out combinations of :data:`WORDS` or other words
+(by each text's sha256, disjoint whatever the seed), and unseen words (texts made only of
+:data:`UNSEEN_WORDS`, which no other text contains). SFT demonstrations are train-split texts of
+generated letter strings or of the model's own one-token words (and a chosen share of
+:data:`WORDS`), so that reversing them takes spelling, not recall. Deterministic from a seed.
+Must not know models or training. Design notes: docs/demo.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -171,16 +171,26 @@ def _distinct(n: int, split: str, draw: Callable[[], str], keep: Callable[[str],
     return list(out)
 
 
-def texts(seed: int, n: int, held_out: bool, cfg: ReverseTextConfig = ReverseTextConfig()) -> list[str]:
-    """``n`` distinct texts of :data:`WORDS` of one split (train or held-out combinations),
-    reproducible from ``seed``.
+def texts(
+    seed: int,
+    n: int,
+    held_out: bool,
+    cfg: ReverseTextConfig = ReverseTextConfig(),
+    words: Sequence[str] = WORDS,
+) -> list[str]:
+    """``n`` distinct texts of ``words`` (default :data:`WORDS`) of one split (train or held-out
+    combinations), reproducible from ``seed``.
 
     Raises:
-        ValueError: the split has fewer than ``n`` distinct texts to draw from.
+        ValueError: the split has fewer than ``n`` distinct texts to draw from, or ``words`` holds
+            a word near an unseen word (the unseen-words split would no longer be unseen).
     """
+    near = [w for w in words if _near_unseen(w)]
+    if near:
+        raise ValueError(f"text words must not hold or lie inside an unseen word, got {near[:5]}")
     split = "held-out" if held_out else "train"
     rng = random.Random(f"reverse-text/{seed}/{split}")
-    return _distinct(n, split, lambda: random_text(rng, cfg), lambda t: is_held_out(t) == held_out)
+    return _distinct(n, split, lambda: random_text(rng, cfg, words), lambda t: is_held_out(t) == held_out)
 
 
 def unseen_words_texts(seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig()) -> list[str]:
@@ -208,11 +218,17 @@ def generated_word(rng: random.Random) -> str:
 
 
 def prompt_records(
-    seed: int, n: int, held_out: bool, cfg: ReverseTextConfig = ReverseTextConfig()
+    seed: int,
+    n: int,
+    held_out: bool,
+    cfg: ReverseTextConfig = ReverseTextConfig(),
+    words: Sequence[str] = WORDS,
 ) -> list[dict[str, str]]:
-    """Prompt records (``{"prompt", "answer"}``) for train-ppo's ``data.prompts`` JSONL or evaluation;
-    ``answer`` is the reversal, for metadata-reading reward functions and for reading results."""
-    return [{"prompt": make_prompt(t), "answer": t[::-1]} for t in texts(seed, n, held_out, cfg)]
+    """Prompt records (``{"prompt", "answer"}``) for train-ppo's ``data.prompts`` JSONL or evaluation,
+    of texts of ``words`` (:func:`texts`); ``answer`` is the reversal, for metadata-reading reward
+    functions and for reading results."""
+    chosen = texts(seed, n, held_out, cfg, words)
+    return [{"prompt": make_prompt(t), "answer": t[::-1]} for t in chosen]
 
 
 def unseen_words_records(
@@ -223,23 +239,30 @@ def unseen_words_records(
 
 
 def sft_texts(
-    seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig(), words: Sequence[str] = ()
+    seed: int,
+    n: int,
+    cfg: ReverseTextConfig = ReverseTextConfig(),
+    words: Sequence[str] = (),
+    task_word_share: float = SFT_TASK_WORD_SHARE,
 ) -> list[str]:
-    """``n`` distinct train-split texts for SFT: with probability :data:`SFT_TASK_WORD_SHARE` a word
-    of :data:`WORDS`, otherwise one of ``words`` (e.g. :func:`vocabulary_words`) or, when ``words``
-    is empty, a :func:`generated_word`; none holds an unseen word.
+    """``n`` distinct train-split texts for SFT: each word, with probability ``task_word_share``, a
+    word of :data:`WORDS`, otherwise one of ``words`` (e.g. :func:`vocabulary_words`) or, when
+    ``words`` is empty, a :func:`generated_word`; none holds an unseen word.
 
     Raises:
-        ValueError: fewer than ``n`` distinct texts can be drawn, or ``words`` holds an unseen word
-            or a word near one (the unseen-words split would no longer be unseen).
+        ValueError: fewer than ``n`` distinct texts can be drawn, ``task_word_share`` outside [0, 1],
+            or ``words`` holds an unseen word or a word near one (the unseen-words split would no
+            longer be unseen).
     """
+    if not 0.0 <= task_word_share <= 1.0:
+        raise ValueError(f"task_word_share must lie in [0, 1], got {task_word_share}")
     near = [w for w in words if _near_unseen(w)]
     if near:
         raise ValueError(f"SFT words must not hold or lie inside an unseen word, got {near[:5]}")
     rng = random.Random(f"reverse-text/{seed}/sft")
 
     def word() -> str:
-        if rng.random() < SFT_TASK_WORD_SHARE:
+        if rng.random() < task_word_share:
             return rng.choice(WORDS)
         return rng.choice(words) if words else generated_word(rng)
 
@@ -280,6 +303,7 @@ def sft_records(
     cfg: ReverseTextConfig = ReverseTextConfig(),
     vocabulary: str = "generated",
     words: Sequence[str] = (),
+    task_word_share: float = SFT_TASK_WORD_SHARE,
 ) -> list[dict[str, str]]:
     """SFT demonstrations (``{"prompt", "response"}``): the exact reversal after a space, on
     train-split texts only. ``vocabulary="generated"`` (the default) draws them from
@@ -288,19 +312,21 @@ def sft_records(
     recalling each word's reversal, so it learns the held-out combinations and not the unseen
     words; ``"words"`` from ``words`` (the model's own single-token words,
     :func:`vocabulary_words`, thousands of them) and some task words — real words, one token each,
-    as the unseen words are. Give another ``seed`` than the RL prompts' to get other texts.
+    as the unseen words are. ``task_word_share`` (``"generated"`` and ``"words"``): the share of
+    words drawn from :data:`WORDS` (0: none, so the held-out combinations are not recalled from SFT).
+    Give another ``seed`` than the RL prompts' to get other texts.
 
     Raises:
         ValueError: an unknown ``vocabulary``, ``"words"`` without ``words``, or too few distinct texts.
     """
     if vocabulary == "generated":
-        chosen = sft_texts(seed, n, cfg)
+        chosen = sft_texts(seed, n, cfg, task_word_share=task_word_share)
     elif vocabulary == "task":
         chosen = texts(seed, n, held_out=False, cfg=cfg)
     elif vocabulary == "words":
         if not words:  # else it would fall back to generated strings without a word said
             raise ValueError('vocabulary="words" needs words (e.g. from vocabulary_words), got none')
-        chosen = sft_texts(seed, n, cfg, words)
+        chosen = sft_texts(seed, n, cfg, words, task_word_share)
     else:
         raise ValueError(f'vocabulary must be "generated", "task" or "words", got {vocabulary!r}')
     return [{"prompt": make_prompt(t), "response": " " + t[::-1]} for t in chosen]

@@ -235,3 +235,30 @@ def test_sft_texts_of_vocabulary_words_use_those_words_and_refuse_one_near_an_un
         sft_records(3, 10, cfg, vocabulary="words", words=[*vocab, "coppers"])
     with pytest.raises(ValueError, match="needs words"):  # not a silent fall-back to generated strings
         sft_records(3, 10, cfg, vocabulary="words")
+
+
+def test_task_word_share_sets_how_many_task_words_sft_texts_hold():
+    cfg = ReverseTextConfig(min_words=2, max_words=3)
+    vocab = [f"zq{a}{b}x" for a in "abcdefgh" for b in "ijklmnop"]
+    for share in (0.0, 0.5):
+        used = [w for t in sft_texts(4, 400, cfg, vocab, task_word_share=share) for w in t.split()]
+        assert abs(sum(w in WORDS for w in used) / len(used) - share) < 0.06
+    rows = sft_records(4, 50, cfg, vocabulary="words", words=vocab, task_word_share=0.0)
+    assert all(set(parse_prompt(r["prompt"]).split()) <= set(vocab) for r in rows)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="task_word_share"):
+            sft_texts(4, 10, cfg, vocab, task_word_share=bad)
+
+
+def test_prompt_records_of_other_words_keep_the_splits_and_refuse_an_unseen_word():
+    cfg = ReverseTextConfig(min_words=2, max_words=3)
+    vocab = [f"zq{a}{b}x" for a in "abcdefgh" for b in "ijklmnop"]
+    train = prompt_records(2, 200, False, cfg, vocab)
+    held = prompt_records(2, 30, True, cfg, vocab)
+    for rows, held_out in ((train, False), (held, True)):
+        assert all(set(parse_prompt(r["prompt"]).split()) <= set(vocab) for r in rows)
+        assert all(is_held_out(parse_prompt(r["prompt"])) == held_out for r in rows)
+        assert all(r["answer"] == parse_prompt(r["prompt"])[::-1] for r in rows)
+    assert texts(2, 20, False, cfg) == texts(2, 20, False, cfg, WORDS)  # the default is unchanged
+    with pytest.raises(ValueError, match="unseen word"):
+        prompt_records(2, 10, False, cfg, [*vocab, "maple"])
