@@ -175,7 +175,7 @@ def train(args: argparse.Namespace, run_dir: Path, algorithm: str, seed: int) ->
                 _openaligner(
                     "serve-critic", str(ROOT / "configs" / "serve_critic.yaml"), f"model.path={model}",
                     "server.port=0", "server.combine_rm_and_critic_server=false",
-                    "lora.r=16", "lora.alpha=32", "optim.lr=3e-4", "optim.scheduler=constant",
+                    "lora.r=16", "lora.alpha=32", f"optim.lr={args.critic_lr}", "optim.scheduler=constant",
                     "optim.warmup_steps=0", "optim.weight_decay=0.0",
                     f"train.global_batch_size={ROLLOUTS_PER_STEP}",
                     f"train.micro_batch_size={ROLLOUTS_PER_STEP}",
@@ -344,6 +344,7 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, An
         "settings": args.set,
         "train_words": str(args.train_words) if args.train_words else "",
         "lr": args.lr,
+        "critic_lr": args.critic_lr,
         "tokens_per_s": sum(m["timing/tokens_per_s"] for m in steps) / max(len(steps), 1),
         "step_s": [m["timing/step_s"] for m in steps],
         "step_s_median": sorted(m["timing/step_s"] for m in steps)[len(steps) // 2]
@@ -514,6 +515,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--beta", type=float, default=0.05, help="KL penalty to the start")
+    parser.add_argument("--critic-lr", type=float, default=3e-4, help="serve-critic's learning rate (PPO)")
     parser.add_argument(
         "--max-time", default="00:00:25:00", help="train-ppo's trainer.max_time_per_run (DD:HH:MM:SS)"
     )
