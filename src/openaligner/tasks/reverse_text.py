@@ -185,9 +185,7 @@ def texts(
         ValueError: the split has fewer than ``n`` distinct texts to draw from, or ``words`` holds
             a word near an unseen word (the unseen-words split would no longer be unseen).
     """
-    near = [w for w in words if _near_unseen(w)]
-    if near:
-        raise ValueError(f"text words must not hold or lie inside an unseen word, got {near[:5]}")
+    _refuse_near_unseen(words, "text")
     split = "held-out" if held_out else "train"
     rng = random.Random(f"reverse-text/{seed}/{split}")
     return _distinct(n, split, lambda: random_text(rng, cfg, words), lambda t: is_held_out(t) == held_out)
@@ -256,9 +254,7 @@ def sft_texts(
     """
     if not 0.0 <= task_word_share <= 1.0:
         raise ValueError(f"task_word_share must lie in [0, 1], got {task_word_share}")
-    near = [w for w in words if _near_unseen(w)]
-    if near:
-        raise ValueError(f"SFT words must not hold or lie inside an unseen word, got {near[:5]}")
+    _refuse_near_unseen(words, "SFT")
     rng = random.Random(f"reverse-text/{seed}/sft")
 
     def word() -> str:
@@ -276,6 +272,14 @@ def _near_unseen(word: str) -> bool:
     """Whether ``word`` holds an unseen word ("coppers", "cabinet") or, at 4 letters or more, lies
     inside one ("lant"): spelling either would teach part of an unseen word's reversal."""
     return any(u in word or (len(word) >= 4 and word in u) for u in UNSEEN_WORDS)
+
+
+def _refuse_near_unseen(words: Sequence[str], what: str) -> None:
+    """Raise ``ValueError`` naming the first few of ``words`` near an unseen word (the
+    unseen-words split would no longer be unseen)."""
+    near = [w for w in words if _near_unseen(w)]
+    if near:
+        raise ValueError(f"{what} words must not hold or lie inside an unseen word, got {near[:5]}")
 
 
 def vocabulary_words(tokens: Iterable[str]) -> list[str]:
