@@ -4,12 +4,11 @@ names the mode and summarises long runs' step times; --train-words makes the tra
 other words and leaves both held-out splits as they were."""
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import json
 
 from bench_real_model import result_name, run_name, table, train_command, write_data
 from openaligner.cli import train_ppo

@@ -36,6 +36,9 @@ from openaligner.tasks.reverse_text import (
     unseen_words_texts,
 )
 
+MADE_UP_WORDS = [f"zq{a}{b}x" for a in "abcdefgh" for b in "ijklmnop"]
+"""64 made-up words, none near an unseen word: a vocabulary other than the task's."""
+
 
 def test_prompt_layout_round_trips():
     p = make_prompt("blue whale")
@@ -223,7 +226,7 @@ def test_vocabulary_words_keep_whole_lower_case_words_and_nothing_near_an_unseen
 
 def test_sft_texts_of_vocabulary_words_use_those_words_and_refuse_one_near_an_unseen_word():
     cfg = ReverseTextConfig(min_words=1, max_words=3)
-    vocab = [f"zq{a}{b}x" for a in "abcdefgh" for b in "ijklmnop"]  # 64 made-up words
+    vocab = MADE_UP_WORDS
     rows = sft_records(3, 300, cfg, vocabulary="words", words=vocab)
     used = [w for r in rows for w in parse_prompt(r["prompt"]).split()]
     assert set(used) <= set(vocab) | set(WORDS) and len(set(used) & set(vocab)) > 50
@@ -239,7 +242,7 @@ def test_sft_texts_of_vocabulary_words_use_those_words_and_refuse_one_near_an_un
 
 def test_task_word_share_sets_how_many_task_words_sft_texts_hold():
     cfg = ReverseTextConfig(min_words=2, max_words=3)
-    vocab = [f"zq{a}{b}x" for a in "abcdefgh" for b in "ijklmnop"]
+    vocab = MADE_UP_WORDS
     for share in (0.0, 0.5):
         used = [w for t in sft_texts(4, 400, cfg, vocab, task_word_share=share) for w in t.split()]
         assert abs(sum(w in WORDS for w in used) / len(used) - share) < 0.06
@@ -252,7 +255,7 @@ def test_task_word_share_sets_how_many_task_words_sft_texts_hold():
 
 def test_prompt_records_of_other_words_keep_the_splits_and_refuse_an_unseen_word():
     cfg = ReverseTextConfig(min_words=2, max_words=3)
-    vocab = [f"zq{a}{b}x" for a in "abcdefgh" for b in "ijklmnop"]
+    vocab = MADE_UP_WORDS
     train = prompt_records(2, 200, False, cfg, vocab)
     held = prompt_records(2, 30, True, cfg, vocab)
     for rows, held_out in ((train, False), (held, True)):
