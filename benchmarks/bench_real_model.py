@@ -56,6 +56,11 @@ READY = re.compile(r"server ready at http://\S+:(\d+)")
 GOLD_FUNCTION = "openaligner.tasks.reverse_text:gold_reward"
 MAX_NEW_TOKENS = 24
 SEQ_LENGTH = 80  # prompts are ~35 Gemma tokens (BOS included) + 24 new tokens
+# --spelled: the answer follows its letters and their reversal (reverse_text.spelled_response), a
+# spaced letter a token: ≤ 3 words of ≤ 8 letters take ≤ ~70 tokens; the prompt is ~25 tokens.
+# The response ends at EOS (taught by SFT), not at its first line break.
+SPELLED_MAX_NEW_TOKENS = 80
+SPELLED_SEQ_LENGTH = 112
 WORDS = (2, 3)  # words per text (min, max): reversals of ≤ 3 words fit 24 tokens
 N_TRAIN, N_VAL = 512, 16  # held-out prompts: --eval-prompts (the first N_VAL validate)
 SPLITS = ("heldout", "unseen")  # the held-out combinations, the unseen words
@@ -68,10 +73,19 @@ def _openaligner(*args: str) -> list[str]:
     return [sys.executable, "-m", "openaligner", *args]
 
 
-def write_data(data_dir: Path, seed: int, n_eval: int, train_words: Path | None = None) -> None:
+def budget(spelled: bool) -> tuple[int, int, tuple[str, ...]]:
+    """New tokens, sequence length and end strings of a response of the plain or spelled format."""
+    if spelled:
+        return SPELLED_MAX_NEW_TOKENS, SPELLED_SEQ_LENGTH, ()
+    return MAX_NEW_TOKENS, SEQ_LENGTH, ("\n",)
+
+
+def write_data(
+    data_dir: Path, seed: int, n_eval: int, train_words: Path | None = None, spelled: bool = False
+) -> None:
     """Train prompts (train split; of the words in the JSON list ``train_words`` when given, else
     of the task's words), held-out prompts (held-out combinations; the first N_VAL validate) and
-    unseen-words prompts (``n_eval`` each)."""
+    unseen-words prompts (``n_eval`` each); spelled prompts with ``spelled``."""
     from openaligner.tasks import reverse_text
     from openaligner.tasks.reverse_text import ReverseTextConfig, prompt_records, unseen_words_records
 
@@ -79,9 +93,9 @@ def write_data(data_dir: Path, seed: int, n_eval: int, train_words: Path | None 
     words = json.loads(train_words.read_text()) if train_words else reverse_text.WORDS
     data_dir.mkdir(parents=True, exist_ok=True)
     splits = {
-        "train": prompt_records(seed, N_TRAIN, False, cfg, words),
-        "heldout": prompt_records(seed, n_eval, True, cfg),
-        "unseen": unseen_words_records(seed, n_eval, cfg),
+        "train": prompt_records(seed, N_TRAIN, False, cfg, words, spelled),
+        "heldout": prompt_records(seed, n_eval, True, cfg, spelled=spelled),
+        "unseen": unseen_words_records(seed, n_eval, cfg, spelled),
     }
     for name, records in splits.items():
         (data_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -133,10 +147,11 @@ def train_command(
     per_prompt = 1 if algorithm == "ppo" else GRPO_SAMPLES
     interval = max(steps // 4, 1)  # validations cost a rollout of N_VAL prompts each
     actor_lora = [] if args.full else ["lora.r=16", "lora.alpha=32", "lora.merge_on_save=true"]
+    max_new, seq_length, ends = budget(args.spelled)
     return _openaligner(
         "train-ppo", str(ROOT / "configs" / "train_ppo.yaml"), f"actor.path={model}", "device=cpu",
         f"data.train_path={data / 'train.jsonl'}", f"data.val_path={data / 'heldout.jsonl'}",
-        f"data.seq_length={SEQ_LENGTH}", "data.chat_template=false",
+        f"data.seq_length={seq_length}", "data.chat_template=false",
         f"trainer.max_steps={steps}", f"trainer.max_time_per_run={max_time}",
         f"trainer.advantage_estimator={'gae' if algorithm == 'ppo' else 'grpo'}",
         f"trainer.num_rollout_samples={ROLLOUTS_PER_STEP // per_prompt}",
@@ -145,10 +160,10 @@ def train_command(
         f"trainer.global_batch_size={ROLLOUTS_PER_STEP}", "trainer.micro_batch_size=4",
         f"trainer.num_val_samples={N_VAL}", f"trainer.val_rollout_micro_batch_size={N_VAL}",
         f"trainer.val_check_interval={interval}", f"trainer.save_interval={interval}",
-        f"trainer.initial_policy_kl_penalty={beta}", 'trainer.sampling.end_strings=["\\n"]',
-        f"trainer.length.max_length={MAX_NEW_TOKENS}", f"trainer.seed={seed}",
+        f"trainer.initial_policy_kl_penalty={beta}", f"trainer.sampling.end_strings={json.dumps(ends)}",
+        f"trainer.length.max_length={max_new}", f"trainer.seed={seed}",
         f"optim.lr={lr}", *actor_lora,
-        *remote, f"remote.pad_to_length={SEQ_LENGTH}",
+        *remote, f"remote.pad_to_length={seq_length}",
         f"exp.output_dir={run_dir / 'train'}", "exp.task_scorer=reverse_text", "exp.keep_last=1",
         "exp.progress=false", "exp.tensorboard=false", *args.set,
     )  # fmt: skip
@@ -218,11 +233,14 @@ def evaluate_child(model: str, base: str, data_dir: str, seed: int) -> dict[str,
 
     from openaligner.models.actor import CausalLMActor
     from openaligner.models.generation import SamplingParams
+    from openaligner.tasks.reverse_text import is_spelled
 
     torch.set_num_threads(2)
     tokenizer = AutoTokenizer.from_pretrained(model)
     plain = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=1, stop_strings=("\n",))
+    first = Path(data_dir) / f"{SPLITS[0]}.jsonl"
+    max_new, _, ends = budget(is_spelled(json.loads(first.read_text().splitlines()[0])["prompt"]))
+    sampling = SamplingParams(max_new_tokens=max_new, min_new_tokens=1, stop_strings=ends)
     actor = CausalLMActor(plain, tokenizer, sampling=sampling, init_policy=False)
     ref = CausalLMActor.from_pretrained(
         base, dtype=torch.float32, tokenizer=tokenizer, sampling=sampling, init_policy=False
@@ -231,18 +249,24 @@ def evaluate_child(model: str, base: str, data_dir: str, seed: int) -> dict[str,
     for name in SPLITS:
         path = Path(data_dir) / f"{name}.jsonl"
         if path.is_file():
-            splits[name] = _evaluate_split(plain, actor, ref, tokenizer, path, seed)
+            splits[name] = _evaluate_split(plain, actor, ref, tokenizer, path, seed, max_new)
     return {**splits[SPLITS[0]], "splits": splits}
 
 
 def _evaluate_split(
-    plain: Any, actor: Any, ref: Any, tokenizer: Any, path: Path, seed: int
+    plain: Any, actor: Any, ref: Any, tokenizer: Any, path: Path, seed: int, max_new: int
 ) -> dict[str, Any]:
     """One split's scores (see :func:`evaluate_child`), with :data:`N_EXAMPLES` greedy answers."""
     import torch
 
     from openaligner.algorithms import response_mask
-    from openaligner.tasks.reverse_text import answer, is_exact, mean_gold_score, parse_prompt
+    from openaligner.tasks.reverse_text import (
+        answer,
+        extract_answer,
+        is_exact,
+        mean_gold_score,
+        parse_prompt,
+    )
 
     records = [json.loads(line) for line in path.read_text().splitlines()]
     prompts = [r["prompt"] for r in records]
@@ -250,7 +274,7 @@ def _evaluate_split(
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True)  # the Gemma tokenizer adds BOS
     with torch.no_grad():
-        out = plain.generate(**enc, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        out = plain.generate(**enc, max_new_tokens=max_new, do_sample=False)
     greedy = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     ids = [tokenizer(p)["input_ids"] for p in prompts]
     lengths = torch.tensor([len(i) for i in ids])
@@ -276,7 +300,7 @@ def _evaluate_split(
         "kl_to_start": float(((logp - logp_ref) * mask).sum(-1).mean()),
         "response_tokens": float((ends - starts).float().mean()),
         "examples": [
-            {"text": parse_prompt(p), "greedy": g.split("\n")[0].strip(), "target": answer(p)}
+            {"text": parse_prompt(p), "greedy": extract_answer(p, g), "target": answer(p)}
             for p, g in list(zip(prompts, greedy, strict=True))[:N_EXAMPLES]
         ],
     }
@@ -327,7 +351,7 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, An
     if result_path.is_file():  # done before: a rerun only reports
         cached: dict[str, Any] = json.loads(result_path.read_text())
         return cached
-    write_data(run_dir / "data", seed, args.eval_prompts, args.train_words)
+    write_data(run_dir / "data", seed, args.eval_prompts, args.train_words, args.spelled)
     load_before = os.getloadavg()[0]
     measured = train(args, run_dir, algorithm, seed)
     steps = [m for m in metrics_of(run_dir) if "timing/tokens_per_s" in m]
@@ -343,6 +367,7 @@ def run_one(args: argparse.Namespace, algorithm: str, seed: int) -> dict[str, An
         "tag": args.tag,
         "settings": args.set,
         "train_words": str(args.train_words) if args.train_words else "",
+        "spelled": args.spelled,
         "lr": args.lr,
         "critic_lr": args.critic_lr,
         "tokens_per_s": sum(m["timing/tokens_per_s"] for m in steps) / max(len(steps), 1),
@@ -520,6 +545,12 @@ def main() -> None:
         "--max-time", default="00:00:25:00", help="train-ppo's trainer.max_time_per_run (DD:HH:MM:SS)"
     )
     parser.add_argument("--full", action="store_true", help="train every actor weight, not LoRA adapters")
+    parser.add_argument(
+        "--spelled",
+        action="store_true",
+        help="spelled prompts (reverse_text.make_spelled_prompt): the answer after its letters, "
+        f"{SPELLED_MAX_NEW_TOKENS} new tokens, ending at EOS",
+    )
     parser.add_argument(
         "--eval-prompts", type=int, default=32, help="held-out prompts scored before and after"
     )

@@ -29,6 +29,7 @@ def options(
         full=full,
         tag=tag,
         set=list(settings),
+        spelled=False,
     )
 
 
@@ -132,3 +133,26 @@ def test_train_words_change_the_train_prompts_only(tmp_path):
     assert all(set(t.split()) <= set(WORDS) for t in texts("task", "train"))
     for split in ("heldout", "unseen"):
         assert texts("other", split) == texts("task", split)
+
+
+def test_spelled_runs_write_spelled_prompts_of_the_same_texts_and_let_responses_end_at_eos(tmp_path):
+    from openaligner.tasks.reverse_text import is_spelled, parse_prompt
+
+    write_data(tmp_path / "plain", 0, 8)
+    write_data(tmp_path / "spelled", 0, 8, spelled=True)
+    for split in ("train", "heldout", "unseen"):
+        plain, spelled = (
+            [json.loads(line)["prompt"] for line in (tmp_path / run / f"{split}.jsonl").open()]
+            for run in ("plain", "spelled")
+        )
+        assert [parse_prompt(p) for p in plain] == [parse_prompt(p) for p in spelled]
+        assert all(is_spelled(p) for p in spelled) and not any(is_spelled(p) for p in plain)
+    remote = ["remote.combine_rm_and_critic_server=false", "remote.reward_model.port=5555"]
+    args = options(False, a_model(tmp_path))
+    plain_cfg = config_of(train_command(args, tmp_path, "grpo", 0, remote))
+    args.spelled = True
+    spelled_cfg = config_of(train_command(args, tmp_path, "grpo", 0, remote))
+    assert list(plain_cfg.trainer.sampling.end_strings) == ["\n"]
+    assert list(spelled_cfg.trainer.sampling.end_strings) == []  # a line break is not the answer's end
+    assert spelled_cfg.trainer.length.max_length > plain_cfg.trainer.length.max_length
+    assert spelled_cfg.data.seq_length >= spelled_cfg.trainer.length.max_length + 25

@@ -1,12 +1,13 @@
 """The built-in "reverse the text" task (prime-rl's reverse-text): prompts, held-out prompts, a
-gold scorer. Owns the prompt text (one worked example, then the text), the gold score (the
-longest-common-subsequence ratio in [0, 1]), the exact-task check (the response's first line is
-the reversal), and three splits: train and held-out combinations of :data:`WORDS` or other words
-(by each text's sha256, disjoint whatever the seed), and unseen words (texts made only of
-:data:`UNSEEN_WORDS`, which no other text contains). SFT demonstrations are train-split texts of
-generated letter strings or of the model's own one-token words (and a chosen share of
-:data:`WORDS`), so that reversing them takes spelling, not recall. Deterministic from a seed.
-Must not know models or training. Design notes: docs/demo.md, "Module notes".
+gold scorer. Owns the prompt text (plain: one worked example, then the text, answered on one
+line; spelled: the text, answered after a scratchpad of its letters and their reversal), the gold
+score (the longest-common-subsequence ratio in [0, 1] of the graded answer), the exact-task check
+(the graded answer is the reversal), and three splits: train and held-out combinations of
+:data:`WORDS` or other words (by each text's sha256, disjoint whatever the seed), and unseen
+words (texts made only of :data:`UNSEEN_WORDS`, which no other text contains). SFT texts are of
+generated letter strings or the model's one-token words (and a share of :data:`WORDS`): reversing
+them takes spelling, not recall. Deterministic from a seed. Must not know models or training.
+Design notes: docs/demo.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from dataclasses import dataclass
 INSTRUCTION = "Reverse the characters of the text."
 TEXT_LABEL = "Text:"
 ANSWER_LABEL = "Reversed:"
+SPELLED_INSTRUCTION = "Reverse the characters of the text: spell it, reverse the letters, join them."
+"""The first line of a spelled prompt (:func:`make_spelled_prompt`)."""
+LETTERS_LABEL = "Letters:"
+REVERSED_LETTERS_LABEL = "Reversed letters:"
 EXAMPLE_TEXT = "good morning"
 """The worked example in every prompt (two words not in :data:`WORDS`, so that no prompt's text is
 the example)."""
@@ -72,15 +77,44 @@ def make_prompt(text: str) -> str:
     )  # fmt: skip
 
 
+def spell(text: str) -> str:
+    """``text`` letter by letter: its letters apart, its words apart by ``" / "``
+    (``spell("ab cd") == "a b / c d"``). Each spaced letter is one token to most tokenizers, so a
+    model that spells a word has read its token's letters, and reversing the letters is then a
+    matter of copying tokens in reverse order."""
+    return " / ".join(" ".join(word) for word in text.split())
+
+
+def make_spelled_prompt(text: str) -> str:
+    """The spelled prompt for ``text``: :data:`SPELLED_INSTRUCTION`, the text, and ``Letters:``; the
+    answer follows a scratchpad (:func:`spelled_response`). No worked example: the format is taught
+    by SFT (``sft_records(..., spelled=True)``), which keeps each demonstration short."""
+    return "\n".join([SPELLED_INSTRUCTION, f"{TEXT_LABEL} {text}", LETTERS_LABEL])
+
+
+def spelled_response(text: str) -> str:
+    """The spelled answer to ``text``: its letters, the letters reversed, then the reversal on the
+    ``Reversed:`` line, the one graded (``" g o / a b\nReversed letters: b a / o g\nReversed: ba og"``
+    for ``"go ab"``)."""
+    return f" {spell(text)}\n{REVERSED_LETTERS_LABEL} {spell(text[::-1])}\n{ANSWER_LABEL} {text[::-1]}"
+
+
+def is_spelled(prompt: str) -> bool:
+    """Whether ``prompt`` asks for the spelled format (ends with ``Letters:``)."""
+    return prompt.rstrip().endswith(LETTERS_LABEL)
+
+
 def parse_prompt(prompt: str) -> str:
-    """The text a prompt asks to reverse: what follows its last ``Text:`` up to the line break.
+    """The text a prompt (plain or spelled) asks to reverse: what follows its last ``Text:`` up to
+    the line break.
 
     Raises:
         ValueError: ``prompt`` is not a reverse-text prompt.
     """
+    label = LETTERS_LABEL if is_spelled(prompt) else ANSWER_LABEL
     start = prompt.rfind(f"\n{TEXT_LABEL} ")
-    end = prompt.find(f"\n{ANSWER_LABEL}", start + 1)
-    if start < 0 or end < 0 or not prompt.rstrip().endswith(ANSWER_LABEL):
+    end = prompt.find(f"\n{label}", start + 1)
+    if start < 0 or end < 0 or not prompt.rstrip().endswith(label):
         raise ValueError(f"not a reverse-text prompt: {prompt!r}")
     return prompt[start + len(TEXT_LABEL) + 2 : end]
 
@@ -90,10 +124,23 @@ def answer(prompt: str) -> str:
 
 
 def is_exact(prompt: str, response: str) -> bool:
-    """Whether ``response`` does the task: its first line (:func:`extract_response`) is exactly the
+    """Whether ``response`` does the task: its graded answer (:func:`extract_answer`) is exactly the
     reversal. The gold score rewards partial overlap; this does not (a forwards copy scores > 0
     on the LCS ratio and is never exact)."""
-    return extract_response(response) == answer(prompt)
+    return extract_answer(prompt, response) == answer(prompt)
+
+
+def extract_answer(prompt: str, response: str) -> str:
+    """What is graded of ``response`` to ``prompt``: for a plain prompt its first line
+    (:func:`extract_response`); for a spelled one (:func:`is_spelled`) what follows the first line
+    of it that starts with ``Reversed:`` ("" when there is none: the scratchpad alone is not an
+    answer, however right its letters)."""
+    if not is_spelled(prompt):
+        return extract_response(response)
+    for line in response.split("\n"):
+        if line.startswith(ANSWER_LABEL):
+            return line[len(ANSWER_LABEL) :].strip(" ")
+    return ""
 
 
 def extract_response(response: str) -> str:
@@ -129,8 +176,9 @@ def lcs_ratio(reference: str, response: str) -> float:
 
 
 def gold_score(prompt: str, response: str) -> float:
-    """The LCS ratio (0–1) of ``response``'s first line to the reversal of the prompt's text."""
-    return lcs_ratio(answer(prompt), extract_response(response))
+    """The LCS ratio (0–1) of ``response``'s graded answer (:func:`extract_answer`) to the reversal
+    of the prompt's text."""
+    return lcs_ratio(answer(prompt), extract_answer(prompt, response))
 
 
 def gold_reward(prompts: list[str], responses: list[str]) -> list[float]:
@@ -221,19 +269,25 @@ def prompt_records(
     held_out: bool,
     cfg: ReverseTextConfig = ReverseTextConfig(),
     words: Sequence[str] = WORDS,
+    spelled: bool = False,
 ) -> list[dict[str, str]]:
     """Prompt records (``{"prompt", "answer"}``) for train-ppo's ``data.prompts`` JSONL or evaluation,
     of texts of ``words`` (:func:`texts`); ``answer`` is the reversal, for metadata-reading reward
-    functions and for reading results."""
+    functions and for reading results. ``spelled``: spelled prompts (:func:`make_spelled_prompt`),
+    the same texts."""
     chosen = texts(seed, n, held_out, cfg, words)
-    return [{"prompt": make_prompt(t), "answer": t[::-1]} for t in chosen]
+    return [{"prompt": _prompt(t, spelled), "answer": t[::-1]} for t in chosen]
 
 
 def unseen_words_records(
-    seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig()
+    seed: int, n: int, cfg: ReverseTextConfig = ReverseTextConfig(), spelled: bool = False
 ) -> list[dict[str, str]]:
     """Prompt records (``{"prompt", "answer"}``, as :func:`prompt_records`) of the unseen-words split."""
-    return [{"prompt": make_prompt(t), "answer": t[::-1]} for t in unseen_words_texts(seed, n, cfg)]
+    return [{"prompt": _prompt(t, spelled), "answer": t[::-1]} for t in unseen_words_texts(seed, n, cfg)]
+
+
+def _prompt(text: str, spelled: bool) -> str:
+    return make_spelled_prompt(text) if spelled else make_prompt(text)
 
 
 def sft_texts(
@@ -308,9 +362,11 @@ def sft_records(
     vocabulary: str = "generated",
     words: Sequence[str] = (),
     task_word_share: float = SFT_TASK_WORD_SHARE,
+    spelled: bool = False,
 ) -> list[dict[str, str]]:
-    """SFT demonstrations (``{"prompt", "response"}``): the exact reversal after a space, on
-    train-split texts only. ``vocabulary="generated"`` (the default) draws them from
+    """SFT demonstrations (``{"prompt", "response"}``): the exact reversal after a space (with
+    ``spelled``, a spelled prompt and :func:`spelled_response`: letters, reversed letters, answer),
+    on train-split texts only. ``vocabulary="generated"`` (the default) draws them from
     :func:`sft_texts` (generated letter strings and some task words: reversing them takes
     spelling); ``"task"`` from :data:`WORDS` alone (:func:`texts`), which a model can pass by
     recalling each word's reversal, so it learns the held-out combinations and not the unseen
@@ -333,4 +389,6 @@ def sft_records(
         chosen = sft_texts(seed, n, cfg, words, task_word_share)
     else:
         raise ValueError(f'vocabulary must be "generated", "task" or "words", got {vocabulary!r}')
+    if spelled:
+        return [{"prompt": make_spelled_prompt(t), "response": spelled_response(t)} for t in chosen]
     return [{"prompt": make_prompt(t), "response": " " + t[::-1]} for t in chosen]

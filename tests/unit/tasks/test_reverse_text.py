@@ -265,3 +265,45 @@ def test_prompt_records_of_other_words_keep_the_splits_and_refuse_an_unseen_word
     assert texts(2, 20, False, cfg) == texts(2, 20, False, cfg, WORDS)  # the default is unchanged
     with pytest.raises(ValueError, match="unseen word"):
         prompt_records(2, 10, False, cfg, [*vocab, "maple"])
+
+
+def test_spelled_prompts_grade_only_the_reversed_line_after_the_scratchpad():
+    text = "kitten ginger"
+    prompt = rt.make_spelled_prompt(text)
+    assert rt.is_spelled(prompt) and not rt.is_spelled(make_prompt(text))
+    assert parse_prompt(prompt) == text and answer(prompt) == "regnig nettik"
+    right = rt.spelled_response(text)
+    assert right == (
+        " k i t t e n / g i n g e r\nReversed letters: r e g n i g / n e t t i k\nReversed: regnig nettik"
+    )
+    assert rt.spell("go ab") == "g o / a b"
+    assert gold_score(prompt, right) == 1.0 and is_exact(prompt, right)
+    assert rt.extract_answer(prompt, right + "\nText: more") == "regnig nettik"
+    # the scratchpad alone is no answer, however right its letters
+    scratch_only = right.rsplit("\n", 1)[0]
+    assert rt.extract_answer(prompt, scratch_only) == "" and gold_score(prompt, scratch_only) == 0.0
+    # a forwards answer after a right scratchpad scores the LCS ratio and is not exact
+    forwards = scratch_only + "\nReversed: kitten ginger"
+    assert 0.0 < gold_score(prompt, forwards) < 1.0 and not is_exact(prompt, forwards)
+    # the first line of a spelled response (its letters) is not what is graded
+    assert gold_score(prompt, " regnig nettik") == 0.0
+    # a plain prompt still grades its first line
+    assert rt.extract_answer(make_prompt(text), right) == extract_response(right)
+
+
+def test_spelled_records_keep_the_plain_records_texts_and_their_demonstrations_score_perfect():
+    cfg = ReverseTextConfig(min_words=1, max_words=3)
+    for plain, spelled in [
+        (rt.prompt_records(0, 8, True, cfg), rt.prompt_records(0, 8, True, cfg, spelled=True)),
+        (rt.unseen_words_records(0, 8, cfg), rt.unseen_words_records(0, 8, cfg, spelled=True)),
+    ]:
+        assert [parse_prompt(r["prompt"]) for r in plain] == [parse_prompt(r["prompt"]) for r in spelled]
+        assert [r["answer"] for r in plain] == [r["answer"] for r in spelled]
+        assert all(rt.is_spelled(r["prompt"]) for r in spelled)
+    kwargs = {"vocabulary": "words", "words": MADE_UP_WORDS, "task_word_share": 0.0}
+    demos = rt.sft_records(3, 16, cfg, spelled=True, **kwargs)
+    plain_demos = rt.sft_records(3, 16, cfg, **kwargs)
+    assert [parse_prompt(d["prompt"]) for d in demos] == [parse_prompt(d["prompt"]) for d in plain_demos]
+    for d in demos:
+        assert d["response"] == rt.spelled_response(parse_prompt(d["prompt"]))
+        assert gold_score(d["prompt"], d["response"]) == 1.0
