@@ -264,8 +264,10 @@ def _evaluate_split(
         answer,
         extract_answer,
         is_exact,
+        is_spelled,
         mean_gold_score,
         parse_prompt,
+        spelled_stages,
     )
 
     records = [json.loads(line) for line in path.read_text().splitlines()]
@@ -292,7 +294,18 @@ def _evaluate_split(
     logp = actor.get_inference_log_probs(tokens, ends, None, starts)
     logp_ref = ref.get_inference_log_probs(tokens, ends, None, starts)
     mask = response_mask(starts, ends, tokens.shape[1] - 1)
+    stages = {}
+    if is_spelled(prompts[0]):  # where the greedy answers go wrong, stage by stage
+        judged = [spelled_stages(p, g) for p, g in zip(prompts, greedy, strict=True)]
+        stages = {
+            "stages_greedy": {
+                "words_spelled": sum(j["words_spelled"] for j in judged) / sum(j["words"] for j in judged),
+                "reversed_own": sum(j["reversed_own"] for j in judged) / len(judged),
+                "joined_own": sum(j["joined_own"] for j in judged) / len(judged),
+            }
+        }
     return {
+        **stages,
         "gold": mean_gold_score(prompts, responses),
         "gold_greedy": mean_gold_score(prompts, greedy),
         "exact": sum(map(is_exact, prompts, responses)) / len(prompts),

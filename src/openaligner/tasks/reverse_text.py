@@ -99,6 +99,38 @@ def spelled_response(text: str) -> str:
     return f" {spell(text)}\n{REVERSED_LETTERS_LABEL} {spell(text[::-1])}\n{ANSWER_LABEL} {text[::-1]}"
 
 
+def spelled_stages(prompt: str, response: str) -> dict[str, int]:
+    """Where a spelled ``response`` to ``prompt`` goes right, each stage judged against the
+    response's own previous line: ``words`` (of the text), ``words_spelled`` (spelt right on the
+    ``Letters`` line, word by word), ``reversed_own`` (1 when the ``Reversed letters`` line is the
+    reversal of the response's own letters), ``joined_own`` (1 when the answer is the join of its own
+    reversed letters). A missing line counts as wrong.
+
+    Raises:
+        ValueError: ``prompt`` is not a spelled prompt.
+    """
+    if not is_spelled(prompt):
+        raise ValueError(f"not a spelled prompt: {prompt!r}")
+    text = parse_prompt(prompt)
+    lines = response.split("\n")
+    own = lines[0].strip(" ").split(" / ")
+
+    def line_after(label: str) -> str | None:
+        return next((ln[len(label) :].strip(" ") for ln in lines if ln.startswith(label)), None)
+
+    reversed_line = line_after(REVERSED_LETTERS_LABEL)
+    own_reversed = " / ".join(" ".join(word.split(" ")[::-1]) for word in own[::-1])
+    joined = (
+        None if reversed_line is None else " ".join(w.replace(" ", "") for w in reversed_line.split(" / "))
+    )
+    return {
+        "words": len(text.split()),
+        "words_spelled": sum(a == " ".join(w) for w, a in zip(text.split(), own, strict=False)),
+        "reversed_own": int(reversed_line == own_reversed),
+        "joined_own": int(joined is not None and line_after(ANSWER_LABEL) == joined),
+    }
+
+
 def is_spelled(prompt: str) -> bool:
     """Whether ``prompt`` asks for the spelled format (ends with ``Letters:``)."""
     return prompt.rstrip().endswith(LETTERS_LABEL)

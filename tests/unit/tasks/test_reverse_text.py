@@ -307,3 +307,31 @@ def test_spelled_records_keep_the_plain_records_texts_and_their_demonstrations_s
     for d in demos:
         assert d["response"] == rt.spelled_response(parse_prompt(d["prompt"]))
         assert gold_score(d["prompt"], d["response"]) == 1.0
+
+
+def test_spelled_stages_judge_each_line_against_the_responses_own_previous_line():
+    prompt = rt.make_spelled_prompt("kitten ginger")
+    assert rt.spelled_stages(prompt, rt.spelled_response("kitten ginger")) == {
+        "words": 2, "words_spelled": 2, "reversed_own": 1, "joined_own": 1,
+    }  # fmt: skip
+    # "kitten" misspelt, then reversed and joined faithfully: only the spelling is wrong
+    own = " k e t e k / g i n g e r\nReversed letters: r e g n i g / k e t e k\nReversed: regnig ketek"
+    assert rt.spelled_stages(prompt, own) == {
+        "words": 2,
+        "words_spelled": 1,
+        "reversed_own": 1,
+        "joined_own": 1,
+    }
+    assert not is_exact(prompt, own)
+    # right letters, a letter lost in the reversal and another in the join
+    lossy = " k i t t e n / g i n g e r\nReversed letters: r e g n i / n e t t i k\nReversed: regni netik"
+    assert rt.spelled_stages(prompt, lossy) == {
+        "words": 2,
+        "words_spelled": 2,
+        "reversed_own": 0,
+        "joined_own": 0,
+    }
+    # the scratchpad alone: its lines are judged, the missing answer is wrong
+    assert rt.spelled_stages(prompt, own.rsplit("\n", 1)[0])["joined_own"] == 0
+    with pytest.raises(ValueError, match="not a spelled prompt"):
+        rt.spelled_stages(make_prompt("kitten ginger"), own)
