@@ -285,13 +285,15 @@ def unseen_words_texts(seed: int, n: int, cfg: ReverseTextConfig = ReverseTextCo
 def generated_word(rng: random.Random) -> str:
     """A pronounceable lower-case letter string of 1–3 syllables and 3–8 letters (e.g. ``"brelzain"``;
     as long as the task's words, so that reversals fit the same response budget), never one of
-    :data:`UNSEEN_WORDS`: the SFT demonstrations' open vocabulary (over 10⁵ distinct strings, so a
-    model cannot pass the unseen words by recalling reversed spellings it was shown)."""
+    :data:`UNSEEN_WORDS` nor near one (:func:`_near_unseen`: "pilo", "jung", "deser" — about one
+    draw in 1,400 — would teach part of an unseen word's reversal): the SFT demonstrations' open
+    vocabulary (over 10⁵ distinct strings, so a model cannot pass the unseen words by recalling
+    reversed spellings it was shown)."""
     while True:
         word = "".join(
             rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(rng.randint(1, 3))
         )
-        if 3 <= len(word) <= 8 and word not in UNSEEN_WORDS:
+        if 3 <= len(word) <= 8 and not _near_unseen(word):
             return word
 
 
@@ -393,7 +395,7 @@ def sft_records(
     cfg: ReverseTextConfig = ReverseTextConfig(),
     vocabulary: str = "generated",
     words: Sequence[str] = (),
-    task_word_share: float = SFT_TASK_WORD_SHARE,
+    task_word_share: float | None = None,
     spelled: bool = False,
 ) -> list[dict[str, str]]:
     """SFT demonstrations (``{"prompt", "response"}``): the exact reversal after a space (with
@@ -404,21 +406,36 @@ def sft_records(
     recalling each word's reversal, so it learns the held-out combinations and not the unseen
     words; ``"words"`` from ``words`` (the model's own single-token words,
     :func:`vocabulary_words`, thousands of them) and some task words — real words, one token each,
-    as the unseen words are. ``task_word_share`` (``"generated"`` and ``"words"``): the share of
-    words drawn from :data:`WORDS` (0: none, so the held-out combinations are not recalled from SFT).
-    Give another ``seed`` than the RL prompts' to get other texts.
+    as the unseen words are. ``task_word_share`` (``"generated"`` and ``"words"``; None:
+    :data:`SFT_TASK_WORD_SHARE`): the share of words drawn from :data:`WORDS` (0: none, so the
+    held-out combinations are not recalled from SFT). Give another ``seed`` than the RL prompts' to
+    get other texts.
 
     Raises:
-        ValueError: an unknown ``vocabulary``, ``"words"`` without ``words``, or too few distinct texts.
+        ValueError: an unknown ``vocabulary``, ``"words"`` without ``words``, ``words`` or
+            ``task_word_share`` where ``vocabulary`` does not use them (``"task"`` draws task words
+            only; ``"generated"`` draws no given words: either would be ignored without a word
+            said), or too few distinct texts.
     """
+    share = SFT_TASK_WORD_SHARE if task_word_share is None else task_word_share
     if vocabulary == "generated":
-        chosen = sft_texts(seed, n, cfg, task_word_share=task_word_share)
+        if words:
+            raise ValueError(
+                'vocabulary="generated" draws no given words; pass vocabulary="words" to use them'
+            )
+        chosen = sft_texts(seed, n, cfg, task_word_share=share)
     elif vocabulary == "task":
+        if words or task_word_share is not None:
+            raise ValueError(
+                'vocabulary="task" draws the task\'s words only (a task-word share of 1): it takes '
+                f"neither words nor task_word_share, got words={list(words)[:3]}, "
+                f"task_word_share={task_word_share}"
+            )
         chosen = texts(seed, n, held_out=False, cfg=cfg)
     elif vocabulary == "words":
         if not words:  # else it would fall back to generated strings without a word said
             raise ValueError('vocabulary="words" needs words (e.g. from vocabulary_words), got none')
-        chosen = sft_texts(seed, n, cfg, words, task_word_share)
+        chosen = sft_texts(seed, n, cfg, words, share)
     else:
         raise ValueError(f'vocabulary must be "generated", "task" or "words", got {vocabulary!r}')
     if spelled:

@@ -211,6 +211,29 @@ def test_sft_texts_are_train_split_varied_and_mostly_generated_words():
         sft_records(0, 5, cfg, vocabulary="other")
 
 
+def test_generated_words_are_never_near_an_unseen_word():
+    # about one draw in 1,400 used to be a piece of an unseen word ("pilo", "jung", "deser"):
+    # demonstrations of it teach part of that word's reversal, and the split is no longer unseen
+    rng = random.Random(0)
+    near = [w for w in (rt.generated_word(rng) for _ in range(20000)) if rt._near_unseen(w)]
+    assert near == []
+
+
+def test_sft_records_refuse_settings_their_vocabulary_would_ignore():
+    cfg = ReverseTextConfig(min_words=1, max_words=3)
+    with pytest.raises(ValueError, match="task_word_share"):  # "task" is a share of 1 by definition
+        sft_records(0, 5, cfg, vocabulary="task", task_word_share=0.0)
+    with pytest.raises(ValueError, match="neither words"):
+        sft_records(0, 5, cfg, vocabulary="task", words=MADE_UP_WORDS)
+    with pytest.raises(ValueError, match='vocabulary="words"'):  # given words, silently unused
+        sft_records(0, 5, cfg, vocabulary="generated", words=MADE_UP_WORDS)
+    # the default share is still the documented one, and an explicit share still applies
+    default = [w for r in sft_records(0, 300, cfg) for w in parse_prompt(r["prompt"]).split()]
+    assert 0.15 < sum(w in WORDS for w in default) / len(default) < 0.35
+    none = sft_records(0, 50, cfg, task_word_share=0.0)
+    assert not any(set(parse_prompt(r["prompt"]).split()) & set(WORDS) for r in none)
+
+
 def test_vocabulary_words_keep_whole_lower_case_words_and_nothing_near_an_unseen_word():
     tokens = [
         "\u2581copper", "\u2581coppers", "\u2581cabinet", "\u2581lant", "\u2581can",  # unseen or near one
