@@ -60,7 +60,7 @@ def stall_verdict(rows: list[dict[str, float]]) -> str:
     from openaligner.trainer.ppo_config import CriticStallConfig
 
     d = CriticStallConfig()
-    check = CriticStallCheck(d.updates, d.min_rise, d.min_explained_variance)
+    check = CriticStallCheck(d.updates, d.min_rise, d.min_explained_variance, d.min_update_gain)
     for r in rows:
         nan = float("nan")
         stall = check.observe(float(r.get("value/explained_variance_mc", nan)))

@@ -310,7 +310,9 @@ class PPOTrainer:
         stall = cfg.critic_stall
         self.critic_stall_error = stall.mode == "error"
         self.critic_stall: CriticStallCheck | None = (
-            CriticStallCheck(stall.updates, stall.min_rise, stall.min_explained_variance)
+            CriticStallCheck(
+                stall.updates, stall.min_rise, stall.min_explained_variance, stall.min_update_gain
+            )
             if self.critic is not None and stall.mode != "ignore"
             else None
         )

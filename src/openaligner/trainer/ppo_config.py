@@ -68,6 +68,7 @@ class CriticStallConfig:
     updates: int = 15  # critic updates before the verdict (>= 1; serve-critic warms up over 10 by default)
     min_rise: float = 0.2  # rise of the held-out explained variance above its first value: learning
     min_explained_variance: float = 0.5  # a held-out explained variance good enough without a rise
+    min_update_gain: float = 0.04  # updates gaining this on their own rows (mean, no overshoot): silent
 
 
 @dataclass
@@ -608,13 +609,15 @@ def _check_value_pretrain(c: PPOConfig, bad: Callable[[str, str], None]) -> None
 
 def _check_critic_stall(s: CriticStallConfig, bad: Callable[[str, str], None]) -> None:
     """Refuse critic-stall settings the check cannot apply: an unknown mode, no update to judge
-    after, a negative rise, or a level explained variance (at most 1) never reaches."""
+    after, a negative rise or update gain, or a level explained variance (at most 1) never reaches."""
     if s.mode not in CRITIC_STALL_MODES:
         bad("critic_stall.mode", f"must be one of {', '.join(CRITIC_STALL_MODES)}, got {s.mode!r}")
     if s.updates < 1:
         bad("critic_stall.updates", f"must be ≥ 1 (critic updates before the verdict), got {s.updates}")
     if not s.min_rise >= 0:
         bad("critic_stall.min_rise", f"must be ≥ 0, got {s.min_rise}")
+    if not s.min_update_gain >= 0:
+        bad("critic_stall.min_update_gain", f"must be ≥ 0 (.inf: never silent), got {s.min_update_gain}")
     if not s.min_explained_variance <= 1:
         bad(
             "critic_stall.min_explained_variance",

@@ -66,6 +66,45 @@ def test_a_rise_or_a_good_critic_is_silent():
     assert len(verdicts([0.60, 0.45, 0.40, 0.42], min_ev=0.7)) == 1
 
 
+# The demo's full mode, seed 1, at its own critic lr (runs of benchmarks/bench_demo_ppo_settings.py):
+# the held-out EV before each of the first 16 critic updates, and each update's own-row EV during
+# and after it. The gold rose 46.8 → 91.3; the check used to warn "lr too small" here.
+DEMO_FULL_SEED1_EV = [0.395, 0.366, 0.311, 0.453, 0.096, 0.099, 0.081, 0.39,
+                      0.454, 0.404, 0.276, 0.294, 0.209, 0.389, 0.305, 0.313]  # fmt: skip
+DEMO_FULL_SEED1_ROWS = [
+    (0.418, 0.604), (0.407, 0.492), (0.345, 0.441), (0.485, 0.544), (0.12, 0.216), (0.122, 0.236),
+    (0.099, 0.21), (0.421, 0.462), (0.48, 0.515), (0.429, 0.465), (0.308, 0.358), (0.338, 0.385),
+    (0.276, 0.329), (0.427, 0.477), (0.343, 0.37), (0.358, 0.418),
+]  # fmt: skip
+
+
+def judged(evs, rows, **kw):
+    check = CriticStallCheck(15, 0.2, 0.5, **kw)
+    out = []
+    for ev, (before, after) in zip(evs, rows, strict=True):
+        out.append(check.observe(ev))
+        check.update(before, after)
+    return [v for v in out if v is not None]
+
+
+def test_updates_that_move_the_critic_on_their_own_rows_are_not_a_stalled_rate():
+    # best 0.454 after 15 updates, from 0.395: no rise of 0.2, not 0.5 — but every update gained
+    # +0.03 to +0.19 on its own rows (mean +0.072): the rate moves the critic; nothing to warn of
+    assert judged(DEMO_FULL_SEED1_EV, DEMO_FULL_SEED1_ROWS) == []
+    # the same held-out figures with updates that hardly move it (1/100 of the rate) still warn
+    small = [(b, b + 0.003) for b, _ in DEMO_FULL_SEED1_ROWS]
+    assert len(judged(DEMO_FULL_SEED1_EV, small)) == 1
+    # ... and so do large gains with one overshoot among them (too large a rate)
+    over = [*DEMO_FULL_SEED1_ROWS[:5], (0.3, 0.1), *DEMO_FULL_SEED1_ROWS[6:]]
+    (stall,) = judged(DEMO_FULL_SEED1_EV, over)
+    assert "too large" in stall.cause
+    # the threshold is a setting: .inf judges on the held-out figure alone, as before
+    assert len(judged(DEMO_FULL_SEED1_EV, DEMO_FULL_SEED1_ROWS, min_update_gain=math.inf)) == 1
+    # a server that reports no own-row figures: judged on the held-out figure alone
+    nan = [(math.nan, math.nan)] * 16
+    assert len(judged(DEMO_FULL_SEED1_EV, nan)) == 1
+
+
 def test_nan_values_count_as_updates_but_are_no_evidence():
     assert len(verdicts([math.nan, 0.30, 0.30, 0.31, 0.30])) == 1  # first finite is the start
     assert verdicts([math.nan] * 5) == []  # nothing to judge
@@ -78,6 +117,7 @@ def test_config_refuses_what_the_check_cannot_apply():
         ("critic_stall.mode=loud", "critic_stall.mode"),
         ("critic_stall.updates=0", "critic_stall.updates"),
         ("critic_stall.min_rise=-0.1", "critic_stall.min_rise"),
+        ("critic_stall.min_update_gain=-0.1", "critic_stall.min_update_gain"),
         ("critic_stall.min_explained_variance=1.5", "critic_stall.min_explained_variance"),
     ]:
         with pytest.raises((ConfigError, ValueError), match=f"trainer.{key}"):
