@@ -62,7 +62,8 @@ class ValuePretrainConfig:
 class CriticStallConfig:
     """The critic-stall check (trainer/critic_stall.py): after ``updates`` critic updates, a critic
     whose held-out explained variance neither rose by ``min_rise`` nor reached
-    ``min_explained_variance`` is reported (docs/ppo.md, *A critic that does not learn*)."""
+    ``min_explained_variance`` is reported, unless its updates gained ``min_update_gain`` on their
+    own rows on average without an overshoot (docs/ppo.md, *A critic that does not learn*)."""
 
     mode: str = "warn"  # warn (once) | error (stop the run) | ignore (no check; YAML reads "off" as false)
     updates: int = 15  # critic updates before the verdict (>= 1; serve-critic warms up over 10 by default)
