@@ -243,4 +243,6 @@ def test_export_critic_writes_the_sharded_critic_as_a_hugging_face_directory(run
     assert torch.equal(critic_values(loaded), critic_values(trained.hf_model))
     with torch.no_grad():  # Hugging Face's own read-out: the head at the last token
         last = loaded(TOKENS[:1]).logits[0, 0]
-    assert torch.equal(last, critic_values(trained.hf_model)[0, -1])
+    # against the trained critic on the same one-row batch: a two-row batch may take another
+    # matmul path on some CPUs and differ in the last bit (0.6915 vs 0.6915 on one CI machine)
+    assert torch.equal(last, critic_values(trained.hf_model, TOKENS[:1])[0, -1])
