@@ -22,13 +22,13 @@ import json
 import os
 import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from bench_real_model import Server, _openaligner, write_data
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "real-model.md"
@@ -146,31 +146,6 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_data(out: Path) -> dict[str, Path]:
-    """Section 2's RL prompts (train) and held-out combinations, into ``out``."""
-    from openaligner.tasks.reverse_text import ReverseTextConfig, prompt_records
-
-    cfg = ReverseTextConfig(min_words=2, max_words=3)
-    paths = {"train": out / "train.jsonl", "heldout": out / "heldout.jsonl"}
-    for name, rows in (
-        ("train", prompt_records(0, 512, False, cfg)),
-        ("heldout", prompt_records(0, 128, True, cfg)),
-    ):
-        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return paths
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _openaligner(argv: list[str]) -> list[str]:
-    """``openaligner …`` as this interpreter's own console script (no PATH assumed)."""
-    return [str(Path(sys.executable).with_name("openaligner")), *argv[1:]]
-
-
 def run_child(cmd: list[str], log: Path) -> tuple[int, float, float]:
     """Run ``cmd`` in a child of its own (so that its ``ru_maxrss`` is this run's alone); return
     its exit code, wall seconds and peak RSS in GiB of its largest waited process."""
@@ -182,8 +157,8 @@ def run_child(cmd: list[str], log: Path) -> tuple[int, float, float]:
         "print(json.dumps([rc, time.perf_counter() - t,"
         " resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))\n"
     )
-    done = subprocess.run(  # from the repository's root: the docs' paths are relative to it
-        [sys.executable, "-c", probe, str(log), *cmd], capture_output=True, text=True, check=True, cwd=ROOT
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(log), *cmd], capture_output=True, text=True, check=True
     )
     rc, wall, maxrss_kib = json.loads(done.stdout.strip().splitlines()[-1])
     return int(rc), float(wall), maxrss_kib / 2**20
@@ -202,19 +177,17 @@ def main() -> None:
     args.out = args.out.resolve()
     args.model = args.model.expanduser().resolve()
     args.out.mkdir(parents=True, exist_ok=True)
+    os.chdir(ROOT)  # the docs' commands name their paths from the repository's root
     serve, train = section_four_commands(DOC.read_text())
-    data = write_data(args.out)
-    port = _free_port()
-    serve = with_settings(serve, {"server.port": str(port)})
-    log = args.out / "serve_reward.log"
-    server = subprocess.Popen(_openaligner(serve), stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
+    write_data(args.out, 0, 128)  # section 2's train and held-out prompts (and the unseen words')
+    data = {"train": args.out / "train.jsonl", "heldout": args.out / "heldout.jsonl"}
+    # port 0: the server picks a free one and names it in its ready line
+    server = Server(
+        _openaligner(*with_settings(serve, {"server.port": "0"})[1:]), args.out / "serve_reward.log"
+    )
     results: dict[str, dict[str, Any]] = {}
     try:
-        deadline = time.monotonic() + 300
-        while "server ready at" not in log.read_text():
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"serve-reward did not get ready; see {log}")
-            time.sleep(1)
+        port = server.port(timeout_s=300)
         for engine in args.engines.split(","):
             run_dir = args.out / engine
             if run_dir.exists():
@@ -222,7 +195,7 @@ def main() -> None:
             settings = engine_settings(
                 engine, args.model, data, args.out, port, args.steps, args.rollout_python
             )
-            cmd = _openaligner(with_settings(train, settings))
+            cmd = _openaligner(*with_settings(train, settings)[1:])
             print(f"{engine}: {shlex.join(cmd)}", flush=True)
             rc, wall, rss = run_child(cmd, args.out / f"{engine}.log")
             if rc != 0:
@@ -234,8 +207,7 @@ def main() -> None:
                 "command": cmd,
             }
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.stop()
     results_meta = {"engines": results, "load_average": os.getloadavg(), "steps": args.steps}
     (args.out / "engines.json").write_text(json.dumps(results_meta, indent=1))
     print(table(results))

@@ -20,7 +20,7 @@ from openaligner.models.precision import check_precision, check_save_dtype
 from openaligner.models.sharding import ActorParallelConfig
 from openaligner.models.source import ModelSourceConfig, TokenizerSourceConfig
 from openaligner.rollout.config import RolloutConfig
-from openaligner.trainer.critic_stall import CRITIC_STALL_MODES
+from openaligner.trainer.critic_stall import CRITIC_STALL_MODES, MIN_UPDATE_GAIN
 from openaligner.trainer.estimators import ESTIMATORS, Estimator, KLPlacement
 from openaligner.trainer.optim import OptimConfig
 
@@ -69,7 +69,9 @@ class CriticStallConfig:
     updates: int = 15  # critic updates before the verdict (>= 1; serve-critic warms up over 10 by default)
     min_rise: float = 0.2  # rise of the held-out explained variance above its first value: learning
     min_explained_variance: float = 0.5  # a held-out explained variance good enough without a rise
-    min_update_gain: float = 0.04  # updates gaining this on their own rows (mean, no overshoot): silent
+    min_update_gain: float = (
+        MIN_UPDATE_GAIN  # 0.04: updates gaining this on their own rows (mean, no overshoot): silent
+    )
 
 
 @dataclass
