@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ ANSWER_LABEL = "Reversed:"
 SPELLED_INSTRUCTION = "Reverse the characters of the text: spell it, reverse the letters, join them."
 """The first line of a spelled prompt (:func:`make_spelled_prompt`)."""
 LETTERS_LABEL = "Letters:"
+SPELLING_INSTRUCTION = "Spell the text letter by letter."
+"""The first line of a spelling drill (:func:`spelling_records`): SFT only, never graded."""
 REVERSED_LETTERS_LABEL = "Reversed letters:"
 EXAMPLE_TEXT = "good morning"
 """The worked example in every prompt (two words not in :data:`WORDS`, so that no prompt's text is
@@ -132,8 +135,10 @@ def spelled_stages(prompt: str, response: str) -> dict[str, int]:
 
 
 def is_spelled(prompt: str) -> bool:
-    """Whether ``prompt`` asks for the spelled format (ends with ``Letters:``)."""
-    return prompt.rstrip().endswith(LETTERS_LABEL)
+    """Whether ``prompt`` asks for the spelled format (holds :data:`SPELLED_INSTRUCTION` and ends
+    with ``Letters:``; a spelling drill, :func:`spelling_records`, ends so too but is no reverse-text
+    prompt)."""
+    return SPELLED_INSTRUCTION in prompt and prompt.rstrip().endswith(LETTERS_LABEL)
 
 
 def parse_prompt(prompt: str) -> str:
@@ -441,3 +446,45 @@ def sft_records(
     if spelled:
         return [{"prompt": make_spelled_prompt(t), "response": spelled_response(t)} for t in chosen]
     return [{"prompt": make_prompt(t), "response": " " + t[::-1]} for t in chosen]
+
+
+def spelling_records(
+    seed: int, n: int, words: Sequence[str], words_per_text: int = 6
+) -> list[dict[str, str]]:
+    """``n`` spelling drills for SFT (``{"prompt", "response"}``): the prompt is
+    :data:`SPELLING_INSTRUCTION`, a text of ``words_per_text`` of ``words`` and ``Letters:``; the
+    response is the text spelt as the spelled format's first line (``" k i t / o n"``, :func:`spell`).
+    They teach the one stage of a spelled answer a model cannot do for words it was not shown —
+    reading a token's letters (docs/real-model.md, "Spelled answers") — at six words a drill against
+    a spelled reversal's one to three. Every word is used once before any is used again (breadth over
+    the vocabulary, not repeats). Not reverse-text prompts: :func:`is_spelled` and
+    :func:`parse_prompt` refuse them, so they are never graded as reversals.
+
+    Raises:
+        ValueError: ``words_per_text`` < 1, fewer words than one text takes, or ``words`` holds an
+            unseen word or a word near one (the unseen-words split would no longer be unseen).
+    """
+    if words_per_text < 1:
+        raise ValueError(f"words_per_text must be at least 1, got {words_per_text}")
+    distinct = list(dict.fromkeys(words))
+    if len(distinct) < words_per_text:
+        raise ValueError(f"a drill takes {words_per_text} distinct words, got {len(distinct)}")
+    _refuse_near_unseen(distinct, "spelling")
+    rng = random.Random(f"reverse-text/{seed}/spelling")
+    queue: deque[str] = deque()  # the words to come: passes over every word, each in its own order
+    rows = []
+    for _ in range(n):
+        chosen: list[str] = []
+        deferred: list[str] = []  # a word already in this text (at a pass's end) waits for the next
+        while len(chosen) < words_per_text:
+            if not queue:
+                order = distinct.copy()
+                rng.shuffle(order)
+                queue.extend(order)
+            word = queue.popleft()
+            (deferred if word in chosen else chosen).append(word)
+        queue.extendleft(reversed(deferred))
+        text = " ".join(chosen)
+        prompt = "\n".join([SPELLING_INSTRUCTION, f"{TEXT_LABEL} {text}", LETTERS_LABEL])
+        rows.append({"prompt": prompt, "response": " " + spell(text)})
+    return rows

@@ -358,3 +358,27 @@ def test_spelled_stages_judge_each_line_against_the_responses_own_previous_line(
     assert rt.spelled_stages(prompt, own.rsplit("\n", 1)[0])["joined_own"] == 0
     with pytest.raises(ValueError, match="not a spelled prompt"):
         rt.spelled_stages(make_prompt("kitten ginger"), own)
+
+
+def test_spelling_drills_spell_every_word_once_before_any_twice_and_are_never_graded():
+    words = [f"w{chr(97 + i)}{chr(97 + j)}" for i in range(5) for j in range(5)]  # 25 words
+    rows = rt.spelling_records(3, 9, words, words_per_text=6)  # 54 words: two passes and a bit
+    drawn = [r["prompt"].split("Text: ")[1].split("\n")[0].split() for r in rows]
+    flat = [w for text in drawn for w in text]
+    assert sorted(flat[:25]) == sorted(words) and sorted(flat[25:50]) == sorted(words)
+    assert all(len(set(text)) == 6 for text in drawn)  # no word twice in one drill
+    for row, text in zip(rows, drawn, strict=True):
+        assert row["prompt"].startswith(rt.SPELLING_INSTRUCTION)
+        assert row["response"] == " " + rt.spell(" ".join(text))
+        # a drill is not a reverse-text prompt: never graded as a reversal
+        assert not rt.is_spelled(row["prompt"])
+        with pytest.raises(ValueError, match="not a reverse-text prompt"):
+            parse_prompt(row["prompt"])
+    assert rows == rt.spelling_records(3, 9, words, words_per_text=6)  # deterministic
+    assert rows != rt.spelling_records(4, 9, words, words_per_text=6)
+    with pytest.raises(ValueError, match="unseen word"):
+        rt.spelling_records(0, 2, [*words, "coppers"])
+    with pytest.raises(ValueError, match="6 distinct words"):
+        rt.spelling_records(0, 2, ["ab", "cd", "ab"])
+    with pytest.raises(ValueError, match="at least 1"):
+        rt.spelling_records(0, 2, words, words_per_text=0)
