@@ -92,7 +92,13 @@ def make_spelled_prompt(text: str) -> str:
     """The spelled prompt for ``text``: :data:`SPELLED_INSTRUCTION`, the text, and ``Letters:``; the
     answer follows a scratchpad (:func:`spelled_response`). No worked example: the format is taught
     by SFT (``sft_records(..., spelled=True)``), which keeps each demonstration short."""
-    return "\n".join([SPELLED_INSTRUCTION, f"{TEXT_LABEL} {text}", LETTERS_LABEL])
+    return _letters_prompt(SPELLED_INSTRUCTION, text)
+
+
+def _letters_prompt(instruction: str, text: str) -> str:
+    """``instruction``, ``Text: text`` and ``Letters:``: the frame a spelled prompt and a spelling
+    drill share, so that a drill practises the spelled answer's first line in its own context."""
+    return "\n".join([instruction, f"{TEXT_LABEL} {text}", LETTERS_LABEL])
 
 
 def spelled_response(text: str) -> str:
@@ -485,6 +491,5 @@ def spelling_records(
             (deferred if word in chosen else chosen).append(word)
         queue.extendleft(reversed(deferred))
         text = " ".join(chosen)
-        prompt = "\n".join([SPELLING_INSTRUCTION, f"{TEXT_LABEL} {text}", LETTERS_LABEL])
-        rows.append({"prompt": prompt, "response": " " + spell(text)})
+        rows.append({"prompt": _letters_prompt(SPELLING_INSTRUCTION, text), "response": " " + spell(text)})
     return rows
