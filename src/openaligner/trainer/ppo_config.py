@@ -69,9 +69,7 @@ class CriticStallConfig:
     updates: int = 15  # critic updates before the verdict (>= 1; serve-critic warms up over 10 by default)
     min_rise: float = 0.2  # rise of the held-out explained variance above its first value: learning
     min_explained_variance: float = 0.5  # a held-out explained variance good enough without a rise
-    min_update_gain: float = (
-        MIN_UPDATE_GAIN  # 0.04: updates gaining this on their own rows (mean, no overshoot): silent
-    )
+    min_update_gain: float = MIN_UPDATE_GAIN  # own-row gain of the updates (mean, no overshoot): silent
 
 
 @dataclass
