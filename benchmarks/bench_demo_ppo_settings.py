@@ -40,6 +40,10 @@ SETTINGS: dict[str, tuple[list[str], list[str]]] = {
     # a longer RL stage than the full mode's 100 steps (the held-out gold is still rising at 100)
     "steps200": (["trainer.max_steps=200"], []),
     "steps200+decoupled": (["trainer.max_steps=200", "trainer.critic_gae_lambda=1.0"], []),
+    "steps300": (["trainer.max_steps=300"], []),
+    # the actor's learning rate twice the demo's 5e-4, and twice the rollouts per step (128)
+    "actor_lr_1e-3": (["optim.lr=1e-3"], []),
+    "rollouts128": (["trainer.num_rollout_samples=128"], []),
     "critic_lr_1e-6": ([], ["optim.lr=1e-6"]),
     # the critic's learning rate around the demo's 5e-4 (cli/demo/presets.py), 100x smaller to 100x larger
     "critic_lr_5e-6": ([], ["optim.lr=5e-6"]),
