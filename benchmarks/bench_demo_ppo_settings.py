@@ -24,6 +24,8 @@ from pathlib import Path
 SETTINGS: dict[str, tuple[list[str], list[str]]] = {
     # name: (train-ppo overrides, serve-critic overrides)
     "base": ([], []),
+    # the full mode's RL stage before 2026-12-05: 100 steps at the actor's 5e-4
+    "steps100+lr5e-4": (["trainer.max_steps=100", "optim.lr=5e-4"], []),
     "decoupled": (["trainer.critic_gae_lambda=1.0"], []),
     "pretrain": (
         ["trainer.value_pretrain.max_steps=10", "trainer.value_pretrain.target_explained_variance=0.5"],
@@ -37,13 +39,24 @@ SETTINGS: dict[str, tuple[list[str], list[str]]] = {
         ],
         [],
     ),
-    # a longer RL stage than the full mode's 100 steps (the held-out gold is still rising at 100)
+    # other RL stage lengths at the mode's learning rate (the full mode: 300 steps; 100 before 2026-12-05)
     "steps200": (["trainer.max_steps=200"], []),
     "steps200+decoupled": (["trainer.max_steps=200", "trainer.critic_gae_lambda=1.0"], []),
     "steps300": (["trainer.max_steps=300"], []),
-    # the actor's learning rate twice the demo's 5e-4, and twice the rollouts per step (128)
+    # the actor's learning rate twice the earlier default 5e-4, and twice the rollouts per step (128)
     "actor_lr_1e-3": (["optim.lr=1e-3"], []),
     "rollouts128": (["trainer.num_rollout_samples=128"], []),
+    # a stronger KL penalty, or half the actor's learning rate, over a longer run
+    "kl0.3+steps200": (["trainer.initial_policy_kl_penalty=0.3", "trainer.max_steps=200"], []),
+    "actor_lr_2.5e-4+steps200": (["optim.lr=2.5e-4", "trainer.max_steps=200"], []),
+    "actor_lr_2.5e-4+steps300": (["optim.lr=2.5e-4", "trainer.max_steps=300"], []),
+    "actor_lr_2.5e-4+kl0.3+steps300": (
+        ["optim.lr=2.5e-4", "trainer.initial_policy_kl_penalty=0.3", "trainer.max_steps=300"],
+        [],
+    ),
+    # two passes over each rollout; the policy's advantages from Monte-Carlo returns (λ = 1)
+    "epochs2": (["trainer.ppo_epochs=2"], []),
+    "lambda1": (["trainer.gae_lambda=1.0"], []),
     "critic_lr_1e-6": ([], ["optim.lr=1e-6"]),
     # the critic's learning rate around the demo's 5e-4 (cli/demo/presets.py), 100x smaller to 100x larger
     "critic_lr_5e-6": ([], ["optim.lr=5e-6"]),

@@ -24,7 +24,7 @@ def test_the_default_demo_keeps_four_heads_and_trains_with_the_hf_engine(tmp_pat
     assert (cfg.rollout_engine, cfg.heads, cfg.variant) == ("hf", 4, Variant("ppo", "model", "hf"))
     assert _heads(sft_overrides(tmp_path, 0, 10, cfg.heads)) == 4
     assert sft_overrides(tmp_path, 0, 10, cfg.heads) == sft_overrides(tmp_path, 0, 10)  # the old call
-    ppo = ppo_overrides(tmp_path, 0, 10, "127.0.0.1", 2, 3, cfg.variant)
+    ppo = ppo_overrides(tmp_path, 0, 10, "127.0.0.1", 2, 3, cfg.variant, 5e-4)
     assert not any(o.startswith("rollout.") for o in ppo)  # train-ppo's own default: the YAML is unchanged
     assert (cfg.variant.tag, cfg.variant.rl_dir) == ("", "ppo")
 
@@ -39,10 +39,12 @@ def test_the_vllm_engine_gets_head_size_32_and_its_own_rl_stage_directory(tmp_pa
     (tmp_path / "sft").mkdir()  # train-ppo's config refuses a missing actor or tokenizer
     (tmp_path / "sft" / "config.json").write_text("{}")
     (tmp_path / "tokenizer").mkdir()
-    ppo = load_config(TrainPPOConfig, None, ppo_overrides(tmp_path, 0, 10, "127.0.0.1", None, 3, variant))
+    ppo = load_config(
+        TrainPPOConfig, None, ppo_overrides(tmp_path, 0, 10, "127.0.0.1", None, 3, variant, 5e-4)
+    )
     assert ppo.rollout.engine == "vllm" and ppo.rollout.vllm.python == ".venv-rollout/bin/python"
     own = Variant("ppo", "model", "vllm", "/opt/rollout/bin/python")
-    own_ppo = load_config(TrainPPOConfig, None, ppo_overrides(tmp_path, 0, 10, "127.0.0.1", 2, 3, own))
+    own_ppo = load_config(TrainPPOConfig, None, ppo_overrides(tmp_path, 0, 10, "127.0.0.1", 2, 3, own, 5e-4))
     assert own_ppo.rollout.vllm.python == "/opt/rollout/bin/python"
     assert ppo.exp.output_dir == str(tmp_path / "ppo-grpo-model-vllm")
     # hf on the vllm run's models (the comparison of engines on one SFT and reward model)

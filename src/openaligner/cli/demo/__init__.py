@@ -60,12 +60,15 @@ class DemoConfig:
     sft_steps: int = 0  # SFT optimizer steps; 0 = the preset of the mode
     rm_steps: int = 0  # reward-model optimizer steps; 0 = the preset of the mode
     ppo_steps: int = 0  # RL (PPO or critic-free) steps; 0 = the preset of the mode
+    rl_lr: float = 0.0  # the policy's learning rate in the RL stage; 0 = the preset of the mode
     eval_samples: int = 256  # held-out prompts scored by the gold scorer before and after PPO
     server_start_timeout_s: float = 180.0  # how long to wait for each server to become ready
 
     def __post_init__(self) -> None:
         if min(self.sft_steps, self.rm_steps, self.ppo_steps) < 0 or self.eval_samples < 8:
             raise ValueError("step counts must be >= 0 (0 = preset) and eval_samples >= 8")
+        if not self.rl_lr >= 0:  # also refuses NaN
+            raise ValueError(f"rl_lr must be >= 0 (0 = the preset of the mode), got {self.rl_lr}")
         self.algorithm = self.algorithm.strip().lower()
         self.reward = self.reward.strip().lower()
         if self.algorithm not in ALGORITHMS:
@@ -123,6 +126,7 @@ def run(cfg: DemoConfig) -> int:
     sft_steps = cfg.sft_steps or preset.sft_steps
     rm_steps = cfg.rm_steps or preset.rm_steps
     ppo_steps = cfg.ppo_steps or preset.ppo_steps
+    rl_lr = cfg.rl_lr or preset.rl_lr
     run_dir = Path(cfg.output_dir).resolve()
     configs, logs = run_dir / "configs", run_dir / "logs"
     if variant.engine == "vllm":  # refuse now, not after minutes of SFT and reward-model training
@@ -214,7 +218,7 @@ def run(cfg: DemoConfig) -> int:
             ppo_yaml = write_config(
                 configs / f"ppo{tag}.yaml",
                 "train-ppo",
-                ppo_overrides(run_dir, cfg.seed, ppo_steps, cfg.host, critic_port, rm_port, variant),
+                ppo_overrides(run_dir, cfg.seed, ppo_steps, cfg.host, critic_port, rm_port, variant, rl_lr),
             )
             with times("ppo"):
                 run_command("train-ppo", ppo_yaml)
