@@ -65,11 +65,13 @@ def test_every_variant_trains_on_the_same_rollouts_per_step_and_the_same_kl_pena
     assert cfg.exp.output_dir == str(tmp_path / variant.rl_dir)
 
 
-def test_the_rl_learning_rate_is_the_modes_unless_given_and_a_negative_one_is_refused():
+def test_the_rl_stage_is_the_modes_per_algorithm_unless_given_and_a_negative_rate_is_refused():
     # the full mode's 300 steps at 2.5e-4 reached the demo's goal (gold >= 90, KL <= 3) on seeds
     # 0-2 where 100 steps at 5e-4 did not (docs/demo.md); the quick mode keeps the larger rate
-    assert (PRESETS["full"].ppo_steps, PRESETS["full"].rl_lr) == (300, 2.5e-4)
-    assert (PRESETS["quick"].ppo_steps, PRESETS["quick"].rl_lr) == (30, 5e-4)
+    assert PRESETS["full"].rl_stage(uses_critic=True) == (300, 2.5e-4)
+    # GRPO and REINFORCE learned less at PPO's setting (seed 0): the critic-free keep 100 at 5e-4
+    assert PRESETS["full"].rl_stage(uses_critic=False) == (100, 5e-4)
+    assert PRESETS["quick"].rl_stage(True) == PRESETS["quick"].rl_stage(False) == (30, 5e-4)
     assert load_config(DemoConfig, None, ["rl_lr=5e-4", "ppo_steps=100"]).rl_lr == 5e-4
     with pytest.raises(ConfigError, match="rl_lr must be >= 0"):
         load_config(DemoConfig, None, ["rl_lr=-1e-4"])

@@ -125,8 +125,9 @@ def run(cfg: DemoConfig) -> int:
     variant = cfg.variant
     sft_steps = cfg.sft_steps or preset.sft_steps
     rm_steps = cfg.rm_steps or preset.rm_steps
-    ppo_steps = cfg.ppo_steps or preset.ppo_steps
-    rl_lr = cfg.rl_lr or preset.rl_lr
+    preset_steps, preset_lr = preset.rl_stage(variant.uses_critic)
+    ppo_steps = cfg.ppo_steps or preset_steps
+    rl_lr = cfg.rl_lr or preset_lr
     run_dir = Path(cfg.output_dir).resolve()
     configs, logs = run_dir / "configs", run_dir / "logs"
     if variant.engine == "vllm":  # refuse now, not after minutes of SFT and reward-model training
