@@ -39,7 +39,8 @@ SETTINGS: dict[str, tuple[list[str], list[str]]] = {
         ],
         [],
     ),
-    # other RL stage lengths at the mode's learning rate (the full mode: 300 steps; 100 before 2026-12-05)
+    # other RL stage lengths at the mode's learning rate (the full mode: 300 steps, so steps300 is
+    # its own since 2026-12-05, as is actor_lr_2.5e-4+steps300; 100 steps at 5e-4 before)
     "steps200": (["trainer.max_steps=200"], []),
     "steps200+decoupled": (["trainer.max_steps=200", "trainer.critic_gae_lambda=1.0"], []),
     "steps300": (["trainer.max_steps=300"], []),

@@ -54,7 +54,7 @@ def test_every_variant_trains_on_the_same_rollouts_per_step_and_the_same_kl_pena
     cfg = load_config(
         TrainPPOConfig, None, ppo_overrides(tmp_path, 0, 10, "127.0.0.1", critic_port, 3, variant, 2.5e-4)
     )
-    assert cfg.optim.lr == 2.5e-4  # every algorithm at the same learning rate
+    assert cfg.optim.lr == 2.5e-4  # the learning rate given, whichever the algorithm
     t = cfg.trainer
     assert t.advantage_estimator == ALGORITHMS[algorithm]
     assert t.rollout_rows == ROLLOUTS_PER_STEP
